@@ -1,0 +1,109 @@
+//! `moekit`: the kernel-developer command line.
+//!
+//! - `moekit list`: every kernel with its tensor contract.
+//! - `moekit run <kernel> --inputs in.safetensors --output out.safetensors [--backend NAME]
+//!   [--param name=value ...]`: runs one kernel on named golden tensors.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use moekit::golden::TensorFile;
+use moekit::kernel::{Kernel, Params, catalog_table};
+use moekit::{BackendKind, Result};
+
+#[derive(Parser)]
+#[command(
+    name = "moekit",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("MOEKIT_BUILD_TARGET"), ", ", env!("MOEKIT_BUILD_PROFILE"), ")"),
+    about = "Mixture-of-Experts kernels with NKI-compatible contracts"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print every kernel with its tensor contract and the available backends.
+    List,
+    /// Run one kernel on tensors read by contract name from a safetensors file.
+    Run {
+        /// Kernel name, e.g. `router_topk` or `blockwise_mm_bwd` (see `moekit list`).
+        kernel: String,
+        /// Input tensors (f32, bf16, i32), named as in the contract.
+        #[arg(long)]
+        inputs: PathBuf,
+        /// Where to write every output by name (f32 values, i32 indices).
+        #[arg(long)]
+        output: PathBuf,
+        /// Backend to run on.
+        #[arg(long, default_value = "reference")]
+        backend: String,
+        /// Kernel parameter `name=value`; overrides the inputs file's metadata.
+        #[arg(long = "param", value_name = "NAME=VALUE")]
+        params: Vec<String>,
+    },
+}
+
+fn run(
+    kernel: &str,
+    inputs: &Path,
+    output: &Path,
+    backend: &str,
+    overrides: &[String],
+) -> Result<usize> {
+    let kernel: Kernel = kernel.parse()?;
+    let backend = backend.parse::<BackendKind>()?.create();
+    let file = TensorFile::read(inputs)?;
+    let mut params =
+        Params::from_metadata(file.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+    for item in overrides {
+        let (name, value) = item.split_once('=').ok_or_else(|| moekit::Error::Param {
+            param: item.clone(),
+            message: "expected NAME=VALUE".to_owned(),
+        })?;
+        params.set(name.trim(), value)?;
+    }
+    let outputs = kernel.run(backend.as_ref(), &file.tensors, &params)?;
+    let written = TensorFile {
+        tensors: outputs
+            .into_iter()
+            .map(|(name, tensor)| (name.to_owned(), tensor))
+            .collect(),
+        metadata: [
+            ("kernel".to_owned(), kernel.name().to_owned()),
+            ("backend".to_owned(), backend.name().to_owned()),
+        ]
+        .into(),
+    };
+    written.write(output)?;
+    Ok(written.tensors.len())
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::List => {
+            print!("{}", catalog_table());
+            let backends: Vec<&str> = BackendKind::ALL.iter().map(|b| b.name()).collect();
+            println!("Backends: {}", backends.join(", "));
+            ExitCode::SUCCESS
+        }
+        Command::Run {
+            kernel,
+            inputs,
+            output,
+            backend,
+            params,
+        } => match run(&kernel, &inputs, &output, &backend, &params) {
+            Ok(count) => {
+                println!("{kernel}: wrote {count} tensors to {}", output.display());
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}

@@ -1,0 +1,325 @@
+//! `blockwise_mm`: the NKI MoE context-encoding kernel (blockwise expert matmul with fused
+//! SwiGLU), and its backward.
+//!
+//! For each block `n` of B slots, expert `e = block_to_expert[n]` and each slot holding token
+//! `t = token_position_to_id[n·B + j]` (padding slots hold −1 and contribute nothing):
+//! ```text
+//! gate = x_t · W[e, :, 0, :]      up = x_t · W[e, :, 1, :]         [I]
+//! y    = (silu(gate) ⊙ up) · D[e]                                   [H]
+//! output[t] += expert_affinities_masked[t·E + e] · y                 affinity after the down proj
+//! ```
+//! so `output[t] = Σ_e a[t, e] · down_e(silu(x_t W_gate_e) ⊙ x_t W_up_e)` for a plan made by
+//! `permute`. With `checkpoint_activations` the kernel also returns the pre-activation gate/up
+//! projections `gate_up_activations_T [N, 2, I, B]` and the down projection before affinity
+//! scaling `down_activations [N, B, H]` (zeros in padding slots and unused blocks), which the
+//! backward consumes instead of recomputing.
+//!
+//! Plan rules checked on every call: token ids in `[−1, T)`, expert ids in `[0, E]` (E marks an
+//! unused block, which must hold only padding), no (token, expert) pair twice, every non-zero
+//! affinity of a real token covered by the plan, and the padding row T of `hidden_states` and of
+//! `expert_affinities_masked` all zeros.
+
+use super::validate;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Parameters of [`BlockwiseMm`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockwiseMmParams {
+    /// Also return `gate_up_activations_T` and `down_activations`.
+    pub checkpoint_activations: bool,
+}
+
+/// Inputs of [`BlockwiseMm`]. Floating-point tensors may be f32 or bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseMmInputs<'a> {
+    /// `[T+1, H]`; row T is the all-zero padding token.
+    pub hidden_states: &'a Tensor,
+    /// `[(T+1)·E]` or `[(T+1)·E, 1]`, from `permute`.
+    pub expert_affinities_masked: &'a Tensor,
+    /// `[E, H, 2, I]`; index 0 of the third axis is the gate projection, 1 the up projection.
+    pub gate_up_proj_weight: &'a Tensor,
+    /// `[E, I, H]`.
+    pub down_proj_weight: &'a Tensor,
+    /// `[N·B]` i32, from `permute`.
+    pub token_position_to_id: &'a Tensor,
+    /// `[N]` i32, from `permute`.
+    pub block_to_expert: &'a Tensor,
+}
+
+/// Dimensions shared by the forward and backward calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockwiseDims {
+    /// T, real tokens (hidden_states has T+1 rows).
+    pub t: usize,
+    pub h: usize,
+    pub e: usize,
+    /// I, expert intermediate size.
+    pub i: usize,
+    /// B, block size, inferred as `len(token_position_to_id) / N`.
+    pub b: usize,
+    /// N, blocks.
+    pub n: usize,
+}
+
+/// A validated `blockwise_mm` call.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseMm<'a> {
+    pub inputs: BlockwiseMmInputs<'a>,
+    pub params: BlockwiseMmParams,
+    pub dims: BlockwiseDims,
+}
+
+impl<'a> BlockwiseMm<'a> {
+    /// Checks shapes, dtypes, finiteness and the plan rules in the module docs.
+    pub fn new(inputs: BlockwiseMmInputs<'a>, params: BlockwiseMmParams) -> Result<Self> {
+        let dims = check(&inputs)?;
+        Ok(Self {
+            inputs,
+            params,
+            dims,
+        })
+    }
+}
+
+fn check(inputs: &BlockwiseMmInputs<'_>) -> Result<BlockwiseDims> {
+    let hs = validate::float_tensor(
+        "hidden_states",
+        inputs.hidden_states,
+        "[T+1, H]",
+        &[None, None],
+    )?;
+    let (rows, h) = (hs[0], hs[1]);
+    if rows < 2 {
+        return Err(Error::invalid(
+            "hidden_states",
+            format!("needs T+1 ≥ 2 rows (at least one token plus the padding row), got {rows}"),
+        ));
+    }
+    validate::non_empty("hidden_states", "H (hidden size)", h)?;
+    let t = rows - 1;
+    let gu = validate::float_tensor(
+        "gate_up_proj_weight",
+        inputs.gate_up_proj_weight,
+        "[E, H, 2, I]",
+        &[None, Some(h), Some(2), None],
+    )?;
+    let (e, i) = (gu[0], gu[3]);
+    validate::non_empty("gate_up_proj_weight", "E (experts)", e)?;
+    validate::non_empty("gate_up_proj_weight", "I (intermediate size)", i)?;
+    validate::float_tensor(
+        "down_proj_weight",
+        inputs.down_proj_weight,
+        "[E, I, H]",
+        &[Some(e), Some(i), Some(h)],
+    )?;
+    validate::masked_affinities(
+        "expert_affinities_masked",
+        inputs.expert_affinities_masked,
+        Some((t + 1) * e),
+    )?;
+    let (shape, block_experts) =
+        validate::index_tensor("block_to_expert", inputs.block_to_expert, "[N]", &[None])?;
+    let n = shape[0];
+    validate::non_empty("block_to_expert", "N (blocks)", n)?;
+    let (shape, positions) = validate::index_tensor(
+        "token_position_to_id",
+        inputs.token_position_to_id,
+        "[N·B]",
+        &[None],
+    )?;
+    if shape[0] == 0 || shape[0] % n != 0 {
+        return Err(Error::shape(
+            "token_position_to_id",
+            format!("[N·B] with N = {n} (from block_to_expert) and B ≥ 1"),
+            &shape,
+        ));
+    }
+    let dims = BlockwiseDims {
+        t,
+        h,
+        e,
+        i,
+        b: shape[0] / n,
+        n,
+    };
+    check_padding_row(inputs, dims)?;
+    check_plan(
+        inputs.expert_affinities_masked,
+        positions,
+        block_experts,
+        dims,
+    )?;
+    Ok(dims)
+}
+
+fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Result<()> {
+    let BlockwiseDims { t, h, e, .. } = dims;
+    let nonzero = |tensor: &Tensor, start: usize, len: usize| {
+        (start..start + len).find(|&j| tensor.get_f64(j).is_some_and(|v| v != 0.0))
+    };
+    if let Some(j) = nonzero(inputs.hidden_states, t * h, h) {
+        return Err(Error::invalid(
+            "hidden_states",
+            format!(
+                "row T = {t} is the padding token and must be zero; column {} is not",
+                j - t * h
+            ),
+        ));
+    }
+    if let Some(j) = nonzero(inputs.expert_affinities_masked, t * e, e) {
+        return Err(Error::invalid(
+            "expert_affinities_masked",
+            format!(
+                "row T = {t} (the padding token) must be zero; expert {} is not",
+                j - t * e
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_plan(
+    affinities: &Tensor,
+    positions: &[i32],
+    block_experts: &[i32],
+    dims: BlockwiseDims,
+) -> Result<()> {
+    let BlockwiseDims { t, e, b, .. } = dims;
+    let mut covered = vec![false; t * e];
+    for (block, &expert) in block_experts.iter().enumerate() {
+        if expert < 0 || expert as usize > e {
+            return Err(Error::invalid(
+                "block_to_expert",
+                format!(
+                    "block {block} has expert id {expert}, outside [0, {e}] (E = {e} marks an unused block)"
+                ),
+            ));
+        }
+        let expert = expert as usize;
+        for (slot, &token) in positions[block * b..(block + 1) * b].iter().enumerate() {
+            let position = block * b + slot;
+            if token == -1 {
+                continue;
+            }
+            if token < -1 || token as usize >= t {
+                return Err(Error::invalid(
+                    "token_position_to_id",
+                    format!(
+                        "position {position} holds token id {token}, outside [-1, {t}) (−1 is padding)"
+                    ),
+                ));
+            }
+            if expert == e {
+                return Err(Error::invalid(
+                    "token_position_to_id",
+                    format!(
+                        "position {position} holds token {token} in block {block}, which is unused (expert id E = {e})"
+                    ),
+                ));
+            }
+            let pair = token as usize * e + expert;
+            if std::mem::replace(&mut covered[pair], true) {
+                return Err(Error::invalid(
+                    "token_position_to_id",
+                    format!(
+                        "token {token} appears twice for expert {expert} (second time at position {position})"
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(pair) = (0..t * e)
+        .find(|&pair| !covered[pair] && affinities.get_f64(pair).is_some_and(|a| a != 0.0))
+    {
+        return Err(Error::invalid(
+            "expert_affinities_masked",
+            format!(
+                "token {} has a non-zero affinity for expert {} but no slot in the block plan",
+                pair / e,
+                pair % e
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Outputs of `blockwise_mm`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockwiseMmOutputs {
+    /// `[T, H]` f32.
+    pub output: Tensor,
+    /// `[N, 2, I, B]` f32 pre-activation gate/up projections, when checkpointing.
+    pub gate_up_activations_t: Option<Tensor>,
+    /// `[N, B, H]` f32 down projection before affinity scaling, when checkpointing.
+    pub down_activations: Option<Tensor>,
+}
+
+/// Inputs of [`BlockwiseMmBwd`]: the forward's inputs, its checkpoints and the output gradient.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseMmBwdInputs<'a> {
+    pub forward: BlockwiseMmInputs<'a>,
+    /// `[N, 2, I, B]`, the forward's checkpoint.
+    pub gate_up_activations_t: &'a Tensor,
+    /// `[N, B, H]`, the forward's checkpoint.
+    pub down_activations: &'a Tensor,
+    /// `[T, H]`.
+    pub output_hidden_states_grad: &'a Tensor,
+    /// `[T, K]` i32; when given, the affinity gradient is also returned as `d_topk_affinities`.
+    pub expert_index: Option<&'a Tensor>,
+}
+
+/// A validated `blockwise_mm_bwd` call.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseMmBwd<'a> {
+    pub inputs: BlockwiseMmBwdInputs<'a>,
+    pub dims: BlockwiseDims,
+}
+
+impl<'a> BlockwiseMmBwd<'a> {
+    /// Checks everything [`BlockwiseMm::new`] checks, plus the checkpoints and gradients.
+    pub fn new(inputs: BlockwiseMmBwdInputs<'a>) -> Result<Self> {
+        let dims = check(&inputs.forward)?;
+        let BlockwiseDims { t, h, e, i, b, n } = dims;
+        validate::float_tensor(
+            "gate_up_activations_T",
+            inputs.gate_up_activations_t,
+            "[N, 2, I, B]",
+            &[Some(n), Some(2), Some(i), Some(b)],
+        )?;
+        validate::float_tensor(
+            "down_activations",
+            inputs.down_activations,
+            "[N, B, H]",
+            &[Some(n), Some(b), Some(h)],
+        )?;
+        validate::float_tensor(
+            "output_hidden_states_grad",
+            inputs.output_hidden_states_grad,
+            "[T, H]",
+            &[Some(t), Some(h)],
+        )?;
+        if let Some(index) = inputs.expert_index {
+            let (shape, ids) =
+                validate::index_tensor("expert_index", index, "[T, K]", &[Some(t), None])?;
+            validate::non_empty("expert_index", "K (top_k)", shape[1])?;
+            validate::expert_ids("expert_index", ids, &shape, e)?;
+        }
+        Ok(Self { inputs, dims })
+    }
+}
+
+/// Gradients produced by `blockwise_mm_bwd`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockwiseMmGrads {
+    /// `[T, H]` f32.
+    pub hidden_states_grad: Tensor,
+    /// `[(T+1)·E]` f32; zero outside the plan's (token, expert) pairs and in row T.
+    pub expert_affinities_masked_grad: Tensor,
+    /// `[E, H, 2, I]` f32.
+    pub gate_up_proj_weight_grad: Tensor,
+    /// `[E, I, H]` f32.
+    pub down_proj_weight_grad: Tensor,
+    /// `[T, K]` f32, when `expert_index` was given (same mapping as `permute_bwd`).
+    pub d_topk_affinities: Option<Tensor>,
+}

@@ -1,0 +1,15 @@
+//! Kernel contracts: tensor names, shapes, layouts and semantics, following the NKI library
+//! kernels. Each kernel has an `…Inputs` struct of borrowed tensors, a validated call type
+//! (`RouterTopk`, `Permute`, …) that only exists once every input has been checked, and an
+//! outputs struct. Backends receive validated calls only.
+
+pub mod blockwise_mm;
+pub mod load_balancing_loss;
+pub mod permute;
+pub mod router_topk;
+pub(crate) mod validate;
+
+pub use blockwise_mm::*;
+pub use load_balancing_loss::*;
+pub use permute::*;
+pub use router_topk::*;

@@ -1,0 +1,163 @@
+//! `permute`: the block plan that groups token copies by expert into fixed-size blocks (the
+//! input preparation of the NKI blockwise matmul), and its backward.
+//!
+//! ```text
+//! expert_counts [E]                 i32  top-k assignments per expert (Σ = T·K)
+//! token_position_to_id [N·B]        i32  token id per block slot, −1 for padding; each expert's
+//!                                        tokens in ascending token order, each expert starts a
+//!                                        new block, blocks ordered by expert id, padding only at
+//!                                        the tail of an expert's last block
+//! block_to_expert [N]               i32  expert of each block; unused blocks carry E
+//! expert_affinities_masked [(T+1)·E] f32 affinity of token t for expert e at t·E + e, 0 when t
+//!                                        did not choose e; row T (the padding token) all zeros
+//! num_used_blocks [1]               i32  Σ_e ceil(count_e / B); blocks past it are unused
+//! ```
+//! N is the static bound `N = min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`, the most blocks any
+//! routing of T·K assignments over E experts can need, so buffers can be sized before routing.
+
+use super::validate;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Static block bound for `assignments = T·K` token copies over `experts` experts in blocks of
+/// `block_size`: `min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`.
+pub fn static_block_count(assignments: usize, experts: usize, block_size: usize) -> usize {
+    let spread = experts as i64 - 1;
+    let rest = assignments as i64 - spread;
+    let b = block_size as i64;
+    let bound = (rest + b - 1).div_euclid(b) + spread;
+    usize::try_from(bound).map_or(assignments, |n| n.min(assignments))
+}
+
+/// Parameters of [`Permute`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PermuteParams {
+    /// E, experts.
+    pub num_experts: usize,
+    /// B, token slots per block.
+    pub block_size: usize,
+}
+
+/// Inputs of [`Permute`].
+#[derive(Clone, Copy, Debug)]
+pub struct PermuteInputs<'a> {
+    /// `[T, K]` i32, distinct ids in `[0, E)` per row.
+    pub expert_index: &'a Tensor,
+    /// `[T, K]` f32 or bf16.
+    pub topk_affinities: &'a Tensor,
+}
+
+/// A validated `permute` call.
+#[derive(Clone, Copy, Debug)]
+pub struct Permute<'a> {
+    pub inputs: PermuteInputs<'a>,
+    pub params: PermuteParams,
+    pub t: usize,
+    pub k: usize,
+    /// N, the static block count.
+    pub n: usize,
+}
+
+impl<'a> Permute<'a> {
+    /// Checks shapes, dtypes, ids and parameters.
+    pub fn new(inputs: PermuteInputs<'a>, params: PermuteParams) -> Result<Self> {
+        let e = params.num_experts;
+        if e == 0 {
+            return Err(Error::param("num_experts", "must be at least 1, got 0"));
+        }
+        if params.block_size == 0 {
+            return Err(Error::param("block_size", "must be at least 1, got 0"));
+        }
+        let (shape, ids) =
+            validate::index_tensor("expert_index", inputs.expert_index, "[T, K]", &[None, None])?;
+        let (t, k) = (shape[0], shape[1]);
+        validate::non_empty("expert_index", "T (tokens)", t)?;
+        validate::non_empty("expert_index", "K (top_k)", k)?;
+        if k > e {
+            return Err(Error::shape(
+                "expert_index",
+                format!("[T, K] with K ≤ num_experts = {e}"),
+                &shape,
+            ));
+        }
+        validate::expert_ids("expert_index", ids, &shape, e)?;
+        validate::float_tensor(
+            "topk_affinities",
+            inputs.topk_affinities,
+            "[T, K]",
+            &[Some(t), Some(k)],
+        )?;
+        let n = static_block_count(t * k, e, params.block_size);
+        Ok(Self {
+            inputs,
+            params,
+            t,
+            k,
+            n,
+        })
+    }
+}
+
+/// Outputs of `permute`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PermuteOutputs {
+    /// `[E]` i32.
+    pub expert_counts: Tensor,
+    /// `[N·B]` i32.
+    pub token_position_to_id: Tensor,
+    /// `[N]` i32.
+    pub block_to_expert: Tensor,
+    /// `[(T+1)·E]` f32.
+    pub expert_affinities_masked: Tensor,
+    /// `[1]` i32.
+    pub num_used_blocks: Tensor,
+}
+
+/// Inputs of [`PermuteBwd`]: maps an affinity gradient in the masked layout back to the
+/// `[T, K]` layout the router consumes (the transpose of the scatter in `permute`).
+#[derive(Clone, Copy, Debug)]
+pub struct PermuteBwdInputs<'a> {
+    /// `[T, K]` i32.
+    pub expert_index: &'a Tensor,
+    /// `[(T+1)·E]` or `[(T+1)·E, 1]`.
+    pub expert_affinities_masked_grad: &'a Tensor,
+}
+
+/// A validated `permute_bwd` call.
+#[derive(Clone, Copy, Debug)]
+pub struct PermuteBwd<'a> {
+    pub inputs: PermuteBwdInputs<'a>,
+    pub t: usize,
+    pub k: usize,
+    pub e: usize,
+}
+
+impl<'a> PermuteBwd<'a> {
+    /// Checks shapes, dtypes and ids; E is read from the gradient's length.
+    pub fn new(inputs: PermuteBwdInputs<'a>) -> Result<Self> {
+        let (shape, ids) =
+            validate::index_tensor("expert_index", inputs.expert_index, "[T, K]", &[None, None])?;
+        let (t, k) = (shape[0], shape[1]);
+        validate::non_empty("expert_index", "T (tokens)", t)?;
+        validate::non_empty("expert_index", "K (top_k)", k)?;
+        let name = "expert_affinities_masked_grad";
+        let len = validate::masked_affinities(name, inputs.expert_affinities_masked_grad, None)?;
+        if len == 0 || len % (t + 1) != 0 {
+            return Err(Error::shape(
+                name,
+                format!("[(T+1)·E] with T = {t}"),
+                inputs.expert_affinities_masked_grad.shape(),
+            ));
+        }
+        let e = len / (t + 1);
+        validate::expert_ids("expert_index", ids, &shape, e)?;
+        Ok(Self { inputs, t, k, e })
+    }
+}
+
+/// Gradient produced by `permute_bwd`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PermuteGrads {
+    /// `[T, K]` f32.
+    pub d_topk_affinities: Tensor,
+}

@@ -1,0 +1,91 @@
+//! The library's error type. Every variant names the tensor, parameter or file at fault and
+//! states what was expected, so a kernel developer can fix the input without reading the code.
+
+use std::path::PathBuf;
+
+use crate::tensor::DType;
+
+/// Result alias used throughout moekit.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong when validating or running a kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor has the wrong rank or extent.
+    #[error("tensor `{tensor}`: expected shape {expected}, got {actual:?}")]
+    Shape {
+        tensor: String,
+        expected: String,
+        actual: Vec<usize>,
+    },
+    /// A tensor has the wrong element type.
+    #[error("tensor `{tensor}`: expected dtype {expected}, got {actual}")]
+    DType {
+        tensor: String,
+        expected: String,
+        actual: DType,
+    },
+    /// A floating-point tensor holds NaN or ±Inf.
+    #[error("tensor `{tensor}`: non-finite value {value} at {position}")]
+    NonFinite {
+        tensor: String,
+        position: String,
+        value: f32,
+    },
+    /// A tensor's values break the contract (out-of-range ids, duplicates, non-zero padding).
+    #[error("tensor `{tensor}`: {message}")]
+    InvalidValue { tensor: String, message: String },
+    /// A kernel parameter is missing, unknown or out of range.
+    #[error("param `{param}`: {message}")]
+    Param { param: String, message: String },
+    /// A tensor was built from a buffer whose length does not match its shape.
+    #[error("buffer of {len} elements does not match shape {shape:?} ({expected} elements)")]
+    ElementCount {
+        shape: Vec<usize>,
+        len: usize,
+        expected: usize,
+    },
+    /// A kernel input required by the contract is absent.
+    #[error("missing input tensor `{0}`")]
+    MissingTensor(String),
+    /// A kernel name that no contract defines.
+    #[error("unknown kernel `{name}`; known kernels: {known}")]
+    UnknownKernel { name: String, known: String },
+    /// A backend name that this build does not provide.
+    #[error("unknown backend `{name}`; available backends: {known}")]
+    UnknownBackend { name: String, known: String },
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file exists but its contents are not what the format requires.
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
+}
+
+impl Error {
+    pub(crate) fn shape(tensor: &str, expected: impl Into<String>, actual: &[usize]) -> Self {
+        Self::Shape {
+            tensor: tensor.to_owned(),
+            expected: expected.into(),
+            actual: actual.to_vec(),
+        }
+    }
+
+    pub(crate) fn invalid(tensor: &str, message: impl Into<String>) -> Self {
+        Self::InvalidValue {
+            tensor: tensor.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn param(param: &str, message: impl Into<String>) -> Self {
+        Self::Param {
+            param: param.to_owned(),
+            message: message.into(),
+        }
+    }
+}

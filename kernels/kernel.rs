@@ -1,0 +1,572 @@
+//! The kernel catalog: every kernel's tensor contract as data (what `moekit list` prints), the
+//! parameters they take, and running any kernel by name on a map of named tensors (what
+//! `moekit run` does).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::str::FromStr;
+
+use crate::backend::Backend;
+use crate::contracts::{
+    Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
+    BlockwiseMmParams, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs,
+    LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs, PermuteInputs, PermuteParams,
+    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
+    RouterTopkParams,
+};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// One tensor of a kernel's contract.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: &'static str,
+    /// Layout in contract units, e.g. `"[E, H, 2, I]"`.
+    pub shape: &'static str,
+    /// Accepted (inputs) or produced (outputs) dtypes.
+    pub dtype: &'static str,
+    /// Inputs: must be present. Outputs: always produced.
+    pub required: bool,
+}
+
+const fn tensor(name: &'static str, shape: &'static str, dtype: &'static str) -> TensorSpec {
+    TensorSpec {
+        name,
+        shape,
+        dtype,
+        required: true,
+    }
+}
+
+const fn optional(name: &'static str, shape: &'static str, dtype: &'static str) -> TensorSpec {
+    TensorSpec {
+        name,
+        shape,
+        dtype,
+        required: false,
+    }
+}
+
+const FLOAT: &str = "f32|bf16";
+
+/// A kernel's contract: what `moekit list` prints.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSpec {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub inputs: &'static [TensorSpec],
+    pub outputs: &'static [TensorSpec],
+    /// Parameter names with their defaults (`None`: required).
+    pub params: &'static [(Param, Option<&'static str>)],
+}
+
+/// Every kernel contract, forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    RouterTopk,
+    RouterTopkBwd,
+    LoadBalancingLoss,
+    LoadBalancingLossBwd,
+    Permute,
+    PermuteBwd,
+    BlockwiseMm,
+    BlockwiseMmBwd,
+}
+
+impl Kernel {
+    /// Every kernel, in catalog order.
+    pub const ALL: &'static [Kernel] = &[
+        Kernel::RouterTopk,
+        Kernel::RouterTopkBwd,
+        Kernel::LoadBalancingLoss,
+        Kernel::LoadBalancingLossBwd,
+        Kernel::Permute,
+        Kernel::PermuteBwd,
+        Kernel::BlockwiseMm,
+        Kernel::BlockwiseMmBwd,
+    ];
+
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    /// The kernel's tensor contract.
+    pub fn spec(self) -> &'static KernelSpec {
+        match self {
+            Kernel::RouterTopk => &ROUTER_TOPK,
+            Kernel::RouterTopkBwd => &ROUTER_TOPK_BWD,
+            Kernel::LoadBalancingLoss => &LOAD_BALANCING_LOSS,
+            Kernel::LoadBalancingLossBwd => &LOAD_BALANCING_LOSS_BWD,
+            Kernel::Permute => &PERMUTE,
+            Kernel::PermuteBwd => &PERMUTE_BWD,
+            Kernel::BlockwiseMm => &BLOCKWISE_MM,
+            Kernel::BlockwiseMmBwd => &BLOCKWISE_MM_BWD,
+        }
+    }
+
+    /// Runs the kernel on `backend` with inputs taken from `tensors` by contract name. Tensors
+    /// the kernel does not use are ignored. Returns every output by name.
+    pub fn run(
+        self,
+        backend: &dyn Backend,
+        tensors: &BTreeMap<String, Tensor>,
+        params: &Params,
+    ) -> Result<Vec<(&'static str, Tensor)>> {
+        let required = |name: &str| {
+            tensors
+                .get(name)
+                .ok_or_else(|| Error::MissingTensor(name.to_owned()))
+        };
+        let optional = |name: &str| tensors.get(name);
+        let outputs = match self {
+            Kernel::RouterTopk => {
+                let inputs = RouterTopkInputs {
+                    x: required("x")?,
+                    w: required("w")?,
+                    bias: optional("bias"),
+                    selection_bias: optional("selection_bias"),
+                };
+                let params = RouterTopkParams {
+                    top_k: params.required(Param::TopK, params.top_k)?,
+                    activation: params.activation.unwrap_or_default(),
+                    norm_topk_prob: params.norm_topk_prob.unwrap_or(false),
+                };
+                let out = backend.router_topk(&RouterTopk::new(inputs, params)?)?;
+                vec![
+                    ("router_logits", out.router_logits),
+                    ("expert_index", out.expert_index),
+                    ("topk_affinities", out.topk_affinities),
+                    ("expert_affinities", out.expert_affinities),
+                ]
+            }
+            Kernel::RouterTopkBwd => {
+                let inputs = RouterTopkBwdInputs {
+                    x: required("x")?,
+                    w: required("w")?,
+                    router_logits: required("router_logits")?,
+                    expert_index: required("expert_index")?,
+                    d_topk_affinities: required("d_topk_affinities")?,
+                    d_router_logits: optional("d_router_logits"),
+                };
+                let params = RouterTopkBwdParams {
+                    activation: params.activation.unwrap_or_default(),
+                    norm_topk_prob: params.norm_topk_prob.unwrap_or(false),
+                };
+                let out = backend.router_topk_bwd(&RouterTopkBwd::new(inputs, params)?)?;
+                vec![("d_x", out.d_x), ("d_w", out.d_w), ("d_bias", out.d_bias)]
+            }
+            Kernel::LoadBalancingLoss => {
+                let inputs = LoadBalancingLossInputs {
+                    router_logits: required("router_logits")?,
+                    expert_index: required("expert_index")?,
+                };
+                let out = backend.load_balancing_loss(&LoadBalancingLoss::new(inputs)?)?;
+                vec![
+                    ("aux_loss", out.aux_loss),
+                    ("expert_counts", out.expert_counts),
+                ]
+            }
+            Kernel::LoadBalancingLossBwd => {
+                let inputs = LoadBalancingLossBwdInputs {
+                    router_logits: required("router_logits")?,
+                    expert_index: required("expert_index")?,
+                    d_aux_loss: required("d_aux_loss")?,
+                };
+                let out = backend.load_balancing_loss_bwd(&LoadBalancingLossBwd::new(inputs)?)?;
+                vec![("d_router_logits", out.d_router_logits)]
+            }
+            Kernel::Permute => {
+                let inputs = PermuteInputs {
+                    expert_index: required("expert_index")?,
+                    topk_affinities: required("topk_affinities")?,
+                };
+                let params = PermuteParams {
+                    num_experts: params.required(Param::NumExperts, params.num_experts)?,
+                    block_size: params.required(Param::BlockSize, params.block_size)?,
+                };
+                let out = backend.permute(&Permute::new(inputs, params)?)?;
+                vec![
+                    ("expert_counts", out.expert_counts),
+                    ("token_position_to_id", out.token_position_to_id),
+                    ("block_to_expert", out.block_to_expert),
+                    ("expert_affinities_masked", out.expert_affinities_masked),
+                    ("num_used_blocks", out.num_used_blocks),
+                ]
+            }
+            Kernel::PermuteBwd => {
+                let inputs = PermuteBwdInputs {
+                    expert_index: required("expert_index")?,
+                    expert_affinities_masked_grad: required("expert_affinities_masked_grad")?,
+                };
+                let out = backend.permute_bwd(&PermuteBwd::new(inputs)?)?;
+                vec![("d_topk_affinities", out.d_topk_affinities)]
+            }
+            Kernel::BlockwiseMm => {
+                let inputs = blockwise_inputs(&required)?;
+                let params = BlockwiseMmParams {
+                    checkpoint_activations: params.checkpoint_activations.unwrap_or(false),
+                };
+                let out = backend.blockwise_mm(&BlockwiseMm::new(inputs, params)?)?;
+                let mut named = vec![("output", out.output)];
+                named.extend(
+                    out.gate_up_activations_t
+                        .map(|t| ("gate_up_activations_T", t)),
+                );
+                named.extend(out.down_activations.map(|t| ("down_activations", t)));
+                named
+            }
+            Kernel::BlockwiseMmBwd => {
+                let inputs = BlockwiseMmBwdInputs {
+                    forward: blockwise_inputs(&required)?,
+                    gate_up_activations_t: required("gate_up_activations_T")?,
+                    down_activations: required("down_activations")?,
+                    output_hidden_states_grad: required("output_hidden_states_grad")?,
+                    expert_index: optional("expert_index"),
+                };
+                let out = backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(inputs)?)?;
+                let mut named = vec![
+                    ("hidden_states_grad", out.hidden_states_grad),
+                    (
+                        "expert_affinities_masked_grad",
+                        out.expert_affinities_masked_grad,
+                    ),
+                    ("gate_up_proj_weight_grad", out.gate_up_proj_weight_grad),
+                    ("down_proj_weight_grad", out.down_proj_weight_grad),
+                ];
+                named.extend(out.d_topk_affinities.map(|t| ("d_topk_affinities", t)));
+                named
+            }
+        };
+        Ok(outputs)
+    }
+}
+
+fn blockwise_inputs<'a>(
+    required: &impl Fn(&str) -> Result<&'a Tensor>,
+) -> Result<BlockwiseMmInputs<'a>> {
+    Ok(BlockwiseMmInputs {
+        hidden_states: required("hidden_states")?,
+        expert_affinities_masked: required("expert_affinities_masked")?,
+        gate_up_proj_weight: required("gate_up_proj_weight")?,
+        down_proj_weight: required("down_proj_weight")?,
+        token_position_to_id: required("token_position_to_id")?,
+        block_to_expert: required("block_to_expert")?,
+    })
+}
+
+impl FromStr for Kernel {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| Error::UnknownKernel {
+                name: s.to_owned(),
+                known: Self::ALL
+                    .iter()
+                    .map(|k| k.name())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+}
+
+/// The parameter names kernels accept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    TopK,
+    Activation,
+    NormTopkProb,
+    NumExperts,
+    BlockSize,
+    CheckpointActivations,
+}
+
+impl Param {
+    pub const ALL: &'static [Param] = &[
+        Param::TopK,
+        Param::Activation,
+        Param::NormTopkProb,
+        Param::NumExperts,
+        Param::BlockSize,
+        Param::CheckpointActivations,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Param::TopK => "top_k",
+            Param::Activation => "activation",
+            Param::NormTopkProb => "norm_topk_prob",
+            Param::NumExperts => "num_experts",
+            Param::BlockSize => "block_size",
+            Param::CheckpointActivations => "checkpoint_activations",
+        }
+    }
+
+    /// Accepted values, for `moekit list`.
+    pub fn values(self) -> &'static str {
+        match self {
+            Param::TopK | Param::NumExperts | Param::BlockSize => "integer ≥ 1",
+            Param::Activation => "softmax|sigmoid",
+            Param::NormTopkProb | Param::CheckpointActivations => "true|false",
+        }
+    }
+}
+
+/// Parameter values given to a kernel run; a kernel reads those it uses and ignores the rest.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Params {
+    pub top_k: Option<usize>,
+    pub activation: Option<Activation>,
+    pub norm_topk_prob: Option<bool>,
+    pub num_experts: Option<usize>,
+    pub block_size: Option<usize>,
+    pub checkpoint_activations: Option<bool>,
+}
+
+fn parse_count(param: Param, value: &str) -> Result<usize> {
+    value.trim().parse().map_err(|_| {
+        Error::param(
+            param.name(),
+            format!("expected a non-negative integer, got `{value}`"),
+        )
+    })
+}
+
+fn parse_bool(param: Param, value: &str) -> Result<bool> {
+    match value.trim() {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        other => Err(Error::param(
+            param.name(),
+            format!("expected true or false, got `{other}`"),
+        )),
+    }
+}
+
+impl Params {
+    /// Sets `name` from its textual `value`; an unknown name is an error.
+    pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        let param = Param::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Param::ALL.iter().map(|p| p.name()).collect();
+                Error::param(
+                    name,
+                    format!("unknown parameter; known: {}", known.join(", ")),
+                )
+            })?;
+        match param {
+            Param::TopK => self.top_k = Some(parse_count(param, value)?),
+            Param::Activation => self.activation = Some(value.trim().parse()?),
+            Param::NormTopkProb => self.norm_topk_prob = Some(parse_bool(param, value)?),
+            Param::NumExperts => self.num_experts = Some(parse_count(param, value)?),
+            Param::BlockSize => self.block_size = Some(parse_count(param, value)?),
+            Param::CheckpointActivations => {
+                self.checkpoint_activations = Some(parse_bool(param, value)?)
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the known parameter names from file metadata; other metadata keys (such as
+    /// PyTorch's `format`) are not parameters and are ignored.
+    pub fn from_metadata<'m>(
+        metadata: impl IntoIterator<Item = (&'m str, &'m str)>,
+    ) -> Result<Self> {
+        let mut params = Self::default();
+        for (key, value) in metadata {
+            if Param::ALL.iter().any(|p| p.name() == key) {
+                params.set(key, value)?;
+            }
+        }
+        Ok(params)
+    }
+
+    fn required(&self, param: Param, value: Option<usize>) -> Result<usize> {
+        value.ok_or_else(|| Error::param(param.name(), "required by this kernel but not given"))
+    }
+}
+
+/// The catalog as the text table `moekit list` prints.
+pub fn catalog_table() -> String {
+    let mut out = String::new();
+    for kernel in Kernel::ALL {
+        let spec = kernel.spec();
+        let _ = writeln!(out, "{}\n  {}", spec.name, spec.summary);
+        for (heading, tensors) in [("inputs", spec.inputs), ("outputs", spec.outputs)] {
+            let _ = writeln!(out, "  {heading}:");
+            for t in tensors {
+                let note = if t.required { "" } else { "  (optional)" };
+                let _ = writeln!(out, "    {:<31} {:<16} {}{note}", t.name, t.shape, t.dtype);
+            }
+        }
+        if !spec.params.is_empty() {
+            let _ = writeln!(out, "  params:");
+            for (param, default) in spec.params {
+                let default =
+                    default.map_or_else(|| "required".to_owned(), |d| format!("default {d}"));
+                let _ = writeln!(
+                    out,
+                    "    {:<31} {:<16} {default}",
+                    param.name(),
+                    param.values()
+                );
+            }
+        }
+        out.push('\n');
+    }
+    out.push_str(
+        "Reference error bound: every value is computed in f64 and rounded once to f32 \
+         (indices and counts are exact).\n",
+    );
+    out
+}
+
+const ROUTER_TOPK: KernelSpec = KernelSpec {
+    name: "router_topk",
+    summary: "logits = x·w (+bias); softmax|sigmoid; top-K by affinity (+selection_bias), ties to the lower id; optional renormalisation",
+    inputs: &[
+        tensor("x", "[T, H]", FLOAT),
+        tensor("w", "[H, E]", FLOAT),
+        optional("bias", "[E]", FLOAT),
+        optional("selection_bias", "[E]", FLOAT),
+    ],
+    outputs: &[
+        tensor("router_logits", "[T, E]", "f32"),
+        tensor("expert_index", "[T, K]", "i32"),
+        tensor("topk_affinities", "[T, K]", "f32"),
+        tensor("expert_affinities", "[T, E]", "f32"),
+    ],
+    params: &[
+        (Param::TopK, None),
+        (Param::Activation, Some("softmax")),
+        (Param::NormTopkProb, Some("false")),
+    ],
+};
+
+const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
+    name: "router_topk_bwd",
+    summary: "gradients of router_topk w.r.t. x, w and bias from d_topk_affinities (+ d_router_logits)",
+    inputs: &[
+        tensor("x", "[T, H]", FLOAT),
+        tensor("w", "[H, E]", FLOAT),
+        tensor("router_logits", "[T, E]", FLOAT),
+        tensor("expert_index", "[T, K]", "i32"),
+        tensor("d_topk_affinities", "[T, K]", FLOAT),
+        optional("d_router_logits", "[T, E]", FLOAT),
+    ],
+    outputs: &[
+        tensor("d_x", "[T, H]", "f32"),
+        tensor("d_w", "[H, E]", "f32"),
+        tensor("d_bias", "[E]", "f32"),
+    ],
+    params: &[
+        (Param::Activation, Some("softmax")),
+        (Param::NormTopkProb, Some("false")),
+    ],
+};
+
+const LOAD_BALANCING_LOSS: KernelSpec = KernelSpec {
+    name: "load_balancing_loss",
+    summary: "Hugging Face Qwen3-MoE aux loss E·Σ_e f_e·P_e, layers pooled as HF pools them",
+    inputs: &[
+        tensor("router_logits", "[L, T, E]", FLOAT),
+        tensor("expert_index", "[L, T, K]", "i32"),
+    ],
+    outputs: &[
+        tensor("aux_loss", "[1]", "f32"),
+        tensor("expert_counts", "[L, E]", "i32"),
+    ],
+    params: &[],
+};
+
+const LOAD_BALANCING_LOSS_BWD: KernelSpec = KernelSpec {
+    name: "load_balancing_loss_bwd",
+    summary: "gradient of the aux loss w.r.t. router_logits",
+    inputs: &[
+        tensor("router_logits", "[L, T, E]", FLOAT),
+        tensor("expert_index", "[L, T, K]", "i32"),
+        tensor("d_aux_loss", "[1]", FLOAT),
+    ],
+    outputs: &[tensor("d_router_logits", "[L, T, E]", "f32")],
+    params: &[],
+};
+
+const PERMUTE: KernelSpec = KernelSpec {
+    name: "permute",
+    summary: "block plan: each expert's tokens (ascending) in blocks of B, blocks by expert id, N = min(ceil((T·K−(E−1))/B)+(E−1), T·K)",
+    inputs: &[
+        tensor("expert_index", "[T, K]", "i32"),
+        tensor("topk_affinities", "[T, K]", FLOAT),
+    ],
+    outputs: &[
+        tensor("expert_counts", "[E]", "i32"),
+        tensor("token_position_to_id", "[N·B]", "i32"),
+        tensor("block_to_expert", "[N]", "i32"),
+        tensor("expert_affinities_masked", "[(T+1)·E]", "f32"),
+        tensor("num_used_blocks", "[1]", "i32"),
+    ],
+    params: &[(Param::NumExperts, None), (Param::BlockSize, None)],
+};
+
+const PERMUTE_BWD: KernelSpec = KernelSpec {
+    name: "permute_bwd",
+    summary: "maps an affinity gradient from the masked [(T+1)·E] layout back to [T, K]",
+    inputs: &[
+        tensor("expert_index", "[T, K]", "i32"),
+        tensor("expert_affinities_masked_grad", "[(T+1)·E]", FLOAT),
+    ],
+    outputs: &[tensor("d_topk_affinities", "[T, K]", "f32")],
+    params: &[],
+};
+
+const BLOCKWISE_INPUTS: [TensorSpec; 6] = [
+    tensor("hidden_states", "[T+1, H]", FLOAT),
+    tensor("expert_affinities_masked", "[(T+1)·E]", FLOAT),
+    tensor("gate_up_proj_weight", "[E, H, 2, I]", FLOAT),
+    tensor("down_proj_weight", "[E, I, H]", FLOAT),
+    tensor("token_position_to_id", "[N·B]", "i32"),
+    tensor("block_to_expert", "[N]", "i32"),
+];
+
+const BLOCKWISE_MM: KernelSpec = KernelSpec {
+    name: "blockwise_mm",
+    summary: "per block: gather, gate_up matmul, silu(gate)⊙up, down matmul, scale by affinity, scatter-add",
+    inputs: &BLOCKWISE_INPUTS,
+    outputs: &[
+        tensor("output", "[T, H]", "f32"),
+        optional("gate_up_activations_T", "[N, 2, I, B]", "f32"),
+        optional("down_activations", "[N, B, H]", "f32"),
+    ],
+    params: &[(Param::CheckpointActivations, Some("false"))],
+};
+
+const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
+    name: "blockwise_mm_bwd",
+    summary: "gradients of blockwise_mm from its checkpoints; with expert_index also d_topk_affinities",
+    inputs: &[
+        BLOCKWISE_INPUTS[0],
+        BLOCKWISE_INPUTS[1],
+        BLOCKWISE_INPUTS[2],
+        BLOCKWISE_INPUTS[3],
+        BLOCKWISE_INPUTS[4],
+        BLOCKWISE_INPUTS[5],
+        tensor("gate_up_activations_T", "[N, 2, I, B]", FLOAT),
+        tensor("down_activations", "[N, B, H]", FLOAT),
+        tensor("output_hidden_states_grad", "[T, H]", FLOAT),
+        optional("expert_index", "[T, K]", "i32"),
+    ],
+    outputs: &[
+        tensor("hidden_states_grad", "[T, H]", "f32"),
+        tensor("expert_affinities_masked_grad", "[(T+1)·E]", "f32"),
+        tensor("gate_up_proj_weight_grad", "[E, H, 2, I]", "f32"),
+        tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
+        optional("d_topk_affinities", "[T, K]", "f32"),
+    ],
+    params: &[],
+};

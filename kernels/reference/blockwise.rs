@@ -1,0 +1,163 @@
+//! f64 blockwise expert matmul with SwiGLU, forward and backward (see
+//! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
+
+use crate::contracts::BlockwiseDims;
+
+/// Borrowed f64 operands shared by forward and backward.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseOperands<'a> {
+    pub dims: BlockwiseDims,
+    /// `[T+1, H]`.
+    pub hidden_states: &'a [f64],
+    /// `[(T+1)·E]`.
+    pub expert_affinities_masked: &'a [f64],
+    /// `[E, H, 2, I]`.
+    pub gate_up_proj_weight: &'a [f64],
+    /// `[E, I, H]`.
+    pub down_proj_weight: &'a [f64],
+    /// `[N·B]`.
+    pub token_position_to_id: &'a [i32],
+    /// `[N]`.
+    pub block_to_expert: &'a [i32],
+}
+
+impl BlockwiseOperands<'_> {
+    /// `(block, slot, token, expert)` for every slot holding a real token of a used block, in
+    /// plan order.
+    fn assignments(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        let BlockwiseDims { e, b, .. } = self.dims;
+        self.block_to_expert
+            .iter()
+            .enumerate()
+            .filter(move |&(_, &expert)| (expert as usize) < e)
+            .flat_map(move |(block, &expert)| {
+                (0..b).filter_map(move |slot| {
+                    let token = self.token_position_to_id[block * b + slot];
+                    (token >= 0).then_some((block, slot, token as usize, expert as usize))
+                })
+            })
+    }
+
+    fn gate_up(&self, expert: usize, j: usize, which: usize, col: usize) -> f64 {
+        let BlockwiseDims { h, i, .. } = self.dims;
+        self.gate_up_proj_weight[((expert * h + j) * 2 + which) * i + col]
+    }
+
+    fn down(&self, expert: usize, row: usize, j: usize) -> f64 {
+        let BlockwiseDims { h, i, .. } = self.dims;
+        self.down_proj_weight[(expert * i + row) * h + j]
+    }
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn silu(x: f64) -> f64 {
+    x * sigmoid(x)
+}
+
+/// `d silu(x) / dx`.
+fn silu_grad(x: f64) -> f64 {
+    let s = sigmoid(x);
+    s * (1.0 + x * (1.0 - s))
+}
+
+/// Forward results in f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockwiseForward {
+    /// `[T, H]`.
+    pub output: Vec<f64>,
+    /// `[N, 2, I, B]`.
+    pub gate_up_activations_t: Vec<f64>,
+    /// `[N, B, H]`.
+    pub down_activations: Vec<f64>,
+}
+
+/// Blockwise forward with both checkpoints.
+pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> BlockwiseForward {
+    let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
+    let mut out = BlockwiseForward {
+        output: vec![0.0; t * h],
+        gate_up_activations_t: vec![0.0; n * 2 * i * b],
+        down_activations: vec![0.0; n * b * h],
+    };
+    for (block, slot, token, expert) in ops.assignments() {
+        let x = &ops.hidden_states[token * h..(token + 1) * h];
+        let mut act = vec![0.0; i];
+        for (col, a) in act.iter_mut().enumerate() {
+            let gate: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 0, col)).sum();
+            let up: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 1, col)).sum();
+            out.gate_up_activations_t[((block * 2) * i + col) * b + slot] = gate;
+            out.gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot] = up;
+            *a = silu(gate) * up;
+        }
+        let affinity = ops.expert_affinities_masked[token * e + expert];
+        for j in 0..h {
+            let y: f64 = (0..i).map(|row| act[row] * ops.down(expert, row, j)).sum();
+            out.down_activations[(block * b + slot) * h + j] = y;
+            out.output[token * h + j] += affinity * y;
+        }
+    }
+    out
+}
+
+/// Gradients in f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockwiseGrads {
+    /// `[T, H]`.
+    pub hidden_states_grad: Vec<f64>,
+    /// `[(T+1)·E]`.
+    pub expert_affinities_masked_grad: Vec<f64>,
+    /// `[E, H, 2, I]`.
+    pub gate_up_proj_weight_grad: Vec<f64>,
+    /// `[E, I, H]`.
+    pub down_proj_weight_grad: Vec<f64>,
+}
+
+/// Blockwise backward from the forward's checkpoints `gate_up_activations_t [N, 2, I, B]` and
+/// `down_activations [N, B, H]` and the output gradient `d_output [T, H]`.
+pub fn blockwise_backward(
+    ops: &BlockwiseOperands<'_>,
+    gate_up_activations_t: &[f64],
+    down_activations: &[f64],
+    d_output: &[f64],
+) -> BlockwiseGrads {
+    let BlockwiseDims { t, h, e, i, b, .. } = ops.dims;
+    let mut grads = BlockwiseGrads {
+        hidden_states_grad: vec![0.0; t * h],
+        expert_affinities_masked_grad: vec![0.0; (t + 1) * e],
+        gate_up_proj_weight_grad: vec![0.0; e * h * 2 * i],
+        down_proj_weight_grad: vec![0.0; e * i * h],
+    };
+    for (block, slot, token, expert) in ops.assignments() {
+        let x = &ops.hidden_states[token * h..(token + 1) * h];
+        let d_out = &d_output[token * h..(token + 1) * h];
+        let y = &down_activations[(block * b + slot) * h..(block * b + slot + 1) * h];
+        let affinity = ops.expert_affinities_masked[token * e + expert];
+        grads.expert_affinities_masked_grad[token * e + expert] =
+            d_out.iter().zip(y).map(|(d, y)| d * y).sum();
+        let gate = |col: usize| gate_up_activations_t[((block * 2) * i + col) * b + slot];
+        let up = |col: usize| gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot];
+        for row in 0..i {
+            let act = silu(gate(row)) * up(row);
+            // d act[row] = Σ_j D[e, row, j] · affinity · d_out[j]
+            let mut d_act = 0.0;
+            for j in 0..h {
+                let d_y = affinity * d_out[j];
+                grads.down_proj_weight_grad[(expert * i + row) * h + j] += act * d_y;
+                d_act += ops.down(expert, row, j) * d_y;
+            }
+            let d_gate = d_act * up(row) * silu_grad(gate(row));
+            let d_up = d_act * silu(gate(row));
+            for j in 0..h {
+                let base = ((expert * h + j) * 2) * i + row;
+                grads.gate_up_proj_weight_grad[base] += x[j] * d_gate;
+                grads.gate_up_proj_weight_grad[base + i] += x[j] * d_up;
+                grads.hidden_states_grad[token * h + j] +=
+                    ops.gate_up(expert, j, 0, row) * d_gate + ops.gate_up(expert, j, 1, row) * d_up;
+            }
+        }
+    }
+    grads
+}

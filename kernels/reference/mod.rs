@@ -1,0 +1,315 @@
+//! The `reference` backend: plain loops written for obvious correctness, every value widened to
+//! f64 and accumulated in f64, outputs rounded once to f32 at the end. It is the oracle for the
+//! other backends and for the trainer.
+//!
+//! The f64 cores ([`router`], [`load_balancing`], [`permute`], [`blockwise`]) are public so that
+//! tests can differentiate them with finite differences without f32 rounding noise.
+
+// Index loops in the reference mirror the formulas they implement, subscript for subscript.
+#[allow(clippy::needless_range_loop)]
+pub mod blockwise;
+pub mod load_balancing;
+pub mod permute;
+pub mod router;
+
+use crate::backend::Backend;
+use crate::contracts::{
+    BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
+    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
+    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use blockwise::BlockwiseOperands;
+
+/// The oracle backend. Stateless.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReferenceBackend;
+
+/// Rounds f64 values to an f32 tensor, refusing results that overflow f32.
+fn f32_output(name: &str, shape: &[usize], values: &[f64]) -> Result<Tensor> {
+    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    if let Some(index) = data.iter().position(|v| !v.is_finite()) {
+        return Err(Error::invalid(
+            name,
+            format!(
+                "result {} at {} does not fit in f32",
+                values[index],
+                crate::contracts::validate::position(shape, index)
+            ),
+        ));
+    }
+    Tensor::from_f32(shape, data)
+}
+
+fn i32_output(shape: &[usize], values: impl IntoIterator<Item = usize>) -> Result<Tensor> {
+    Tensor::from_i32(shape, values.into_iter().map(|v| v as i32).collect())
+}
+
+/// Expert ids of a validated index tensor.
+fn ids(tensor: &Tensor) -> Vec<usize> {
+    tensor
+        .as_i32()
+        .map(|ids| ids.iter().map(|&id| id as usize).collect())
+        .unwrap_or_default()
+}
+
+fn plan(tensor: &Tensor) -> &[i32] {
+    tensor.as_i32().unwrap_or_default()
+}
+
+/// Widened copies of the blockwise operands.
+struct OwnedOperands {
+    hidden_states: Vec<f64>,
+    affinities: Vec<f64>,
+    gate_up: Vec<f64>,
+    down: Vec<f64>,
+}
+
+impl OwnedOperands {
+    fn new(inputs: &BlockwiseMmInputs<'_>) -> Self {
+        Self {
+            hidden_states: inputs.hidden_states.to_f64_vec(),
+            affinities: inputs.expert_affinities_masked.to_f64_vec(),
+            gate_up: inputs.gate_up_proj_weight.to_f64_vec(),
+            down: inputs.down_proj_weight.to_f64_vec(),
+        }
+    }
+
+    fn borrow<'a>(
+        &'a self,
+        inputs: &BlockwiseMmInputs<'a>,
+        dims: BlockwiseDims,
+    ) -> BlockwiseOperands<'a> {
+        BlockwiseOperands {
+            dims,
+            hidden_states: &self.hidden_states,
+            expert_affinities_masked: &self.affinities,
+            gate_up_proj_weight: &self.gate_up,
+            down_proj_weight: &self.down,
+            token_position_to_id: plan(inputs.token_position_to_id),
+            block_to_expert: plan(inputs.block_to_expert),
+        }
+    }
+}
+
+impl Backend for ReferenceBackend {
+    fn name(&self) -> &'static str {
+        "reference"
+    }
+
+    fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
+        let RouterTopk {
+            inputs,
+            params,
+            t,
+            h,
+            e,
+        } = *call;
+        let k = params.top_k;
+        let bias = inputs.bias.map(Tensor::to_f64_vec);
+        let selection_bias = inputs.selection_bias.map(Tensor::to_f64_vec);
+        let fwd = router::router_forward(
+            &inputs.x.to_f64_vec(),
+            &inputs.w.to_f64_vec(),
+            bias.as_deref(),
+            selection_bias.as_deref(),
+            t,
+            h,
+            e,
+            params,
+        );
+        let mut scattered = vec![0.0; t * e];
+        for (pair, (&id, &a)) in fwd
+            .expert_index
+            .iter()
+            .zip(&fwd.topk_affinities)
+            .enumerate()
+        {
+            scattered[(pair / k) * e + id] = a;
+        }
+        Ok(RouterTopkOutputs {
+            router_logits: f32_output("router_logits", &[t, e], &fwd.logits)?,
+            expert_index: i32_output(&[t, k], fwd.expert_index)?,
+            topk_affinities: f32_output("topk_affinities", &[t, k], &fwd.topk_affinities)?,
+            expert_affinities: f32_output("expert_affinities", &[t, e], &scattered)?,
+        })
+    }
+
+    fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
+        let RouterTopkBwd {
+            inputs,
+            params,
+            t,
+            h,
+            e,
+            k,
+        } = *call;
+        let d_router_logits = inputs.d_router_logits.map(Tensor::to_f64_vec);
+        let grads = router::router_backward(
+            &inputs.x.to_f64_vec(),
+            &inputs.w.to_f64_vec(),
+            &inputs.router_logits.to_f64_vec(),
+            &ids(inputs.expert_index),
+            &inputs.d_topk_affinities.to_f64_vec(),
+            d_router_logits.as_deref(),
+            (t, h, e, k),
+            params.activation,
+            params.norm_topk_prob,
+        );
+        Ok(RouterTopkGrads {
+            d_x: f32_output("d_x", &[t, h], &grads.d_x)?,
+            d_w: f32_output("d_w", &[h, e], &grads.d_w)?,
+            d_bias: f32_output("d_bias", &[e], &grads.d_bias)?,
+        })
+    }
+
+    fn load_balancing_loss(
+        &self,
+        call: &LoadBalancingLoss<'_>,
+    ) -> Result<LoadBalancingLossOutputs> {
+        let LoadBalancingLoss { inputs, l, t, e, k } = *call;
+        let (loss, counts) = load_balancing::load_balancing_forward(
+            &inputs.router_logits.to_f64_vec(),
+            &ids(inputs.expert_index),
+            (l, t, e, k),
+        );
+        Ok(LoadBalancingLossOutputs {
+            aux_loss: f32_output("aux_loss", &[1], &[loss])?,
+            expert_counts: i32_output(&[l, e], counts)?,
+        })
+    }
+
+    fn load_balancing_loss_bwd(
+        &self,
+        call: &LoadBalancingLossBwd<'_>,
+    ) -> Result<LoadBalancingLossGrads> {
+        let LoadBalancingLossBwd { inputs, l, t, e, k } = *call;
+        let d_aux_loss = inputs.d_aux_loss.to_f64_vec()[0];
+        let d_logits = load_balancing::load_balancing_backward(
+            &inputs.router_logits.to_f64_vec(),
+            &ids(inputs.expert_index),
+            d_aux_loss,
+            (l, t, e, k),
+        );
+        Ok(LoadBalancingLossGrads {
+            d_router_logits: f32_output(
+                "d_router_logits",
+                inputs.router_logits.shape(),
+                &d_logits,
+            )?,
+        })
+    }
+
+    fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
+        let Permute {
+            inputs,
+            params,
+            t,
+            k,
+            n,
+        } = *call;
+        let (e, b) = (params.num_experts, params.block_size);
+        let plan = permute::permute(
+            plan(inputs.expert_index),
+            &inputs.topk_affinities.to_f64_vec(),
+            (t, k, e),
+            (b, n),
+        );
+        Ok(PermuteOutputs {
+            expert_counts: i32_output(&[e], plan.expert_counts)?,
+            token_position_to_id: Tensor::from_i32([n * b], plan.token_position_to_id)?,
+            block_to_expert: Tensor::from_i32([n], plan.block_to_expert)?,
+            expert_affinities_masked: f32_output(
+                "expert_affinities_masked",
+                &[(t + 1) * e],
+                &plan.expert_affinities_masked,
+            )?,
+            num_used_blocks: i32_output(&[1], [plan.num_used_blocks])?,
+        })
+    }
+
+    fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+        let PermuteBwd { inputs, t, k, e } = *call;
+        let d = permute::permute_backward(
+            plan(inputs.expert_index),
+            &inputs.expert_affinities_masked_grad.to_f64_vec(),
+            k,
+            e,
+        );
+        Ok(PermuteGrads {
+            d_topk_affinities: f32_output("d_topk_affinities", &[t, k], &d)?,
+        })
+    }
+
+    fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        let BlockwiseDims { t, h, i, b, n, .. } = call.dims;
+        let owned = OwnedOperands::new(&call.inputs);
+        let fwd = blockwise::blockwise_forward(&owned.borrow(&call.inputs, call.dims));
+        let checkpoint = call.params.checkpoint_activations;
+        Ok(BlockwiseMmOutputs {
+            output: f32_output("output", &[t, h], &fwd.output)?,
+            gate_up_activations_t: checkpoint
+                .then(|| {
+                    f32_output(
+                        "gate_up_activations_T",
+                        &[n, 2, i, b],
+                        &fwd.gate_up_activations_t,
+                    )
+                })
+                .transpose()?,
+            down_activations: checkpoint
+                .then(|| f32_output("down_activations", &[n, b, h], &fwd.down_activations))
+                .transpose()?,
+        })
+    }
+
+    fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        let BlockwiseDims { t, h, e, i, .. } = call.dims;
+        let inputs = &call.inputs;
+        let owned = OwnedOperands::new(&inputs.forward);
+        let grads = blockwise::blockwise_backward(
+            &owned.borrow(&inputs.forward, call.dims),
+            &inputs.gate_up_activations_t.to_f64_vec(),
+            &inputs.down_activations.to_f64_vec(),
+            &inputs.output_hidden_states_grad.to_f64_vec(),
+        );
+        let d_topk_affinities = inputs
+            .expert_index
+            .map(|index| {
+                let k = index.shape()[1];
+                let d = permute::permute_backward(
+                    plan(index),
+                    &grads.expert_affinities_masked_grad,
+                    k,
+                    e,
+                );
+                f32_output("d_topk_affinities", &[t, k], &d)
+            })
+            .transpose()?;
+        Ok(BlockwiseMmGrads {
+            hidden_states_grad: f32_output(
+                "hidden_states_grad",
+                &[t, h],
+                &grads.hidden_states_grad,
+            )?,
+            expert_affinities_masked_grad: f32_output(
+                "expert_affinities_masked_grad",
+                &[(t + 1) * e],
+                &grads.expert_affinities_masked_grad,
+            )?,
+            gate_up_proj_weight_grad: f32_output(
+                "gate_up_proj_weight_grad",
+                &[e, h, 2, i],
+                &grads.gate_up_proj_weight_grad,
+            )?,
+            down_proj_weight_grad: f32_output(
+                "down_proj_weight_grad",
+                &[e, i, h],
+                &grads.down_proj_weight_grad,
+            )?,
+            d_topk_affinities,
+        })
+    }
+}

@@ -1,0 +1,60 @@
+//! Reference block plan (see [`crate::contracts::permute`]).
+
+/// The block plan of `permute`, before conversion to tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockPlan {
+    /// `[E]`.
+    pub expert_counts: Vec<usize>,
+    /// `[N·B]`, −1 for padding.
+    pub token_position_to_id: Vec<i32>,
+    /// `[N]`, E for unused blocks.
+    pub block_to_expert: Vec<i32>,
+    /// `[(T+1)·E]`.
+    pub expert_affinities_masked: Vec<f64>,
+    pub num_used_blocks: usize,
+}
+
+/// Builds the plan for `expert_index [T, K]` (valid, distinct ids per row) and
+/// `topk_affinities [T, K]`, with `n` static blocks of `b` slots over `e` experts.
+pub fn permute(
+    expert_index: &[i32],
+    topk_affinities: &[f64],
+    (t, k, e): (usize, usize, usize),
+    (b, n): (usize, usize),
+) -> BlockPlan {
+    let mut masked = vec![0.0; (t + 1) * e];
+    for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
+        masked[(pair / k) * e + id as usize] = a;
+    }
+    let mut plan = BlockPlan {
+        expert_counts: vec![0; e],
+        token_position_to_id: vec![-1; n * b],
+        block_to_expert: vec![e as i32; n],
+        expert_affinities_masked: masked,
+        num_used_blocks: 0,
+    };
+    let mut block = 0;
+    for expert in 0..e {
+        let tokens: Vec<i32> = (0..t)
+            .filter(|&token| expert_index[token * k..(token + 1) * k].contains(&(expert as i32)))
+            .map(|token| token as i32)
+            .collect();
+        plan.expert_counts[expert] = tokens.len();
+        for chunk in tokens.chunks(b) {
+            plan.block_to_expert[block] = expert as i32;
+            plan.token_position_to_id[block * b..block * b + chunk.len()].copy_from_slice(chunk);
+            block += 1;
+        }
+    }
+    plan.num_used_blocks = block;
+    plan
+}
+
+/// `d_topk_affinities [T, K]` from an affinity gradient in the masked `[(T+1)·E]` layout.
+pub fn permute_backward(expert_index: &[i32], d_masked: &[f64], k: usize, e: usize) -> Vec<f64> {
+    expert_index
+        .iter()
+        .enumerate()
+        .map(|(pair, &id)| d_masked[(pair / k) * e + id as usize])
+        .collect()
+}

@@ -1,0 +1,177 @@
+//! A minimal owned, row-major tensor: a shape and a typed buffer.
+//!
+//! Kernels read floating-point inputs as f32 or bf16 (`half::bf16`) and indices as i32; they
+//! write values as f32 and indices/counts as i32.
+
+use std::fmt;
+
+use half::bf16;
+
+use crate::error::{Error, Result};
+
+/// Element type of a [`Tensor`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+    I32,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+        })
+    }
+}
+
+/// The typed element buffer of a [`Tensor`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Storage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    I32(Vec<i32>),
+}
+
+impl Storage {
+    fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::BF16(v) => v.len(),
+            Storage::I32(v) => v.len(),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Storage::F32(_) => DType::F32,
+            Storage::BF16(_) => DType::BF16,
+            Storage::I32(_) => DType::I32,
+        }
+    }
+}
+
+/// An owned row-major tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+impl Tensor {
+    /// Builds a tensor, checking that the buffer length equals the product of `shape`.
+    pub fn new(shape: impl Into<Vec<usize>>, storage: Storage) -> Result<Self> {
+        let shape = shape.into();
+        let expected = shape.iter().product::<usize>();
+        if storage.len() != expected {
+            return Err(Error::ElementCount {
+                shape,
+                len: storage.len(),
+                expected,
+            });
+        }
+        Ok(Self { shape, storage })
+    }
+
+    /// An f32 tensor.
+    pub fn from_f32(shape: impl Into<Vec<usize>>, data: Vec<f32>) -> Result<Self> {
+        Self::new(shape, Storage::F32(data))
+    }
+
+    /// A bf16 tensor.
+    pub fn from_bf16(shape: impl Into<Vec<usize>>, data: Vec<bf16>) -> Result<Self> {
+        Self::new(shape, Storage::BF16(data))
+    }
+
+    /// An i32 tensor.
+    pub fn from_i32(shape: impl Into<Vec<usize>>, data: Vec<i32>) -> Result<Self> {
+        Self::new(shape, Storage::I32(data))
+    }
+
+    /// The extents, outermost first.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// The typed buffer.
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// The buffer if the tensor is f32.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match &self.storage {
+            Storage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The buffer if the tensor is i32.
+    pub fn as_i32(&self) -> Option<&[i32]> {
+        match &self.storage {
+            Storage::I32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Element `index` (row-major) widened exactly to f64, or `None` past the end.
+    pub fn get_f64(&self, index: usize) -> Option<f64> {
+        match &self.storage {
+            Storage::F32(v) => v.get(index).map(|&x| f64::from(x)),
+            Storage::BF16(v) => v.get(index).map(|&x| f64::from(x)),
+            Storage::I32(v) => v.get(index).map(|&x| f64::from(x)),
+        }
+    }
+
+    /// Every element widened exactly to f64 (f32, bf16 and i32 all embed in f64).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match &self.storage {
+            Storage::F32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+            Storage::BF16(v) => v.iter().map(|&x| f64::from(x)).collect(),
+            Storage::I32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+        }
+    }
+
+    /// The same values stored as bf16 (round to nearest even). Indices are left unchanged.
+    pub fn to_bf16(&self) -> Tensor {
+        let storage = match &self.storage {
+            Storage::F32(v) => Storage::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            other => other.clone(),
+        };
+        Tensor {
+            shape: self.shape.clone(),
+            storage,
+        }
+    }
+
+    /// The raw little-endian bytes of the buffer.
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        match &self.storage {
+            Storage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Storage::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Storage::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}

@@ -1,0 +1,532 @@
+//! `blockwise_mm` against the dense "every token through every expert, weighted by its masked
+//! affinity" formulation, its checkpoints against per-slot recomputation, its backward against
+//! central finite differences for every input and weight, and every plan-violation error.
+
+#![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
+
+mod common;
+
+use common::*;
+use moekit::contracts::{
+    BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
+    BlockwiseMmOutputs, BlockwiseMmParams, Permute, PermuteBwd, PermuteBwdInputs, PermuteInputs,
+    PermuteParams,
+};
+use moekit::reference::ReferenceBackend;
+use moekit::reference::blockwise::{BlockwiseOperands, blockwise_backward, blockwise_forward};
+use moekit::{Backend, Tensor};
+use proptest::prelude::*;
+
+/// A routed problem: weights, tokens and the plan `permute` made for them.
+#[derive(Clone, Debug)]
+struct Case {
+    dims: BlockwiseDims,
+    k: usize,
+    bf16: bool,
+    /// `[T+1, H]`, row T zero.
+    x: Vec<f64>,
+    /// `[T, K]`.
+    index: Vec<i32>,
+    /// `[(T+1)·E]`.
+    masked: Vec<f64>,
+    /// `[E, H, 2, I]`.
+    gate_up: Vec<f64>,
+    /// `[E, I, H]`.
+    down: Vec<f64>,
+    positions: Vec<i32>,
+    blocks: Vec<i32>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        1usize..6,
+        1usize..6,
+        1usize..5,
+        1usize..5,
+        1usize..10,
+        routing(),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_flat_map(|(t, h, e, i, b, r, bf16, seed)| {
+            (Just((t, h, e, i, b, r, bf16, seed)), 1..=e)
+        })
+        .prop_map(|((t, h, e, i, b, routing, bf16, seed), k)| {
+            let mut rng = SeededRng::new(seed);
+            // Values on the bf16 grid when testing bf16 inputs, so the oracle sees them exactly.
+            let mut values = |n: usize, scale: f64| {
+                let v = rng.values(n, scale);
+                if bf16 {
+                    f32_tensor(&[n], &v).to_bf16().to_f64_vec()
+                } else {
+                    v
+                }
+            };
+            let mut x = values(t * h, 1.5);
+            x.extend(vec![0.0; h]);
+            let gate_up = values(e * h * 2 * i, 1.0);
+            let down = values(e * i * h, 1.0);
+            let affinities = values(t * k, 1.0);
+            let index = expert_index(&mut rng, routing, t, e, k);
+            let plan = ReferenceBackend
+                .permute(
+                    &Permute::new(
+                        PermuteInputs {
+                            expert_index: &i32_tensor(&[t, k], &index),
+                            topk_affinities: &f32_tensor(&[t, k], &affinities),
+                        },
+                        PermuteParams {
+                            num_experts: e,
+                            block_size: b,
+                        },
+                    )
+                    .unwrap(),
+                )
+                .unwrap();
+            let blocks = plan.block_to_expert.as_i32().unwrap().to_vec();
+            Case {
+                dims: BlockwiseDims {
+                    t,
+                    h,
+                    e,
+                    i,
+                    b,
+                    n: blocks.len(),
+                },
+                k,
+                bf16,
+                x,
+                index,
+                masked: f32s(&plan.expert_affinities_masked),
+                gate_up,
+                down,
+                positions: plan.token_position_to_id.as_i32().unwrap().to_vec(),
+                blocks,
+            }
+        })
+}
+
+/// The case's float inputs as tensors (bf16 when the case says so) and its plan.
+struct Tensors {
+    x: Tensor,
+    masked: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    positions: Tensor,
+    blocks: Tensor,
+}
+
+impl Tensors {
+    fn new(c: &Case) -> Self {
+        let BlockwiseDims { t, h, e, i, .. } = c.dims;
+        let float = |shape: &[usize], v: &[f64]| {
+            let t = f32_tensor(shape, v);
+            if c.bf16 { t.to_bf16() } else { t }
+        };
+        Self {
+            x: float(&[t + 1, h], &c.x),
+            masked: float(&[(t + 1) * e], &c.masked),
+            gate_up: float(&[e, h, 2, i], &c.gate_up),
+            down: float(&[e, i, h], &c.down),
+            positions: i32_tensor(&[c.positions.len()], &c.positions),
+            blocks: i32_tensor(&[c.blocks.len()], &c.blocks),
+        }
+    }
+
+    fn inputs(&self) -> BlockwiseMmInputs<'_> {
+        BlockwiseMmInputs {
+            hidden_states: &self.x,
+            expert_affinities_masked: &self.masked,
+            gate_up_proj_weight: &self.gate_up,
+            down_proj_weight: &self.down,
+            token_position_to_id: &self.positions,
+            block_to_expert: &self.blocks,
+        }
+    }
+
+    fn forward(&self, checkpoint_activations: bool) -> moekit::Result<BlockwiseMmOutputs> {
+        ReferenceBackend.blockwise_mm(&BlockwiseMm::new(
+            self.inputs(),
+            BlockwiseMmParams {
+                checkpoint_activations,
+            },
+        )?)
+    }
+}
+
+fn silu(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+/// Expert `e` applied to token `t` the textbook way: `(gate [I], up [I], y [H])`.
+fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let BlockwiseDims { h, i, .. } = c.dims;
+    let x = &c.x[token * h..(token + 1) * h];
+    let w = |j: usize, which: usize, col: usize| c.gate_up[((ex * h + j) * 2 + which) * i + col];
+    let gate: Vec<f64> = (0..i)
+        .map(|col| (0..h).rev().map(|j| x[j] * w(j, 0, col)).sum())
+        .collect();
+    let up: Vec<f64> = (0..i)
+        .map(|col| (0..h).rev().map(|j| x[j] * w(j, 1, col)).sum())
+        .collect();
+    let y = (0..h)
+        .map(|j| {
+            (0..i)
+                .map(|r| silu(gate[r]) * up[r] * c.down[(ex * i + r) * h + j])
+                .sum()
+        })
+        .collect();
+    (gate, up, y)
+}
+
+fn operands(c: &Case) -> BlockwiseOperands<'_> {
+    BlockwiseOperands {
+        dims: c.dims,
+        hidden_states: &c.x,
+        expert_affinities_masked: &c.masked,
+        gate_up_proj_weight: &c.gate_up,
+        down_proj_weight: &c.down,
+        token_position_to_id: &c.positions,
+        block_to_expert: &c.blocks,
+    }
+}
+
+proptest! {
+    #![proptest_config(config(192))]
+
+    #[test]
+    fn forward_matches_the_dense_formulation(c in case()) {
+        let BlockwiseDims { t, h, e, .. } = c.dims;
+        let mut dense = vec![0.0; t * h];
+        for token in 0..t {
+            for ex in 0..e {
+                let (_, _, y) = expert(&c, token, ex);
+                for j in 0..h {
+                    dense[token * h + j] += c.masked[token * e + ex] * y[j];
+                }
+            }
+        }
+        let out = Tensors::new(&c).forward(false).unwrap();
+        prop_assert!(out.gate_up_activations_t.is_none() && out.down_activations.is_none());
+        assert_close("output", &f32s(&out.output), &dense, 1e-6, 1e-6 * scale(&dense))?;
+    }
+
+    #[test]
+    fn checkpoints_hold_pre_activation_projections_and_unscaled_down_outputs(c in case()) {
+        let BlockwiseDims { h, e, i, b, n, .. } = c.dims;
+        let out = Tensors::new(&c).forward(true).unwrap();
+        let gate_up_t = f32s(out.gate_up_activations_t.as_ref().unwrap());
+        let down = f32s(out.down_activations.as_ref().unwrap());
+        prop_assert_eq!(out.gate_up_activations_t.as_ref().unwrap().shape(), &[n, 2, i, b]);
+        prop_assert_eq!(out.down_activations.as_ref().unwrap().shape(), &[n, b, h]);
+        let mut expected_gu = vec![0.0; n * 2 * i * b];
+        let mut expected_down = vec![0.0; n * b * h];
+        for block in 0..n {
+            for slot in 0..b {
+                let token = c.positions[block * b + slot];
+                let ex = c.blocks[block] as usize;
+                if token < 0 || ex == e {
+                    continue;
+                }
+                let (gate, up, y) = expert(&c, token as usize, ex);
+                for col in 0..i {
+                    expected_gu[((block * 2) * i + col) * b + slot] = gate[col];
+                    expected_gu[((block * 2 + 1) * i + col) * b + slot] = up[col];
+                }
+                expected_down[(block * b + slot) * h..(block * b + slot + 1) * h].copy_from_slice(&y);
+            }
+        }
+        assert_close("gate_up_activations_T", &gate_up_t, &expected_gu, 1e-6, 1e-6 * scale(&expected_gu))?;
+        assert_close("down_activations", &down, &expected_down, 1e-6, 1e-6 * scale(&expected_down))?;
+    }
+
+    #[test]
+    fn backward_matches_finite_differences(c in case(), seed in any::<u64>()) {
+        let BlockwiseDims { t, h, e, .. } = c.dims;
+        let d_out = SeededRng::new(seed).values(t * h, 1.0);
+        let ops = operands(&c);
+        let fwd = blockwise_forward(&ops);
+        let grads = blockwise_backward(&ops, &fwd.gate_up_activations_t, &fwd.down_activations, &d_out);
+        let loss = |ops: BlockwiseOperands<'_>| dot(&d_out, &blockwise_forward(&ops).output);
+
+        let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(BlockwiseOperands { hidden_states: x, ..ops }));
+        assert_close("hidden_states_grad", &grads.hidden_states_grad, &fd_x[..t * h], FD_TOL, FD_TOL)?;
+        prop_assert!(fd_x[t * h..].iter().all(|&g| g == 0.0), "padding row must not matter");
+        let fd_a = finite_differences(&c.masked, FD_STEP, |a| loss(BlockwiseOperands { expert_affinities_masked: a, ..ops }));
+        assert_close("expert_affinities_masked_grad", &grads.expert_affinities_masked_grad, &fd_a, FD_TOL, FD_TOL)?;
+        let fd_gu = finite_differences(&c.gate_up, FD_STEP, |w| loss(BlockwiseOperands { gate_up_proj_weight: w, ..ops }));
+        assert_close("gate_up_proj_weight_grad", &grads.gate_up_proj_weight_grad, &fd_gu, FD_TOL, FD_TOL)?;
+        let fd_d = finite_differences(&c.down, FD_STEP, |w| loss(BlockwiseOperands { down_proj_weight: w, ..ops }));
+        assert_close("down_proj_weight_grad", &grads.down_proj_weight_grad, &fd_d, FD_TOL, FD_TOL)?;
+        prop_assert!(grads.expert_affinities_masked_grad[t * e..].iter().all(|&g| g == 0.0));
+    }
+
+    #[test]
+    fn kernel_backward_from_its_own_checkpoints(c in case(), seed in any::<u64>()) {
+        let BlockwiseDims { t, h, e, i, .. } = c.dims;
+        let tensors = Tensors::new(&c);
+        let fwd = tensors.forward(true).unwrap();
+        let d_out = f32_tensor(&[t, h], &SeededRng::new(seed).values(t * h, 1.0));
+        let index = i32_tensor(&[t, c.k], &c.index);
+        let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+            forward: tensors.inputs(),
+            gate_up_activations_t: fwd.gate_up_activations_t.as_ref().unwrap(),
+            down_activations: fwd.down_activations.as_ref().unwrap(),
+            output_hidden_states_grad: &d_out,
+            expert_index: Some(&index),
+        }).unwrap();
+        let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
+        prop_assert_eq!(g.hidden_states_grad.shape(), &[t, h]);
+        prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e]);
+        prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
+        prop_assert_eq!(g.down_proj_weight_grad.shape(), &[e, i, h]);
+
+        // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
+        let ops = operands(&c);
+        let exact_fwd = blockwise_forward(&ops);
+        let exact = blockwise_backward(&ops, &exact_fwd.gate_up_activations_t, &exact_fwd.down_activations, &d_out.to_f64_vec());
+        for (name, got, want) in [
+            ("hidden_states_grad", &g.hidden_states_grad, &exact.hidden_states_grad),
+            ("expert_affinities_masked_grad", &g.expert_affinities_masked_grad, &exact.expert_affinities_masked_grad),
+            ("gate_up_proj_weight_grad", &g.gate_up_proj_weight_grad, &exact.gate_up_proj_weight_grad),
+            ("down_proj_weight_grad", &g.down_proj_weight_grad, &exact.down_proj_weight_grad),
+        ] {
+            assert_close(name, &f32s(got), want, 1e-5, 1e-5 * scale(want))?;
+        }
+        // d_topk_affinities is the masked gradient mapped back by permute_bwd.
+        let mapped = ReferenceBackend.permute_bwd(&PermuteBwd::new(PermuteBwdInputs {
+            expert_index: &index,
+            expert_affinities_masked_grad: &g.expert_affinities_masked_grad,
+        }).unwrap()).unwrap();
+        prop_assert_eq!(g.d_topk_affinities.as_ref(), Some(&mapped.d_topk_affinities));
+    }
+}
+
+#[test]
+fn one_token_one_expert_by_hand() {
+    // T = H = I = E = K = B = 1: output = a · d · silu(x·g) · (x·u).
+    let (x, g, u, d, a) = (0.75f64, -0.5, 1.25, 2.0, 0.5);
+    let hidden = f32_tensor(&[2, 1], &[x, 0.0]);
+    let masked = f32_tensor(&[2], &[a, 0.0]);
+    let gate_up = f32_tensor(&[1, 1, 2, 1], &[g, u]);
+    let down = f32_tensor(&[1, 1, 1], &[d]);
+    let positions = i32_tensor(&[1], &[0]);
+    let blocks = i32_tensor(&[1], &[0]);
+    let inputs = BlockwiseMmInputs {
+        hidden_states: &hidden,
+        expert_affinities_masked: &masked,
+        gate_up_proj_weight: &gate_up,
+        down_proj_weight: &down,
+        token_position_to_id: &positions,
+        block_to_expert: &blocks,
+    };
+    let out = ReferenceBackend
+        .blockwise_mm(&BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap())
+        .unwrap();
+    let expected = a * d * silu(x * g) * (x * u);
+    assert!((f32s(&out.output)[0] - expected).abs() < 1e-7);
+}
+
+/// A small valid problem (T = 3, H = 2, E = 3, I = 2, B = 2) to break one rule at a time.
+struct Valid {
+    x: Tensor,
+    masked: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    positions: Tensor,
+    blocks: Tensor,
+}
+
+impl Valid {
+    fn new() -> Self {
+        // Token 0 → experts 0, 2; token 1 → expert 0; token 2 → expert 1.
+        let mut masked = vec![0.0; 4 * 3];
+        masked[0] = 0.6;
+        masked[2] = 0.4;
+        masked[3] = 1.0;
+        masked[2 * 3 + 1] = 1.0;
+        Self {
+            x: f32_tensor(&[4, 2], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0, 0.0]),
+            masked: f32_tensor(&[12], &masked),
+            gate_up: f32_tensor(&[3, 2, 2, 2], &[0.1; 24]),
+            down: f32_tensor(&[3, 2, 2], &[0.2; 12]),
+            positions: i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, -1]),
+            blocks: i32_tensor(&[4], &[0, 1, 2, 3]),
+        }
+    }
+
+    fn check(&self) -> moekit::Result<()> {
+        BlockwiseMm::new(
+            BlockwiseMmInputs {
+                hidden_states: &self.x,
+                expert_affinities_masked: &self.masked,
+                gate_up_proj_weight: &self.gate_up,
+                down_proj_weight: &self.down,
+                token_position_to_id: &self.positions,
+                block_to_expert: &self.blocks,
+            },
+            BlockwiseMmParams::default(),
+        )
+        .map(|_| ())
+    }
+}
+
+fn expect_err(result: moekit::Result<()>, needles: &[&str]) {
+    let message = result.expect_err("expected an error").to_string();
+    for needle in needles {
+        assert!(message.contains(needle), "`{message}` lacks `{needle}`");
+    }
+}
+
+#[test]
+fn plan_violations_are_clear_errors() {
+    Valid::new().check().unwrap();
+    let with = |f: &dyn Fn(&mut Valid)| {
+        let mut v = Valid::new();
+        f(&mut v);
+        v.check()
+    };
+    expect_err(
+        with(&|v| v.x = f32_tensor(&[4, 2], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0, 1.0])),
+        &["hidden_states", "row T = 3", "padding"],
+    );
+    expect_err(
+        with(&|v| {
+            let mut m = v.masked.to_f64_vec();
+            m[10] = 0.5;
+            v.masked = f32_tensor(&[12], &m);
+        }),
+        &["expert_affinities_masked", "row T = 3"],
+    );
+    expect_err(
+        with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, 2, 4])),
+        &["block_to_expert", "block 3", "expert id 4"],
+    );
+    expect_err(
+        with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, -2, 3])),
+        &["block_to_expert", "-2"],
+    );
+    expect_err(
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, 3, -1])),
+        &[
+            "token_position_to_id",
+            "position 6",
+            "token id 3",
+            "[-1, 3)",
+        ],
+    );
+    expect_err(
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -2, -1])),
+        &["token id -2"],
+    );
+    expect_err(
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, 1])),
+        &["unused", "block 3"],
+    );
+    expect_err(
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 0, 2, -1, 0, -1, -1, -1])),
+        &["token 0 appears twice for expert 0"],
+    );
+    expect_err(
+        with(&|v| v.positions = i32_tensor(&[8], &[0, -1, 2, -1, 0, -1, -1, -1])),
+        &["token 1", "expert 0", "no slot"],
+    );
+    expect_err(
+        with(&|v| v.positions = i32_tensor(&[7], &[0, 1, 2, -1, 0, -1, -1])),
+        &["token_position_to_id", "[N·B]", "N = 4"],
+    );
+    expect_err(
+        with(&|v| v.blocks = i32_tensor(&[0], &[])),
+        &["block_to_expert", "N (blocks)"],
+    );
+    expect_err(
+        with(&|v| v.masked = f32_tensor(&[3, 4], &[0.0; 12])),
+        &["expert_affinities_masked", "[(T+1)·E]"],
+    );
+    expect_err(
+        with(&|v| v.masked = f32_tensor(&[8], &[0.0; 8])),
+        &["expert_affinities_masked", "[12]"],
+    );
+    expect_err(
+        with(&|v| v.gate_up = f32_tensor(&[3, 2, 1, 4], &[0.1; 24])),
+        &["gate_up_proj_weight", "[E, H, 2, I]"],
+    );
+    expect_err(
+        with(&|v| v.down = f32_tensor(&[3, 2, 3], &[0.1; 18])),
+        &["down_proj_weight", "[E, I, H]", "[3, 2, 2]"],
+    );
+    expect_err(
+        with(&|v| v.down = i32_tensor(&[3, 2, 2], &[0; 12])),
+        &["down_proj_weight", "f32 or bf16", "i32"],
+    );
+    expect_err(
+        with(&|v| v.positions = f32_tensor(&[8], &[0.0; 8])),
+        &["token_position_to_id", "i32"],
+    );
+    expect_err(
+        with(&|v| {
+            let mut w = v.gate_up.to_f64_vec();
+            w[5] = f64::NAN;
+            v.gate_up = f32_tensor(&[3, 2, 2, 2], &w);
+        }),
+        &["gate_up_proj_weight", "non-finite", "[0, 1, 0, 1]"],
+    );
+    expect_err(
+        with(&|v| v.x = f32_tensor(&[1, 2], &[0.0; 2])),
+        &["hidden_states", "T+1 ≥ 2"],
+    );
+    // The NKI layout [(T+1)·E, 1] is accepted.
+    with(&|v| v.masked = f32_tensor(&[12, 1], &v.masked.to_f64_vec())).unwrap();
+}
+
+#[test]
+fn backward_rejects_bad_checkpoints_and_gradients() {
+    let v = Valid::new();
+    let inputs = BlockwiseMmInputs {
+        hidden_states: &v.x,
+        expert_affinities_masked: &v.masked,
+        gate_up_proj_weight: &v.gate_up,
+        down_proj_weight: &v.down,
+        token_position_to_id: &v.positions,
+        block_to_expert: &v.blocks,
+    };
+    let gu = f32_tensor(&[4, 2, 2, 2], &[0.0; 32]);
+    let down = f32_tensor(&[4, 2, 2], &[0.0; 16]);
+    let grad = f32_tensor(&[3, 2], &[1.0; 6]);
+    let bwd = |gu: &Tensor, down: &Tensor, grad: &Tensor, index: Option<&Tensor>| {
+        BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+            forward: inputs,
+            gate_up_activations_t: gu,
+            down_activations: down,
+            output_hidden_states_grad: grad,
+            expert_index: index,
+        })
+        .map(|_| ())
+    };
+    bwd(&gu, &down, &grad, None).unwrap();
+    expect_err(
+        bwd(&f32_tensor(&[4, 2, 2, 1], &[0.0; 16]), &down, &grad, None),
+        &["gate_up_activations_T", "[N, 2, I, B]"],
+    );
+    expect_err(
+        bwd(&gu, &f32_tensor(&[4, 2, 3], &[0.0; 24]), &grad, None),
+        &["down_activations", "[N, B, H]"],
+    );
+    expect_err(
+        bwd(&gu, &down, &f32_tensor(&[4, 2], &[0.0; 8]), None),
+        &["output_hidden_states_grad", "[T, H]"],
+    );
+    expect_err(
+        bwd(
+            &gu,
+            &down,
+            &f32_tensor(&[3, 2], &[0.0, 0.0, f64::INFINITY, 0.0, 0.0, 0.0]),
+            None,
+        ),
+        &["output_hidden_states_grad", "non-finite"],
+    );
+    expect_err(
+        bwd(&gu, &down, &grad, Some(&i32_tensor(&[3, 1], &[0, 5, 1]))),
+        &["expert_index", "expert id 5"],
+    );
+}

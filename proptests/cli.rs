@@ -1,0 +1,420 @@
+//! The `moekit` binary end to end: golden-tensor files in, outputs by name out, params from
+//! metadata and `--param`, a full forward + backward pipeline through files, and every error path
+//! exiting non-zero with a message that names the problem.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::*;
+use moekit::contracts::{Activation, RouterTopk, RouterTopkInputs, RouterTopkParams};
+use moekit::golden::TensorFile;
+use moekit::kernel::{Kernel, Params};
+use moekit::reference::ReferenceBackend;
+use moekit::{Backend, Tensor};
+
+/// A scratch directory under the target dir, fresh per test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("cli")
+        .join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn moekit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moekit"))
+        .args(args)
+        .output()
+        .expect("run moekit")
+}
+
+fn write(path: &Path, tensors: &[(&str, &Tensor)], metadata: &[(&str, &str)]) {
+    TensorFile {
+        tensors: tensors
+            .iter()
+            .map(|(n, t)| (n.to_string(), (*t).clone()))
+            .collect(),
+        metadata: metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+    .write(path)
+    .unwrap();
+}
+
+fn run_ok(kernel: &str, inputs: &Path, output: &Path, params: &[&str]) -> BTreeMap<String, Tensor> {
+    let mut args = vec![
+        "run",
+        kernel,
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ];
+    for p in params {
+        args.extend(["--param", p]);
+    }
+    let out = moekit(&args);
+    assert!(
+        out.status.success(),
+        "moekit {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    TensorFile::read(output).unwrap().tensors
+}
+
+fn run_err(args: &[&str], needles: &[&str]) {
+    let out = moekit(args);
+    assert!(!out.status.success(), "moekit {args:?} should fail");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for needle in needles {
+        assert!(
+            stderr.contains(needle),
+            "stderr `{stderr}` lacks `{needle}`"
+        );
+    }
+}
+
+fn router_inputs(seed: u64) -> (Tensor, Tensor) {
+    let mut rng = SeededRng::new(seed);
+    (
+        f32_tensor(&[5, 4], &rng.values(20, 1.0)),
+        f32_tensor(&[4, 6], &rng.values(24, 1.0)),
+    )
+}
+
+#[test]
+fn list_prints_every_kernel_contract() {
+    let out = moekit(&["list"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for kernel in Kernel::ALL {
+        assert!(text.contains(kernel.name()), "missing {}", kernel.name());
+        for t in kernel.spec().inputs.iter().chain(kernel.spec().outputs) {
+            assert!(
+                text.contains(t.name) && text.contains(t.shape),
+                "missing {}",
+                t.name
+            );
+        }
+    }
+    assert!(text.contains("gate_up_proj_weight") && text.contains("[E, H, 2, I]"));
+    assert!(text.contains("Backends: reference"));
+}
+
+#[test]
+fn router_topk_from_file_equals_the_library_call() {
+    let dir = scratch("router");
+    let (x, w) = router_inputs(1);
+    let inputs = dir.join("in.safetensors");
+    let output = dir.join("out.safetensors");
+    write(
+        &inputs,
+        &[("x", &x), ("w", &w)],
+        &[("top_k", "2"), ("norm_topk_prob", "true"), ("format", "pt")],
+    );
+    let got = run_ok("router_topk", &inputs, &output, &[]);
+    let expected = ReferenceBackend
+        .router_topk(
+            &RouterTopk::new(
+                RouterTopkInputs {
+                    x: &x,
+                    w: &w,
+                    bias: None,
+                    selection_bias: None,
+                },
+                RouterTopkParams {
+                    top_k: 2,
+                    activation: Activation::Softmax,
+                    norm_topk_prob: true,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(got["router_logits"], expected.router_logits);
+    assert_eq!(got["expert_index"], expected.expert_index);
+    assert_eq!(got["topk_affinities"], expected.topk_affinities);
+    assert_eq!(got["expert_affinities"], expected.expert_affinities);
+
+    // --param overrides metadata.
+    let got = run_ok(
+        "router_topk",
+        &inputs,
+        &output,
+        &["top_k=3", "activation=sigmoid"],
+    );
+    assert_eq!(got["expert_index"].shape(), &[5, 3]);
+}
+
+#[test]
+fn bf16_inputs_unused_tensors_and_unused_params_are_accepted() {
+    let dir = scratch("bf16");
+    let (x, w) = router_inputs(2);
+    let (xb, wb) = (x.to_bf16(), w.to_bf16());
+    let unused = i32_tensor(&[2], &[7, 7]);
+    let inputs = dir.join("in.safetensors");
+    write(
+        &inputs,
+        &[("x", &xb), ("w", &wb), ("something_else", &unused)],
+        &[],
+    );
+    let got = run_ok(
+        "router_topk",
+        &inputs,
+        &dir.join("out.safetensors"),
+        &["top_k=2", "block_size=64", "checkpoint_activations=true"],
+    );
+    let tensors: BTreeMap<String, Tensor> = [("x".to_owned(), xb), ("w".to_owned(), wb)].into();
+    let mut params = Params::default();
+    params.set("top_k", "2").unwrap();
+    let expected = Kernel::RouterTopk
+        .run(&ReferenceBackend, &tensors, &params)
+        .unwrap();
+    for (name, tensor) in expected {
+        assert_eq!(got[name], tensor, "{name}");
+    }
+}
+
+#[test]
+fn forward_and_backward_pipeline_through_files() {
+    let dir = scratch("pipeline");
+    let (t, h, e, k, i, b) = (5usize, 4usize, 6usize, 2usize, 3usize, 2usize);
+    let mut rng = SeededRng::new(3);
+    let (x, w) = router_inputs(3);
+    let step = |name: &str, tensors: &[(&str, &Tensor)], params: &[&str]| {
+        let inputs = dir.join(format!("{name}.in.safetensors"));
+        write(&inputs, tensors, &[]);
+        run_ok(
+            name,
+            &inputs,
+            &dir.join(format!("{name}.out.safetensors")),
+            params,
+        )
+    };
+    let router = step(
+        "router_topk",
+        &[("x", &x), ("w", &w)],
+        &["top_k=2", "norm_topk_prob=true"],
+    );
+    let plan = step(
+        "permute",
+        &[
+            ("expert_index", &router["expert_index"]),
+            ("topk_affinities", &router["topk_affinities"]),
+        ],
+        &[&format!("num_experts={e}"), &format!("block_size={b}")],
+    );
+    let mut padded = x.to_f64_vec();
+    padded.extend(vec![0.0; h]);
+    let hidden = f32_tensor(&[t + 1, h], &padded);
+    let gate_up = f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 1.0));
+    let down = f32_tensor(&[e, i, h], &rng.values(e * i * h, 1.0));
+    let mm_inputs = [
+        ("hidden_states", &hidden),
+        (
+            "expert_affinities_masked",
+            &plan["expert_affinities_masked"],
+        ),
+        ("gate_up_proj_weight", &gate_up),
+        ("down_proj_weight", &down),
+        ("token_position_to_id", &plan["token_position_to_id"]),
+        ("block_to_expert", &plan["block_to_expert"]),
+    ];
+    let fwd = step("blockwise_mm", &mm_inputs, &["checkpoint_activations=true"]);
+    assert_eq!(fwd["output"].shape(), &[t, h]);
+    let grad = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+    let mut bwd_inputs = mm_inputs.to_vec();
+    bwd_inputs.extend([
+        ("gate_up_activations_T", &fwd["gate_up_activations_T"]),
+        ("down_activations", &fwd["down_activations"]),
+        ("output_hidden_states_grad", &grad),
+        ("expert_index", &router["expert_index"]),
+    ]);
+    let bwd = step("blockwise_mm_bwd", &bwd_inputs, &[]);
+
+    // The same chain through the library.
+    let lib = |kernel: Kernel, tensors: &[(&str, &Tensor)], params: &[(&str, &str)]| {
+        let map: BTreeMap<String, Tensor> = tensors
+            .iter()
+            .map(|(n, t)| (n.to_string(), (*t).clone()))
+            .collect();
+        let mut p = Params::default();
+        for (n, v) in params {
+            p.set(n, v).unwrap();
+        }
+        kernel.run(&ReferenceBackend, &map, &p).unwrap()
+    };
+    for (name, tensor) in lib(Kernel::BlockwiseMmBwd, &bwd_inputs, &[]) {
+        assert_eq!(bwd[name], tensor, "{name}");
+    }
+    assert_eq!(bwd["d_topk_affinities"].shape(), &[t, k]);
+
+    let router_bwd = step(
+        "router_topk_bwd",
+        &[
+            ("x", &x),
+            ("w", &w),
+            ("router_logits", &router["router_logits"]),
+            ("expert_index", &router["expert_index"]),
+            ("d_topk_affinities", &bwd["d_topk_affinities"]),
+        ],
+        &["norm_topk_prob=true"],
+    );
+    assert_eq!(router_bwd["d_w"].shape(), &[h, e]);
+    let lbl = step(
+        "load_balancing_loss_bwd",
+        &[
+            ("router_logits", &router["router_logits"]),
+            ("expert_index", &router["expert_index"]),
+            ("d_aux_loss", &f32_tensor(&[1], &[1.0])),
+        ],
+        &[],
+    );
+    assert_eq!(lbl["d_router_logits"].shape(), &[t, e]);
+    let pb = step(
+        "permute_bwd",
+        &[
+            ("expert_index", &router["expert_index"]),
+            (
+                "expert_affinities_masked_grad",
+                &bwd["expert_affinities_masked_grad"],
+            ),
+        ],
+        &[],
+    );
+    assert_eq!(pb["d_topk_affinities"], bwd["d_topk_affinities"]);
+}
+
+#[test]
+fn errors_exit_non_zero_with_a_clear_message() {
+    let dir = scratch("errors");
+    let (x, w) = router_inputs(4);
+    let inputs = dir.join("in.safetensors");
+    let output = dir.join("out.safetensors");
+    let (i, o) = (inputs.to_str().unwrap(), output.to_str().unwrap());
+    write(&inputs, &[("x", &x), ("w", &w)], &[]);
+    let run = |kernel: &str, extra: &[&str]| {
+        let mut args = vec!["run", kernel, "--inputs", i, "--output", o];
+        args.extend(extra);
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let check = |args: Vec<String>, needles: &[&str]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_err(&args, needles);
+    };
+    check(run("router_topk", &[]), &["top_k", "required"]);
+    check(
+        run("router_topk", &["--param", "top_k=9"]),
+        &["top_k", "1..=6", "got 9"],
+    );
+    check(
+        run("router_topk", &["--param", "top_k=two"]),
+        &["top_k", "`two`"],
+    );
+    check(
+        run("router_topk", &["--param", "topk=2"]),
+        &["topk", "unknown parameter"],
+    );
+    check(run("router_topk", &["--param", "top_k"]), &["NAME=VALUE"]);
+    check(
+        run("router_topk", &["--param", "activation=relu"]),
+        &["activation", "relu"],
+    );
+    check(
+        run("router_topk", &["--param", "top_k=2", "--backend", "gpu"]),
+        &["unknown backend `gpu`", "reference"],
+    );
+    check(
+        run("router_top_k", &[]),
+        &["unknown kernel `router_top_k`", "router_topk"],
+    );
+    check(
+        run(
+            "permute",
+            &["--param", "num_experts=4", "--param", "block_size=2"],
+        ),
+        &["missing input tensor `expert_index`"],
+    );
+    assert!(!output.exists(), "no output may be written on failure");
+
+    // A failing run leaves an existing output untouched.
+    std::fs::write(&output, b"precious").unwrap();
+    check(
+        run("blockwise_mm", &[]),
+        &["missing input tensor `hidden_states`"],
+    );
+    assert_eq!(std::fs::read(&output).unwrap(), b"precious");
+
+    // Wrong shape and dtype in the file.
+    write(
+        &inputs,
+        &[("x", &x), ("w", &f32_tensor(&[3, 6], &[0.0; 18]))],
+        &[],
+    );
+    check(
+        run("router_topk", &["--param", "top_k=2"]),
+        &["`w`", "[H, E]", "[3, 6]"],
+    );
+    write(
+        &inputs,
+        &[("x", &i32_tensor(&[5, 4], &[0; 20])), ("w", &w)],
+        &[],
+    );
+    check(
+        run("router_topk", &["--param", "top_k=2"]),
+        &["`x`", "f32 or bf16", "i32"],
+    );
+
+    // Unsupported dtypes, corrupt and missing files.
+    let f64_bytes: Vec<u8> = [1.0f64, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![2], &f64_bytes).unwrap();
+    std::fs::write(
+        &inputs,
+        safetensors::serialize([("x", view)], None).unwrap(),
+    )
+    .unwrap();
+    check(
+        run("router_topk", &["--param", "top_k=2"]),
+        &["tensor `x`", "F64"],
+    );
+    std::fs::write(&inputs, b"definitely not safetensors").unwrap();
+    check(
+        run("router_topk", &["--param", "top_k=2"]),
+        &["in.safetensors", "not a valid safetensors file"],
+    );
+    std::fs::remove_file(&inputs).unwrap();
+    check(
+        run("router_topk", &["--param", "top_k=2"]),
+        &["in.safetensors"],
+    );
+
+    // An output directory that does not exist: an error, and no temporary file left behind.
+    write(&inputs, &[("x", &x), ("w", &w)], &[]);
+    let missing = dir.join("no-such-dir").join("out.safetensors");
+    run_err(
+        &[
+            "run",
+            "router_topk",
+            "--inputs",
+            i,
+            "--output",
+            missing.to_str().unwrap(),
+            "--param",
+            "top_k=2",
+        ],
+        &["no-such-dir"],
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}

@@ -1,0 +1,171 @@
+//! Shared helpers for the property tests: configuration, a seeded generator for tensor data,
+//! routing generators, closeness assertions and central finite differences.
+
+#![allow(dead_code)]
+
+use moekit::Tensor;
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+/// Proptest configuration with `default_cases` cases unless `PROPTEST_CASES` is set.
+pub fn config(default_cases: u32) -> ProptestConfig {
+    let mut config = ProptestConfig::default();
+    if std::env::var_os("PROPTEST_CASES").is_none() {
+        config.cases = default_cases;
+    }
+    config
+}
+
+/// SplitMix64: a tiny deterministic generator for bulk tensor data (proptest picks the seed).
+pub struct SeededRng(u64);
+
+impl SeededRng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// `n` values uniform in `[-scale, scale)`, rounded to f32 so f32 tensors hold them exactly.
+    pub fn values(&mut self, n: usize, scale: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| f64::from(self.uniform(-scale, scale) as f32))
+            .collect()
+    }
+
+    /// A random permutation of `0..n`.
+    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            p.swap(i, self.below(i + 1));
+        }
+        p
+    }
+}
+
+/// How tokens pick experts in generated routings.
+#[derive(Clone, Copy, Debug)]
+pub enum Routing {
+    /// K distinct random experts per token.
+    Random,
+    /// Every token picks experts `0..K`: all load on the same K experts.
+    Concentrated,
+    /// Tokens only pick among the first `K` or `K+1` experts, leaving the rest with no tokens.
+    Sparse,
+}
+
+pub fn routing() -> impl Strategy<Value = Routing> {
+    prop_oneof![
+        2 => Just(Routing::Random),
+        1 => Just(Routing::Concentrated),
+        1 => Just(Routing::Sparse),
+    ]
+}
+
+/// `expert_index [T, K]` with distinct ids per row.
+pub fn expert_index(
+    rng: &mut SeededRng,
+    routing: Routing,
+    t: usize,
+    e: usize,
+    k: usize,
+) -> Vec<i32> {
+    let pool = match routing {
+        Routing::Random => e,
+        Routing::Concentrated => k,
+        Routing::Sparse => (k + 1).min(e),
+    };
+    (0..t)
+        .flat_map(|_| {
+            rng.permutation(pool)
+                .into_iter()
+                .take(k)
+                .map(|id| id as i32)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+pub fn f32_tensor(shape: &[usize], values: &[f64]) -> Tensor {
+    Tensor::from_f32(shape, values.iter().map(|&v| v as f32).collect()).unwrap()
+}
+
+pub fn i32_tensor(shape: &[usize], values: &[i32]) -> Tensor {
+    Tensor::from_i32(shape, values.to_vec()).unwrap()
+}
+
+pub fn f32s(tensor: &Tensor) -> Vec<f64> {
+    assert_eq!(tensor.dtype(), moekit::DType::F32, "outputs are f32");
+    tensor.to_f64_vec()
+}
+
+/// Asserts `|actual − expected| ≤ atol + rtol·|expected|` elementwise.
+pub fn assert_close(
+    what: &str,
+    actual: &[f64],
+    expected: &[f64],
+    rtol: f64,
+    atol: f64,
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(actual.len(), expected.len(), "{}: length", what);
+    for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+        prop_assert!(
+            (a - e).abs() <= atol + rtol * e.abs(),
+            "{}[{}]: got {}, expected {} (rtol {}, atol {})",
+            what,
+            i,
+            a,
+            e,
+            rtol,
+            atol
+        );
+    }
+    Ok(())
+}
+
+/// Largest magnitude, at least 1: a scale for absolute tolerances.
+pub fn scale(values: &[f64]) -> f64 {
+    values.iter().fold(1.0, |m: f64, v| m.max(v.abs()))
+}
+
+/// Central finite differences of a scalar function at `at`, step `h` per coordinate.
+pub fn finite_differences(at: &[f64], h: f64, f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+    let mut point = at.to_vec();
+    (0..at.len())
+        .map(|i| {
+            let x = at[i];
+            point[i] = x + h;
+            let plus = f(&point);
+            point[i] = x - h;
+            let minus = f(&point);
+            point[i] = x;
+            (plus - minus) / (2.0 * h)
+        })
+        .collect()
+}
+
+pub fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Finite-difference step and tolerance used by every backward test: with h = 1e-5 the
+/// truncation error is O(h²·f''') ≈ 1e-10 and the rounding error O(ε/h) ≈ 1e-11, relative to the
+/// function's scale; 1e-6 leaves a wide margin while still catching any wrong term.
+pub const FD_STEP: f64 = 1e-5;
+pub const FD_TOL: f64 = 1e-6;

@@ -1,0 +1,261 @@
+//! `permute` invariants on random routings (including zero-token experts, all tokens on one
+//! expert, B = 1 and B > T·K), tightness of the static block bound, `permute_bwd` as the exact
+//! adjoint of the affinity scatter, and error paths.
+
+#![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
+
+mod common;
+
+use common::*;
+use moekit::contracts::{
+    Permute, PermuteBwd, PermuteBwdInputs, PermuteInputs, PermuteOutputs, PermuteParams,
+    static_block_count,
+};
+use moekit::reference::ReferenceBackend;
+use moekit::{Backend, Tensor};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+struct Case {
+    t: usize,
+    e: usize,
+    k: usize,
+    b: usize,
+    index: Vec<i32>,
+    affinities: Vec<f64>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (1usize..12, 1usize..9, routing(), any::<u64>())
+        .prop_flat_map(|(t, e, r, seed)| (Just((t, e, r, seed)), 1..=e, 1usize..20))
+        .prop_map(|((t, e, routing, seed), k, b)| {
+            let mut rng = SeededRng::new(seed);
+            Case {
+                t,
+                e,
+                k,
+                b,
+                index: expert_index(&mut rng, routing, t, e, k),
+                affinities: rng.values(t * k, 1.0),
+            }
+        })
+}
+
+fn run(index: &Tensor, affinities: &Tensor, e: usize, b: usize) -> moekit::Result<PermuteOutputs> {
+    let params = PermuteParams {
+        num_experts: e,
+        block_size: b,
+    };
+    ReferenceBackend.permute(&Permute::new(
+        PermuteInputs {
+            expert_index: index,
+            topk_affinities: affinities,
+        },
+        params,
+    )?)
+}
+
+fn run_case(c: &Case) -> PermuteOutputs {
+    run(
+        &i32_tensor(&[c.t, c.k], &c.index),
+        &f32_tensor(&[c.t, c.k], &c.affinities),
+        c.e,
+        c.b,
+    )
+    .unwrap()
+}
+
+/// Checks every documented property of the plan against the routing it came from.
+fn check_plan(c: &Case, out: &PermuteOutputs) -> Result<(), TestCaseError> {
+    let (t, e, k, b) = (c.t, c.e, c.k, c.b);
+    let counts = out.expert_counts.as_i32().unwrap();
+    let positions = out.token_position_to_id.as_i32().unwrap();
+    let blocks = out.block_to_expert.as_i32().unwrap();
+    let used = out.num_used_blocks.as_i32().unwrap()[0] as usize;
+    let n = blocks.len();
+
+    prop_assert_eq!(n, static_block_count(t * k, e, b));
+    prop_assert_eq!(positions.len(), n * b);
+    prop_assert_eq!(counts.iter().sum::<i32>() as usize, t * k);
+    let expected_used: usize = counts.iter().map(|&c| (c as usize).div_ceil(b)).sum();
+    prop_assert_eq!(used, expected_used);
+    prop_assert!(used <= n, "static bound {} below used blocks {}", n, used);
+
+    // Blocks ordered by expert id; unused blocks (expert E) only after the used ones.
+    prop_assert!(
+        blocks.windows(2).all(|w| w[0] <= w[1]),
+        "blocks not sorted: {:?}",
+        blocks
+    );
+    prop_assert!(blocks[..used].iter().all(|&x| (x as usize) < e));
+    prop_assert!(blocks[used..].iter().all(|&x| x as usize == e));
+    prop_assert!(positions[used * b..].iter().all(|&p| p == -1));
+
+    for expert in 0..e {
+        // The expert's slots, in order, across its contiguous blocks.
+        let slots: Vec<i32> = blocks
+            .iter()
+            .enumerate()
+            .filter(|&(_, &x)| x as usize == expert)
+            .flat_map(|(block, _)| positions[block * b..(block + 1) * b].iter().copied())
+            .collect();
+        let tokens: Vec<i32> = (0..t as i32)
+            .filter(|&tok| {
+                c.index[tok as usize * k..(tok as usize + 1) * k].contains(&(expert as i32))
+            })
+            .collect();
+        prop_assert_eq!(counts[expert] as usize, tokens.len());
+        prop_assert_eq!(
+            slots.len(),
+            tokens.len().div_ceil(b) * b,
+            "expert {} blocks",
+            expert
+        );
+        // Tokens ascending first, then padding only at the tail of the last block.
+        prop_assert_eq!(&slots[..tokens.len()], &tokens[..]);
+        prop_assert!(slots[tokens.len()..].iter().all(|&p| p == -1));
+    }
+
+    let masked = f32s(&out.expert_affinities_masked);
+    prop_assert_eq!(masked.len(), (t + 1) * e);
+    let mut expected = vec![0.0; (t + 1) * e];
+    for (pair, &id) in c.index.iter().enumerate() {
+        expected[(pair / k) * e + id as usize] = c.affinities[pair];
+    }
+    prop_assert_eq!(masked, expected);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    #[test]
+    fn plan_satisfies_every_invariant(c in case()) {
+        let out = run_case(&c);
+        check_plan(&c, &out)?;
+        // bf16 affinities give the same plan, with the affinities they hold.
+        let bf16 = f32_tensor(&[c.t, c.k], &c.affinities).to_bf16();
+        let c_bf16 = Case { affinities: bf16.to_f64_vec(), ..c.clone() };
+        let from_bf16 = run(&i32_tensor(&[c.t, c.k], &c.index), &bf16, c.e, c.b).unwrap();
+        check_plan(&c_bf16, &from_bf16)?;
+    }
+
+    #[test]
+    fn permute_bwd_is_the_adjoint_of_the_affinity_scatter(c in case(), seed in any::<u64>()) {
+        // ⟨scatter(a), g⟩ = ⟨a, permute_bwd(g)⟩ for every a and g.
+        let out = run_case(&c);
+        let mut rng = SeededRng::new(seed);
+        let g = rng.values((c.t + 1) * c.e, 1.0);
+        let index = i32_tensor(&[c.t, c.k], &c.index);
+        for shape in [vec![(c.t + 1) * c.e], vec![(c.t + 1) * c.e, 1]] {
+            let g_tensor = f32_tensor(&shape, &g);
+            let d = ReferenceBackend.permute_bwd(&PermuteBwd::new(PermuteBwdInputs {
+                expert_index: &index,
+                expert_affinities_masked_grad: &g_tensor,
+            }).unwrap()).unwrap().d_topk_affinities;
+            prop_assert_eq!(d.shape(), &[c.t, c.k]);
+            let lhs = dot(&f32s(&out.expert_affinities_masked), &g);
+            let rhs = dot(&c.affinities, &f32s(&d));
+            prop_assert!((lhs - rhs).abs() <= 1e-12 * (1.0 + lhs.abs()), "{} vs {}", lhs, rhs);
+        }
+    }
+
+    #[test]
+    fn static_bound_is_reached_by_the_worst_routing(t in 1usize..40, e in 1usize..10, b in 1usize..12) {
+        // K = 1; tokens 0..E−1 go one each to experts 1..E−1, the rest to expert 0: the routing
+        // that needs the most blocks.
+        prop_assume!(t >= e);
+        let index: Vec<i32> = (0..t).map(|tok| if tok < e - 1 { tok as i32 + 1 } else { 0 }).collect();
+        let out = run(&i32_tensor(&[t, 1], &index), &f32_tensor(&[t, 1], &vec![0.5; t]), e, b).unwrap();
+        prop_assert_eq!(out.num_used_blocks.as_i32().unwrap()[0] as usize, out.block_to_expert.numel());
+    }
+}
+
+#[test]
+fn static_block_count_matches_the_formula() {
+    // N = min(ceil((T·K − (E−1)) / B) + (E−1), T·K), including T·K < E−1.
+    assert_eq!(static_block_count(16, 4, 4), 3 + 4); // ceil(13/4) + 3
+    assert_eq!(static_block_count(2, 8, 4), 2); // capped at T·K
+    assert_eq!(static_block_count(1, 1, 1), 1);
+    assert_eq!(static_block_count(1, 1, 128), 1);
+    assert_eq!(static_block_count(2048 * 8, 128, 512), 32 + 127);
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let index = i32_tensor(&[2, 2], &[0, 1, 2, 3]);
+    let aff = f32_tensor(&[2, 2], &[0.5; 4]);
+    let check = |index: &Tensor, aff: &Tensor, e: usize, b: usize, needles: &[&str]| {
+        let message = run(index, aff, e, b).unwrap_err().to_string();
+        for needle in needles {
+            assert!(message.contains(needle), "`{message}` lacks `{needle}`");
+        }
+    };
+    check(&index, &aff, 0, 4, &["num_experts", "at least 1"]);
+    check(&index, &aff, 4, 0, &["block_size", "at least 1"]);
+    check(
+        &index,
+        &aff,
+        3,
+        4,
+        &["expert_index", "expert id 3", "[1, 1]", "[0, 3)"],
+    );
+    check(
+        &i32_tensor(&[2, 2], &[0, -1, 2, 3]),
+        &aff,
+        4,
+        4,
+        &["expert id -1"],
+    );
+    check(
+        &i32_tensor(&[2, 2], &[0, 1, 2, 2]),
+        &aff,
+        4,
+        4,
+        &["twice", "row [1]"],
+    );
+    check(
+        &i32_tensor(&[1, 3], &[0, 1, 2]),
+        &f32_tensor(&[1, 3], &[0.1; 3]),
+        2,
+        4,
+        &["K ≤ num_experts = 2"],
+    );
+    check(
+        &index,
+        &f32_tensor(&[2, 3], &[0.5; 6]),
+        4,
+        4,
+        &["topk_affinities", "[T, K]"],
+    );
+    check(
+        &index,
+        &f32_tensor(&[2, 2], &[0.5, f64::NAN, 0.5, 0.5]),
+        4,
+        4,
+        &["topk_affinities", "non-finite"],
+    );
+    check(
+        &f32_tensor(&[2, 2], &[0.0; 4]),
+        &aff,
+        4,
+        4,
+        &["expert_index", "i32", "f32"],
+    );
+    check(
+        &i32_tensor(&[0, 2], &[]),
+        &f32_tensor(&[0, 2], &[]),
+        4,
+        4,
+        &["T (tokens)"],
+    );
+    let err = PermuteBwd::new(PermuteBwdInputs {
+        expert_index: &index,
+        expert_affinities_masked_grad: &f32_tensor(&[7], &[0.0; 7]),
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("expert_affinities_masked_grad"),
+        "{err}"
+    );
+}

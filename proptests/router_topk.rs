@@ -1,0 +1,399 @@
+//! `router_topk` forward against a direct softmax/sigmoid + sort formulation, its backward
+//! against central finite differences, tie-breaking, edge cases and error paths.
+
+#![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
+
+mod common;
+
+use common::*;
+use moekit::contracts::{
+    Activation, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
+    RouterTopkInputs, RouterTopkParams,
+};
+use moekit::reference::router::{router_backward, router_forward};
+use moekit::{Backend, Error, Tensor, reference::ReferenceBackend};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+struct Case {
+    t: usize,
+    h: usize,
+    e: usize,
+    params: RouterTopkParams,
+    x: Vec<f64>,
+    w: Vec<f64>,
+    bias: Option<Vec<f64>>,
+    selection_bias: Option<Vec<f64>>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (1usize..7, 1usize..7, 1usize..9)
+        .prop_flat_map(|(t, h, e)| {
+            (
+                Just((t, h, e)),
+                1..=e,
+                prop_oneof![Just(Activation::Softmax), Just(Activation::Sigmoid)],
+                any::<bool>(),
+                any::<bool>(),
+                any::<bool>(),
+                any::<u64>(),
+            )
+        })
+        .prop_map(
+            |((t, h, e), top_k, activation, norm_topk_prob, bias, sel, seed)| {
+                let mut rng = SeededRng::new(seed);
+                Case {
+                    t,
+                    h,
+                    e,
+                    params: RouterTopkParams {
+                        top_k,
+                        activation,
+                        norm_topk_prob,
+                    },
+                    x: rng.values(t * h, 2.0),
+                    w: rng.values(h * e, 1.0),
+                    bias: bias.then(|| rng.values(e, 1.0)),
+                    selection_bias: sel.then(|| rng.values(e, 0.3)),
+                }
+            },
+        )
+}
+
+struct Oracle {
+    logits: Vec<f64>,
+    /// `[T, E]` selection scores.
+    scores: Vec<f64>,
+    expert_index: Vec<usize>,
+    topk: Vec<f64>,
+}
+
+/// Direct formulation: logits by explicit dot products, probabilities by the textbook formulas,
+/// selection by a full stable sort on (score descending, expert id ascending).
+fn oracle(c: &Case) -> Oracle {
+    let (t, h, e, k) = (c.t, c.h, c.e, c.params.top_k);
+    let mut o = Oracle {
+        logits: vec![],
+        scores: vec![],
+        expert_index: vec![],
+        topk: vec![],
+    };
+    for token in 0..t {
+        let logits: Vec<f64> = (0..e)
+            .map(|ex| {
+                let mut acc = c.bias.as_ref().map_or(0.0, |b| b[ex]);
+                for j in (0..h).rev() {
+                    acc += c.x[token * h + j] * c.w[j * e + ex];
+                }
+                acc
+            })
+            .collect();
+        let probs: Vec<f64> = match c.params.activation {
+            Activation::Softmax => {
+                let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+                logits.iter().map(|l| (l - max).exp() / z).collect()
+            }
+            Activation::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+        };
+        let scores: Vec<f64> = (0..e)
+            .map(|ex| probs[ex] + c.selection_bias.as_ref().map_or(0.0, |b| b[ex]))
+            .collect();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        let chosen = &order[..k];
+        let sum: f64 = chosen.iter().map(|&ex| probs[ex]).sum();
+        for &ex in chosen {
+            o.topk
+                .push(probs[ex] / if c.params.norm_topk_prob { sum } else { 1.0 });
+        }
+        o.expert_index.extend_from_slice(chosen);
+        o.logits.extend(logits);
+        o.scores.extend(scores);
+    }
+    o
+}
+
+/// Smallest gap between consecutive scores among the top K+1 of any row (∞ if E = K = 1).
+fn selection_margin(scores: &[f64], e: usize, k: usize) -> f64 {
+    scores
+        .chunks(e)
+        .map(|row| {
+            let mut sorted = row.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            sorted[..(k + 1).min(e)]
+                .windows(2)
+                .map(|w| w[0] - w[1])
+                .fold(f64::INFINITY, f64::min)
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn tensors(c: &Case) -> (Tensor, Tensor, Option<Tensor>, Option<Tensor>) {
+    (
+        f32_tensor(&[c.t, c.h], &c.x),
+        f32_tensor(&[c.h, c.e], &c.w),
+        c.bias.as_ref().map(|b| f32_tensor(&[c.e], b)),
+        c.selection_bias.as_ref().map(|b| f32_tensor(&[c.e], b)),
+    )
+}
+
+fn run(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    selection_bias: Option<&Tensor>,
+    params: RouterTopkParams,
+) -> moekit::Result<moekit::contracts::RouterTopkOutputs> {
+    let call = RouterTopk::new(
+        RouterTopkInputs {
+            x,
+            w,
+            bias,
+            selection_bias,
+        },
+        params,
+    )?;
+    ReferenceBackend.router_topk(&call)
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn forward_matches_direct_formulation(c in case()) {
+        let o = oracle(&c);
+        prop_assume!(selection_margin(&o.scores, c.e, c.params.top_k) > 1e-9);
+        let (x, w, bias, sel) = tensors(&c);
+        let out = run(&x, &w, bias.as_ref(), sel.as_ref(), c.params).unwrap();
+        let k = c.params.top_k;
+        prop_assert_eq!(out.expert_index.shape(), &[c.t, k]);
+        let ids: Vec<usize> = out.expert_index.as_i32().unwrap().iter().map(|&i| i as usize).collect();
+        prop_assert_eq!(&ids, &o.expert_index);
+        assert_close("router_logits", &f32s(&out.router_logits), &o.logits, 1e-6, 1e-6)?;
+        assert_close("topk_affinities", &f32s(&out.topk_affinities), &o.topk, 1e-6, 1e-7)?;
+        let scattered = f32s(&out.expert_affinities);
+        for token in 0..c.t {
+            for ex in 0..c.e {
+                let expected = (0..k)
+                    .find(|&slot| ids[token * k + slot] == ex)
+                    .map_or(0.0, |slot| f32s(&out.topk_affinities)[token * k + slot]);
+                prop_assert_eq!(scattered[token * c.e + ex], expected);
+            }
+        }
+        if c.params.norm_topk_prob {
+            for row in f32s(&out.topk_affinities).chunks(k) {
+                prop_assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_inputs_equal_f32_inputs_of_the_same_values(c in case()) {
+        let (x, w, bias, sel) = tensors(&c);
+        let (xb, wb) = (x.to_bf16(), w.to_bf16());
+        let (bias_b, sel_b) = (bias.as_ref().map(Tensor::to_bf16), sel.as_ref().map(Tensor::to_bf16));
+        // The same bf16-representable values, stored as f32.
+        let widen = |t: &Tensor| f32_tensor(t.shape(), &t.to_f64_vec());
+        let from_bf16 = run(&xb, &wb, bias_b.as_ref(), sel_b.as_ref(), c.params).unwrap();
+        let from_f32 = run(&widen(&xb), &widen(&wb), bias_b.as_ref().map(widen).as_ref(),
+            sel_b.as_ref().map(widen).as_ref(), c.params).unwrap();
+        prop_assert_eq!(from_bf16, from_f32);
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_expert_id(seed in any::<u64>(), t in 1usize..6, h in 1usize..5, e in 2usize..7) {
+        let mut rng = SeededRng::new(seed);
+        let x = rng.values(t * h, 1.0);
+        let mut w = rng.values(h * e, 1.0);
+        // Column `hi` duplicates column `lo`, so their logits are bitwise equal.
+        let lo = rng.below(e - 1);
+        let hi = lo + 1 + rng.below(e - 1 - lo);
+        for j in 0..h {
+            w[j * e + hi] = w[j * e + lo];
+        }
+        for activation in [Activation::Softmax, Activation::Sigmoid] {
+            for top_k in 1..=e {
+                let params = RouterTopkParams { top_k, activation, norm_topk_prob: false };
+                let out = run(&f32_tensor(&[t, h], &x), &f32_tensor(&[h, e], &w), None, None, params).unwrap();
+                for row in out.expert_index.as_i32().unwrap().chunks(top_k) {
+                    let pos = |id: usize| row.iter().position(|&r| r as usize == id);
+                    match (pos(lo), pos(hi)) {
+                        (Some(a), Some(b)) => prop_assert!(a < b, "row {:?}: {} after {}", row, lo, hi),
+                        (None, Some(_)) => prop_assert!(false, "row {:?} took {} without {}", row, hi, lo),
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences(c in case(), seed in any::<u64>(), with_d_logits in any::<bool>()) {
+        let o = oracle(&c);
+        prop_assume!(selection_margin(&o.scores, c.e, c.params.top_k) > 1e-3);
+        let (t, h, e, k) = (c.t, c.h, c.e, c.params.top_k);
+        let mut rng = SeededRng::new(seed);
+        let d_topk = rng.values(t * k, 1.0);
+        let d_logits = with_d_logits.then(|| rng.values(t * e, 1.0));
+        let bias = c.bias.clone().unwrap_or_else(|| vec![0.0; e]);
+        let sel = c.selection_bias.as_deref();
+        // L(x, w, bias) = Σ d_topk ⊙ topk_affinities + Σ d_logits ⊙ router_logits.
+        let loss = |x: &[f64], w: &[f64], b: &[f64]| {
+            let f = router_forward(x, w, Some(b), sel, t, h, e, c.params);
+            dot(&d_topk, &f.topk_affinities) + d_logits.as_ref().map_or(0.0, |d| dot(d, &f.logits))
+        };
+        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, t, h, e, c.params);
+        let grads = router_backward(&c.x, &c.w, &fwd.logits, &fwd.expert_index, &d_topk,
+            d_logits.as_deref(), (t, h, e, k), c.params.activation, c.params.norm_topk_prob);
+        let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(x, &c.w, &bias));
+        let fd_w = finite_differences(&c.w, FD_STEP, |w| loss(&c.x, w, &bias));
+        let fd_b = finite_differences(&bias, FD_STEP, |b| loss(&c.x, &c.w, b));
+        assert_close("d_x", &grads.d_x, &fd_x, FD_TOL, FD_TOL)?;
+        assert_close("d_w", &grads.d_w, &fd_w, FD_TOL, FD_TOL)?;
+        assert_close("d_bias", &grads.d_bias, &fd_b, FD_TOL, FD_TOL)?;
+
+        // The f32 kernel returns the same gradients, rounded once.
+        let out = run(&f32_tensor(&[t, h], &c.x), &f32_tensor(&[h, e], &c.w),
+            Some(&f32_tensor(&[e], &bias)), c.selection_bias.as_ref().map(|b| f32_tensor(&[e], b)).as_ref(),
+            c.params).unwrap();
+        let d_topk_t = f32_tensor(&[t, k], &d_topk);
+        let d_logits_t = d_logits.as_ref().map(|d| f32_tensor(&[t, e], d));
+        let (x, w) = (f32_tensor(&[t, h], &c.x), f32_tensor(&[h, e], &c.w));
+        let call = RouterTopkBwd::new(RouterTopkBwdInputs {
+            x: &x, w: &w, router_logits: &out.router_logits, expert_index: &out.expert_index,
+            d_topk_affinities: &d_topk_t, d_router_logits: d_logits_t.as_ref(),
+        }, RouterTopkBwdParams { activation: c.params.activation, norm_topk_prob: c.params.norm_topk_prob }).unwrap();
+        let g = ReferenceBackend.router_topk_bwd(&call).unwrap();
+        // router_logits passed through f32: allow for that rounding.
+        assert_close("d_x (f32)", &f32s(&g.d_x), &grads.d_x, 1e-5, 1e-5)?;
+        assert_close("d_w (f32)", &f32s(&g.d_w), &grads.d_w, 1e-5, 1e-5)?;
+        assert_close("d_bias (f32)", &f32s(&g.d_bias), &grads.d_bias, 1e-5, 1e-5)?;
+    }
+}
+
+#[test]
+fn one_expert_gets_everything() {
+    for activation in [Activation::Softmax, Activation::Sigmoid] {
+        let x = f32_tensor(&[3, 2], &[0.5, -1.0, 2.0, 0.25, -0.75, 1.5]);
+        let w = f32_tensor(&[2, 1], &[0.3, -0.2]);
+        let params = RouterTopkParams {
+            top_k: 1,
+            activation,
+            norm_topk_prob: true,
+        };
+        let out = run(&x, &w, None, None, params).unwrap();
+        assert_eq!(out.expert_index.as_i32().unwrap(), &[0, 0, 0]);
+        assert_eq!(out.topk_affinities.as_f32().unwrap(), &[1.0, 1.0, 1.0]);
+    }
+}
+
+#[test]
+fn extreme_sigmoid_logits_renormalise_without_nan() {
+    // σ(−200) and σ(−300) underflow in f32 (and their sum in a naive f32 kernel); the
+    // renormalised pair is still exactly 1 : e^−100.
+    let x = f32_tensor(&[1, 1], &[1.0]);
+    let w = f32_tensor(&[1, 3], &[-200.0, -300.0, -1000.0]);
+    let params = RouterTopkParams {
+        top_k: 2,
+        activation: Activation::Sigmoid,
+        norm_topk_prob: true,
+    };
+    let out = run(&x, &w, None, None, params).unwrap();
+    assert_eq!(out.expert_index.as_i32().unwrap(), &[0, 1]);
+    assert_eq!(
+        out.topk_affinities.as_f32().unwrap(),
+        &[1.0, (-100f64).exp() as f32]
+    );
+}
+
+fn expect_err(result: moekit::Result<impl std::fmt::Debug>, needles: &[&str]) {
+    let message = result.expect_err("expected an error").to_string();
+    for needle in needles {
+        assert!(message.contains(needle), "`{message}` lacks `{needle}`");
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let x = f32_tensor(&[2, 3], &[0.1; 6]);
+    let w = f32_tensor(&[3, 4], &[0.2; 12]);
+    let p = |top_k| RouterTopkParams {
+        top_k,
+        activation: Activation::Softmax,
+        norm_topk_prob: true,
+    };
+    expect_err(run(&x, &w, None, None, p(0)), &["top_k", "1..=4", "got 0"]);
+    expect_err(run(&x, &w, None, None, p(5)), &["top_k", "got 5"]);
+    let w_bad = f32_tensor(&[2, 4], &[0.2; 8]);
+    expect_err(
+        run(&x, &w_bad, None, None, p(2)),
+        &["`w`", "[H, E]", "[2, 4]"],
+    );
+    let bias = f32_tensor(&[3], &[0.0; 3]);
+    expect_err(run(&x, &w, Some(&bias), None, p(2)), &["`bias`", "[E]"]);
+    expect_err(run(&x, &w, None, Some(&bias), p(2)), &["`selection_bias`"]);
+    let x_int = i32_tensor(&[2, 3], &[0; 6]);
+    let err = run(&x_int, &w, None, None, p(2)).unwrap_err();
+    assert!(matches!(err, Error::DType { .. }), "{err}");
+    let x_nan = f32_tensor(&[2, 3], &[0.1, 0.2, f64::NAN, 0.0, 0.0, 0.0]);
+    expect_err(
+        run(&x_nan, &w, None, None, p(2)),
+        &["`x`", "non-finite", "[0, 2]"],
+    );
+    let x_inf = Tensor::from_bf16([1, 3], vec![half::bf16::INFINITY; 3]).unwrap();
+    expect_err(run(&x_inf, &w, None, None, p(2)), &["`x`", "non-finite"]);
+    let empty = f32_tensor(&[0, 3], &[]);
+    expect_err(run(&empty, &w, None, None, p(2)), &["`x`", "T (tokens)"]);
+    let huge = f32_tensor(&[1, 3], &[3e38; 3]);
+    let w_big = f32_tensor(&[3, 4], &[3e38; 12]);
+    expect_err(
+        run(&huge, &w_big, None, None, p(2)),
+        &["router_logits", "does not fit in f32"],
+    );
+}
+
+#[test]
+fn backward_rejects_inconsistent_inputs() {
+    let x = f32_tensor(&[2, 3], &[0.1; 6]);
+    let w = f32_tensor(&[3, 4], &[0.2; 12]);
+    let logits = f32_tensor(&[2, 4], &[0.0; 8]);
+    let d = f32_tensor(&[2, 2], &[1.0; 4]);
+    let params = RouterTopkBwdParams {
+        activation: Activation::Softmax,
+        norm_topk_prob: false,
+    };
+    let bwd = |index: &Tensor, d: &Tensor| {
+        RouterTopkBwd::new(
+            RouterTopkBwdInputs {
+                x: &x,
+                w: &w,
+                router_logits: &logits,
+                expert_index: index,
+                d_topk_affinities: d,
+                d_router_logits: None,
+            },
+            params,
+        )
+        .map(|_| ())
+    };
+    expect_err(
+        bwd(&i32_tensor(&[2, 2], &[0, 4, 1, 2]), &d),
+        &["expert_index", "4", "[0, 4)"],
+    );
+    expect_err(
+        bwd(&i32_tensor(&[2, 2], &[1, 1, 1, 2]), &d),
+        &["expert_index", "twice"],
+    );
+    expect_err(
+        bwd(
+            &i32_tensor(&[2, 2], &[0, 1, 1, 2]),
+            &f32_tensor(&[2, 3], &[0.0; 6]),
+        ),
+        &["d_topk_affinities", "[T, K]"],
+    );
+    expect_err(
+        bwd(&f32_tensor(&[2, 2], &[0.0; 4]), &d),
+        &["expert_index", "i32"],
+    );
+}
