@@ -12,6 +12,61 @@
 //! - [`reference`]: the f64 oracle backend.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
+//!
+//! ## An MoE layer forward: route, plan, expert matmul
+//!
+//! ```
+//! use moekit::contracts::*;
+//! use moekit::{BackendKind, Tensor};
+//!
+//! # fn main() -> moekit::Result<()> {
+//! let (t, h, e, k, i) = (4, 8, 4, 2, 16);
+//! let backend = BackendKind::Reference.create();
+//! let values = |n: usize| (0..n).map(|j| ((j * 37 % 11) as f32 - 5.0) / 10.0).collect();
+//! let x = Tensor::from_f32([t, h], values(t * h))?;
+//! let w = Tensor::from_f32([h, e], values(h * e))?;
+//!
+//! let routed = backend.router_topk(&RouterTopk::new(
+//!     RouterTopkInputs { x: &x, w: &w, bias: None, selection_bias: None },
+//!     RouterTopkParams { top_k: k, activation: Activation::Softmax, norm_topk_prob: true },
+//! )?)?;
+//! let plan = backend.permute(&Permute::new(
+//!     PermuteInputs {
+//!         expert_index: &routed.expert_index,
+//!         topk_affinities: &routed.topk_affinities,
+//!     },
+//!     PermuteParams { num_experts: e, block_size: 2 },
+//! )?)?;
+//!
+//! // hidden_states carries the all-zero padding token as row T.
+//! let mut padded = x.as_f32().unwrap().to_vec();
+//! padded.extend(vec![0.0; h]);
+//! let hidden_states = Tensor::from_f32([t + 1, h], padded)?;
+//! let gate_up = Tensor::from_f32([e, h, 2, i], values(e * h * 2 * i))?;
+//! let down = Tensor::from_f32([e, i, h], values(e * i * h))?;
+//! let out = backend.blockwise_mm(&BlockwiseMm::new(
+//!     BlockwiseMmInputs {
+//!         hidden_states: &hidden_states,
+//!         expert_affinities_masked: &plan.expert_affinities_masked,
+//!         gate_up_proj_weight: &gate_up,
+//!         down_proj_weight: &down,
+//!         token_position_to_id: &plan.token_position_to_id,
+//!         block_to_expert: &plan.block_to_expert,
+//!     },
+//!     BlockwiseMmParams::default(),
+//! )?)?;
+//! assert_eq!(out.output.shape(), &[t, h]);
+//!
+//! // Invalid input is an error naming the tensor, never a panic.
+//! let err = RouterTopk::new(
+//!     RouterTopkInputs { x: &x, w: &x, bias: None, selection_bias: None },
+//!     RouterTopkParams { top_k: k, activation: Activation::Softmax, norm_topk_prob: true },
+//! )
+//! .unwrap_err();
+//! assert!(err.to_string().starts_with("tensor `w`: expected shape [H, E] = [8, _]"));
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod backend;
 pub mod contracts;

@@ -37,72 +37,107 @@ struct Case {
     blocks: Vec<i32>,
 }
 
+/// Sizes, routing and storage of a generated case.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    t: usize,
+    h: usize,
+    e: usize,
+    i: usize,
+    b: usize,
+    k: usize,
+    routing: Routing,
+    bf16: bool,
+}
+
+fn build_case(s: Shape, seed: u64) -> Case {
+    let Shape {
+        t,
+        h,
+        e,
+        i,
+        b,
+        k,
+        routing,
+        bf16,
+    } = s;
+    let mut rng = SeededRng::new(seed);
+    // Values on the bf16 grid when testing bf16 inputs, so the oracle sees them exactly.
+    let mut values = |n: usize, scale: f64| {
+        let v = rng.values(n, scale);
+        if bf16 {
+            f32_tensor(&[n], &v).to_bf16().to_f64_vec()
+        } else {
+            v
+        }
+    };
+    let mut x = values(t * h, 1.5);
+    x.extend(vec![0.0; h]);
+    let gate_up = values(e * h * 2 * i, 1.0);
+    let down = values(e * i * h, 1.0);
+    let affinities = values(t * k, 1.0);
+    let index = expert_index(&mut rng, routing, t, e, k);
+    let plan = ReferenceBackend
+        .permute(
+            &Permute::new(
+                PermuteInputs {
+                    expert_index: &i32_tensor(&[t, k], &index),
+                    topk_affinities: &f32_tensor(&[t, k], &affinities),
+                },
+                PermuteParams {
+                    num_experts: e,
+                    block_size: b,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let blocks = plan.block_to_expert.as_i32().unwrap().to_vec();
+    Case {
+        dims: BlockwiseDims {
+            t,
+            h,
+            e,
+            i,
+            b,
+            n: blocks.len(),
+        },
+        k,
+        bf16,
+        x,
+        index,
+        masked: f32s(&plan.expert_affinities_masked),
+        gate_up,
+        down,
+        positions: plan.token_position_to_id.as_i32().unwrap().to_vec(),
+        blocks,
+    }
+}
+
 fn case() -> impl Strategy<Value = Case> {
     (
-        1usize..6,
-        1usize..6,
-        1usize..5,
-        1usize..5,
-        1usize..10,
+        (1usize..8, 1usize..10, 1usize..6, 1usize..8, 1usize..12),
         routing(),
         any::<bool>(),
         any::<u64>(),
     )
-        .prop_flat_map(|(t, h, e, i, b, r, bf16, seed)| {
-            (Just((t, h, e, i, b, r, bf16, seed)), 1..=e)
+        .prop_flat_map(|(dims, routing, bf16, seed)| {
+            (Just((dims, routing, bf16, seed)), 1..=dims.2)
         })
-        .prop_map(|((t, h, e, i, b, routing, bf16, seed), k)| {
-            let mut rng = SeededRng::new(seed);
-            // Values on the bf16 grid when testing bf16 inputs, so the oracle sees them exactly.
-            let mut values = |n: usize, scale: f64| {
-                let v = rng.values(n, scale);
-                if bf16 {
-                    f32_tensor(&[n], &v).to_bf16().to_f64_vec()
-                } else {
-                    v
-                }
-            };
-            let mut x = values(t * h, 1.5);
-            x.extend(vec![0.0; h]);
-            let gate_up = values(e * h * 2 * i, 1.0);
-            let down = values(e * i * h, 1.0);
-            let affinities = values(t * k, 1.0);
-            let index = expert_index(&mut rng, routing, t, e, k);
-            let plan = ReferenceBackend
-                .permute(
-                    &Permute::new(
-                        PermuteInputs {
-                            expert_index: &i32_tensor(&[t, k], &index),
-                            topk_affinities: &f32_tensor(&[t, k], &affinities),
-                        },
-                        PermuteParams {
-                            num_experts: e,
-                            block_size: b,
-                        },
-                    )
-                    .unwrap(),
-                )
-                .unwrap();
-            let blocks = plan.block_to_expert.as_i32().unwrap().to_vec();
-            Case {
-                dims: BlockwiseDims {
+        .prop_map(|(((t, h, e, i, b), routing, bf16, seed), k)| {
+            build_case(
+                Shape {
                     t,
                     h,
                     e,
                     i,
                     b,
-                    n: blocks.len(),
+                    k,
+                    routing,
+                    bf16,
                 },
-                k,
-                bf16,
-                x,
-                index,
-                masked: f32s(&plan.expert_affinities_masked),
-                gate_up,
-                down,
-                positions: plan.token_position_to_id.as_i32().unwrap().to_vec(),
-                blocks,
-            }
+                seed,
+            )
         })
 }
 
@@ -192,114 +227,307 @@ fn operands(c: &Case) -> BlockwiseOperands<'_> {
 }
 
 proptest! {
-    #![proptest_config(config(192))]
+    #![proptest_config(config(256))]
 
     #[test]
     fn forward_matches_the_dense_formulation(c in case()) {
-        let BlockwiseDims { t, h, e, .. } = c.dims;
-        let mut dense = vec![0.0; t * h];
-        for token in 0..t {
-            for ex in 0..e {
-                let (_, _, y) = expert(&c, token, ex);
-                for j in 0..h {
-                    dense[token * h + j] += c.masked[token * e + ex] * y[j];
-                }
-            }
-        }
-        let out = Tensors::new(&c).forward(false).unwrap();
-        prop_assert!(out.gate_up_activations_t.is_none() && out.down_activations.is_none());
-        assert_close("output", &f32s(&out.output), &dense, 1e-6, 1e-6 * scale(&dense))?;
+        check_forward(&c)?;
     }
 
     #[test]
     fn checkpoints_hold_pre_activation_projections_and_unscaled_down_outputs(c in case()) {
-        let BlockwiseDims { h, e, i, b, n, .. } = c.dims;
-        let out = Tensors::new(&c).forward(true).unwrap();
-        let gate_up_t = f32s(out.gate_up_activations_t.as_ref().unwrap());
-        let down = f32s(out.down_activations.as_ref().unwrap());
-        prop_assert_eq!(out.gate_up_activations_t.as_ref().unwrap().shape(), &[n, 2, i, b]);
-        prop_assert_eq!(out.down_activations.as_ref().unwrap().shape(), &[n, b, h]);
-        let mut expected_gu = vec![0.0; n * 2 * i * b];
-        let mut expected_down = vec![0.0; n * b * h];
-        for block in 0..n {
-            for slot in 0..b {
-                let token = c.positions[block * b + slot];
-                let ex = c.blocks[block] as usize;
-                if token < 0 || ex == e {
-                    continue;
-                }
-                let (gate, up, y) = expert(&c, token as usize, ex);
-                for col in 0..i {
-                    expected_gu[((block * 2) * i + col) * b + slot] = gate[col];
-                    expected_gu[((block * 2 + 1) * i + col) * b + slot] = up[col];
-                }
-                expected_down[(block * b + slot) * h..(block * b + slot + 1) * h].copy_from_slice(&y);
-            }
-        }
-        assert_close("gate_up_activations_T", &gate_up_t, &expected_gu, 1e-6, 1e-6 * scale(&expected_gu))?;
-        assert_close("down_activations", &down, &expected_down, 1e-6, 1e-6 * scale(&expected_down))?;
+        check_checkpoints(&c)?;
     }
 
     #[test]
     fn backward_matches_finite_differences(c in case(), seed in any::<u64>()) {
-        let BlockwiseDims { t, h, e, .. } = c.dims;
-        let d_out = SeededRng::new(seed).values(t * h, 1.0);
-        let ops = operands(&c);
-        let fwd = blockwise_forward(&ops);
-        let grads = blockwise_backward(&ops, &fwd.gate_up_activations_t, &fwd.down_activations, &d_out);
-        let loss = |ops: BlockwiseOperands<'_>| dot(&d_out, &blockwise_forward(&ops).output);
-
-        let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(BlockwiseOperands { hidden_states: x, ..ops }));
-        assert_close("hidden_states_grad", &grads.hidden_states_grad, &fd_x[..t * h], FD_TOL, FD_TOL)?;
-        prop_assert!(fd_x[t * h..].iter().all(|&g| g == 0.0), "padding row must not matter");
-        let fd_a = finite_differences(&c.masked, FD_STEP, |a| loss(BlockwiseOperands { expert_affinities_masked: a, ..ops }));
-        assert_close("expert_affinities_masked_grad", &grads.expert_affinities_masked_grad, &fd_a, FD_TOL, FD_TOL)?;
-        let fd_gu = finite_differences(&c.gate_up, FD_STEP, |w| loss(BlockwiseOperands { gate_up_proj_weight: w, ..ops }));
-        assert_close("gate_up_proj_weight_grad", &grads.gate_up_proj_weight_grad, &fd_gu, FD_TOL, FD_TOL)?;
-        let fd_d = finite_differences(&c.down, FD_STEP, |w| loss(BlockwiseOperands { down_proj_weight: w, ..ops }));
-        assert_close("down_proj_weight_grad", &grads.down_proj_weight_grad, &fd_d, FD_TOL, FD_TOL)?;
-        prop_assert!(grads.expert_affinities_masked_grad[t * e..].iter().all(|&g| g == 0.0));
+        check_finite_differences(&c, seed)?;
     }
 
     #[test]
     fn kernel_backward_from_its_own_checkpoints(c in case(), seed in any::<u64>()) {
-        let BlockwiseDims { t, h, e, i, .. } = c.dims;
-        let tensors = Tensors::new(&c);
-        let fwd = tensors.forward(true).unwrap();
-        let d_out = f32_tensor(&[t, h], &SeededRng::new(seed).values(t * h, 1.0));
-        let index = i32_tensor(&[t, c.k], &c.index);
-        let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
-            forward: tensors.inputs(),
-            gate_up_activations_t: fwd.gate_up_activations_t.as_ref().unwrap(),
-            down_activations: fwd.down_activations.as_ref().unwrap(),
-            output_hidden_states_grad: &d_out,
-            expert_index: Some(&index),
-        }).unwrap();
-        let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
-        prop_assert_eq!(g.hidden_states_grad.shape(), &[t, h]);
-        prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e]);
-        prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
-        prop_assert_eq!(g.down_proj_weight_grad.shape(), &[e, i, h]);
-
-        // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
-        let ops = operands(&c);
-        let exact_fwd = blockwise_forward(&ops);
-        let exact = blockwise_backward(&ops, &exact_fwd.gate_up_activations_t, &exact_fwd.down_activations, &d_out.to_f64_vec());
-        for (name, got, want) in [
-            ("hidden_states_grad", &g.hidden_states_grad, &exact.hidden_states_grad),
-            ("expert_affinities_masked_grad", &g.expert_affinities_masked_grad, &exact.expert_affinities_masked_grad),
-            ("gate_up_proj_weight_grad", &g.gate_up_proj_weight_grad, &exact.gate_up_proj_weight_grad),
-            ("down_proj_weight_grad", &g.down_proj_weight_grad, &exact.down_proj_weight_grad),
-        ] {
-            assert_close(name, &f32s(got), want, 1e-5, 1e-5 * scale(want))?;
-        }
-        // d_topk_affinities is the masked gradient mapped back by permute_bwd.
-        let mapped = ReferenceBackend.permute_bwd(&PermuteBwd::new(PermuteBwdInputs {
-            expert_index: &index,
-            expert_affinities_masked_grad: &g.expert_affinities_masked_grad,
-        }).unwrap()).unwrap();
-        prop_assert_eq!(g.d_topk_affinities.as_ref(), Some(&mapped.d_topk_affinities));
+        check_kernel_backward(&c, seed)?;
     }
+}
+
+fn check_forward(c: &Case) -> Result<(), TestCaseError> {
+    let BlockwiseDims { t, h, e, .. } = c.dims;
+    let mut dense = vec![0.0; t * h];
+    for token in 0..t {
+        for ex in 0..e {
+            let (_, _, y) = expert(c, token, ex);
+            for j in 0..h {
+                dense[token * h + j] += c.masked[token * e + ex] * y[j];
+            }
+        }
+    }
+    let out = Tensors::new(c).forward(false).unwrap();
+    prop_assert!(out.gate_up_activations_t.is_none() && out.down_activations.is_none());
+    assert_close(
+        "output",
+        &f32s(&out.output),
+        &dense,
+        1e-6,
+        1e-6 * scale(&dense),
+    )?;
+    Ok(())
+}
+
+fn check_checkpoints(c: &Case) -> Result<(), TestCaseError> {
+    let BlockwiseDims { h, e, i, b, n, .. } = c.dims;
+    let out = Tensors::new(c).forward(true).unwrap();
+    let gate_up_t = f32s(out.gate_up_activations_t.as_ref().unwrap());
+    let down = f32s(out.down_activations.as_ref().unwrap());
+    prop_assert_eq!(
+        out.gate_up_activations_t.as_ref().unwrap().shape(),
+        &[n, 2, i, b]
+    );
+    prop_assert_eq!(out.down_activations.as_ref().unwrap().shape(), &[n, b, h]);
+    let mut expected_gu = vec![0.0; n * 2 * i * b];
+    let mut expected_down = vec![0.0; n * b * h];
+    for block in 0..n {
+        for slot in 0..b {
+            let token = c.positions[block * b + slot];
+            let ex = c.blocks[block] as usize;
+            if token < 0 || ex == e {
+                continue;
+            }
+            let (gate, up, y) = expert(c, token as usize, ex);
+            for col in 0..i {
+                expected_gu[((block * 2) * i + col) * b + slot] = gate[col];
+                expected_gu[((block * 2 + 1) * i + col) * b + slot] = up[col];
+            }
+            expected_down[(block * b + slot) * h..(block * b + slot + 1) * h].copy_from_slice(&y);
+        }
+    }
+    assert_close(
+        "gate_up_activations_T",
+        &gate_up_t,
+        &expected_gu,
+        1e-6,
+        1e-6 * scale(&expected_gu),
+    )?;
+    assert_close(
+        "down_activations",
+        &down,
+        &expected_down,
+        1e-6,
+        1e-6 * scale(&expected_down),
+    )?;
+    Ok(())
+}
+
+fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
+    let BlockwiseDims { t, h, e, .. } = c.dims;
+    let d_out = SeededRng::new(seed).values(t * h, 1.0);
+    let ops = operands(c);
+    let fwd = blockwise_forward(&ops);
+    let grads = blockwise_backward(
+        &ops,
+        &fwd.gate_up_activations_t,
+        &fwd.down_activations,
+        &d_out,
+    );
+    let loss = |ops: BlockwiseOperands<'_>| dot(&d_out, &blockwise_forward(&ops).output);
+
+    let fd_x = finite_differences(&c.x, FD_STEP, |x| {
+        loss(BlockwiseOperands {
+            hidden_states: x,
+            ..ops
+        })
+    });
+    assert_close(
+        "hidden_states_grad",
+        &grads.hidden_states_grad,
+        &fd_x[..t * h],
+        FD_TOL,
+        FD_TOL,
+    )?;
+    prop_assert!(
+        fd_x[t * h..].iter().all(|&g| g == 0.0),
+        "padding row must not matter"
+    );
+    let fd_a = finite_differences(&c.masked, FD_STEP, |a| {
+        loss(BlockwiseOperands {
+            expert_affinities_masked: a,
+            ..ops
+        })
+    });
+    assert_close(
+        "expert_affinities_masked_grad",
+        &grads.expert_affinities_masked_grad,
+        &fd_a,
+        FD_TOL,
+        FD_TOL,
+    )?;
+    let fd_gu = finite_differences(&c.gate_up, FD_STEP, |w| {
+        loss(BlockwiseOperands {
+            gate_up_proj_weight: w,
+            ..ops
+        })
+    });
+    assert_close(
+        "gate_up_proj_weight_grad",
+        &grads.gate_up_proj_weight_grad,
+        &fd_gu,
+        FD_TOL,
+        FD_TOL,
+    )?;
+    let fd_d = finite_differences(&c.down, FD_STEP, |w| {
+        loss(BlockwiseOperands {
+            down_proj_weight: w,
+            ..ops
+        })
+    });
+    assert_close(
+        "down_proj_weight_grad",
+        &grads.down_proj_weight_grad,
+        &fd_d,
+        FD_TOL,
+        FD_TOL,
+    )?;
+    prop_assert!(
+        grads.expert_affinities_masked_grad[t * e..]
+            .iter()
+            .all(|&g| g == 0.0)
+    );
+    Ok(())
+}
+
+fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
+    let BlockwiseDims { t, h, e, i, .. } = c.dims;
+    let tensors = Tensors::new(c);
+    let fwd = tensors.forward(true).unwrap();
+    let d_out = f32_tensor(&[t, h], &SeededRng::new(seed).values(t * h, 1.0));
+    let index = i32_tensor(&[t, c.k], &c.index);
+    let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+        forward: tensors.inputs(),
+        gate_up_activations_t: fwd.gate_up_activations_t.as_ref().unwrap(),
+        down_activations: fwd.down_activations.as_ref().unwrap(),
+        output_hidden_states_grad: &d_out,
+        expert_index: Some(&index),
+    })
+    .unwrap();
+    let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
+    prop_assert_eq!(g.hidden_states_grad.shape(), &[t, h]);
+    prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e]);
+    prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
+    prop_assert_eq!(g.down_proj_weight_grad.shape(), &[e, i, h]);
+
+    // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
+    let ops = operands(c);
+    let exact_fwd = blockwise_forward(&ops);
+    let exact = blockwise_backward(
+        &ops,
+        &exact_fwd.gate_up_activations_t,
+        &exact_fwd.down_activations,
+        &d_out.to_f64_vec(),
+    );
+    for (name, got, want) in [
+        (
+            "hidden_states_grad",
+            &g.hidden_states_grad,
+            &exact.hidden_states_grad,
+        ),
+        (
+            "expert_affinities_masked_grad",
+            &g.expert_affinities_masked_grad,
+            &exact.expert_affinities_masked_grad,
+        ),
+        (
+            "gate_up_proj_weight_grad",
+            &g.gate_up_proj_weight_grad,
+            &exact.gate_up_proj_weight_grad,
+        ),
+        (
+            "down_proj_weight_grad",
+            &g.down_proj_weight_grad,
+            &exact.down_proj_weight_grad,
+        ),
+    ] {
+        assert_close(name, &f32s(got), want, 1e-5, 1e-5 * scale(want))?;
+    }
+    // d_topk_affinities is the masked gradient mapped back by permute_bwd.
+    let mapped = ReferenceBackend
+        .permute_bwd(
+            &PermuteBwd::new(PermuteBwdInputs {
+                expert_index: &index,
+                expert_affinities_masked_grad: &g.expert_affinities_masked_grad,
+            })
+            .unwrap(),
+        )
+        .unwrap();
+    prop_assert_eq!(
+        g.d_topk_affinities.as_ref(),
+        Some(&mapped.d_topk_affinities)
+    );
+    Ok(())
+}
+
+/// The contract's named edge cases, each through every forward and backward check.
+#[test]
+fn edge_cases() {
+    let shape = |t, e, k, b, routing| Shape {
+        t,
+        h: 3,
+        e,
+        i: 2,
+        b,
+        k,
+        routing,
+        bf16: false,
+    };
+    let cases = [
+        ("T = 1", shape(1, 3, 2, 2, Routing::Random)),
+        ("E = 1", shape(4, 1, 1, 2, Routing::Random)),
+        ("K = E", shape(3, 4, 4, 2, Routing::Random)),
+        (
+            "experts with zero tokens",
+            shape(3, 5, 1, 2, Routing::Sparse),
+        ),
+        (
+            "all tokens on one expert",
+            shape(5, 4, 1, 2, Routing::Concentrated),
+        ),
+        ("B = 1", shape(4, 3, 2, 1, Routing::Random)),
+        ("B > T·K", shape(2, 3, 2, 7, Routing::Random)),
+        (
+            "H = I = 1",
+            Shape {
+                h: 1,
+                i: 1,
+                ..shape(3, 2, 1, 2, Routing::Random)
+            },
+        ),
+        (
+            "H and I beyond a SIMD width",
+            Shape {
+                h: 19,
+                i: 11,
+                ..shape(3, 3, 2, 2, Routing::Random)
+            },
+        ),
+    ];
+    for (name, shape) in cases {
+        for bf16 in [false, true] {
+            let c = build_case(Shape { bf16, ..shape }, 7);
+            let all = check_forward(&c)
+                .and_then(|_| check_checkpoints(&c))
+                .and_then(|_| check_finite_differences(&c, 11))
+                .and_then(|_| check_kernel_backward(&c, 13));
+            if let Err(e) = all {
+                panic!("{name} (bf16: {bf16}): {e}");
+            }
+        }
+    }
+    // The routings really are the named edge cases.
+    let counts = |c: &Case| -> Vec<usize> {
+        (0..c.dims.e)
+            .map(|ex| c.index.iter().filter(|&&id| id as usize == ex).count())
+            .collect()
+    };
+    assert!(counts(&build_case(cases[3].1, 7)).contains(&0));
+    assert_eq!(counts(&build_case(cases[4].1, 7))[0], 5);
 }
 
 #[test]

@@ -73,7 +73,7 @@ fn run(logits: &Tensor, index: &Tensor) -> moekit::Result<LoadBalancingLossOutpu
 }
 
 proptest! {
-    #![proptest_config(config(256))]
+    #![proptest_config(config(512))]
 
     #[test]
     fn forward_matches_hugging_face(c in case()) {

@@ -158,7 +158,7 @@ fn run(
 }
 
 proptest! {
-    #![proptest_config(config(256))]
+    #![proptest_config(config(512))]
 
     #[test]
     fn forward_matches_direct_formulation(c in case()) {
