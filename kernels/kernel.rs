@@ -127,7 +127,7 @@ impl Kernel {
                     selection_bias: optional("selection_bias"),
                 };
                 let params = RouterTopkParams {
-                    top_k: params.required(Param::TopK, params.top_k)?,
+                    top_k: required_param(Param::TopK, params.top_k)?,
                     activation: params.activation.unwrap_or_default(),
                     norm_topk_prob: params.norm_topk_prob.unwrap_or(false),
                 };
@@ -181,8 +181,8 @@ impl Kernel {
                     topk_affinities: required("topk_affinities")?,
                 };
                 let params = PermuteParams {
-                    num_experts: params.required(Param::NumExperts, params.num_experts)?,
-                    block_size: params.required(Param::BlockSize, params.block_size)?,
+                    num_experts: required_param(Param::NumExperts, params.num_experts)?,
+                    block_size: required_param(Param::BlockSize, params.block_size)?,
                 };
                 let out = backend.permute(&Permute::new(inputs, params)?)?;
                 vec![
@@ -326,6 +326,11 @@ pub struct Params {
     pub checkpoint_activations: Option<bool>,
 }
 
+/// A parameter the kernel cannot run without.
+fn required_param<T>(param: Param, value: Option<T>) -> Result<T> {
+    value.ok_or_else(|| Error::param(param.name(), "required by this kernel but not given"))
+}
+
 fn parse_count(param: Param, value: &str) -> Result<usize> {
     value.trim().parse().map_err(|_| {
         Error::param(
@@ -385,10 +390,6 @@ impl Params {
             }
         }
         Ok(params)
-    }
-
-    fn required(&self, param: Param, value: Option<usize>) -> Result<usize> {
-        value.ok_or_else(|| Error::param(param.name(), "required by this kernel but not given"))
     }
 }
 

@@ -74,7 +74,10 @@ impl Tensor {
     /// Builds a tensor, checking that the buffer length equals the product of `shape`.
     pub fn new(shape: impl Into<Vec<usize>>, storage: Storage) -> Result<Self> {
         let shape = shape.into();
-        let expected = shape.iter().product::<usize>();
+        let expected = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .unwrap_or(usize::MAX);
         if storage.len() != expected {
             return Err(Error::ElementCount {
                 shape,

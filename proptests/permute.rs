@@ -181,6 +181,9 @@ fn static_block_count_matches_the_formula() {
     assert_eq!(static_block_count(1, 1, 1), 1);
     assert_eq!(static_block_count(1, 1, 128), 1);
     assert_eq!(static_block_count(2048 * 8, 128, 512), 32 + 127);
+    // Extreme arguments saturate instead of overflowing.
+    assert_eq!(static_block_count(8, usize::MAX, 4), 8);
+    assert_eq!(static_block_count(usize::MAX, 1, usize::MAX), 1);
 }
 
 #[test]
@@ -251,6 +254,9 @@ fn bad_inputs_are_clear_errors() {
         4,
         &["T (tokens)"],
     );
+    check(&index, &aff, 1 << 40, 4, &["num_experts", "fit in i32"]);
+    check(&index, &aff, 4, 1 << 40, &["block_size", "fit in i32"]);
+    check(&index, &aff, 4, usize::MAX, &["block_size", "fit in i32"]);
     let err = PermuteBwd::new(PermuteBwdInputs {
         expert_index: &index,
         expert_affinities_masked_grad: &f32_tensor(&[7], &[0.0; 7]),

@@ -240,10 +240,10 @@ proptest! {
         let sel = c.selection_bias.as_deref();
         // L(x, w, bias) = Σ d_topk ⊙ topk_affinities + Σ d_logits ⊙ router_logits.
         let loss = |x: &[f64], w: &[f64], b: &[f64]| {
-            let f = router_forward(x, w, Some(b), sel, t, h, e, c.params);
+            let f = router_forward(x, w, Some(b), sel, (t, h, e), c.params);
             dot(&d_topk, &f.topk_affinities) + d_logits.as_ref().map_or(0.0, |d| dot(d, &f.logits))
         };
-        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, t, h, e, c.params);
+        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e), c.params);
         let grads = router_backward(&c.x, &c.w, &fwd.logits, &fwd.expert_index, &d_topk,
             d_logits.as_deref(), (t, h, e, k), c.params.activation, c.params.norm_topk_prob);
         let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(x, &c.w, &bias));

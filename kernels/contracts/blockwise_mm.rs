@@ -63,7 +63,10 @@ pub struct BlockwiseDims {
 }
 
 /// A validated `blockwise_mm` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct BlockwiseMm<'a> {
     pub inputs: BlockwiseMmInputs<'a>,
     pub params: BlockwiseMmParams,
@@ -270,7 +273,10 @@ pub struct BlockwiseMmBwdInputs<'a> {
 }
 
 /// A validated `blockwise_mm_bwd` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct BlockwiseMmBwd<'a> {
     pub inputs: BlockwiseMmBwdInputs<'a>,
     pub dims: BlockwiseDims,

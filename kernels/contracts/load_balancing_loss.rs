@@ -26,7 +26,10 @@ pub struct LoadBalancingLossInputs<'a> {
 }
 
 /// A validated `load_balancing_loss` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct LoadBalancingLoss<'a> {
     pub inputs: LoadBalancingLossInputs<'a>,
     /// L, layers pooled.
@@ -100,7 +103,10 @@ pub struct LoadBalancingLossBwdInputs<'a> {
 }
 
 /// A validated `load_balancing_loss_bwd` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct LoadBalancingLossBwd<'a> {
     pub inputs: LoadBalancingLossBwdInputs<'a>,
     pub l: usize,

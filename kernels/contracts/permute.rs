@@ -20,13 +20,14 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// Static block bound for `assignments = T·K` token copies over `experts` experts in blocks of
-/// `block_size`: `min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`.
+/// `block_size` (B ≥ 1): `min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`.
 pub fn static_block_count(assignments: usize, experts: usize, block_size: usize) -> usize {
-    let spread = experts as i64 - 1;
-    let rest = assignments as i64 - spread;
-    let b = block_size as i64;
-    let bound = (rest + b - 1).div_euclid(b) + spread;
-    usize::try_from(bound).map_or(assignments, |n| n.min(assignments))
+    // i128 holds every usize, so the possibly negative numerator cannot overflow.
+    let m = assignments as i128;
+    let spread = experts as i128 - 1;
+    let b = block_size.max(1) as i128;
+    let blocks = -(spread - m).div_euclid(b); // ceil((m − spread) / b)
+    (blocks + spread).clamp(0, m) as usize
 }
 
 /// Parameters of [`Permute`].
@@ -48,7 +49,10 @@ pub struct PermuteInputs<'a> {
 }
 
 /// A validated `permute` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Permute<'a> {
     pub inputs: PermuteInputs<'a>,
     pub params: PermuteParams,
@@ -88,6 +92,24 @@ impl<'a> Permute<'a> {
             &[Some(t), Some(k)],
         )?;
         let n = static_block_count(t * k, e, params.block_size);
+        // Expert ids (E marks unused blocks) and block slots are addressed with i32 indices.
+        if i32::try_from(e).is_err() {
+            return Err(Error::param(
+                "num_experts",
+                format!("must fit in i32 (expert ids are i32), got {e}"),
+            ));
+        }
+        if n.checked_mul(params.block_size)
+            .is_none_or(|slots| i32::try_from(slots).is_err())
+        {
+            return Err(Error::param(
+                "block_size",
+                format!(
+                    "N·B = {n}·{} block slots do not fit in i32 (token_position_to_id is indexed with i32)",
+                    params.block_size
+                ),
+            ));
+        }
         Ok(Self {
             inputs,
             params,
@@ -124,7 +146,10 @@ pub struct PermuteBwdInputs<'a> {
 }
 
 /// A validated `permute_bwd` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct PermuteBwd<'a> {
     pub inputs: PermuteBwdInputs<'a>,
     pub t: usize,

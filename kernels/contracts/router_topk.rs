@@ -79,7 +79,10 @@ pub struct RouterTopkInputs<'a> {
 }
 
 /// A validated `router_topk` call: inputs, parameters and the dimensions they agree on.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct RouterTopk<'a> {
     pub inputs: RouterTopkInputs<'a>,
     pub params: RouterTopkParams,
@@ -171,7 +174,10 @@ pub struct RouterTopkBwdInputs<'a> {
 }
 
 /// A validated `router_topk_bwd` call.
+///
+/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct RouterTopkBwd<'a> {
     pub inputs: RouterTopkBwdInputs<'a>,
     pub params: RouterTopkBwdParams,

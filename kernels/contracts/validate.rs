@@ -142,19 +142,17 @@ pub(crate) fn expert_ids(name: &str, ids: &[i32], shape: &[usize], experts: usiz
 /// Accepts an `expert_affinities_masked`-style tensor of `[(T+1)·E]` or `[(T+1)·E, 1]` (the NKI
 /// layout) and returns its length.
 pub(crate) fn masked_affinities(name: &str, tensor: &Tensor, len: Option<usize>) -> Result<usize> {
-    let shape = tensor.shape();
-    let flat = match shape {
-        [n] | [n, 1] => *n,
-        _ => 0,
+    let flat = match *tensor.shape() {
+        [n] | [n, 1] if len.is_none_or(|l| l == n) => n,
+        _ => {
+            let expected = len.map_or_else(|| "_".to_owned(), |l| l.to_string());
+            return Err(Error::shape(
+                name,
+                format!("[(T+1)·E] = [{expected}] or [(T+1)·E, 1]"),
+                tensor.shape(),
+            ));
+        }
     };
-    if (shape.len() != 1 && shape != [flat, 1]) || len.is_some_and(|l| l != flat) {
-        let expected = len.map_or_else(|| "_".to_owned(), |l| l.to_string());
-        return Err(Error::shape(
-            name,
-            format!("[(T+1)·E] = [{expected}] or [(T+1)·E, 1]"),
-            shape,
-        ));
-    }
     if tensor.dtype() == DType::I32 {
         return Err(Error::DType {
             tensor: name.to_owned(),

@@ -47,16 +47,14 @@ fn i32_output(shape: &[usize], values: impl IntoIterator<Item = usize>) -> Resul
     Tensor::from_i32(shape, values.into_iter().map(|v| v as i32).collect())
 }
 
-/// Expert ids of a validated index tensor.
-fn ids(tensor: &Tensor) -> Vec<usize> {
-    tensor
-        .as_i32()
-        .map(|ids| ids.iter().map(|&id| id as usize).collect())
-        .unwrap_or_default()
+/// The values of an index tensor the call's validation has already checked to be i32.
+fn indices(tensor: &Tensor) -> &[i32] {
+    tensor.as_i32().expect("validated as i32")
 }
 
-fn plan(tensor: &Tensor) -> &[i32] {
-    tensor.as_i32().unwrap_or_default()
+/// Expert ids of a validated `expert_index` tensor (non-negative by validation).
+fn expert_ids(tensor: &Tensor) -> Vec<usize> {
+    indices(tensor).iter().map(|&id| id as usize).collect()
 }
 
 /// Widened copies of the blockwise operands.
@@ -88,8 +86,8 @@ impl OwnedOperands {
             expert_affinities_masked: &self.affinities,
             gate_up_proj_weight: &self.gate_up,
             down_proj_weight: &self.down,
-            token_position_to_id: plan(inputs.token_position_to_id),
-            block_to_expert: plan(inputs.block_to_expert),
+            token_position_to_id: indices(inputs.token_position_to_id),
+            block_to_expert: indices(inputs.block_to_expert),
         }
     }
 }
@@ -115,9 +113,7 @@ impl Backend for ReferenceBackend {
             &inputs.w.to_f64_vec(),
             bias.as_deref(),
             selection_bias.as_deref(),
-            t,
-            h,
-            e,
+            (t, h, e),
             params,
         );
         let mut scattered = vec![0.0; t * e];
@@ -151,7 +147,7 @@ impl Backend for ReferenceBackend {
             &inputs.x.to_f64_vec(),
             &inputs.w.to_f64_vec(),
             &inputs.router_logits.to_f64_vec(),
-            &ids(inputs.expert_index),
+            &expert_ids(inputs.expert_index),
             &inputs.d_topk_affinities.to_f64_vec(),
             d_router_logits.as_deref(),
             (t, h, e, k),
@@ -169,10 +165,12 @@ impl Backend for ReferenceBackend {
         &self,
         call: &LoadBalancingLoss<'_>,
     ) -> Result<LoadBalancingLossOutputs> {
-        let LoadBalancingLoss { inputs, l, t, e, k } = *call;
+        let LoadBalancingLoss {
+            inputs, l, t, e, k, ..
+        } = *call;
         let (loss, counts) = load_balancing::load_balancing_forward(
             &inputs.router_logits.to_f64_vec(),
-            &ids(inputs.expert_index),
+            &expert_ids(inputs.expert_index),
             (l, t, e, k),
         );
         Ok(LoadBalancingLossOutputs {
@@ -185,11 +183,13 @@ impl Backend for ReferenceBackend {
         &self,
         call: &LoadBalancingLossBwd<'_>,
     ) -> Result<LoadBalancingLossGrads> {
-        let LoadBalancingLossBwd { inputs, l, t, e, k } = *call;
+        let LoadBalancingLossBwd {
+            inputs, l, t, e, k, ..
+        } = *call;
         let d_aux_loss = inputs.d_aux_loss.to_f64_vec()[0];
         let d_logits = load_balancing::load_balancing_backward(
             &inputs.router_logits.to_f64_vec(),
-            &ids(inputs.expert_index),
+            &expert_ids(inputs.expert_index),
             d_aux_loss,
             (l, t, e, k),
         );
@@ -212,7 +212,7 @@ impl Backend for ReferenceBackend {
         } = *call;
         let (e, b) = (params.num_experts, params.block_size);
         let plan = permute::permute(
-            plan(inputs.expert_index),
+            indices(inputs.expert_index),
             &inputs.topk_affinities.to_f64_vec(),
             (t, k, e),
             (b, n),
@@ -231,9 +231,11 @@ impl Backend for ReferenceBackend {
     }
 
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
-        let PermuteBwd { inputs, t, k, e } = *call;
+        let PermuteBwd {
+            inputs, t, k, e, ..
+        } = *call;
         let d = permute::permute_backward(
-            plan(inputs.expert_index),
+            indices(inputs.expert_index),
             &inputs.expert_affinities_masked_grad.to_f64_vec(),
             k,
             e,
@@ -280,7 +282,7 @@ impl Backend for ReferenceBackend {
             .map(|index| {
                 let k = index.shape()[1];
                 let d = permute::permute_backward(
-                    plan(index),
+                    indices(index),
                     &grads.expert_affinities_masked_grad,
                     k,
                     e,

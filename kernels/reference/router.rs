@@ -69,15 +69,12 @@ fn selected_affinities(log_aff: &[f64], selected: &[usize], norm_topk_prob: bool
 }
 
 /// Router forward. `x [T, H]`, `w [H, E]`, optional `bias [E]` and `selection_bias [E]`.
-#[allow(clippy::too_many_arguments)]
 pub fn router_forward(
     x: &[f64],
     w: &[f64],
     bias: Option<&[f64]>,
     selection_bias: Option<&[f64]>,
-    t: usize,
-    h: usize,
-    e: usize,
+    (t, h, e): (usize, usize, usize),
     params: RouterTopkParams,
 ) -> RouterForward {
     let k = params.top_k;
