@@ -45,6 +45,16 @@ pub enum Error {
         len: usize,
         expected: usize,
     },
+    /// An output the parameters ask for is too large to allocate.
+    #[error("cannot allocate {what}: {source}")]
+    Allocation {
+        what: String,
+        #[source]
+        source: std::collections::TryReserveError,
+    },
+    /// A tensor's shape has more elements than an address space holds.
+    #[error("shape {shape:?} has more elements than fit in memory")]
+    ShapeOverflow { shape: Vec<usize> },
     /// A kernel input required by the contract is absent.
     #[error("missing input tensor `{0}`")]
     MissingTensor(String),

@@ -10,9 +10,9 @@ use crate::backend::Backend;
 use crate::contracts::{
     Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
     BlockwiseMmParams, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs,
-    LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs, PermuteInputs, PermuteParams,
-    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
-    RouterTopkParams,
+    LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
+    PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -198,7 +198,10 @@ impl Kernel {
                     expert_index: required("expert_index")?,
                     expert_affinities_masked_grad: required("expert_affinities_masked_grad")?,
                 };
-                let out = backend.permute_bwd(&PermuteBwd::new(inputs)?)?;
+                let params = PermuteBwdParams {
+                    num_experts: required_param(Param::NumExperts, params.num_experts)?,
+                };
+                let out = backend.permute_bwd(&PermuteBwd::new(inputs, params)?)?;
                 vec![("d_topk_affinities", out.d_topk_affinities)]
             }
             Kernel::BlockwiseMm => {
@@ -308,7 +311,7 @@ impl Param {
     /// Accepted values, for `moekit list`.
     pub fn values(self) -> &'static str {
         match self {
-            Param::TopK | Param::NumExperts | Param::BlockSize => "integer ≥ 1",
+            Param::TopK | Param::NumExperts | Param::BlockSize => "integer",
             Param::Activation => "softmax|sigmoid",
             Param::NormTopkProb | Param::CheckpointActivations => "true|false",
         }
@@ -332,12 +335,10 @@ fn required_param<T>(param: Param, value: Option<T>) -> Result<T> {
 }
 
 fn parse_count(param: Param, value: &str) -> Result<usize> {
-    value.trim().parse().map_err(|_| {
-        Error::param(
-            param.name(),
-            format!("expected a non-negative integer, got `{value}`"),
-        )
-    })
+    value
+        .trim()
+        .parse()
+        .map_err(|_| Error::param(param.name(), format!("expected an integer, got `{value}`")))
 }
 
 fn parse_bool(param: Param, value: &str) -> Result<bool> {
@@ -378,18 +379,23 @@ impl Params {
         Ok(())
     }
 
-    /// Reads the known parameter names from file metadata; other metadata keys (such as
-    /// PyTorch's `format`) are not parameters and are ignored.
+    /// Reads the parameters in file metadata. Metadata is free-form (PyTorch writes `format`,
+    /// moekit's own outputs carry `kernel` and `backend`), so other keys are not errors; they
+    /// are returned, sorted, so a caller can warn about likely typos.
     pub fn from_metadata<'m>(
         metadata: impl IntoIterator<Item = (&'m str, &'m str)>,
-    ) -> Result<Self> {
+    ) -> Result<(Self, Vec<&'m str>)> {
         let mut params = Self::default();
+        let mut ignored = Vec::new();
         for (key, value) in metadata {
             if Param::ALL.iter().any(|p| p.name() == key) {
                 params.set(key, value)?;
+            } else {
+                ignored.push(key);
             }
         }
-        Ok(params)
+        ignored.sort_unstable();
+        Ok((params, ignored))
     }
 }
 
@@ -422,7 +428,8 @@ pub fn catalog_table() -> String {
         out.push('\n');
     }
     out.push_str(
-        "Reference error bound: every value is computed in f64 and rounded once to f32 \
+        "[(T+1)·E] tensors are also accepted as [(T+1)·E, 1], the NKI layout.\n\
+         Reference error bound: every value is computed in f64 and rounded once to f32 \
          (indices and counts are exact).\n",
     );
     out
@@ -523,7 +530,7 @@ const PERMUTE_BWD: KernelSpec = KernelSpec {
         tensor("expert_affinities_masked_grad", "[(T+1)·E]", FLOAT),
     ],
     outputs: &[tensor("d_topk_affinities", "[T, K]", "f32")],
-    params: &[],
+    params: &[(Param::NumExperts, None)],
 };
 
 const BLOCKWISE_INPUTS: [TensorSpec; 6] = [

@@ -17,16 +17,6 @@ pub enum DType {
     I32,
 }
 
-impl DType {
-    /// Size of one element in bytes.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::BF16 => 2,
-        }
-    }
-}
-
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -74,10 +64,9 @@ impl Tensor {
     /// Builds a tensor, checking that the buffer length equals the product of `shape`.
     pub fn new(shape: impl Into<Vec<usize>>, storage: Storage) -> Result<Self> {
         let shape = shape.into();
-        let expected = shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .unwrap_or(usize::MAX);
+        let Some(expected) = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) else {
+            return Err(Error::ShapeOverflow { shape });
+        };
         if storage.len() != expected {
             return Err(Error::ElementCount {
                 shape,

@@ -9,8 +9,7 @@ mod common;
 use common::*;
 use moekit::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
-    BlockwiseMmOutputs, BlockwiseMmParams, Permute, PermuteBwd, PermuteBwdInputs, PermuteInputs,
-    PermuteParams,
+    BlockwiseMmOutputs, BlockwiseMmParams, Permute, PermuteInputs, PermuteParams,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::reference::blockwise::{BlockwiseOperands, blockwise_backward, blockwise_forward};
@@ -399,6 +398,28 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
             .iter()
             .all(|&g| g == 0.0)
     );
+    // Through the scatter of permute: perturb the [T, K] affinities the plan was built from.
+    let topk: Vec<f64> = gather_topk(c, &c.masked);
+    let scatter = |topk: &[f64]| {
+        let mut masked = vec![0.0; (t + 1) * e];
+        for (pair, &id) in c.index.iter().enumerate() {
+            masked[(pair / c.k) * e + id as usize] = topk[pair];
+        }
+        masked
+    };
+    let fd_topk = finite_differences(&topk, FD_STEP, |a| {
+        loss(BlockwiseOperands {
+            expert_affinities_masked: &scatter(a),
+            ..ops
+        })
+    });
+    assert_close(
+        "d_topk_affinities",
+        &gather_topk(c, &grads.expert_affinities_masked_grad),
+        &fd_topk,
+        FD_TOL,
+        FD_TOL,
+    )?;
     Ok(())
 }
 
@@ -455,21 +476,32 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     ] {
         assert_close(name, &f32s(got), want, 1e-5, 1e-5 * scale(want))?;
     }
-    // d_topk_affinities is the masked gradient mapped back by permute_bwd.
-    let mapped = ReferenceBackend
-        .permute_bwd(
-            &PermuteBwd::new(PermuteBwdInputs {
-                expert_index: &index,
-                expert_affinities_masked_grad: &g.expert_affinities_masked_grad,
-            })
-            .unwrap(),
-        )
-        .unwrap();
-    prop_assert_eq!(
-        g.d_topk_affinities.as_ref(),
-        Some(&mapped.d_topk_affinities)
+    // d_topk_affinities: the affinity gradient of each (token, k) pair, whose finite-difference
+    // check is in `check_finite_differences`.
+    let d_topk = f32s(
+        g.d_topk_affinities
+            .as_ref()
+            .expect("expert_index was given"),
     );
+    let exact_topk = gather_topk(c, &exact.expert_affinities_masked_grad);
+    assert_close(
+        "d_topk_affinities",
+        &d_topk,
+        &exact_topk,
+        1e-5,
+        1e-5 * scale(&exact_topk),
+    )?;
     Ok(())
+}
+
+/// Entries `t·E + expert_index[t, k]` of a masked `[(T+1)·E]` tensor, as `[T, K]`.
+fn gather_topk(c: &Case, masked: &[f64]) -> Vec<f64> {
+    let e = c.dims.e;
+    c.index
+        .iter()
+        .enumerate()
+        .map(|(pair, &id)| masked[(pair / c.k) * e + id as usize])
+        .collect()
 }
 
 /// The contract's named edge cases, each through every forward and backward check.
@@ -760,6 +792,14 @@ fn backward_rejects_bad_checkpoints_and_gradients() {
             None,
         ),
         &["output_hidden_states_grad", "non-finite"],
+    );
+    // The plan routes token 0 → experts 0, 2; token 1 → 0; token 2 → 1. An index with
+    // one expert per token taken from the plan agrees with it; one claiming token 1 chose
+    // expert 1 does not.
+    bwd(&gu, &down, &grad, Some(&i32_tensor(&[3, 1], &[0, 0, 1]))).unwrap();
+    expect_err(
+        bwd(&gu, &down, &grad, Some(&i32_tensor(&[3, 1], &[0, 1, 0]))),
+        &["expert_index", "token 1 chose expert 1", "no slot"],
     );
     expect_err(
         bwd(&gu, &down, &grad, Some(&i32_tensor(&[3, 1], &[0, 5, 1]))),

@@ -93,17 +93,30 @@ fn list_prints_every_kernel_contract() {
     let out = moekit(&["list"]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
+    // One section per kernel: its name on a line of its own, then its tensors and params.
+    let sections: Vec<&str> = text.split("\n\n").collect();
     for kernel in Kernel::ALL {
-        assert!(text.contains(kernel.name()), "missing {}", kernel.name());
-        for t in kernel.spec().inputs.iter().chain(kernel.spec().outputs) {
+        let spec = kernel.spec();
+        let section = sections
+            .iter()
+            .find(|s| s.lines().next() == Some(spec.name))
+            .unwrap_or_else(|| panic!("no section for {}", spec.name));
+        for t in spec.inputs.iter().chain(spec.outputs) {
+            let line = section
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(t.name))
+                .unwrap_or_else(|| panic!("{}: no line for {}", spec.name, t.name));
+            assert!(line.contains(t.shape) && line.contains(t.dtype), "{line}");
+            assert_eq!(line.contains("(optional)"), !t.required, "{line}");
+        }
+        for (param, _) in spec.params {
             assert!(
-                text.contains(t.name) && text.contains(t.shape),
-                "missing {}",
-                t.name
+                section
+                    .lines()
+                    .any(|l| l.trim_start().starts_with(param.name()))
             );
         }
     }
-    assert!(text.contains("gate_up_proj_weight") && text.contains("[E, H, 2, I]"));
     assert!(text.contains("Backends: reference"));
 }
 
@@ -141,6 +154,27 @@ fn router_topk_from_file_equals_the_library_call() {
     assert_eq!(got["expert_index"], expected.expert_index);
     assert_eq!(got["topk_affinities"], expected.topk_affinities);
     assert_eq!(got["expert_affinities"], expected.expert_affinities);
+
+    // A metadata key that is not a parameter is reported, and the run goes on.
+    write(
+        &inputs,
+        &[("x", &x), ("w", &w)],
+        &[("top_k", "2"), ("norm_topk", "true")],
+    );
+    let out = moekit(&[
+        "run",
+        "router_topk",
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: metadata key `norm_topk` is not a kernel parameter"),
+        "{stderr}"
+    );
 
     // --param overrides metadata.
     let got = run_ok(
@@ -286,7 +320,7 @@ fn forward_and_backward_pipeline_through_files() {
                 &bwd["expert_affinities_masked_grad"],
             ),
         ],
-        &[],
+        &[&format!("num_experts={e}")],
     );
     assert_eq!(pb["d_topk_affinities"], bwd["d_topk_affinities"]);
 }
@@ -395,7 +429,7 @@ fn errors_exit_non_zero_with_a_clear_message() {
         &["in.safetensors"],
     );
 
-    // An output directory that does not exist: an error, and no temporary file left behind.
+    // An output directory that does not exist.
     write(&inputs, &[("x", &x), ("w", &w)], &[]);
     let missing = dir.join("no-such-dir").join("out.safetensors");
     run_err(
@@ -411,6 +445,24 @@ fn errors_exit_non_zero_with_a_clear_message() {
         ],
         &["no-such-dir"],
     );
+    // An output path that cannot be replaced (a directory): the temporary file written beside
+    // it is removed and the directory is untouched.
+    let blocked = dir.join("blocked");
+    std::fs::create_dir(&blocked).unwrap();
+    run_err(
+        &[
+            "run",
+            "router_topk",
+            "--inputs",
+            i,
+            "--output",
+            blocked.to_str().unwrap(),
+            "--param",
+            "top_k=2",
+        ],
+        &["blocked"],
+    );
+    assert!(blocked.is_dir());
     let leftovers: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok())

@@ -7,8 +7,9 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
-    LoadBalancingLossOutputs,
+    Activation, LoadBalancingDims, LoadBalancingLoss, LoadBalancingLossBwd,
+    LoadBalancingLossBwdInputs, LoadBalancingLossInputs, LoadBalancingLossOutputs, RouterTopk,
+    RouterTopkInputs, RouterTopkParams,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::reference::load_balancing::{load_balancing_backward, load_balancing_forward};
@@ -72,8 +73,46 @@ fn run(logits: &Tensor, index: &Tensor) -> moekit::Result<LoadBalancingLossOutpu
     })?)
 }
 
+/// Hugging Face's own routing: top-K of the softmax by a full sort (descending, lower id
+/// first), as `torch.topk` returns it for distinct values.
+fn hugging_face_top_k(logits: &[f64], e: usize, k: usize) -> Vec<i32> {
+    logits
+        .chunks(e)
+        .flat_map(|row| {
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            order.into_iter().take(k).map(|id| id as i32)
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(config(512))]
+
+    #[test]
+    fn router_then_aux_loss_matches_hugging_face_end_to_end(c in case()) {
+        // HF recomputes the top-k from the logits; here the index comes from moekit's router
+        // run on the same logits (x = I, w = logits, so router_logits = logits exactly).
+        let n = c.l * c.t;
+        let hf = Case { index: hugging_face_top_k(&c.logits, c.e, c.k), ..c.clone() };
+        let mut margins = c.logits.chunks(c.e).map(|row| {
+            let mut sorted = row.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            sorted.windows(2).take(c.k).map(|w| w[0] - w[1]).fold(f64::INFINITY, f64::min)
+        });
+        prop_assume!(margins.all(|m| m > 1e-6));
+        let identity: Vec<f64> = (0..n * n).map(|i| if i % (n + 1) == 0 { 1.0 } else { 0.0 }).collect();
+        let (x, w) = (f32_tensor(&[n, n], &identity), f32_tensor(&[n, c.e], &c.logits));
+        let routed = ReferenceBackend.router_topk(&RouterTopk::new(
+            RouterTopkInputs { x: &x, w: &w, bias: None, selection_bias: None },
+            RouterTopkParams { top_k: c.k, activation: Activation::Softmax, norm_topk_prob: true },
+        ).unwrap()).unwrap();
+        prop_assert_eq!(routed.expert_index.as_i32().unwrap(), &hf.index[..]);
+        let logits = f32_tensor(&[c.l, c.t, c.e], &c.logits);
+        let index = Tensor::from_i32([c.l, c.t, c.k], routed.expert_index.as_i32().unwrap().to_vec()).unwrap();
+        let out = run(&logits, &index).unwrap();
+        assert_close("aux_loss", &f32s(&out.aux_loss), &[hugging_face(&hf)], 1e-6, 1e-7)?;
+    }
 
     #[test]
     fn forward_matches_hugging_face(c in case()) {
@@ -100,7 +139,7 @@ proptest! {
     #[test]
     fn backward_matches_finite_differences(c in case(), d_loss in -2.0f64..2.0) {
         let ids: Vec<usize> = c.index.iter().map(|&i| i as usize).collect();
-        let dims = (c.l, c.t, c.e, c.k);
+        let dims = LoadBalancingDims { l: c.l, t: c.t, e: c.e, k: c.k };
         let grads = load_balancing_backward(&c.logits, &ids, d_loss, dims);
         let fd = finite_differences(&c.logits, FD_STEP, |logits| {
             d_loss * load_balancing_forward(logits, &ids, dims).0

@@ -8,8 +8,8 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    Permute, PermuteBwd, PermuteBwdInputs, PermuteInputs, PermuteOutputs, PermuteParams,
-    static_block_count,
+    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteOutputs,
+    PermuteParams, static_block_count,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, Tensor};
@@ -152,7 +152,7 @@ proptest! {
             let d = ReferenceBackend.permute_bwd(&PermuteBwd::new(PermuteBwdInputs {
                 expert_index: &index,
                 expert_affinities_masked_grad: &g_tensor,
-            }).unwrap()).unwrap().d_topk_affinities;
+            }, PermuteBwdParams { num_experts: c.e }).unwrap()).unwrap().d_topk_affinities;
             prop_assert_eq!(d.shape(), &[c.t, c.k]);
             let lhs = dot(&f32s(&out.expert_affinities_masked), &g);
             let rhs = dot(&c.affinities, &f32s(&d));
@@ -257,13 +257,26 @@ fn bad_inputs_are_clear_errors() {
     check(&index, &aff, 1 << 40, 4, &["num_experts", "fit in i32"]);
     check(&index, &aff, 4, 1 << 40, &["block_size", "fit in i32"]);
     check(&index, &aff, 4, usize::MAX, &["block_size", "fit in i32"]);
-    let err = PermuteBwd::new(PermuteBwdInputs {
-        expert_index: &index,
-        expert_affinities_masked_grad: &f32_tensor(&[7], &[0.0; 7]),
-    })
-    .unwrap_err();
+    let bwd = |grad: &Tensor, e: usize| {
+        PermuteBwd::new(
+            PermuteBwdInputs {
+                expert_index: &index,
+                expert_affinities_masked_grad: grad,
+            },
+            PermuteBwdParams { num_experts: e },
+        )
+        .map(|_| ())
+    };
+    // T = 2, E = 4 needs 12 entries: a gradient laid out for another E is refused.
+    bwd(&f32_tensor(&[12], &[0.0; 12]), 4).unwrap();
+    let err = bwd(&f32_tensor(&[9], &[0.0; 9]), 4).unwrap_err();
     assert!(
-        err.to_string().contains("expert_affinities_masked_grad"),
+        err.to_string().contains("expert_affinities_masked_grad")
+            && err.to_string().contains("[12]"),
         "{err}"
     );
+    let err = bwd(&f32_tensor(&[12], &[0.0; 12]), 3).unwrap_err();
+    assert!(err.to_string().contains("expert id 3"), "{err}");
+    let err = bwd(&f32_tensor(&[12], &[0.0; 12]), 0).unwrap_err();
+    assert!(err.to_string().contains("num_experts"), "{err}");
 }

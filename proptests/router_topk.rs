@@ -243,9 +243,10 @@ proptest! {
             let f = router_forward(x, w, Some(b), sel, (t, h, e), c.params);
             dot(&d_topk, &f.topk_affinities) + d_logits.as_ref().map_or(0.0, |d| dot(d, &f.logits))
         };
+        let bwd_params = RouterTopkBwdParams { activation: c.params.activation, norm_topk_prob: c.params.norm_topk_prob };
         let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e), c.params);
         let grads = router_backward(&c.x, &c.w, &fwd.logits, &fwd.expert_index, &d_topk,
-            d_logits.as_deref(), (t, h, e, k), c.params.activation, c.params.norm_topk_prob);
+            d_logits.as_deref(), (t, h, e, k), bwd_params);
         let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(x, &c.w, &bias));
         let fd_w = finite_differences(&c.w, FD_STEP, |w| loss(&c.x, w, &bias));
         let fd_b = finite_differences(&bias, FD_STEP, |b| loss(&c.x, &c.w, b));
@@ -263,7 +264,7 @@ proptest! {
         let call = RouterTopkBwd::new(RouterTopkBwdInputs {
             x: &x, w: &w, router_logits: &out.router_logits, expert_index: &out.expert_index,
             d_topk_affinities: &d_topk_t, d_router_logits: d_logits_t.as_ref(),
-        }, RouterTopkBwdParams { activation: c.params.activation, norm_topk_prob: c.params.norm_topk_prob }).unwrap();
+        }, bwd_params).unwrap();
         let g = ReferenceBackend.router_topk_bwd(&call).unwrap();
         // router_logits passed through f32: allow for that rounding.
         assert_close("d_x (f32)", &f32s(&g.d_x), &grads.d_x, 1e-5, 1e-5)?;

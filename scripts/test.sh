@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs, then runs formatting,
-# lint and every test (unit, property and CLI tests).
+# lint and every test (unit, property, CLI and documentation tests).
 #
 #   bash scripts/test.sh
 #
@@ -8,13 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# rustfmt and clippy ship as rustup components; a minimal toolchain may lack them.
-for component in rustfmt clippy; do
-    if ! rustup component list --installed 2>/dev/null | grep -q "^${component}"; then
-        rustup component add "${component}"
-    fi
-done
-
+bash scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
 cargo test --locked

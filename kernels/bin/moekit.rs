@@ -12,6 +12,10 @@ use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_table};
 use moekit::{BackendKind, Result};
 
+/// Metadata keys that are known not to be parameters: PyTorch's `format`, and the `kernel` and
+/// `backend` that moekit writes into its own outputs.
+const NON_PARAM_METADATA: [&str; 3] = ["format", "kernel", "backend"];
+
 #[derive(Parser)]
 #[command(
     name = "moekit",
@@ -56,8 +60,14 @@ fn run(
     let kernel: Kernel = kernel.parse()?;
     let backend = backend.parse::<BackendKind>()?.create();
     let file = TensorFile::read(inputs)?;
-    let mut params =
+    let (mut params, ignored) =
         Params::from_metadata(file.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+    for key in ignored
+        .iter()
+        .filter(|key| !NON_PARAM_METADATA.contains(key))
+    {
+        eprintln!("warning: metadata key `{key}` is not a kernel parameter; ignored");
+    }
     for item in overrides {
         let (name, value) = item.split_once('=').ok_or_else(|| moekit::Error::Param {
             param: item.clone(),

@@ -11,6 +11,9 @@
 //! ```
 //! The softmax is always used for `P`, whatever the router's activation, as in Hugging Face.
 //! Only `P` is differentiable; `f` comes from the discrete top-k choice.
+//!
+//! Error bound (reference backend): computed in f64, rounded once to f32 (0.5 ulp); counts are
+//! exact. The softmax is applied once, to the raw logits, as `load_balancing_loss_func` intends.
 
 use super::validate;
 use crate::error::{Error, Result};
@@ -25,30 +28,44 @@ pub struct LoadBalancingLossInputs<'a> {
     pub expert_index: &'a Tensor,
 }
 
-/// A validated `load_balancing_loss` call.
-///
-/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub struct LoadBalancingLoss<'a> {
-    pub inputs: LoadBalancingLossInputs<'a>,
-    /// L, layers pooled.
+/// Dimensions an aux-loss call's tensors agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadBalancingDims {
+    /// L, layers pooled (1 for `[T, E]` inputs).
     pub l: usize,
     pub t: usize,
     pub e: usize,
     pub k: usize,
 }
 
+/// A validated `load_balancing_loss` call.
+///
+/// Fields are private: a call can only come from `new`, which validates it, and cannot be
+/// altered afterwards.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadBalancingLoss<'a> {
+    inputs: LoadBalancingLossInputs<'a>,
+    dims: LoadBalancingDims,
+}
+
 impl<'a> LoadBalancingLoss<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: LoadBalancingLossInputs<'a>) -> Result<Self> {
-        let (l, t, e, k) = check(inputs.router_logits, inputs.expert_index)?;
-        Ok(Self { inputs, l, t, e, k })
+        let dims = check(inputs.router_logits, inputs.expert_index)?;
+        Ok(Self { inputs, dims })
+    }
+
+    pub fn inputs(&self) -> LoadBalancingLossInputs<'a> {
+        self.inputs
+    }
+
+    pub fn dims(&self) -> LoadBalancingDims {
+        self.dims
     }
 }
 
-/// Validates `router_logits [L,T,E]` against `expert_index [L,T,K]`; returns `(L, T, E, K)`.
-fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<(usize, usize, usize, usize)> {
+/// Validates `router_logits [L,T,E]` against `expert_index [L,T,K]`.
+fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<LoadBalancingDims> {
     let rank = router_logits.shape().len();
     let (layout, dims): (&str, &[Option<usize>]) = if rank == 2 {
         ("[T, E]", &[None, None])
@@ -79,7 +96,7 @@ fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<(usize, usize,
         ));
     }
     validate::expert_ids("expert_index", ids, &shape, e)?;
-    Ok((l, t, e, k))
+    Ok(LoadBalancingDims { l, t, e, k })
 }
 
 /// Outputs of `load_balancing_loss`.
@@ -104,23 +121,28 @@ pub struct LoadBalancingLossBwdInputs<'a> {
 
 /// A validated `load_balancing_loss_bwd` call.
 ///
-/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
+/// Fields are private: a call can only come from `new`, which validates it, and cannot be
+/// altered afterwards.
 #[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
 pub struct LoadBalancingLossBwd<'a> {
-    pub inputs: LoadBalancingLossBwdInputs<'a>,
-    pub l: usize,
-    pub t: usize,
-    pub e: usize,
-    pub k: usize,
+    inputs: LoadBalancingLossBwdInputs<'a>,
+    dims: LoadBalancingDims,
 }
 
 impl<'a> LoadBalancingLossBwd<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: LoadBalancingLossBwdInputs<'a>) -> Result<Self> {
-        let (l, t, e, k) = check(inputs.router_logits, inputs.expert_index)?;
+        let dims = check(inputs.router_logits, inputs.expert_index)?;
         validate::float_tensor("d_aux_loss", inputs.d_aux_loss, "[1]", &[Some(1)])?;
-        Ok(Self { inputs, l, t, e, k })
+        Ok(Self { inputs, dims })
+    }
+
+    pub fn inputs(&self) -> LoadBalancingLossBwdInputs<'a> {
+        self.inputs
+    }
+
+    pub fn dims(&self) -> LoadBalancingDims {
+        self.dims
     }
 }
 

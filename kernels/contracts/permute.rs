@@ -14,13 +14,15 @@
 //! ```
 //! N is the static bound `N = min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`, the most blocks any
 //! routing of T·K assignments over E experts can need, so buffers can be sized before routing.
+//!
+//! Error bound: exact. Indices and counts are integers and affinities are copied, not computed.
 
 use super::validate;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// Static block bound for `assignments = T·K` token copies over `experts` experts in blocks of
-/// `block_size` (B ≥ 1): `min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`.
+/// `block_size` (B = 0 is treated as 1): `min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`.
 pub fn static_block_count(assignments: usize, experts: usize, block_size: usize) -> usize {
     // i128 holds every usize, so the possibly negative numerator cannot overflow.
     let m = assignments as i128;
@@ -48,28 +50,55 @@ pub struct PermuteInputs<'a> {
     pub topk_affinities: &'a Tensor,
 }
 
-/// A validated `permute` call.
-///
-/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub struct Permute<'a> {
-    pub inputs: PermuteInputs<'a>,
-    pub params: PermuteParams,
+/// Dimensions of a `permute` call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PermuteDims {
     pub t: usize,
     pub k: usize,
+    /// E, `num_experts`.
+    pub e: usize,
+    /// B, `block_size`.
+    pub b: usize,
     /// N, the static block count.
     pub n: usize,
+}
+
+/// A validated `permute` call.
+///
+/// Fields are private: a call can only come from `new`, which validates it, and cannot be
+/// altered afterwards.
+#[derive(Clone, Copy, Debug)]
+pub struct Permute<'a> {
+    inputs: PermuteInputs<'a>,
+    dims: PermuteDims,
+}
+
+/// Requires `num_experts ≥ 1` with every masked-affinity index `t·E + e < (T+1)·E` in i32 range,
+/// as the NKI kernels address them.
+fn check_num_experts(num_experts: usize, t: usize) -> Result<()> {
+    if num_experts == 0 {
+        return Err(Error::param("num_experts", "must be at least 1, got 0"));
+    }
+    if (t + 1)
+        .checked_mul(num_experts)
+        .is_none_or(|len| i32::try_from(len).is_err())
+    {
+        return Err(Error::param(
+            "num_experts",
+            format!(
+                "(T+1)·E = {}·{num_experts} masked affinities do not fit in i32 indices",
+                t + 1
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl<'a> Permute<'a> {
     /// Checks shapes, dtypes, ids and parameters.
     pub fn new(inputs: PermuteInputs<'a>, params: PermuteParams) -> Result<Self> {
-        let e = params.num_experts;
-        if e == 0 {
-            return Err(Error::param("num_experts", "must be at least 1, got 0"));
-        }
-        if params.block_size == 0 {
+        let (e, b) = (params.num_experts, params.block_size);
+        if b == 0 {
             return Err(Error::param("block_size", "must be at least 1, got 0"));
         }
         let (shape, ids) =
@@ -77,6 +106,7 @@ impl<'a> Permute<'a> {
         let (t, k) = (shape[0], shape[1]);
         validate::non_empty("expert_index", "T (tokens)", t)?;
         validate::non_empty("expert_index", "K (top_k)", k)?;
+        check_num_experts(e, t)?;
         if k > e {
             return Err(Error::shape(
                 "expert_index",
@@ -91,32 +121,27 @@ impl<'a> Permute<'a> {
             "[T, K]",
             &[Some(t), Some(k)],
         )?;
-        let n = static_block_count(t * k, e, params.block_size);
-        // Expert ids (E marks unused blocks) and block slots are addressed with i32 indices.
-        if i32::try_from(e).is_err() {
-            return Err(Error::param(
-                "num_experts",
-                format!("must fit in i32 (expert ids are i32), got {e}"),
-            ));
-        }
-        if n.checked_mul(params.block_size)
+        let n = static_block_count(t * k, e, b);
+        if n.checked_mul(b)
             .is_none_or(|slots| i32::try_from(slots).is_err())
         {
             return Err(Error::param(
                 "block_size",
-                format!(
-                    "N·B = {n}·{} block slots do not fit in i32 (token_position_to_id is indexed with i32)",
-                    params.block_size
-                ),
+                format!("N·B = {n}·{b} block slots do not fit in i32 indices"),
             ));
         }
         Ok(Self {
             inputs,
-            params,
-            t,
-            k,
-            n,
+            dims: PermuteDims { t, k, e, b, n },
         })
+    }
+
+    pub fn inputs(&self) -> PermuteInputs<'a> {
+        self.inputs
+    }
+
+    pub fn dims(&self) -> PermuteDims {
+        self.dims
     }
 }
 
@@ -145,38 +170,53 @@ pub struct PermuteBwdInputs<'a> {
     pub expert_affinities_masked_grad: &'a Tensor,
 }
 
+/// Parameters of [`PermuteBwd`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PermuteBwdParams {
+    /// E, experts: fixes how `expert_affinities_masked_grad` is laid out.
+    pub num_experts: usize,
+}
+
 /// A validated `permute_bwd` call.
 ///
-/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
+/// Fields are private: a call can only come from `new`, which validates it, and cannot be
+/// altered afterwards.
 #[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
 pub struct PermuteBwd<'a> {
-    pub inputs: PermuteBwdInputs<'a>,
-    pub t: usize,
-    pub k: usize,
-    pub e: usize,
+    inputs: PermuteBwdInputs<'a>,
+    /// T, K and E; B and N do not apply.
+    dims: (usize, usize, usize),
 }
 
 impl<'a> PermuteBwd<'a> {
-    /// Checks shapes, dtypes and ids; E is read from the gradient's length.
-    pub fn new(inputs: PermuteBwdInputs<'a>) -> Result<Self> {
+    /// Checks shapes, dtypes and ids.
+    pub fn new(inputs: PermuteBwdInputs<'a>, params: PermuteBwdParams) -> Result<Self> {
+        let e = params.num_experts;
         let (shape, ids) =
             validate::index_tensor("expert_index", inputs.expert_index, "[T, K]", &[None, None])?;
         let (t, k) = (shape[0], shape[1]);
         validate::non_empty("expert_index", "T (tokens)", t)?;
         validate::non_empty("expert_index", "K (top_k)", k)?;
-        let name = "expert_affinities_masked_grad";
-        let len = validate::masked_affinities(name, inputs.expert_affinities_masked_grad, None)?;
-        if len == 0 || len % (t + 1) != 0 {
-            return Err(Error::shape(
-                name,
-                format!("[(T+1)·E] with T = {t}"),
-                inputs.expert_affinities_masked_grad.shape(),
-            ));
-        }
-        let e = len / (t + 1);
+        check_num_experts(e, t)?;
         validate::expert_ids("expert_index", ids, &shape, e)?;
-        Ok(Self { inputs, t, k, e })
+        validate::masked_affinities(
+            "expert_affinities_masked_grad",
+            inputs.expert_affinities_masked_grad,
+            Some((t + 1) * e),
+        )?;
+        Ok(Self {
+            inputs,
+            dims: (t, k, e),
+        })
+    }
+
+    pub fn inputs(&self) -> PermuteBwdInputs<'a> {
+        self.inputs
+    }
+
+    /// `(T, K, E)`.
+    pub fn dims(&self) -> (usize, usize, usize) {
+        self.dims
     }
 }
 

@@ -12,7 +12,14 @@
 //! ```
 //! `selection_bias` only changes which experts are chosen, never the affinities (aux-loss-free
 //! balancing). With softmax, no biases and `norm_topk_prob` this is Hugging Face Qwen3-MoE's
-//! router: fp32 softmax over all experts, top-k, divide by the top-k sum (no epsilon).
+//! router formula: softmax over all experts, top-k, divide by the top-k sum (no epsilon).
+//!
+//! Error bound (reference backend): every value is computed in f64 and rounded once to f32, so
+//! each output is within 0.5 ulp (f32) of the f64 result; `expert_index` is exact except where
+//! two selection scores agree to within f64 rounding. "Equals Hugging Face" means the same
+//! formula: HF computes the gate matmul in the activation dtype and the softmax in f32, so its
+//! values agree with these to f32 (or bf16) rounding, and its choice can differ only at such
+//! near-ties.
 
 use std::fmt;
 use std::str::FromStr;
@@ -78,20 +85,28 @@ pub struct RouterTopkInputs<'a> {
     pub selection_bias: Option<&'a Tensor>,
 }
 
-/// A validated `router_topk` call: inputs, parameters and the dimensions they agree on.
-///
-/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub struct RouterTopk<'a> {
-    pub inputs: RouterTopkInputs<'a>,
-    pub params: RouterTopkParams,
+/// Dimensions a router call's tensors agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouterDims {
     /// T, tokens.
     pub t: usize,
     /// H, hidden size.
     pub h: usize,
     /// E, experts.
     pub e: usize,
+    /// K, experts per token.
+    pub k: usize,
+}
+
+/// A validated `router_topk` call: inputs, parameters and the dimensions they agree on.
+///
+/// Fields are private: a call can only come from `new`, which validates it, and cannot be
+/// altered afterwards.
+#[derive(Clone, Copy, Debug)]
+pub struct RouterTopk<'a> {
+    inputs: RouterTopkInputs<'a>,
+    params: RouterTopkParams,
+    dims: RouterDims,
 }
 
 impl<'a> RouterTopk<'a> {
@@ -111,18 +126,24 @@ impl<'a> RouterTopk<'a> {
             validate::float_tensor("selection_bias", bias, "[E]", &[Some(e)])?;
         }
         check_top_k(params.top_k, e)?;
+        let k = params.top_k;
         Ok(Self {
             inputs,
             params,
-            t,
-            h,
-            e,
+            dims: RouterDims { t, h, e, k },
         })
     }
 
-    /// K, experts per token.
-    pub fn k(&self) -> usize {
-        self.params.top_k
+    pub fn inputs(&self) -> RouterTopkInputs<'a> {
+        self.inputs
+    }
+
+    pub fn params(&self) -> RouterTopkParams {
+        self.params
+    }
+
+    pub fn dims(&self) -> RouterDims {
+        self.dims
     }
 }
 
@@ -175,16 +196,13 @@ pub struct RouterTopkBwdInputs<'a> {
 
 /// A validated `router_topk_bwd` call.
 ///
-/// Non-exhaustive: outside this crate a call can only come from `new`, which validates it.
+/// Fields are private: a call can only come from `new`, which validates it, and cannot be
+/// altered afterwards.
 #[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
 pub struct RouterTopkBwd<'a> {
-    pub inputs: RouterTopkBwdInputs<'a>,
-    pub params: RouterTopkBwdParams,
-    pub t: usize,
-    pub h: usize,
-    pub e: usize,
-    pub k: usize,
+    inputs: RouterTopkBwdInputs<'a>,
+    params: RouterTopkBwdParams,
+    dims: RouterDims,
 }
 
 impl<'a> RouterTopkBwd<'a> {
@@ -229,11 +247,20 @@ impl<'a> RouterTopkBwd<'a> {
         Ok(Self {
             inputs,
             params,
-            t,
-            h,
-            e,
-            k,
+            dims: RouterDims { t, h, e, k },
         })
+    }
+
+    pub fn inputs(&self) -> RouterTopkBwdInputs<'a> {
+        self.inputs
+    }
+
+    pub fn params(&self) -> RouterTopkBwdParams {
+        self.params
+    }
+
+    pub fn dims(&self) -> RouterDims {
+        self.dims
     }
 }
 

@@ -58,11 +58,13 @@ fn extents(
             .iter()
             .map(|d| d.map_or_else(|| "_".to_owned(), |d| d.to_string()))
             .collect();
-        return Err(Error::shape(
-            name,
-            format!("{layout} = [{}]", concrete.join(", ")),
-            shape,
-        ));
+        let concrete = format!("[{}]", concrete.join(", "));
+        let expected = if concrete == layout {
+            concrete
+        } else {
+            format!("{layout} = {concrete}")
+        };
+        return Err(Error::shape(name, expected, shape));
     }
     Ok(shape.to_vec())
 }

@@ -1,5 +1,7 @@
 //! f64 auxiliary load-balancing loss (see [`crate::contracts::load_balancing_loss`]).
 
+use crate::contracts::LoadBalancingDims;
+
 /// Row-wise softmax of `logits [rows, E]`.
 fn softmax_rows(logits: &[f64], e: usize) -> Vec<f64> {
     let mut probs = Vec::with_capacity(logits.len());
@@ -27,7 +29,7 @@ fn counts(expert_index: &[usize], l: usize, t: usize, e: usize, k: usize) -> Vec
 pub fn load_balancing_forward(
     logits: &[f64],
     expert_index: &[usize],
-    (l, t, e, k): (usize, usize, usize, usize),
+    LoadBalancingDims { l, t, e, k }: LoadBalancingDims,
 ) -> (f64, Vec<usize>) {
     let rows = (l * t) as f64;
     let probs = softmax_rows(logits, e);
@@ -46,7 +48,7 @@ pub fn load_balancing_backward(
     logits: &[f64],
     expert_index: &[usize],
     d_aux_loss: f64,
-    (l, t, e, k): (usize, usize, usize, usize),
+    LoadBalancingDims { l, t, e, k }: LoadBalancingDims,
 ) -> Vec<f64> {
     let rows = (l * t) as f64;
     let probs = softmax_rows(logits, e);

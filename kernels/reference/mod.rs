@@ -5,19 +5,22 @@
 //! The f64 cores ([`router`], [`load_balancing`], [`permute`], [`blockwise`]) are public so that
 //! tests can differentiate them with finite differences without f32 rounding noise.
 
-// Index loops in the reference mirror the formulas they implement, subscript for subscript.
+#![forbid(unsafe_code)]
+
+// The blockwise reference indexes every tensor explicitly, subscript for subscript as in the
+// formulas it implements.
 #[allow(clippy::needless_range_loop)]
 pub mod blockwise;
 pub mod load_balancing;
 pub mod permute;
 pub mod router;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendKind};
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs,
+    RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -43,8 +46,19 @@ fn f32_output(name: &str, shape: &[usize], values: &[f64]) -> Result<Tensor> {
     Tensor::from_f32(shape, data)
 }
 
-fn i32_output(shape: &[usize], values: impl IntoIterator<Item = usize>) -> Result<Tensor> {
-    Tensor::from_i32(shape, values.into_iter().map(|v| v as i32).collect())
+/// Counts as an i32 tensor, refusing counts beyond i32.
+fn i32_output(
+    name: &str,
+    shape: &[usize],
+    values: impl IntoIterator<Item = usize>,
+) -> Result<Tensor> {
+    let data = values
+        .into_iter()
+        .map(|v| {
+            i32::try_from(v).map_err(|_| Error::invalid(name, format!("count {v} exceeds i32")))
+        })
+        .collect::<Result<Vec<i32>>>()?;
+    Tensor::from_i32(shape, data)
 }
 
 /// The values of an index tensor the call's validation has already checked to be i32.
@@ -94,18 +108,11 @@ impl OwnedOperands {
 
 impl Backend for ReferenceBackend {
     fn name(&self) -> &'static str {
-        "reference"
+        BackendKind::Reference.name()
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
-        let RouterTopk {
-            inputs,
-            params,
-            t,
-            h,
-            e,
-        } = *call;
-        let k = params.top_k;
+        let (inputs, RouterDims { t, h, e, k }) = (call.inputs(), call.dims());
         let bias = inputs.bias.map(Tensor::to_f64_vec);
         let selection_bias = inputs.selection_bias.map(Tensor::to_f64_vec);
         let fwd = router::router_forward(
@@ -114,7 +121,7 @@ impl Backend for ReferenceBackend {
             bias.as_deref(),
             selection_bias.as_deref(),
             (t, h, e),
-            params,
+            call.params(),
         );
         let mut scattered = vec![0.0; t * e];
         for (pair, (&id, &a)) in fwd
@@ -127,21 +134,14 @@ impl Backend for ReferenceBackend {
         }
         Ok(RouterTopkOutputs {
             router_logits: f32_output("router_logits", &[t, e], &fwd.logits)?,
-            expert_index: i32_output(&[t, k], fwd.expert_index)?,
+            expert_index: i32_output("expert_index", &[t, k], fwd.expert_index)?,
             topk_affinities: f32_output("topk_affinities", &[t, k], &fwd.topk_affinities)?,
             expert_affinities: f32_output("expert_affinities", &[t, e], &scattered)?,
         })
     }
 
     fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
-        let RouterTopkBwd {
-            inputs,
-            params,
-            t,
-            h,
-            e,
-            k,
-        } = *call;
+        let (inputs, RouterDims { t, h, e, k }) = (call.inputs(), call.dims());
         let d_router_logits = inputs.d_router_logits.map(Tensor::to_f64_vec);
         let grads = router::router_backward(
             &inputs.x.to_f64_vec(),
@@ -151,8 +151,7 @@ impl Backend for ReferenceBackend {
             &inputs.d_topk_affinities.to_f64_vec(),
             d_router_logits.as_deref(),
             (t, h, e, k),
-            params.activation,
-            params.norm_topk_prob,
+            call.params(),
         );
         Ok(RouterTopkGrads {
             d_x: f32_output("d_x", &[t, h], &grads.d_x)?,
@@ -165,17 +164,15 @@ impl Backend for ReferenceBackend {
         &self,
         call: &LoadBalancingLoss<'_>,
     ) -> Result<LoadBalancingLossOutputs> {
-        let LoadBalancingLoss {
-            inputs, l, t, e, k, ..
-        } = *call;
+        let (inputs, dims) = (call.inputs(), call.dims());
         let (loss, counts) = load_balancing::load_balancing_forward(
             &inputs.router_logits.to_f64_vec(),
             &expert_ids(inputs.expert_index),
-            (l, t, e, k),
+            dims,
         );
         Ok(LoadBalancingLossOutputs {
             aux_loss: f32_output("aux_loss", &[1], &[loss])?,
-            expert_counts: i32_output(&[l, e], counts)?,
+            expert_counts: i32_output("expert_counts", &[dims.l, dims.e], counts)?,
         })
     }
 
@@ -183,15 +180,12 @@ impl Backend for ReferenceBackend {
         &self,
         call: &LoadBalancingLossBwd<'_>,
     ) -> Result<LoadBalancingLossGrads> {
-        let LoadBalancingLossBwd {
-            inputs, l, t, e, k, ..
-        } = *call;
-        let d_aux_loss = inputs.d_aux_loss.to_f64_vec()[0];
+        let inputs = call.inputs();
         let d_logits = load_balancing::load_balancing_backward(
             &inputs.router_logits.to_f64_vec(),
             &expert_ids(inputs.expert_index),
-            d_aux_loss,
-            (l, t, e, k),
+            inputs.d_aux_loss.to_f64_vec()[0],
+            call.dims(),
         );
         Ok(LoadBalancingLossGrads {
             d_router_logits: f32_output(
@@ -203,22 +197,22 @@ impl Backend for ReferenceBackend {
     }
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
-        let Permute {
-            inputs,
-            params,
-            t,
-            k,
-            n,
-        } = *call;
-        let (e, b) = (params.num_experts, params.block_size);
+        let (inputs, dims) = (call.inputs(), call.dims());
+        let PermuteDims { t, e, b, n, .. } = dims;
         let plan = permute::permute(
             indices(inputs.expert_index),
             &inputs.topk_affinities.to_f64_vec(),
-            (t, k, e),
-            (b, n),
-        );
+            dims,
+        )
+        .map_err(|err| Error::Allocation {
+            what: format!(
+                "the block plan (N·B = {n}·{b} slots, (T+1)·E = {} affinities)",
+                (t + 1) * e
+            ),
+            source: err,
+        })?;
         Ok(PermuteOutputs {
-            expert_counts: i32_output(&[e], plan.expert_counts)?,
+            expert_counts: i32_output("expert_counts", &[e], plan.expert_counts)?,
             token_position_to_id: Tensor::from_i32([n * b], plan.token_position_to_id)?,
             block_to_expert: Tensor::from_i32([n], plan.block_to_expert)?,
             expert_affinities_masked: f32_output(
@@ -226,14 +220,12 @@ impl Backend for ReferenceBackend {
                 &[(t + 1) * e],
                 &plan.expert_affinities_masked,
             )?,
-            num_used_blocks: i32_output(&[1], [plan.num_used_blocks])?,
+            num_used_blocks: i32_output("num_used_blocks", &[1], [plan.num_used_blocks])?,
         })
     }
 
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
-        let PermuteBwd {
-            inputs, t, k, e, ..
-        } = *call;
+        let (inputs, (t, k, e)) = (call.inputs(), call.dims());
         let d = permute::permute_backward(
             indices(inputs.expert_index),
             &inputs.expert_affinities_masked_grad.to_f64_vec(),
@@ -246,10 +238,11 @@ impl Backend for ReferenceBackend {
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
-        let BlockwiseDims { t, h, i, b, n, .. } = call.dims;
-        let owned = OwnedOperands::new(&call.inputs);
-        let fwd = blockwise::blockwise_forward(&owned.borrow(&call.inputs, call.dims));
-        let checkpoint = call.params.checkpoint_activations;
+        let (inputs, dims) = (call.inputs(), call.dims());
+        let BlockwiseDims { t, h, i, b, n, .. } = dims;
+        let owned = OwnedOperands::new(&inputs);
+        let fwd = blockwise::blockwise_forward(&owned.borrow(&inputs, dims));
+        let checkpoint = call.params().checkpoint_activations;
         Ok(BlockwiseMmOutputs {
             output: f32_output("output", &[t, h], &fwd.output)?,
             gate_up_activations_t: checkpoint
@@ -268,11 +261,11 @@ impl Backend for ReferenceBackend {
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-        let BlockwiseDims { t, h, e, i, .. } = call.dims;
-        let inputs = &call.inputs;
+        let (inputs, dims) = (call.inputs(), call.dims());
+        let BlockwiseDims { t, h, e, i, .. } = dims;
         let owned = OwnedOperands::new(&inputs.forward);
         let grads = blockwise::blockwise_backward(
-            &owned.borrow(&inputs.forward, call.dims),
+            &owned.borrow(&inputs.forward, dims),
             &inputs.gate_up_activations_t.to_f64_vec(),
             &inputs.down_activations.to_f64_vec(),
             &inputs.output_hidden_states_grad.to_f64_vec(),

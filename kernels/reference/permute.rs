@@ -1,5 +1,18 @@
 //! Reference block plan (see [`crate::contracts::permute`]).
 
+use std::collections::TryReserveError;
+
+use crate::contracts::PermuteDims;
+
+/// `len` copies of `value`, or the allocation error instead of an abort: the plan's size is set
+/// by the `num_experts` and `block_size` parameters, not by tensors already in memory.
+fn filled<T: Clone>(len: usize, value: T) -> Result<Vec<T>, TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)?;
+    v.resize(len, value);
+    Ok(v)
+}
+
 /// The block plan of `permute`, before conversion to tensors.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockPlan {
@@ -15,21 +28,20 @@ pub struct BlockPlan {
 }
 
 /// Builds the plan for `expert_index [T, K]` (valid, distinct ids per row) and
-/// `topk_affinities [T, K]`, with `n` static blocks of `b` slots over `e` experts.
+/// `topk_affinities [T, K]`.
 pub fn permute(
     expert_index: &[i32],
     topk_affinities: &[f64],
-    (t, k, e): (usize, usize, usize),
-    (b, n): (usize, usize),
-) -> BlockPlan {
-    let mut masked = vec![0.0; (t + 1) * e];
+    PermuteDims { t, k, e, b, n }: PermuteDims,
+) -> Result<BlockPlan, TryReserveError> {
+    let mut masked = filled((t + 1) * e, 0.0)?;
     for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
         masked[(pair / k) * e + id as usize] = a;
     }
     let mut plan = BlockPlan {
         expert_counts: vec![0; e],
-        token_position_to_id: vec![-1; n * b],
-        block_to_expert: vec![e as i32; n],
+        token_position_to_id: filled(n * b, -1)?,
+        block_to_expert: filled(n, e as i32)?,
         expert_affinities_masked: masked,
         num_used_blocks: 0,
     };
@@ -47,7 +59,7 @@ pub fn permute(
         }
     }
     plan.num_used_blocks = block;
-    plan
+    Ok(plan)
 }
 
 /// `d_topk_affinities [T, K]` from an affinity gradient in the masked `[(T+1)·E]` layout.

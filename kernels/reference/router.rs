@@ -3,7 +3,7 @@
 //! Affinities are computed from log-affinities (`log softmax` or `log sigmoid`), so the
 //! renormalised top-k values stay exact even when the selected probabilities underflow.
 
-use crate::contracts::{Activation, RouterTopkParams};
+use crate::contracts::{Activation, RouterTopkBwdParams, RouterTopkParams};
 
 /// Forward results in f64.
 #[derive(Clone, Debug, PartialEq)]
@@ -119,7 +119,7 @@ pub struct RouterGrads {
 
 /// Router backward: `d_topk_affinities [T, K]` (and `d_router_logits [T, E]`) through the
 /// affinities, activation and logits GEMM to `x`, `w` and `bias`.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // the backward consumes eight distinct tensors
 pub fn router_backward(
     x: &[f64],
     w: &[f64],
@@ -128,9 +128,12 @@ pub fn router_backward(
     d_topk_affinities: &[f64],
     d_router_logits: Option<&[f64]>,
     (t, h, e, k): (usize, usize, usize, usize),
-    activation: Activation,
-    norm_topk_prob: bool,
+    params: RouterTopkBwdParams,
 ) -> RouterGrads {
+    let RouterTopkBwdParams {
+        activation,
+        norm_topk_prob,
+    } = params;
     let mut d_logits = vec![0.0; t * e];
     for token in 0..t {
         let logits = &router_logits[token * e..(token + 1) * e];
