@@ -12,6 +12,7 @@ use crate::contracts::{
     LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
     PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
+use crate::cpu::CpuBackend;
 use crate::error::{Error, Result};
 use crate::reference::ReferenceBackend;
 
@@ -39,22 +40,26 @@ pub enum BackendKind {
     /// Plain f64 loops: the oracle for every other backend.
     #[default]
     Reference,
+    /// Tuned f32/bf16 kernels on the host CPU: packed GEMMs, SIMD, rayon.
+    Cpu,
 }
 
 impl BackendKind {
     /// Every backend, in the order `moekit list` shows them.
-    pub const ALL: &'static [BackendKind] = &[BackendKind::Reference];
+    pub const ALL: &'static [BackendKind] = &[BackendKind::Reference, BackendKind::Cpu];
 
     /// Instantiates the backend.
     pub fn create(self) -> Box<dyn Backend> {
         match self {
             BackendKind::Reference => Box::new(ReferenceBackend),
+            BackendKind::Cpu => Box::new(CpuBackend),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Reference => "reference",
+            BackendKind::Cpu => "cpu",
         }
     }
 }

@@ -10,6 +10,7 @@
 //! - [`contracts`]: names, shapes, semantics and validation of every kernel.
 //! - [`backend`]: the [`Backend`] trait and run-time backend selection.
 //! - [`reference`]: the f64 oracle backend.
+//! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
 //!
@@ -70,6 +71,7 @@
 
 pub mod backend;
 pub mod contracts;
+pub mod cpu;
 pub mod error;
 pub mod golden;
 pub mod kernel;

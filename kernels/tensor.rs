@@ -3,6 +3,7 @@
 //! Kernels read floating-point inputs as f32 or bf16 (`half::bf16`) and indices as i32; they
 //! write values as f32 and indices/counts as i32.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use half::bf16;
@@ -134,6 +135,16 @@ impl Tensor {
             Storage::F32(v) => v.get(index).map(|&x| f64::from(x)),
             Storage::BF16(v) => v.get(index).map(|&x| f64::from(x)),
             Storage::I32(v) => v.get(index).map(|&x| f64::from(x)),
+        }
+    }
+
+    /// The elements as f32: borrowed when already f32, widened exactly from bf16, converted from
+    /// i32.
+    pub fn f32_values(&self) -> Cow<'_, [f32]> {
+        match &self.storage {
+            Storage::F32(v) => Cow::Borrowed(v),
+            Storage::BF16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+            Storage::I32(v) => Cow::Owned(v.iter().map(|&x| x as f32).collect()),
         }
     }
 

@@ -1,0 +1,189 @@
+//! Safe f32 matrix products over strided views, on the `gemm` crate's packed-panel kernels
+//! (AVX-512 or AVX2+FMA chosen at run time, portable fallback otherwise).
+//!
+//! Every call runs single-threaded: the cpu backend parallelises over experts and row tiles
+//! itself, so the summation order of every output element depends only on the operands' shapes,
+//! never on the thread count.
+
+/// A read-only f32 matrix: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A contiguous row-major `[rows, cols]` matrix.
+    ///
+    /// # Panics
+    /// If `data` holds fewer than `rows · cols` elements.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self::strided(data, rows, cols, cols, 1)
+    }
+
+    /// A row-major `[rows, cols]` matrix whose rows are `row_stride` elements apart.
+    ///
+    /// # Panics
+    /// If the last element lies outside `data`.
+    pub fn strided(
+        data: &'a [f32],
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+        col_stride: usize,
+    ) -> Self {
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1) * row_stride + (cols - 1) * col_stride;
+            assert!(last < data.len(), "matrix view reaches past its buffer");
+        }
+        Self {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        }
+    }
+
+    /// The transpose, as a view of the same buffer.
+    pub fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+}
+
+/// `dst [m, n] = a [m, k] · b [k, n]`, or `dst += a · b` when `accumulate`; `dst` is contiguous
+/// row-major.
+///
+/// # Panics
+/// If the inner dimensions disagree or `dst` is not `m · n` long.
+pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "inner dimensions differ");
+    assert_eq!(dst.len(), m * n, "destination is not [m, n]");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: `MatRef::strided` checked that every (row, col) of `a` and `b` lies inside its
+    // buffer, and `dst` holds exactly m · n elements with unit column stride and row stride n.
+    // The three buffers cannot alias: `dst` is borrowed mutably.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Naive triple loop over the same views.
+    fn naive(a: MatRef<'_>, b: MatRef<'_>) -> Vec<f32> {
+        let mut out = vec![0.0; a.rows * b.cols];
+        for r in 0..a.rows {
+            for c in 0..b.cols {
+                out[r * b.cols + c] = (0..a.cols)
+                    .map(|j| {
+                        a.data[r * a.row_stride + j * a.col_stride]
+                            * b.data[j * b.row_stride + c * b.col_stride]
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn matches_naive_products_on_every_layout() {
+        for (m, k, n) in [(1, 1, 1), (3, 5, 7), (17, 33, 9), (64, 19, 130)] {
+            let a = values(m * k, 1);
+            let b = values(k * n, 2);
+            let views = [
+                (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n)),
+                (
+                    MatRef::row_major(&a, k, m).t(),
+                    MatRef::row_major(&b, n, k).t(),
+                ),
+            ];
+            for (va, vb) in views {
+                let expected = naive(va, vb);
+                let mut got = vec![0.0; m * n];
+                matmul(&mut got, va, vb, false);
+                for (g, e) in got.iter().zip(&expected) {
+                    assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{g} vs {e}");
+                }
+                matmul(&mut got, va, vb, true);
+                for (g, e) in got.iter().zip(&expected) {
+                    assert!(
+                        (g - 2.0 * e).abs() <= 2e-4 * (1.0 + e.abs()),
+                        "{g} vs 2·{e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_inner_dimension_zeroes_or_keeps() {
+        let mut dst = vec![5.0; 6];
+        matmul(
+            &mut dst,
+            MatRef::row_major(&[], 2, 0),
+            MatRef::row_major(&[], 0, 3),
+            true,
+        );
+        assert_eq!(dst, vec![5.0; 6]);
+        matmul(
+            &mut dst,
+            MatRef::row_major(&[], 2, 0),
+            MatRef::row_major(&[], 0, 3),
+            false,
+        );
+        assert_eq!(dst, vec![0.0; 6]);
+    }
+
+    #[test]
+    #[should_panic(expected = "reaches past its buffer")]
+    fn views_past_the_buffer_are_refused() {
+        MatRef::row_major(&[0.0; 5], 2, 3);
+    }
+}

@@ -1,0 +1,97 @@
+//! The `cpu` backend: the kernel contracts, forward and backward, tuned for multi-core x86 and
+//! ARM CPUs. f32 or bf16 storage, f32 arithmetic; packed-panel GEMMs ([`matmul`]) with run-time
+//! SIMD dispatch; rayon parallelism over experts and fixed row tiles. Every reduction has an
+//! order fixed by the shapes and the plan alone, so outputs are bit-identical whatever the
+//! number of threads.
+
+mod blockwise;
+mod load_balancing;
+pub mod matmul;
+mod permute;
+mod router;
+
+use crate::backend::{Backend, BackendKind};
+use crate::contracts::{
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmOutputs, LoadBalancingLoss,
+    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
+    PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    validate,
+};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Rows per parallel task in row-tiled products; fixed so results do not depend on threads.
+const ROW_TILE: usize = 64;
+
+/// The CPU backend. Uses the current rayon thread pool.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Refuses a result that overflowed f32.
+fn ensure_finite(name: &str, shape: &[usize], values: &[f32]) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(index) => Err(Error::invalid(
+            name,
+            format!(
+                "result {} at {} does not fit in f32",
+                values[index],
+                validate::position(shape, index)
+            ),
+        )),
+    }
+}
+
+/// An f32 output tensor, refusing non-finite results.
+fn f32_output(name: &str, shape: &[usize], values: Vec<f32>) -> Result<Tensor> {
+    ensure_finite(name, shape, &values)?;
+    Tensor::from_f32(shape, values)
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        BackendKind::Cpu.name()
+    }
+
+    fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
+        router::forward(call)
+    }
+
+    fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
+        router::backward(call)
+    }
+
+    fn load_balancing_loss(
+        &self,
+        call: &LoadBalancingLoss<'_>,
+    ) -> Result<LoadBalancingLossOutputs> {
+        load_balancing::forward(call)
+    }
+
+    fn load_balancing_loss_bwd(
+        &self,
+        call: &LoadBalancingLossBwd<'_>,
+    ) -> Result<LoadBalancingLossGrads> {
+        load_balancing::backward(call)
+    }
+
+    fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
+        permute::forward(call)
+    }
+
+    fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+        permute::backward(call)
+    }
+
+    fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        blockwise::forward(call)
+    }
+
+    fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        blockwise::backward(call)
+    }
+}

@@ -1,0 +1,70 @@
+//! The block plan on the CPU: one counting pass over `expert_index`, then each expert's tokens
+//! written in ascending token order straight into their blocks. O(T·K + N·B).
+
+use super::f32_output;
+use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+fn filled<T: Clone>(what: &str, len: usize, value: T) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|source| Error::Allocation {
+            what: format!("{what} ({len} elements)"),
+            source,
+        })?;
+    v.resize(len, value);
+    Ok(v)
+}
+
+pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
+    let inputs = call.inputs();
+    let PermuteDims { t, k, e, b, n } = call.dims();
+    let ids = inputs.expert_index.as_i32().expect("validated as i32");
+    let affinities = inputs.topk_affinities.f32_values();
+
+    let mut counts = vec![0usize; e];
+    for &id in ids {
+        counts[id as usize] += 1;
+    }
+    // First slot of each expert: its blocks follow the previous experts' blocks.
+    let mut next_slot = vec![0usize; e];
+    let mut block_to_expert = filled("block_to_expert", n, e as i32)?;
+    let mut used = 0;
+    for (expert, &count) in counts.iter().enumerate() {
+        next_slot[expert] = used * b;
+        let blocks = count.div_ceil(b);
+        block_to_expert[used..used + blocks].fill(expert as i32);
+        used += blocks;
+    }
+    let mut positions = filled("token_position_to_id", n * b, -1i32)?;
+    let mut masked = filled("expert_affinities_masked", (t + 1) * e, 0.0f32)?;
+    for (pair, (&id, &a)) in ids.iter().zip(affinities.iter()).enumerate() {
+        let (token, expert) = (pair / k, id as usize);
+        positions[next_slot[expert]] = token as i32;
+        next_slot[expert] += 1;
+        masked[token * e + expert] = a;
+    }
+    Ok(PermuteOutputs {
+        expert_counts: Tensor::from_i32([e], counts.iter().map(|&c| c as i32).collect())?,
+        token_position_to_id: Tensor::from_i32([n * b], positions)?,
+        block_to_expert: Tensor::from_i32([n], block_to_expert)?,
+        expert_affinities_masked: f32_output("expert_affinities_masked", &[(t + 1) * e], masked)?,
+        num_used_blocks: Tensor::from_i32([1], vec![used as i32])?,
+    })
+}
+
+pub(super) fn backward(call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+    let inputs = call.inputs();
+    let (t, k, e) = call.dims();
+    let ids = inputs.expert_index.as_i32().expect("validated as i32");
+    let grad = inputs.expert_affinities_masked_grad.f32_values();
+    let d: Vec<f32> = ids
+        .iter()
+        .enumerate()
+        .map(|(pair, &id)| grad[(pair / k) * e + id as usize])
+        .collect();
+    Ok(PermuteGrads {
+        d_topk_affinities: Tensor::from_f32([t, k], d)?,
+    })
+}

@@ -1,0 +1,227 @@
+//! Router forward and backward on the CPU: the logits GEMM in fixed row tiles, then the
+//! activation, top-k and renormalisation per row, in f32 and in log space (as the contract's
+//! reference does in f64) so renormalised affinities stay exact when probabilities underflow.
+
+use rayon::prelude::*;
+
+use super::matmul::{MatRef, matmul};
+use super::{ROW_TILE, ensure_finite, f32_output};
+use crate::contracts::{
+    Activation, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// `ln(1 + eˣ)` without overflow.
+fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// Log-affinities of one row of logits, written into `out`.
+fn log_affinities(logits: &[f32], activation: Activation, out: &mut [f32]) {
+    match activation {
+        Activation::Softmax => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+            let lse = max + sum.ln();
+            for (o, &l) in out.iter_mut().zip(logits) {
+                *o = l - lse;
+            }
+        }
+        Activation::Sigmoid => {
+            for (o, &l) in out.iter_mut().zip(logits) {
+                *o = -softplus(-l);
+            }
+        }
+    }
+}
+
+/// The selected experts' affinities from their log-affinities, renormalised (a softmax over
+/// the selection) when `norm`.
+fn selected_affinities(log_aff: &[f32], selected: &[i32], norm: bool, out: &mut [f32]) {
+    let max = selected
+        .iter()
+        .map(|&e| log_aff[e as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = selected
+        .iter()
+        .map(|&e| (log_aff[e as usize] - max).exp())
+        .sum();
+    let lse = max + sum.ln();
+    for (o, &e) in out.iter_mut().zip(selected) {
+        let la = log_aff[e as usize];
+        *o = if norm { (la - lse).exp() } else { la.exp() };
+    }
+}
+
+/// `[T, E]` logits: `x [T, H] · w [H, E] (+ bias)`, in row tiles of [`ROW_TILE`].
+fn logits(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    (t, h, e): (usize, usize, usize),
+) -> Vec<f32> {
+    let mut logits = vec![0.0f32; t * e];
+    logits
+        .par_chunks_mut(ROW_TILE * e)
+        .enumerate()
+        .for_each(|(tile, out)| {
+            let rows = out.len() / e;
+            let x_tile = &x[tile * ROW_TILE * h..][..rows * h];
+            matmul(
+                out,
+                MatRef::row_major(x_tile, rows, h),
+                MatRef::row_major(w, h, e),
+                false,
+            );
+            if let Some(bias) = bias {
+                for row in out.chunks_mut(e) {
+                    for (l, b) in row.iter_mut().zip(bias) {
+                        *l += b;
+                    }
+                }
+            }
+        });
+    logits
+}
+
+pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
+    let (inputs, params) = (call.inputs(), call.params());
+    let RouterDims { t, h, e, k } = call.dims();
+    let bias = inputs.bias.map(Tensor::f32_values);
+    let selection_bias = inputs.selection_bias.map(Tensor::f32_values);
+    let logits = logits(
+        &inputs.x.f32_values(),
+        &inputs.w.f32_values(),
+        bias.as_deref(),
+        (t, h, e),
+    );
+    ensure_finite("router_logits", &[t, e], &logits)?;
+
+    let mut expert_index = vec![0i32; t * k];
+    let mut topk = vec![0.0f32; t * k];
+    let mut scattered = vec![0.0f32; t * e];
+    expert_index
+        .par_chunks_mut(k)
+        .zip(topk.par_chunks_mut(k))
+        .zip(scattered.par_chunks_mut(e))
+        .zip(logits.par_chunks(e))
+        .for_each_init(
+            || (vec![0.0f32; e], vec![0.0f32; e]),
+            |(log_aff, scores), (((index, aff), scattered), row)| {
+                log_affinities(row, params.activation, log_aff);
+                for (expert, (s, la)) in scores.iter_mut().zip(log_aff.iter()).enumerate() {
+                    *s = la.exp() + selection_bias.as_ref().map_or(0.0, |b| b[expert]);
+                }
+                // K passes of argmax; the strict `>` keeps the lower id on ties.
+                for slot in 0..k {
+                    let mut best = usize::MAX;
+                    for (expert, &s) in scores.iter().enumerate() {
+                        if !index[..slot].contains(&(expert as i32))
+                            && (best == usize::MAX || s > scores[best])
+                        {
+                            best = expert;
+                        }
+                    }
+                    index[slot] = best as i32;
+                }
+                selected_affinities(log_aff, index, params.norm_topk_prob, aff);
+                for (&expert, &a) in index.iter().zip(aff.iter()) {
+                    scattered[expert as usize] = a;
+                }
+            },
+        );
+    Ok(RouterTopkOutputs {
+        router_logits: Tensor::from_f32([t, e], logits)?,
+        expert_index: Tensor::from_i32([t, k], expert_index)?,
+        topk_affinities: Tensor::from_f32([t, k], topk)?,
+        expert_affinities: Tensor::from_f32([t, e], scattered)?,
+    })
+}
+
+pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
+    let (inputs, params) = (call.inputs(), call.params());
+    let RouterDims { t, h, e, k } = call.dims();
+    let logits = inputs.router_logits.f32_values();
+    let expert_index = inputs.expert_index.as_i32().expect("validated as i32");
+    let d_topk = inputs.d_topk_affinities.f32_values();
+    let d_extra = inputs.d_router_logits.map(Tensor::f32_values);
+
+    // d logits [T, E], row by row.
+    let mut d_logits = vec![0.0f32; t * e];
+    d_logits.par_chunks_mut(e).enumerate().for_each_init(
+        || (vec![0.0f32; e], vec![0.0f32; k]),
+        |(log_aff, aff), (token, d_row)| {
+            let row = &logits[token * e..(token + 1) * e];
+            let selected = &expert_index[token * k..(token + 1) * k];
+            let d_aff = &d_topk[token * k..(token + 1) * k];
+            log_affinities(row, params.activation, log_aff);
+            selected_affinities(log_aff, selected, params.norm_topk_prob, aff);
+            let centre: f32 = if params.norm_topk_prob {
+                d_aff.iter().zip(aff.iter()).map(|(d, a)| d * a).sum()
+            } else {
+                0.0
+            };
+            // d_row first holds the gradient w.r.t. the log-affinities.
+            d_row.fill(0.0);
+            for ((&expert, &d), &a) in selected.iter().zip(d_aff).zip(aff.iter()) {
+                d_row[expert as usize] = (d - centre) * a;
+            }
+            match params.activation {
+                Activation::Softmax => {
+                    let total: f32 = d_row.iter().sum();
+                    for (dl, &la) in d_row.iter_mut().zip(log_aff.iter()) {
+                        *dl -= la.exp() * total;
+                    }
+                }
+                Activation::Sigmoid => {
+                    for (dl, &l) in d_row.iter_mut().zip(row) {
+                        *dl *= (-softplus(l)).exp();
+                    }
+                }
+            }
+            if let Some(extra) = &d_extra {
+                for (dl, d) in d_row.iter_mut().zip(&extra[token * e..(token + 1) * e]) {
+                    *dl += d;
+                }
+            }
+        },
+    );
+
+    let x = inputs.x.f32_values();
+    let w = inputs.w.f32_values();
+    // d_x [T, H] = d_logits · wᵀ, in row tiles.
+    let mut d_x = vec![0.0f32; t * h];
+    d_x.par_chunks_mut(ROW_TILE * h)
+        .enumerate()
+        .for_each(|(tile, out)| {
+            let rows = out.len() / h;
+            let d_tile = &d_logits[tile * ROW_TILE * e..][..rows * e];
+            matmul(
+                out,
+                MatRef::row_major(d_tile, rows, e),
+                MatRef::row_major(&w, h, e).t(),
+                false,
+            );
+        });
+    // d_w [H, E] = xᵀ · d_logits (the token reduction stays inside one product).
+    let mut d_w = vec![0.0f32; h * e];
+    matmul(
+        &mut d_w,
+        MatRef::row_major(&x, t, h).t(),
+        MatRef::row_major(&d_logits, t, e),
+        false,
+    );
+    // d_bias [E] = Σ_t d_logits, in token order.
+    let mut d_bias = vec![0.0f32; e];
+    for row in d_logits.chunks(e) {
+        for (db, d) in d_bias.iter_mut().zip(row) {
+            *db += d;
+        }
+    }
+    Ok(RouterTopkGrads {
+        d_x: f32_output("d_x", &[t, h], d_x)?,
+        d_w: f32_output("d_w", &[h, e], d_w)?,
+        d_bias: f32_output("d_bias", &[e], d_bias)?,
+    })
+}

@@ -1,0 +1,339 @@
+//! The `cpu` backend against the `reference` oracle: every kernel, forward and backward, f32 and
+//! bf16 inputs, on random MoE layers including the contracts' edge cases; bit-identical results
+//! across thread counts; and the same errors as the reference.
+//!
+//! Tolerance: the cpu backend accumulates in f32, the reference in f64, so values agree within
+//! `1e-4 · (|reference| + max |reference of that tensor|)`; indices and counts agree exactly.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::*;
+use moekit::contracts::Activation;
+use moekit::kernel::{Kernel, Params};
+use moekit::{BackendKind, DType, Tensor};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+struct Layer {
+    params: Params,
+    /// Every input of every kernel, by contract name.
+    tensors: BTreeMap<String, Tensor>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    t: usize,
+    h: usize,
+    e: usize,
+    i: usize,
+    k: usize,
+    b: usize,
+    activation: Activation,
+    norm_topk_prob: bool,
+    biases: bool,
+    bf16: bool,
+}
+
+fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
+    (
+        (1..max_t, 1usize..24, 1usize..9, 1usize..16, 1usize..12),
+        prop_oneof![Just(Activation::Softmax), Just(Activation::Sigmoid)],
+        any::<(bool, bool, bool)>(),
+    )
+        .prop_flat_map(|(dims, activation, flags)| (Just((dims, activation, flags)), 1..=dims.2))
+        .prop_map(
+            |(((t, h, e, i, b), activation, (norm_topk_prob, biases, bf16)), k)| Shape {
+                t,
+                h,
+                e,
+                i,
+                k,
+                b,
+                activation,
+                norm_topk_prob,
+                biases,
+                bf16,
+            },
+        )
+}
+
+/// A full layer's tensors: router inputs, the reference's router, plan and checkpoints (so each
+/// kernel is compared on identical inputs), weights and gradients.
+fn layer(s: Shape, seed: u64) -> Layer {
+    let Shape {
+        t, h, e, i, k, b, ..
+    } = s;
+    let mut rng = SeededRng::new(seed);
+    let mut params = Params::default();
+    params.set("top_k", &k.to_string()).unwrap();
+    params.set("activation", &s.activation.to_string()).unwrap();
+    params
+        .set("norm_topk_prob", &s.norm_topk_prob.to_string())
+        .unwrap();
+    params.set("num_experts", &e.to_string()).unwrap();
+    params.set("block_size", &b.to_string()).unwrap();
+    params.set("checkpoint_activations", "true").unwrap();
+    let float = |shape: &[usize], v: &[f64]| {
+        let t = f32_tensor(shape, v);
+        if s.bf16 { t.to_bf16() } else { t }
+    };
+    let mut tensors = BTreeMap::new();
+    let mut put = |name: &str, tensor: Tensor| {
+        tensors.insert(name.to_owned(), tensor);
+    };
+    let x = rng.values(t * h, 1.0);
+    put("x", float(&[t, h], &x));
+    put("w", float(&[h, e], &rng.values(h * e, 1.0)));
+    if s.biases {
+        put("bias", float(&[e], &rng.values(e, 0.5)));
+        put("selection_bias", float(&[e], &rng.values(e, 0.2)));
+    }
+    let mut padded = x.clone();
+    padded.extend(vec![0.0; h]);
+    put("hidden_states", float(&[t + 1, h], &padded));
+    put(
+        "gate_up_proj_weight",
+        float(&[e, h, 2, i], &rng.values(e * h * 2 * i, 0.5)),
+    );
+    put(
+        "down_proj_weight",
+        float(&[e, i, h], &rng.values(e * i * h, 0.5)),
+    );
+    put("d_topk_affinities", float(&[t, k], &rng.values(t * k, 1.0)));
+    put("d_router_logits", float(&[t, e], &rng.values(t * e, 1.0)));
+    put("d_aux_loss", float(&[1], &[0.75]));
+    put(
+        "output_hidden_states_grad",
+        float(&[t, h], &rng.values(t * h, 1.0)),
+    );
+    put(
+        "expert_affinities_masked_grad",
+        float(&[(t + 1) * e], &rng.values((t + 1) * e, 1.0)),
+    );
+    let mut layer = Layer { params, tensors };
+    // Forward outputs the later kernels consume, from the oracle.
+    for kernel in [Kernel::RouterTopk, Kernel::Permute, Kernel::BlockwiseMm] {
+        let reference = BackendKind::Reference.create();
+        for (name, tensor) in kernel
+            .run(reference.as_ref(), &layer.tensors, &layer.params)
+            .unwrap()
+        {
+            layer.tensors.insert(name.to_owned(), tensor);
+        }
+    }
+    layer
+}
+
+/// Smallest gap between consecutive selection scores among each row's top K+1.
+fn selection_margin(layer: &Layer, s: Shape) -> f64 {
+    let logits = layer.tensors["router_logits"].to_f64_vec();
+    let sel = layer.tensors.get("selection_bias").map(Tensor::to_f64_vec);
+    logits
+        .chunks(s.e)
+        .map(|row| {
+            let probs: Vec<f64> = match s.activation {
+                Activation::Softmax => {
+                    let max = row.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = row.iter().map(|l| (l - max).exp()).sum();
+                    row.iter().map(|l| (l - max).exp() / z).collect()
+                }
+                Activation::Sigmoid => row.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+            };
+            let mut scores: Vec<f64> = probs
+                .iter()
+                .enumerate()
+                .map(|(ex, p)| p + sel.as_ref().map_or(0.0, |b| b[ex]))
+                .collect();
+            scores.sort_by(|a, b| b.total_cmp(a));
+            scores[..(s.k + 1).min(s.e)]
+                .windows(2)
+                .map(|w| w[0] - w[1])
+                .fold(f64::INFINITY, f64::min)
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn run(kernel: Kernel, backend: BackendKind, layer: &Layer) -> Vec<(&'static str, Tensor)> {
+    kernel
+        .run(backend.create().as_ref(), &layer.tensors, &layer.params)
+        .unwrap_or_else(|e| panic!("{} on {backend}: {e}", kernel.name()))
+}
+
+fn compare(kernel: Kernel, layer: &Layer) -> Result<(), TestCaseError> {
+    let cpu = run(kernel, BackendKind::Cpu, layer);
+    let reference = run(kernel, BackendKind::Reference, layer);
+    prop_assert_eq!(cpu.len(), reference.len());
+    for ((name, got), (ref_name, want)) in cpu.iter().zip(&reference) {
+        prop_assert_eq!(name, ref_name);
+        prop_assert_eq!(got.shape(), want.shape(), "{}", name);
+        prop_assert_eq!(got.dtype(), want.dtype(), "{}", name);
+        if want.dtype() == DType::I32 {
+            prop_assert_eq!(got, want, "{}.{}", kernel.name(), name);
+        } else {
+            let want = want.to_f64_vec();
+            let what = format!("{}.{}", kernel.name(), name);
+            assert_close(&what, &got.to_f64_vec(), &want, 1e-4, 1e-4 * scale(&want))?;
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn every_kernel_matches_the_reference(s in shape(40), seed in any::<u64>()) {
+        let layer = layer(s, seed);
+        prop_assume!(selection_margin(&layer, s) > 1e-4);
+        for &kernel in Kernel::ALL {
+            compare(kernel, &layer)?;
+        }
+    }
+
+    #[test]
+    fn results_are_bit_identical_across_thread_counts(s in shape(300), seed in any::<u64>()) {
+        let layer = layer(s, seed);
+        let cpu = BackendKind::Cpu.create();
+        for &kernel in Kernel::ALL {
+            let runs: Vec<_> = [1, 2, 3]
+                .into_iter()
+                .map(|threads| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| kernel.run(cpu.as_ref(), &layer.tensors, &layer.params).unwrap())
+                })
+                .collect();
+            prop_assert_eq!(&runs[0], &runs[1], "{}: 1 vs 2 threads", kernel.name());
+            prop_assert_eq!(&runs[0], &runs[2], "{}: 1 vs 3 threads", kernel.name());
+        }
+    }
+}
+
+#[test]
+fn edge_cases_match_the_reference() {
+    let base = Shape {
+        t: 5,
+        h: 7,
+        e: 4,
+        i: 3,
+        k: 2,
+        b: 2,
+        activation: Activation::Softmax,
+        norm_topk_prob: true,
+        biases: false,
+        bf16: false,
+    };
+    let cases = [
+        ("T = 1", Shape { t: 1, ..base }),
+        ("E = 1", Shape { e: 1, k: 1, ..base }),
+        ("K = E", Shape { k: 4, ..base }),
+        ("B = 1", Shape { b: 1, ..base }),
+        ("B > T·K", Shape { b: 64, ..base }),
+        ("H = I = 1", Shape { h: 1, i: 1, ..base }),
+        (
+            "odd H and I beyond the SIMD width",
+            Shape {
+                h: 37,
+                i: 19,
+                ..base
+            },
+        ),
+        ("many tokens", Shape { t: 257, ..base }),
+    ];
+    for (name, s) in cases {
+        for bf16 in [false, true] {
+            let layer = layer(Shape { bf16, ..s }, 3);
+            for &kernel in Kernel::ALL {
+                if let Err(e) = compare(kernel, &layer) {
+                    panic!("{name} (bf16: {bf16}): {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn errors_are_the_reference_errors() {
+    let mut layer = layer(
+        Shape {
+            t: 4,
+            h: 3,
+            e: 4,
+            i: 2,
+            k: 2,
+            b: 2,
+            activation: Activation::Softmax,
+            norm_topk_prob: true,
+            biases: true,
+            bf16: false,
+        },
+        9,
+    );
+    let broken = |name: &str, tensor: Tensor| {
+        let mut l = layer.clone();
+        l.tensors.insert(name.to_owned(), tensor);
+        l
+    };
+    let cases = [
+        (
+            Kernel::RouterTopk,
+            broken("w", f32_tensor(&[2, 4], &[0.0; 8])),
+        ),
+        (
+            Kernel::RouterTopk,
+            broken("x", f32_tensor(&[4, 3], &[f64::NAN; 12])),
+        ),
+        (
+            Kernel::Permute,
+            broken(
+                "expert_index",
+                i32_tensor(&[4, 2], &[0, 0, 1, 2, 3, 1, 0, 2]),
+            ),
+        ),
+        (
+            Kernel::LoadBalancingLoss,
+            broken(
+                "expert_index",
+                i32_tensor(&[4, 2], &[0, 9, 1, 2, 3, 1, 0, 2]),
+            ),
+        ),
+        (
+            Kernel::BlockwiseMm,
+            broken("block_to_expert", i32_tensor(&[1], &[7])),
+        ),
+        (
+            Kernel::BlockwiseMmBwd,
+            broken("down_activations", f32_tensor(&[1, 1, 1], &[0.0])),
+        ),
+    ];
+    for (kernel, l) in cases {
+        let err = |backend: BackendKind| {
+            kernel
+                .run(backend.create().as_ref(), &l.tensors, &l.params)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            err(BackendKind::Cpu),
+            err(BackendKind::Reference),
+            "{}",
+            kernel.name()
+        );
+    }
+    layer.params.set("top_k", "9").unwrap();
+    let err = Kernel::RouterTopk
+        .run(
+            BackendKind::Cpu.create().as_ref(),
+            &layer.tensors,
+            &layer.params,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("top_k"), "{err}");
+}
+
+#[test]
+fn the_backend_reports_its_name() {
+    assert_eq!(BackendKind::Cpu.create().name(), "cpu");
+    assert_eq!("cpu".parse::<BackendKind>().unwrap(), BackendKind::Cpu);
+}
