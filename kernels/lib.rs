@@ -12,6 +12,7 @@
 //! - [`reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
+//! - [`bench`]: kernel benchmarks against the machine's measured limits.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
 //!
 //! ## An MoE layer forward: route, plan, expert matmul
@@ -70,6 +71,7 @@
 //! ```
 
 pub mod backend;
+pub mod bench;
 pub mod contracts;
 pub mod cpu;
 pub mod error;

@@ -470,3 +470,80 @@ fn errors_exit_non_zero_with_a_clear_message() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn bench_reports_every_kernel_as_json_rows() {
+    let out = moekit(&[
+        "bench",
+        "--backend",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--tokens",
+        "16",
+        "--tokens",
+        "33",
+        "--dtype",
+        "bf16",
+        "--min-time-ms",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<&str> = text.lines().collect();
+    let kernels = Kernel::ALL.len() + 1; // plus the whole-layer row
+    assert_eq!(rows.len(), 2 * kernels, "{text}");
+    for kernel in Kernel::ALL {
+        assert!(
+            rows.iter()
+                .any(|r| r.contains(&format!("\"kernel\":\"{}\"", kernel.name())))
+        );
+    }
+    for row in &rows {
+        assert!(row.starts_with('{') && row.ends_with('}'), "{row}");
+        for field in [
+            "\"backend\":\"cpu\"",
+            "\"shape\":\"tiny\"",
+            "\"dtype\":\"bf16\"",
+            "\"ms\":",
+            "\"pct_of_peak\":",
+            "\"libtorch_ms\":null",
+            "\"vs_libtorch\":null",
+        ] {
+            assert!(row.contains(field), "{row} lacks {field}");
+        }
+        assert!(
+            row.contains("\"gflops\":") != row.contains("\"gbps\":"),
+            "{row}"
+        );
+        assert!(
+            row.contains("\"tokens\":16") || row.contains("\"tokens\":33"),
+            "{row}"
+        );
+    }
+}
+
+#[test]
+fn bench_rejects_unknown_shapes_backends_and_dtypes() {
+    run_err(
+        &["bench", "--shape", "qwen9"],
+        &["unknown shape `qwen9`", "qwen3-30b-a3b"],
+    );
+    run_err(
+        &["bench", "--backend", "tpu", "--shape", "tiny"],
+        &["unknown backend `tpu`"],
+    );
+    run_err(
+        &["bench", "--dtype", "f16", "--shape", "tiny"],
+        &["dtype", "f16"],
+    );
+    run_err(
+        &["bench", "--tokens", "0", "--shape", "tiny"],
+        &["tokens", "at least 1"],
+    );
+}

@@ -15,9 +15,9 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 
-# The Rust toolchain comes from rustup (edition 2024 needs Rust ≥ 1.85, newer than Debian's).
+# The Rust toolchain comes from rustup (moekit needs Rust ≥ 1.89, newer than Debian's).
 if ! command -v cargo >/dev/null 2>&1 || ! command -v rustup >/dev/null 2>&1; then
-    echo "setup: moekit needs a rustup-managed Rust toolchain (≥ 1.85) on PATH" >&2
+    echo "setup: moekit needs a rustup-managed Rust toolchain (≥ 1.89) on PATH" >&2
     exit 1
 fi
 for component in rustfmt clippy; do

@@ -1,6 +1,8 @@
 //! `moekit`: the kernel-developer command line.
 //!
 //! - `moekit list`: every kernel with its tensor contract.
+//! - `moekit bench [--backend NAME] [--shape NAME] [--tokens T] [--dtype f32|bf16] [--json]`:
+//!   times every kernel of one MoE layer against the machine's measured limits.
 //! - `moekit run <kernel> --inputs in.safetensors --output out.safetensors [--backend NAME]
 //!   [--param name=value ...]`: runs one kernel on named golden tensors.
 
@@ -8,9 +10,12 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use moekit::bench::limits::MachineLimits;
+use moekit::bench::{BenchConfig, MoeShape};
 use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_table};
-use moekit::{BackendKind, Result};
+use moekit::{BackendKind, DType, Result};
+use std::time::Duration;
 
 /// Metadata keys that are known not to be parameters: PyTorch's `format`, and the `kernel` and
 /// `backend` that moekit writes into its own outputs.
@@ -48,6 +53,76 @@ enum Command {
         #[arg(long = "param", value_name = "NAME=VALUE")]
         params: Vec<String>,
     },
+    /// Time every kernel of one MoE layer, forward and backward, against the machine's
+    /// measured FMA peak and stream bandwidth.
+    Bench {
+        /// Backend to measure.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Layer shape: tiny, qwen3-30b-a3b or qwen3-235b-a22b.
+        #[arg(long, default_value = "qwen3-30b-a3b")]
+        shape: String,
+        /// Tokens T (repeat for several).
+        #[arg(long = "tokens", default_values_t = [512])]
+        tokens: Vec<usize>,
+        /// Storage of float inputs: f32 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Block size B of the plan.
+        #[arg(long, default_value_t = 128)]
+        block_size: usize,
+        /// Minimum time per kernel, milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        min_time_ms: u64,
+        /// One JSON object per row instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[allow(clippy::too_many_arguments)] // one per command-line option
+fn bench(
+    backend: &str,
+    shape: &str,
+    tokens: &[usize],
+    dtype: &str,
+    block_size: usize,
+    min_time_ms: u64,
+    json: bool,
+) -> Result<()> {
+    let dtype = match dtype {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => {
+            return Err(moekit::Error::Param {
+                param: "dtype".to_owned(),
+                message: format!("expected f32 or bf16, got `{other}`"),
+            });
+        }
+    };
+    let backend: BackendKind = backend.parse()?;
+    let shape: MoeShape = shape.parse()?;
+    let limits = MachineLimits::measure();
+    let mut rows = Vec::new();
+    for &tokens in tokens {
+        let config = BenchConfig {
+            backend,
+            shape,
+            tokens,
+            dtype,
+            block_size,
+            min_time: Duration::from_millis(min_time_ms),
+        };
+        rows.extend(moekit::bench::run(&config, &limits)?);
+    }
+    if json {
+        for row in &rows {
+            println!("{}", row.to_json());
+        }
+    } else {
+        print!("{}", moekit::bench::table(&rows, &limits));
+    }
+    Ok(())
 }
 
 fn run(
@@ -110,6 +185,29 @@ fn main() -> ExitCode {
                 println!("{kernel}: wrote {count} tensors to {}", output.display());
                 ExitCode::SUCCESS
             }
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Bench {
+            backend,
+            shape,
+            tokens,
+            dtype,
+            block_size,
+            min_time_ms,
+            json,
+        } => match bench(
+            &backend,
+            &shape,
+            &tokens,
+            &dtype,
+            block_size,
+            min_time_ms,
+            json,
+        ) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("error: {err}");
                 ExitCode::FAILURE
