@@ -5,11 +5,14 @@
 //! result, then `[m, I] · [I, H]`. Experts run in parallel; every product runs on one thread, so
 //! each value's summation order depends only on the plan, never on the thread count. The
 //! affinity scaling and scatter-add are fused into a per-token combine that sums a token's
-//! expert outputs in ascending expert order.
+//! expert outputs in ascending expert order. The backward transposes each expert's weights once
+//! (widening bf16 on the way) so that all four of its products stream contiguous rows, and
+//! writes weight gradients straight into their final place.
 
 use rayon::prelude::*;
 
 use super::matmul::{MatRef, matmul};
+use super::alloc::zeroed;
 use super::{f32_output, sigmoid};
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
@@ -85,38 +88,96 @@ impl TokenRows {
         Self { offsets, entries }
     }
 
-    fn of(&self, token: usize) -> &[(usize, usize)] {
-        &self.entries[self.offsets[token]..self.offsets[token + 1]]
+    /// `out [T, H]`: each token's row is the sum over its `(group, row)` pairs, in order, of
+    /// `weight(token, group) · rows_of(group)[row]`.
+    fn combine<'r>(
+        &self,
+        out: &mut [f32],
+        h: usize,
+        weight: impl Fn(usize, usize) -> f32 + Sync,
+        rows_of: impl Fn(usize) -> &'r [f32] + Sync,
+    ) {
+        out.par_chunks_mut(h).enumerate().for_each(|(token, out)| {
+            for &(g, row) in &self.entries[self.offsets[token]..self.offsets[token + 1]] {
+                let w = weight(token, g);
+                for (o, v) in out.iter_mut().zip(&rows_of(g)[row * h..(row + 1) * h]) {
+                    *o += w * v;
+                }
+            }
+        });
     }
 }
 
-/// An expert's `[H, 2I]` gate/up weight (or `[I, H]` down weight) as f32: borrowed when the
-/// tensor is f32, widened from bf16 otherwise.
-fn expert_matrix(tensor: &Tensor, expert: usize, len: usize) -> std::borrow::Cow<'_, [f32]> {
+/// Expert `expert`'s `len` contiguous elements of a float tensor as f32: borrowed when the
+/// tensor is f32, widened from bf16 into `scratch` otherwise.
+fn expert_slice<'a>(
+    tensor: &'a Tensor,
+    expert: usize,
+    len: usize,
+    scratch: &'a mut Vec<f32>,
+) -> &'a [f32] {
     let range = expert * len..(expert + 1) * len;
     match tensor.storage() {
-        Storage::F32(v) => std::borrow::Cow::Borrowed(&v[range]),
-        Storage::BF16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+        Storage::F32(v) => &v[range],
+        Storage::BF16(v) => {
+            scratch.clear();
+            scratch.extend(v[range].iter().map(|x| x.to_f32()));
+            scratch
+        }
         Storage::I32(_) => unreachable!("validated as a float tensor"),
     }
 }
 
-/// Copies the listed rows of a `[rows, width]` float tensor into a contiguous f32 matrix.
-fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.len() * width);
+/// Writes the transpose `[cols, rows]` of expert `expert`'s `[rows, cols]` matrix into `dst`,
+/// widening bf16, in cache-sized tiles.
+fn expert_transposed(tensor: &Tensor, expert: usize, rows: usize, cols: usize, dst: &mut Vec<f32>) {
+    fn transpose<T: Copy + Into<f32>>(src: &[T], rows: usize, cols: usize, dst: &mut [f32]) {
+        const TILE: usize = 32;
+        for r0 in (0..rows).step_by(TILE) {
+            for c0 in (0..cols).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(rows) {
+                    for c in c0..(c0 + TILE).min(cols) {
+                        dst[c * rows + r] = src[r * cols + c].into();
+                    }
+                }
+            }
+        }
+    }
+    let range = expert * rows * cols..(expert + 1) * rows * cols;
+    dst.resize(rows * cols, 0.0);
+    match tensor.storage() {
+        Storage::F32(v) => transpose(&v[range], rows, cols, dst),
+        Storage::BF16(v) => transpose(&v[range], rows, cols, dst),
+        Storage::I32(_) => unreachable!("validated as a float tensor"),
+    }
+}
+
+/// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
+/// matrix.
+fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize, dst: &mut Vec<f32>) {
+    dst.clear();
     for &row in rows {
         let range = row * width..(row + 1) * width;
         match tensor.storage() {
-            Storage::F32(v) => out.extend_from_slice(&v[range]),
-            Storage::BF16(v) => out.extend(v[range].iter().map(|x| x.to_f32())),
+            Storage::F32(v) => dst.extend_from_slice(&v[range]),
+            Storage::BF16(v) => dst.extend(v[range].iter().map(|x| x.to_f32())),
             Storage::I32(_) => unreachable!("validated as a float tensor"),
         }
     }
-    out
 }
 
-fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
+/// Per-task buffers, reused from one expert to the next.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    w_gate_up: Vec<f32>,
+    w_down: Vec<f32>,
+    act: Vec<f32>,
+    y: Vec<f32>,
+    d_y: Vec<f32>,
+    gate_up: Vec<f32>,
+    d_act: Vec<f32>,
+    d_gate_up: Vec<f32>,
 }
 
 /// Per-expert forward results: `gate_up [m, 2I]` before the activation and `down [m, H]`
@@ -130,31 +191,41 @@ fn expert_forward(
     inputs: &BlockwiseMmInputs<'_>,
     dims: BlockwiseDims,
     group: &ExpertRows,
+    scratch: &mut Scratch,
 ) -> ExpertForward {
     let BlockwiseDims { h, i, .. } = dims;
     let m = group.tokens.len();
-    let x = gather_rows(inputs.hidden_states, &group.tokens, h);
-    let w_gate_up = expert_matrix(inputs.gate_up_proj_weight, group.expert, h * 2 * i);
-    let w_down = expert_matrix(inputs.down_proj_weight, group.expert, i * h);
+    gather_rows(inputs.hidden_states, &group.tokens, h, &mut scratch.x);
     let mut gate_up = vec![0.0f32; m * 2 * i];
+    let w_gate_up = expert_slice(
+        inputs.gate_up_proj_weight,
+        group.expert,
+        h * 2 * i,
+        &mut scratch.w_gate_up,
+    );
     matmul(
         &mut gate_up,
-        MatRef::row_major(&x, m, h),
-        MatRef::row_major(&w_gate_up, h, 2 * i),
+        MatRef::row_major(&scratch.x, m, h),
+        MatRef::row_major(w_gate_up, h, 2 * i),
         false,
     );
-    let mut act = vec![0.0f32; m * i];
-    for (a, gu) in act.chunks_mut(i).zip(gate_up.chunks(2 * i)) {
+    let act = &mut scratch.act;
+    act.clear();
+    for gu in gate_up.chunks(2 * i) {
         let (gate, up) = gu.split_at(i);
-        for ((a, &g), &u) in a.iter_mut().zip(gate).zip(up) {
-            *a = silu(g) * u;
-        }
+        act.extend(gate.iter().zip(up).map(|(&g, &u)| g * sigmoid(g) * u));
     }
     let mut down = vec![0.0f32; m * h];
+    let w_down = expert_slice(
+        inputs.down_proj_weight,
+        group.expert,
+        i * h,
+        &mut scratch.w_down,
+    );
     matmul(
         &mut down,
-        MatRef::row_major(&act, m, i),
-        MatRef::row_major(&w_down, i, h),
+        MatRef::row_major(act, m, i),
+        MatRef::row_major(w_down, i, h),
         false,
     );
     ExpertForward { gate_up, down }
@@ -166,27 +237,23 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let groups = group_by_expert(&inputs, dims);
     let results: Vec<ExpertForward> = groups
         .par_iter()
-        .map(|group| expert_forward(&inputs, dims, group))
+        .map_init(Scratch::default, |scratch, group| {
+            expert_forward(&inputs, dims, group, scratch)
+        })
         .collect();
 
     let affinities = inputs.expert_affinities_masked.f32_values();
-    let rows = TokenRows::new(&groups, t);
-    let mut output = vec![0.0f32; t * h];
-    output
-        .par_chunks_mut(h)
-        .enumerate()
-        .for_each(|(token, out)| {
-            for &(g, row) in rows.of(token) {
-                let a = affinities[token * e + groups[g].expert];
-                for (o, y) in out.iter_mut().zip(&results[g].down[row * h..(row + 1) * h]) {
-                    *o += a * y;
-                }
-            }
-        });
+    let mut output = zeroed(t * h);
+    TokenRows::new(&groups, t).combine(
+        &mut output,
+        h,
+        |token, g| affinities[token * e + groups[g].expert],
+        |g| &results[g].down,
+    );
 
     let (gate_up_activations_t, down_activations) = if call.params().checkpoint_activations {
-        let mut gate_up_t = vec![0.0f32; n * 2 * i * b];
-        let mut down = vec![0.0f32; n * b * h];
+        let mut gate_up_t = zeroed(n * 2 * i * b);
+        let mut down = zeroed(n * b * h);
         for (group, result) in groups.iter().zip(&results) {
             for (row, &slot) in group.slots.iter().enumerate() {
                 let (block, j) = (slot / b, slot % b);
@@ -219,99 +286,113 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     })
 }
 
-/// Per-expert gradients: weight gradients, the input gradient of each row and the affinity
-/// gradient of each row.
+/// Per-expert results that are not weight gradients: the input gradient of each row and the
+/// affinity gradient of each row.
 struct ExpertBackward {
-    d_gate_up_weight: Vec<f32>,
-    d_down_weight: Vec<f32>,
     d_x: Vec<f32>,
     d_affinity: Vec<f32>,
 }
 
-fn expert_backward(call: &BlockwiseMmBwd<'_>, group: &ExpertRows) -> ExpertBackward {
+/// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]`.
+fn expert_backward(
+    call: &BlockwiseMmBwd<'_>,
+    group: &ExpertRows,
+    scratch: &mut Scratch,
+    d_gate_up_weight: &mut [f32],
+    d_down_weight: &mut [f32],
+) -> ExpertBackward {
     let inputs = call.inputs();
     let forward = inputs.forward;
     let BlockwiseDims { e, h, i, b, .. } = call.dims();
     let m = group.tokens.len();
     let affinities = forward.expert_affinities_masked.f32_values();
-    let d_out = inputs.output_hidden_states_grad.f32_values();
     let checkpoint = inputs.gate_up_activations_t.f32_values();
-    let y = gather_rows(inputs.down_activations, &group.slots, h);
+    let s = scratch;
 
     // d y = affinity · d output; d affinity = ⟨d output, y⟩.
-    let mut d_y = vec![0.0f32; m * h];
+    gather_rows(inputs.down_activations, &group.slots, h, &mut s.y);
+    gather_rows(
+        inputs.output_hidden_states_grad,
+        &group.tokens,
+        h,
+        &mut s.d_y,
+    );
     let mut d_affinity = vec![0.0f32; m];
     for (row, &token) in group.tokens.iter().enumerate() {
         let a = affinities[token * e + group.expert];
-        let d_row = &d_out[token * h..(token + 1) * h];
-        let y_row = &y[row * h..(row + 1) * h];
-        d_affinity[row] = d_row.iter().zip(y_row).map(|(d, y)| d * y).sum();
-        for (dy, d) in d_y[row * h..(row + 1) * h].iter_mut().zip(d_row) {
-            *dy = a * d;
+        let d_y = &mut s.d_y[row * h..(row + 1) * h];
+        d_affinity[row] = d_y
+            .iter()
+            .zip(&s.y[row * h..(row + 1) * h])
+            .map(|(d, y)| d * y)
+            .sum();
+        for d in d_y.iter_mut() {
+            *d *= a;
         }
     }
     // gate/up rows from the transposed checkpoint [N, 2, I, B].
-    let mut gate_up = vec![0.0f32; m * 2 * i];
-    for (row, &slot) in group.slots.iter().enumerate() {
+    s.gate_up.clear();
+    for &slot in &group.slots {
         let (block, j) = (slot / b, slot % b);
-        for col in 0..2 * i {
-            gate_up[row * 2 * i + col] = checkpoint[((block * 2 + col / i) * i + col % i) * b + j];
-        }
+        s.gate_up.extend(
+            (0..2 * i).map(|col| checkpoint[((block * 2 + col / i) * i + col % i) * b + j]),
+        );
     }
-    let w_gate_up = expert_matrix(forward.gate_up_proj_weight, group.expert, h * 2 * i);
-    let w_down = expert_matrix(forward.down_proj_weight, group.expert, i * h);
-
-    // d act [m, I] = d y · Dᵀ.
-    let mut d_act = vec![0.0f32; m * i];
+    // d act [m, I] = d y · Dᵀ, with Dᵀ [H, I] materialised.
+    expert_transposed(forward.down_proj_weight, group.expert, i, h, &mut s.w_down);
+    s.d_act.resize(m * i, 0.0);
     matmul(
-        &mut d_act,
-        MatRef::row_major(&d_y, m, h),
-        MatRef::row_major(&w_down, i, h).t(),
+        &mut s.d_act,
+        MatRef::row_major(&s.d_y, m, h),
+        MatRef::row_major(&s.w_down, h, i),
         false,
     );
     // act and d gate_up [m, 2I] through SwiGLU.
-    let mut act = vec![0.0f32; m * i];
-    let mut d_gate_up = vec![0.0f32; m * 2 * i];
+    s.act.resize(m * i, 0.0);
+    s.d_gate_up.resize(m * 2 * i, 0.0);
     for row in 0..m {
-        let (gate, up) = gate_up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
-        let (d_gate, d_up) = d_gate_up[row * 2 * i..(row + 1) * 2 * i].split_at_mut(i);
+        let (gate, up) = s.gate_up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
+        let (d_gate, d_up) = s.d_gate_up[row * 2 * i..(row + 1) * 2 * i].split_at_mut(i);
+        let act = &mut s.act[row * i..(row + 1) * i];
+        let d_act = &s.d_act[row * i..(row + 1) * i];
         for col in 0..i {
-            let (g, u, da) = (gate[col], up[col], d_act[row * i + col]);
-            let s = sigmoid(g);
-            act[row * i + col] = g * s * u;
-            d_gate[col] = da * u * s * (1.0 + g * (1.0 - s));
-            d_up[col] = da * g * s;
+            let (g, u, da) = (gate[col], up[col], d_act[col]);
+            let sg = sigmoid(g);
+            act[col] = g * sg * u;
+            d_gate[col] = da * u * sg * (1.0 + g * (1.0 - sg));
+            d_up[col] = da * g * sg;
         }
     }
-    // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up;  d x [m, H] = d gate_up · Wᵀ.
-    let mut d_down_weight = vec![0.0f32; i * h];
+    // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up.
     matmul(
-        &mut d_down_weight,
-        MatRef::row_major(&act, m, i).t(),
-        MatRef::row_major(&d_y, m, h),
+        d_down_weight,
+        MatRef::row_major(&s.act, m, i).t(),
+        MatRef::row_major(&s.d_y, m, h),
         false,
     );
-    let x = gather_rows(forward.hidden_states, &group.tokens, h);
-    let mut d_gate_up_weight = vec![0.0f32; h * 2 * i];
+    gather_rows(forward.hidden_states, &group.tokens, h, &mut s.x);
     matmul(
-        &mut d_gate_up_weight,
-        MatRef::row_major(&x, m, h).t(),
-        MatRef::row_major(&d_gate_up, m, 2 * i),
+        d_gate_up_weight,
+        MatRef::row_major(&s.x, m, h).t(),
+        MatRef::row_major(&s.d_gate_up, m, 2 * i),
         false,
+    );
+    // d x [m, H] = d gate_up · Wᵀ, with Wᵀ [2I, H] materialised.
+    expert_transposed(
+        forward.gate_up_proj_weight,
+        group.expert,
+        h,
+        2 * i,
+        &mut s.w_gate_up,
     );
     let mut d_x = vec![0.0f32; m * h];
     matmul(
         &mut d_x,
-        MatRef::row_major(&d_gate_up, m, 2 * i),
-        MatRef::row_major(&w_gate_up, h, 2 * i).t(),
+        MatRef::row_major(&s.d_gate_up, m, 2 * i),
+        MatRef::row_major(&s.w_gate_up, 2 * i, h),
         false,
     );
-    ExpertBackward {
-        d_gate_up_weight,
-        d_down_weight,
-        d_x,
-        d_affinity,
-    }
+    ExpertBackward { d_x, d_affinity }
 }
 
 pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
@@ -319,35 +400,38 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     let dims = call.dims();
     let BlockwiseDims { t, h, e, i, .. } = dims;
     let groups = group_by_expert(&inputs.forward, dims);
-    let results: Vec<ExpertBackward> = groups
-        .par_iter()
-        .map(|group| expert_backward(call, group))
-        .collect();
+    let mut group_of = vec![None; e];
+    for (g, group) in groups.iter().enumerate() {
+        group_of[group.expert] = Some(g);
+    }
 
-    let mut d_gate_up_weight = vec![0.0f32; e * h * 2 * i];
-    let mut d_down_weight = vec![0.0f32; e * i * h];
+    // Each expert writes its own slices of the weight gradients; experts without tokens keep
+    // zeros.
+    let mut d_gate_up_weight = zeroed(e * h * 2 * i);
+    let mut d_down_weight = zeroed(e * i * h);
+    let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
+        .par_chunks_mut(h * 2 * i)
+        .zip(d_down_weight.par_chunks_mut(i * h))
+        .enumerate()
+        .filter_map(|(expert, chunks)| group_of[expert].map(|g| (g, chunks)))
+        .map_init(Scratch::default, |scratch, (g, (d_gate_up, d_down))| {
+            (
+                g,
+                expert_backward(call, &groups[g], scratch, d_gate_up, d_down),
+            )
+        })
+        .collect();
+    results.sort_by_key(|(g, _)| *g);
+    let results: Vec<ExpertBackward> = results.into_iter().map(|(_, r)| r).collect();
+
     let mut d_affinities = vec![0.0f32; (t + 1) * e];
     for (group, result) in groups.iter().zip(&results) {
-        let ex = group.expert;
-        d_gate_up_weight[ex * h * 2 * i..(ex + 1) * h * 2 * i]
-            .copy_from_slice(&result.d_gate_up_weight);
-        d_down_weight[ex * i * h..(ex + 1) * i * h].copy_from_slice(&result.d_down_weight);
         for (&token, &d) in group.tokens.iter().zip(&result.d_affinity) {
-            d_affinities[token * e + ex] = d;
+            d_affinities[token * e + group.expert] = d;
         }
     }
-    let rows = TokenRows::new(&groups, t);
-    let mut d_hidden = vec![0.0f32; t * h];
-    d_hidden
-        .par_chunks_mut(h)
-        .enumerate()
-        .for_each(|(token, out)| {
-            for &(g, row) in rows.of(token) {
-                for (o, d) in out.iter_mut().zip(&results[g].d_x[row * h..(row + 1) * h]) {
-                    *o += d;
-                }
-            }
-        });
+    let mut d_hidden = zeroed(t * h);
+    TokenRows::new(&groups, t).combine(&mut d_hidden, h, |_, _| 1.0, |g| &results[g].d_x);
     let d_topk_affinities = inputs
         .expert_index
         .map(|index| {

@@ -4,6 +4,7 @@
 //! order fixed by the shapes and the plan alone, so outputs are bit-identical whatever the
 //! number of threads.
 
+mod alloc;
 mod blockwise;
 mod load_balancing;
 pub mod matmul;
