@@ -5,14 +5,15 @@
 //! result, then `[m, I] · [I, H]`. Experts run in parallel; every product runs on one thread, so
 //! each value's summation order depends only on the plan, never on the thread count. The
 //! affinity scaling and scatter-add are fused into a per-token combine that sums a token's
-//! expert outputs in ascending expert order. The backward transposes each expert's weights once
-//! (widening bf16 on the way) so that all four of its products stream contiguous rows, and
-//! writes weight gradients straight into their final place.
+//! expert outputs in ascending expert order. The backward's products against transposed weights
+//! run in dot-product form ([`matmul_nt`]) on the weights as stored, and weight gradients are
+//! written straight into their final place.
 
 use rayon::prelude::*;
 
-use super::matmul::{MatRef, matmul};
 use super::alloc::zeroed;
+use super::dot::matmul_nt;
+use super::matmul::{MatRef, matmul};
 use super::{f32_output, sigmoid};
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
@@ -124,30 +125,6 @@ fn expert_slice<'a>(
             scratch.extend(v[range].iter().map(|x| x.to_f32()));
             scratch
         }
-        Storage::I32(_) => unreachable!("validated as a float tensor"),
-    }
-}
-
-/// Writes the transpose `[cols, rows]` of expert `expert`'s `[rows, cols]` matrix into `dst`,
-/// widening bf16, in cache-sized tiles.
-fn expert_transposed(tensor: &Tensor, expert: usize, rows: usize, cols: usize, dst: &mut Vec<f32>) {
-    fn transpose<T: Copy + Into<f32>>(src: &[T], rows: usize, cols: usize, dst: &mut [f32]) {
-        const TILE: usize = 32;
-        for r0 in (0..rows).step_by(TILE) {
-            for c0 in (0..cols).step_by(TILE) {
-                for r in r0..(r0 + TILE).min(rows) {
-                    for c in c0..(c0 + TILE).min(cols) {
-                        dst[c * rows + r] = src[r * cols + c].into();
-                    }
-                }
-            }
-        }
-    }
-    let range = expert * rows * cols..(expert + 1) * rows * cols;
-    dst.resize(rows * cols, 0.0);
-    match tensor.storage() {
-        Storage::F32(v) => transpose(&v[range], rows, cols, dst),
-        Storage::BF16(v) => transpose(&v[range], rows, cols, dst),
         Storage::I32(_) => unreachable!("validated as a float tensor"),
     }
 }
@@ -338,15 +315,10 @@ fn expert_backward(
             (0..2 * i).map(|col| checkpoint[((block * 2 + col / i) * i + col % i) * b + j]),
         );
     }
-    // d act [m, I] = d y · Dᵀ, with Dᵀ [H, I] materialised.
-    expert_transposed(forward.down_proj_weight, group.expert, i, h, &mut s.w_down);
+    // d act [m, I] = d y · Dᵀ.
+    let w_down = expert_slice(forward.down_proj_weight, group.expert, i * h, &mut s.w_down);
     s.d_act.resize(m * i, 0.0);
-    matmul(
-        &mut s.d_act,
-        MatRef::row_major(&s.d_y, m, h),
-        MatRef::row_major(&s.w_down, h, i),
-        false,
-    );
+    matmul_nt(&mut s.d_act, &s.d_y, w_down, (m, i, h), false);
     // act and d gate_up [m, 2I] through SwiGLU.
     s.act.resize(m * i, 0.0);
     s.d_gate_up.resize(m * 2 * i, 0.0);
@@ -377,21 +349,15 @@ fn expert_backward(
         MatRef::row_major(&s.d_gate_up, m, 2 * i),
         false,
     );
-    // d x [m, H] = d gate_up · Wᵀ, with Wᵀ [2I, H] materialised.
-    expert_transposed(
+    // d x [m, H] = d gate_up · Wᵀ.
+    let w_gate_up = expert_slice(
         forward.gate_up_proj_weight,
         group.expert,
-        h,
-        2 * i,
+        h * 2 * i,
         &mut s.w_gate_up,
     );
     let mut d_x = vec![0.0f32; m * h];
-    matmul(
-        &mut d_x,
-        MatRef::row_major(&s.d_gate_up, m, 2 * i),
-        MatRef::row_major(&s.w_gate_up, 2 * i, h),
-        false,
-    );
+    matmul_nt(&mut d_x, &s.d_gate_up, w_gate_up, (m, h, 2 * i), false);
     ExpertBackward { d_x, d_affinity }
 }
 

@@ -6,6 +6,7 @@
 
 mod alloc;
 mod blockwise;
+pub mod dot;
 mod load_balancing;
 pub mod matmul;
 mod permute;
