@@ -168,36 +168,218 @@ fn float_tensor(shape: &[usize], values: Vec<f32>, dtype: DType) -> Result<Tenso
     })
 }
 
+/// One MoE layer's inputs at a benchmark shape: deterministic activations, weights and
+/// gradients.
+pub struct LayerInputs {
+    pub shape: MoeShape,
+    pub block_size: usize,
+    pub x: Tensor,
+    pub w: Tensor,
+    pub hidden_states: Tensor,
+    pub gate_up_proj_weight: Tensor,
+    pub down_proj_weight: Tensor,
+    pub d_topk_affinities: Tensor,
+    pub d_aux_loss: Tensor,
+    pub output_hidden_states_grad: Tensor,
+}
+
+impl LayerInputs {
+    pub fn new(shape: MoeShape, tokens: usize, dtype: DType, block_size: usize) -> Result<Self> {
+        let MoeShape { h, i, e, k, .. } = shape;
+        let t = tokens;
+        if t == 0 {
+            return Err(Error::param("tokens", "must be at least 1, got 0"));
+        }
+        let scale = 1.0 / (h as f32).sqrt();
+        let x_values = uniform(t * h, 1.0, 1);
+        let mut padded = x_values.clone();
+        padded.extend(std::iter::repeat_n(0.0, h));
+        Ok(Self {
+            shape,
+            block_size,
+            x: float_tensor(&[t, h], x_values, dtype)?,
+            w: float_tensor(&[h, e], uniform(h * e, scale, 2), dtype)?,
+            hidden_states: float_tensor(&[t + 1, h], padded, dtype)?,
+            gate_up_proj_weight: float_tensor(
+                &[e, h, 2, i],
+                uniform(e * h * 2 * i, scale, 3),
+                dtype,
+            )?,
+            down_proj_weight: float_tensor(
+                &[e, i, h],
+                uniform(e * i * h, 1.0 / (i as f32).sqrt(), 4),
+                dtype,
+            )?,
+            d_topk_affinities: Tensor::from_f32([t, k], uniform(t * k, 1.0, 6))?,
+            d_aux_loss: Tensor::from_f32([1], vec![1.0])?,
+            output_hidden_states_grad: float_tensor(&[t, h], uniform(t * h, 1.0, 5), dtype)?,
+        })
+    }
+
+    pub fn router_topk(&self) -> Result<RouterTopk<'_>> {
+        RouterTopk::new(
+            RouterTopkInputs {
+                x: &self.x,
+                w: &self.w,
+                bias: None,
+                selection_bias: None,
+            },
+            RouterTopkParams {
+                top_k: self.shape.k,
+                activation: Activation::Softmax,
+                norm_topk_prob: true,
+            },
+        )
+    }
+}
+
+fn permute_call<'a>(routed: &'a RouterTopkOutputs, inputs: &LayerInputs) -> Result<Permute<'a>> {
+    Permute::new(
+        PermuteInputs {
+            expert_index: &routed.expert_index,
+            topk_affinities: &routed.topk_affinities,
+        },
+        PermuteParams {
+            num_experts: inputs.shape.e,
+            block_size: inputs.block_size,
+        },
+    )
+}
+
+fn blockwise_inputs<'a>(
+    inputs: &'a LayerInputs,
+    plan: &'a PermuteOutputs,
+) -> BlockwiseMmInputs<'a> {
+    BlockwiseMmInputs {
+        hidden_states: &inputs.hidden_states,
+        expert_affinities_masked: &plan.expert_affinities_masked,
+        gate_up_proj_weight: &inputs.gate_up_proj_weight,
+        down_proj_weight: &inputs.down_proj_weight,
+        token_position_to_id: &plan.token_position_to_id,
+        block_to_expert: &plan.block_to_expert,
+    }
+}
+
+/// The forward with checkpoints, as training runs it.
+fn blockwise_call<'a>(
+    inputs: &'a LayerInputs,
+    plan: &'a PermuteOutputs,
+) -> Result<BlockwiseMm<'a>> {
+    BlockwiseMm::new(
+        blockwise_inputs(inputs, plan),
+        BlockwiseMmParams {
+            checkpoint_activations: true,
+        },
+    )
+}
+
+/// A routed layer: its inputs plus the router outputs, block plan and checkpoints that the
+/// later kernels consume, so each kernel can be called on its own.
+pub struct Layer {
+    pub inputs: LayerInputs,
+    pub routed: RouterTopkOutputs,
+    pub plan: PermuteOutputs,
+    pub checkpoints: BlockwiseMmOutputs,
+}
+
+impl Layer {
+    /// Runs the forward kernels once on `backend` to route `inputs`.
+    pub fn new(backend: &dyn crate::Backend, inputs: LayerInputs) -> Result<Self> {
+        let routed = backend.router_topk(&inputs.router_topk()?)?;
+        let plan = backend.permute(&permute_call(&routed, &inputs)?)?;
+        let checkpoints = backend.blockwise_mm(&blockwise_call(&inputs, &plan)?)?;
+        Ok(Self {
+            inputs,
+            routed,
+            plan,
+            checkpoints,
+        })
+    }
+
+    pub fn router_topk_bwd(&self) -> Result<RouterTopkBwd<'_>> {
+        RouterTopkBwd::new(
+            RouterTopkBwdInputs {
+                x: &self.inputs.x,
+                w: &self.inputs.w,
+                router_logits: &self.routed.router_logits,
+                expert_index: &self.routed.expert_index,
+                d_topk_affinities: &self.inputs.d_topk_affinities,
+                d_router_logits: None,
+            },
+            RouterTopkBwdParams {
+                activation: Activation::Softmax,
+                norm_topk_prob: true,
+            },
+        )
+    }
+
+    pub fn load_balancing_loss(&self) -> Result<LoadBalancingLoss<'_>> {
+        LoadBalancingLoss::new(LoadBalancingLossInputs {
+            router_logits: &self.routed.router_logits,
+            expert_index: &self.routed.expert_index,
+        })
+    }
+
+    pub fn load_balancing_loss_bwd(&self) -> Result<LoadBalancingLossBwd<'_>> {
+        LoadBalancingLossBwd::new(LoadBalancingLossBwdInputs {
+            router_logits: &self.routed.router_logits,
+            expert_index: &self.routed.expert_index,
+            d_aux_loss: &self.inputs.d_aux_loss,
+        })
+    }
+
+    pub fn permute(&self) -> Result<Permute<'_>> {
+        permute_call(&self.routed, &self.inputs)
+    }
+
+    pub fn permute_bwd(&self) -> Result<PermuteBwd<'_>> {
+        PermuteBwd::new(
+            PermuteBwdInputs {
+                expert_index: &self.routed.expert_index,
+                expert_affinities_masked_grad: &self.plan.expert_affinities_masked,
+            },
+            PermuteBwdParams {
+                num_experts: self.inputs.shape.e,
+            },
+        )
+    }
+
+    pub fn blockwise_mm(&self) -> Result<BlockwiseMm<'_>> {
+        blockwise_call(&self.inputs, &self.plan)
+    }
+
+    pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {
+        let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
+        BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+            forward: blockwise_inputs(&self.inputs, &self.plan),
+            gate_up_activations_t: self
+                .checkpoints
+                .gate_up_activations_t
+                .as_ref()
+                .ok_or_else(missing)?,
+            down_activations: self
+                .checkpoints
+                .down_activations
+                .as_ref()
+                .ok_or_else(missing)?,
+            output_hidden_states_grad: &self.inputs.output_hidden_states_grad,
+            expert_index: Some(&self.routed.expert_index),
+        })
+    }
+}
+
 /// Runs every kernel of one MoE layer, forward and backward, and measures each.
 pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>> {
-    let BenchConfig {
-        shape,
-        tokens: t,
-        dtype,
-        ..
-    } = *config;
-    let MoeShape { h, i, e, k, .. } = shape;
-    if t == 0 {
-        return Err(Error::param("tokens", "must be at least 1, got 0"));
-    }
     let backend = config.backend.create();
     let backend = backend.as_ref();
-    let scale = 1.0 / (h as f32).sqrt();
-    let x_values = uniform(t * h, 1.0, 1);
-    let x = float_tensor(&[t, h], x_values.clone(), dtype)?;
-    let w = float_tensor(&[h, e], uniform(h * e, scale, 2), dtype)?;
-    let mut padded = x_values;
-    padded.extend(std::iter::repeat_n(0.0, h));
-    let hidden_states = float_tensor(&[t + 1, h], padded, dtype)?;
-    let gate_up = float_tensor(&[e, h, 2, i], uniform(e * h * 2 * i, scale, 3), dtype)?;
-    let down = float_tensor(
-        &[e, i, h],
-        uniform(e * i * h, 1.0 / (i as f32).sqrt(), 4),
-        dtype,
-    )?;
-    let d_output = float_tensor(&[t, h], uniform(t * h, 1.0, 5), dtype)?;
-
-    let mut rows = Vec::new();
+    let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
+    let layer = Layer::new(backend, inputs)?;
+    let MoeShape { h, i, e, k, .. } = config.shape;
+    let (t, n, b) = (
+        config.tokens,
+        layer.plan.block_to_expert.numel(),
+        config.block_size,
+    );
     let row = |kernel: &str, ms: f64, throughput: Throughput| {
         let pct_of_peak = match throughput {
             Throughput::Gflops(v) => 100.0 * v / limits.fma_gflops,
@@ -206,9 +388,9 @@ pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>
         BenchRow {
             kernel: kernel.to_owned(),
             backend: config.backend,
-            shape: shape.name,
+            shape: config.shape.name,
             tokens: t,
-            dtype,
+            dtype: config.dtype,
             ms,
             throughput,
             pct_of_peak,
@@ -217,129 +399,43 @@ pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>
     let gflops = |flop: f64, ms: f64| Throughput::Gflops(flop / ms / 1e6);
     let gbps = |bytes: f64, ms: f64| Throughput::Gbps(bytes / ms / 1e6);
     let (tf, hf, ef, kf, if_) = (t as f64, h as f64, e as f64, k as f64, i as f64);
+    let expert_flop = 6.0 * tf * kf * hf * if_;
+    let min = config.min_time;
 
-    let router = RouterTopk::new(
-        RouterTopkInputs {
-            x: &x,
-            w: &w,
-            bias: None,
-            selection_bias: None,
-        },
-        RouterTopkParams {
-            top_k: k,
-            activation: Activation::Softmax,
-            norm_topk_prob: true,
-        },
-    )?;
-    let ms = time(config.min_time, || backend.router_topk(&router))?;
+    let mut rows = Vec::new();
+    let call = layer.inputs.router_topk()?;
+    let ms = time(min, || backend.router_topk(&call))?;
     rows.push(row("router_topk", ms, gflops(2.0 * tf * hf * ef, ms)));
-    let routed = backend.router_topk(&router)?;
-
-    let d_topk = Tensor::from_f32([t, k], uniform(t * k, 1.0, 6))?;
-    let router_bwd = RouterTopkBwd::new(
-        RouterTopkBwdInputs {
-            x: &x,
-            w: &w,
-            router_logits: &routed.router_logits,
-            expert_index: &routed.expert_index,
-            d_topk_affinities: &d_topk,
-            d_router_logits: None,
-        },
-        RouterTopkBwdParams {
-            activation: Activation::Softmax,
-            norm_topk_prob: true,
-        },
-    )?;
-    let ms = time(config.min_time, || backend.router_topk_bwd(&router_bwd))?;
+    let call = layer.router_topk_bwd()?;
+    let ms = time(min, || backend.router_topk_bwd(&call))?;
     rows.push(row("router_topk_bwd", ms, gflops(4.0 * tf * hf * ef, ms)));
-
-    let lbl = LoadBalancingLoss::new(LoadBalancingLossInputs {
-        router_logits: &routed.router_logits,
-        expert_index: &routed.expert_index,
-    })?;
-    let ms = time(config.min_time, || backend.load_balancing_loss(&lbl))?;
+    let call = layer.load_balancing_loss()?;
+    let ms = time(min, || backend.load_balancing_loss(&call))?;
     rows.push(row(
         "load_balancing_loss",
         ms,
         gbps(tf * (ef + kf) * 4.0, ms),
     ));
-    let d_aux = Tensor::from_f32([1], vec![1.0])?;
-    let lbl_bwd = LoadBalancingLossBwd::new(LoadBalancingLossBwdInputs {
-        router_logits: &routed.router_logits,
-        expert_index: &routed.expert_index,
-        d_aux_loss: &d_aux,
-    })?;
-    let ms = time(config.min_time, || {
-        backend.load_balancing_loss_bwd(&lbl_bwd)
-    })?;
+    let call = layer.load_balancing_loss_bwd()?;
+    let ms = time(min, || backend.load_balancing_loss_bwd(&call))?;
     rows.push(row(
         "load_balancing_loss_bwd",
         ms,
         gbps(tf * (2.0 * ef + kf) * 4.0, ms),
     ));
-
-    let permute = Permute::new(
-        PermuteInputs {
-            expert_index: &routed.expert_index,
-            topk_affinities: &routed.topk_affinities,
-        },
-        PermuteParams {
-            num_experts: e,
-            block_size: config.block_size,
-        },
-    )?;
-    let ms = time(config.min_time, || backend.permute(&permute))?;
-    let PermuteDims { n, b, .. } = permute.dims();
+    let call = layer.permute()?;
+    let ms = time(min, || backend.permute(&call))?;
     let plan_bytes = tf * kf * 8.0 + (n * b + n + e) as f64 * 4.0 + (tf + 1.0) * ef * 4.0;
     rows.push(row("permute", ms, gbps(plan_bytes, ms)));
-    let plan = backend.permute(&permute)?;
-
-    let inputs = BlockwiseMmInputs {
-        hidden_states: &hidden_states,
-        expert_affinities_masked: &plan.expert_affinities_masked,
-        gate_up_proj_weight: &gate_up,
-        down_proj_weight: &down,
-        token_position_to_id: &plan.token_position_to_id,
-        block_to_expert: &plan.block_to_expert,
-    };
-    let forward = BlockwiseMm::new(
-        inputs,
-        BlockwiseMmParams {
-            checkpoint_activations: true,
-        },
-    )?;
-    let ms = time(config.min_time, || backend.blockwise_mm(&forward))?;
-    let expert_flop = 6.0 * tf * kf * hf * if_;
-    rows.push(row("blockwise_mm", ms, gflops(expert_flop, ms)));
-    let checkpoints = backend.blockwise_mm(&forward)?;
-    let (Some(gate_up_t), Some(down_act)) = (
-        &checkpoints.gate_up_activations_t,
-        &checkpoints.down_activations,
-    ) else {
-        return Err(Error::invalid(
-            "blockwise_mm",
-            "checkpoints were requested but not returned",
-        ));
-    };
-    let backward = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
-        forward: inputs,
-        gate_up_activations_t: gate_up_t,
-        down_activations: down_act,
-        output_hidden_states_grad: &d_output,
-        expert_index: Some(&routed.expert_index),
-    })?;
-    let ms = time(config.min_time, || backend.blockwise_mm_bwd(&backward))?;
-    rows.push(row("blockwise_mm_bwd", ms, gflops(2.0 * expert_flop, ms)));
-
-    let permute_bwd = PermuteBwd::new(
-        PermuteBwdInputs {
-            expert_index: &routed.expert_index,
-            expert_affinities_masked_grad: &plan.expert_affinities_masked,
-        },
-        PermuteBwdParams { num_experts: e },
-    )?;
-    let ms = time(config.min_time, || backend.permute_bwd(&permute_bwd))?;
+    let call = layer.permute_bwd()?;
+    let ms = time(min, || backend.permute_bwd(&call))?;
     rows.push(row("permute_bwd", ms, gbps(tf * kf * 12.0, ms)));
+    let call = layer.blockwise_mm()?;
+    let ms = time(min, || backend.blockwise_mm(&call))?;
+    rows.push(row("blockwise_mm", ms, gflops(expert_flop, ms)));
+    let call = layer.blockwise_mm_bwd()?;
+    let ms = time(min, || backend.blockwise_mm_bwd(&call))?;
+    rows.push(row("blockwise_mm_bwd", ms, gflops(2.0 * expert_flop, ms)));
 
     // The whole layer: every kernel above once, forward and backward.
     let layer_ms: f64 = rows.iter().map(|r| r.ms).sum();

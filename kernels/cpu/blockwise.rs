@@ -229,22 +229,7 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     );
 
     let (gate_up_activations_t, down_activations) = if call.params().checkpoint_activations {
-        let mut gate_up_t = zeroed(n * 2 * i * b);
-        let mut down = zeroed(n * b * h);
-        for (group, result) in groups.iter().zip(&results) {
-            for (row, &slot) in group.slots.iter().enumerate() {
-                let (block, j) = (slot / b, slot % b);
-                for (col, &v) in result.gate_up[row * 2 * i..(row + 1) * 2 * i]
-                    .iter()
-                    .enumerate()
-                {
-                    // col < I is the gate half, col ≥ I the up half: [block, col / I, col % I, j].
-                    gate_up_t[((block * 2 + col / i) * i + col % i) * b + j] = v;
-                }
-                down[slot * h..(slot + 1) * h]
-                    .copy_from_slice(&result.down[row * h..(row + 1) * h]);
-            }
-        }
+        let (gate_up_t, down) = checkpoints(&groups, &results, dims);
         (
             Some(f32_output(
                 "gate_up_activations_T",
@@ -261,6 +246,49 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         gate_up_activations_t,
         down_activations,
     })
+}
+
+/// The forward's checkpoints in the plan's layout: `gate_up_activations_T [N, 2, I, B]` (each
+/// block's `[B, 2I]` rows transposed to `[2I, B]`) and `down_activations [N, B, H]`; zeros in
+/// padding slots and unused blocks. Blocks are filled in parallel.
+fn checkpoints(
+    groups: &[ExpertRows],
+    results: &[ExpertForward],
+    dims: BlockwiseDims,
+) -> (Vec<f32>, Vec<f32>) {
+    let BlockwiseDims { h, i, b, n, .. } = dims;
+    // Where each slot's row lives: (group, row), or none for padding.
+    let mut source = vec![None; n * b];
+    for (g, group) in groups.iter().enumerate() {
+        for (row, &slot) in group.slots.iter().enumerate() {
+            source[slot] = Some((g, row));
+        }
+    }
+    let mut gate_up_t = zeroed(n * 2 * i * b);
+    let mut down = zeroed(n * b * h);
+    gate_up_t
+        .par_chunks_mut(2 * i * b)
+        .zip(down.par_chunks_mut(b * h))
+        .zip(source.par_chunks(b))
+        .for_each(|((gate_up_t, down), source)| {
+            const TILE: usize = 16;
+            for col0 in (0..2 * i).step_by(TILE) {
+                for (j, src) in source.iter().enumerate() {
+                    let Some((g, row)) = *src else { continue };
+                    let gate_up = &results[g].gate_up[row * 2 * i..(row + 1) * 2 * i];
+                    for col in col0..(col0 + TILE).min(2 * i) {
+                        gate_up_t[col * b + j] = gate_up[col];
+                    }
+                }
+            }
+            for (j, src) in source.iter().enumerate() {
+                if let Some((g, row)) = *src {
+                    down[j * h..(j + 1) * h]
+                        .copy_from_slice(&results[g].down[row * h..(row + 1) * h]);
+                }
+            }
+        });
+    (gate_up_t, down)
 }
 
 /// Per-expert results that are not weight gradients: the input gradient of each row and the
