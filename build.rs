@@ -1,10 +1,19 @@
 //! Build script: records the target triple and profile so `moekit --version` and benchmark
-//! reports can state exactly what was measured.
+//! reports can state exactly what was measured, and, with the `libtorch` feature, gives the
+//! binaries an rpath to the libtorch they were linked against so they run without
+//! `LD_LIBRARY_PATH`.
 
 fn main() {
     for key in ["TARGET", "PROFILE"] {
         let value = std::env::var(key).unwrap_or_else(|_| "unknown".to_owned());
         println!("cargo:rustc-env=MOEKIT_BUILD_{key}={value}");
     }
+    if let (Some(_), Ok(libtorch)) = (
+        std::env::var_os("CARGO_FEATURE_LIBTORCH"),
+        std::env::var("LIBTORCH"),
+    ) {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{libtorch}/lib");
+    }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
 }

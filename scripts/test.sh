@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs, then runs formatting,
-# lint and every test (unit, property, CLI and documentation tests).
+# lint and every test (unit, property, CLI and documentation tests, and the libtorch peer
+# tests against torch 2.11 from the project's venv).
 #
 #   bash scripts/test.sh
 #
@@ -9,6 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
+eval "$(bash scripts/libtorch.sh)"
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
+cargo clippy --locked --all-targets --features libtorch -- -D warnings
+cargo test --locked --features libtorch --test libtorch
 cargo test --locked

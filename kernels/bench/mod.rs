@@ -2,6 +2,8 @@
 //! shapes, each reported as time, throughput and share of the machine's measured limit
 //! ([`limits::MachineLimits`]). `moekit bench` prints these rows; `BENCHMARKS.md` records them.
 
+#[cfg(feature = "libtorch")]
+pub mod libtorch;
 pub mod limits;
 
 use std::fmt::Write as _;
@@ -82,6 +84,8 @@ pub struct BenchConfig {
     pub block_size: usize,
     /// Each kernel repeats until it has run this long (at least three times).
     pub min_time: Duration,
+    /// Also time the libtorch paths (only in builds with the `libtorch` feature).
+    pub libtorch: bool,
 }
 
 /// How a row's throughput is counted.
@@ -106,28 +110,74 @@ pub struct BenchRow {
     pub throughput: Throughput,
     /// Share of the machine's limit for this kind of throughput, percent.
     pub pct_of_peak: f64,
+    /// The fastest libtorch path for the same work in the same run, when one was measured.
+    pub libtorch_ms: Option<f64>,
 }
 
 impl BenchRow {
+    /// How many times faster than the fastest libtorch path (> 1: moekit is faster).
+    pub fn vs_libtorch(&self) -> Option<f64> {
+        self.libtorch_ms.map(|peer| peer / self.ms)
+    }
+
     /// One JSON object with the fields `kernel`, `backend`, `shape`, `tokens`, `dtype`, `ms`,
-    /// `gflops` or `gbps`, `pct_of_peak`, `libtorch_ms`, `vs_libtorch` (the last two `null`:
-    /// no libtorch peer was measured in this run).
+    /// `gflops` or `gbps`, `pct_of_peak`, `libtorch_ms` and `vs_libtorch` (`null` when no
+    /// libtorch peer was measured).
     pub fn to_json(&self) -> String {
         let (key, value) = match self.throughput {
             Throughput::Gflops(v) => ("gflops", v),
             Throughput::Gbps(v) => ("gbps", v),
         };
+        let optional = |v: Option<f64>| v.map_or_else(|| "null".to_owned(), |v| format!("{v:.4}"));
         format!(
-            "{{\"kernel\":\"{}\",\"backend\":\"{}\",\"shape\":\"{}\",\"tokens\":{},\"dtype\":\"{}\",\"ms\":{:.4},\"{key}\":{value:.2},\"pct_of_peak\":{:.1},\"libtorch_ms\":null,\"vs_libtorch\":null}}",
+            "{{\"kernel\":\"{}\",\"backend\":\"{}\",\"shape\":\"{}\",\"tokens\":{},\"dtype\":\"{}\",\"ms\":{:.4},\"{key}\":{value:.2},\"pct_of_peak\":{:.1},\"libtorch_ms\":{},\"vs_libtorch\":{}}}",
             self.kernel,
             self.backend,
             self.shape,
             self.tokens,
             self.dtype,
             self.ms,
-            self.pct_of_peak
+            self.pct_of_peak,
+            optional(self.libtorch_ms),
+            optional(self.vs_libtorch()),
         )
     }
+}
+
+/// Which part of the layer a libtorch path computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Router,
+    Permute,
+    Experts,
+}
+
+/// A libtorch path measured in the same run as moekit's kernels.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerPath {
+    pub name: &'static str,
+    pub stage: Stage,
+    pub forward_ms: f64,
+    pub backward_ms: Option<f64>,
+}
+
+/// Fastest forward and backward among the peer paths of one stage.
+fn best(peers: &[PeerPath], stage: Stage) -> (Option<f64>, Option<f64>) {
+    let of_stage = || peers.iter().filter(move |p| p.stage == stage);
+    let min = |it: &mut dyn Iterator<Item = f64>| {
+        it.fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.min(v))))
+    };
+    (
+        min(&mut of_stage().map(|p| p.forward_ms)),
+        min(&mut of_stage().filter_map(|p| p.backward_ms)),
+    )
+}
+
+/// A layer benchmark: moekit's rows and the libtorch paths measured beside them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchResult {
+    pub rows: Vec<BenchRow>,
+    pub peers: Vec<PeerPath>,
 }
 
 /// Median time of `f` after one warm-up run, repeating for at least `min_time` and 3 runs.
@@ -369,7 +419,7 @@ impl Layer {
 }
 
 /// Runs every kernel of one MoE layer, forward and backward, and measures each.
-pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>> {
+pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<BenchResult> {
     let backend = config.backend.create();
     let backend = backend.as_ref();
     let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
@@ -380,6 +430,20 @@ pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>
         layer.plan.block_to_expert.numel(),
         config.block_size,
     );
+    let peers = if config.libtorch {
+        peers(&layer, config.min_time)?
+    } else {
+        Vec::new()
+    };
+    let (router_fwd, router_bwd) = best(&peers, Stage::Router);
+    let (permute_fwd, _) = best(&peers, Stage::Permute);
+    let (experts_fwd, experts_bwd) = best(&peers, Stage::Experts);
+    let experts_fwd_bwd = peers
+        .iter()
+        .filter(|p| p.stage == Stage::Experts)
+        .filter_map(|p| Some(p.forward_ms + p.backward_ms?))
+        .reduce(f64::min);
+    let layer_peer = (|| Some(router_fwd? + router_bwd? + permute_fwd? + experts_fwd_bwd?))();
     let row = |kernel: &str, ms: f64, throughput: Throughput| {
         let pct_of_peak = match throughput {
             Throughput::Gflops(v) => 100.0 * v / limits.fma_gflops,
@@ -394,6 +458,15 @@ pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>
             ms,
             throughput,
             pct_of_peak,
+            libtorch_ms: match kernel {
+                "router_topk" => router_fwd,
+                "router_topk_bwd" => router_bwd,
+                "permute" => permute_fwd,
+                "blockwise_mm" => experts_fwd,
+                "blockwise_mm_bwd" => experts_bwd,
+                "moe_layer_fwd_bwd" => layer_peer,
+                _ => None,
+            },
         }
     };
     let gflops = |flop: f64, ms: f64| Throughput::Gflops(flop / ms / 1e6);
@@ -445,30 +518,86 @@ pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<Vec<BenchRow>
         layer_ms,
         gflops(layer_flop, layer_ms),
     ));
-    Ok(rows)
+    Ok(BenchResult { rows, peers })
 }
 
-/// The rows as the table `moekit bench` prints.
-pub fn table(rows: &[BenchRow], limits: &MachineLimits) -> String {
+/// The libtorch paths for the same layer, timed in this run.
+#[cfg(feature = "libtorch")]
+fn peers(layer: &Layer, min_time: Duration) -> Result<Vec<PeerPath>> {
+    libtorch::measure(&layer.inputs, &layer.routed, min_time)
+}
+
+/// Without the `libtorch` feature no peer is measured.
+#[cfg(not(feature = "libtorch"))]
+fn peers(_layer: &Layer, _min_time: Duration) -> Result<Vec<PeerPath>> {
+    Ok(Vec::new())
+}
+
+/// The results as the table `moekit bench` prints: moekit's rows, then the libtorch paths.
+pub fn table(results: &[BenchResult], limits: &MachineLimits) -> String {
     let mut out = format!(
         "machine: {} threads, f32 FMA peak {:.1} GFLOP/s, stream triad {:.1} GB/s\n",
         limits.threads, limits.fma_gflops, limits.stream_gbps
     );
     let _ = writeln!(
         out,
-        "{:<24} {:<9} {:<16} {:>6} {:<5} {:>10} {:>14} {:>8}",
-        "kernel", "backend", "shape", "T", "dtype", "ms", "throughput", "% peak"
+        "{:<24} {:<9} {:<16} {:>6} {:<5} {:>10} {:>14} {:>7} {:>11} {:>8}",
+        "kernel",
+        "backend",
+        "shape",
+        "T",
+        "dtype",
+        "ms",
+        "throughput",
+        "% peak",
+        "libtorch ms",
+        "× torch"
     );
-    for r in rows {
+    for r in results.iter().flat_map(|result| &result.rows) {
         let throughput = match r.throughput {
             Throughput::Gflops(v) => format!("{v:.1} GFLOP/s"),
             Throughput::Gbps(v) => format!("{v:.1} GB/s"),
         };
+        let peer = r
+            .libtorch_ms
+            .map_or_else(|| "-".to_owned(), |v| format!("{v:.3}"));
+        let ratio = r
+            .vs_libtorch()
+            .map_or_else(|| "-".to_owned(), |v| format!("{v:.2}×"));
         let _ = writeln!(
             out,
-            "{:<24} {:<9} {:<16} {:>6} {:<5} {:>10.3} {:>14} {:>7.1}%",
-            r.kernel, r.backend, r.shape, r.tokens, r.dtype, r.ms, throughput, r.pct_of_peak
+            "{:<24} {:<9} {:<16} {:>6} {:<5} {:>10.3} {:>14} {:>6.1}% {:>11} {:>8}",
+            r.kernel,
+            r.backend,
+            r.shape,
+            r.tokens,
+            r.dtype,
+            r.ms,
+            throughput,
+            r.pct_of_peak,
+            peer,
+            ratio
         );
+    }
+    for result in results.iter().filter(|r| !r.peers.is_empty()) {
+        let Some(first) = result.rows.first() else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "libtorch paths, {} T={} {}:",
+            first.shape, first.tokens, first.dtype
+        );
+        for p in &result.peers {
+            let backward = p
+                .backward_ms
+                .map_or_else(|| "-".to_owned(), |v| format!("{v:.3} ms"));
+            let _ = writeln!(
+                out,
+                "  {:<30} forward {:>10.3} ms   backward {:>12}",
+                p.name, p.forward_ms, backward
+            );
+        }
     }
     out
 }

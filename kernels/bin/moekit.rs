@@ -77,6 +77,9 @@ enum Command {
         /// One JSON object per row instead of the table.
         #[arg(long)]
         json: bool,
+        /// Skip the libtorch paths (in builds with the `libtorch` feature).
+        #[arg(long)]
+        no_libtorch: bool,
     },
 }
 
@@ -89,6 +92,7 @@ fn bench(
     block_size: usize,
     min_time_ms: u64,
     json: bool,
+    libtorch: bool,
 ) -> Result<()> {
     let dtype = match dtype {
         "f32" => DType::F32,
@@ -103,7 +107,7 @@ fn bench(
     let backend: BackendKind = backend.parse()?;
     let shape: MoeShape = shape.parse()?;
     let limits = MachineLimits::measure();
-    let mut rows = Vec::new();
+    let mut results = Vec::new();
     for &tokens in tokens {
         let config = BenchConfig {
             backend,
@@ -112,15 +116,16 @@ fn bench(
             dtype,
             block_size,
             min_time: Duration::from_millis(min_time_ms),
+            libtorch,
         };
-        rows.extend(moekit::bench::run(&config, &limits)?);
+        results.push(moekit::bench::run(&config, &limits)?);
     }
     if json {
-        for row in &rows {
+        for row in results.iter().flat_map(|r| &r.rows) {
             println!("{}", row.to_json());
         }
     } else {
-        print!("{}", moekit::bench::table(&rows, &limits));
+        print!("{}", moekit::bench::table(&results, &limits));
     }
     Ok(())
 }
@@ -198,6 +203,7 @@ fn main() -> ExitCode {
             block_size,
             min_time_ms,
             json,
+            no_libtorch,
         } => match bench(
             &backend,
             &shape,
@@ -206,6 +212,7 @@ fn main() -> ExitCode {
             block_size,
             min_time_ms,
             json,
+            !no_libtorch,
         ) {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {

@@ -1,0 +1,235 @@
+//! libtorch peers (feature `libtorch`): the same MoE layer computed the ways PyTorch runs it,
+//! timed in the same process as moekit's kernels.
+//!
+//! - router: `softmax(x @ w, float32)`, `topk`, divide by the top-k sum (Hugging Face).
+//! - permute: `argsort(stable)` of the flattened expert ids, `bincount`, `cumsum`.
+//! - experts, `loop`: Hugging Face's eager path, one expert at a time over the tokens that chose
+//!   it (`nonzero`, `index_select`, three matmuls, `index_add_`).
+//! - experts, `grouped_mm`: tokens sorted by expert, `torch._grouped_mm` for gate_up and down,
+//!   `index_add_` to combine.
+//!
+//! Forward passes run with autograd recording (as in training, so activations are saved);
+//! backward times are `loss.backward()` alone.
+
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind, Tensor as Th};
+
+use super::{LayerInputs, PeerPath, Stage};
+use crate::contracts::RouterTopkOutputs;
+use crate::error::{Error, Result};
+use crate::tensor::{Storage, Tensor};
+
+fn tch_error(err: tch::TchError) -> Error {
+    Error::invalid("libtorch", err.to_string())
+}
+
+/// A moekit tensor as a libtorch tensor of the same dtype (bf16 from its raw bytes, since tch
+/// maps `half::bf16` to Half).
+fn to_tch(tensor: &Tensor) -> Th {
+    let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
+    let kind = match tensor.storage() {
+        Storage::F32(_) => Kind::Float,
+        Storage::BF16(_) => Kind::BFloat16,
+        Storage::I32(_) => Kind::Int,
+    };
+    Th::from_data_size(&tensor.to_le_bytes(), &shape, kind)
+}
+
+/// Median milliseconds of `f`, as [`super::time`] measures.
+fn time(min_time: Duration, mut f: impl FnMut() -> Result<Th>) -> Result<f64> {
+    super::time(min_time, || f().map(drop))
+}
+
+/// Median milliseconds of `loss.backward()` alone: each run records a fresh graph untimed.
+fn time_backward(min_time: Duration, mut forward: impl FnMut() -> Result<Th>) -> Result<f64> {
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 3 || (start.elapsed() < min_time && times.len() < 1000) {
+        let loss = forward()?;
+        let t = Instant::now();
+        loss.f_backward().map_err(tch_error)?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// The layer's tensors in libtorch, weights split for the loop and fused for `_grouped_mm`.
+struct Operands {
+    k: i64,
+    i: i64,
+    x: Th,
+    w: Th,
+    /// `[E, H, 2I]`.
+    gate_up: Th,
+    /// `[E, H, I]` each, contiguous.
+    gate: Th,
+    up: Th,
+    /// `[E, I, H]`.
+    down: Th,
+    /// `[T, K]` int64 and float.
+    expert_index: Th,
+    topk: Th,
+    d_topk: Th,
+    d_output: Th,
+}
+
+impl Operands {
+    fn new(inputs: &LayerInputs, routed: &RouterTopkOutputs) -> Self {
+        let (h, i, e) = (
+            inputs.shape.h as i64,
+            inputs.shape.i as i64,
+            inputs.shape.e as i64,
+        );
+        let grad = |t: Th| t.set_requires_grad(true);
+        let gate_up4 = to_tch(&inputs.gate_up_proj_weight); // [E, H, 2, I]
+        let dtype = gate_up4.kind();
+        Self {
+            k: inputs.shape.k as i64,
+            i,
+            x: grad(to_tch(&inputs.x)),
+            w: grad(to_tch(&inputs.w)),
+            gate: grad(gate_up4.select(2, 0).contiguous()),
+            up: grad(gate_up4.select(2, 1).contiguous()),
+            gate_up: grad(gate_up4.reshape([e, h, 2 * i])),
+            down: grad(to_tch(&inputs.down_proj_weight)),
+            expert_index: to_tch(&routed.expert_index).to_kind(Kind::Int64),
+            topk: grad(to_tch(&routed.topk_affinities).to_kind(dtype)),
+            d_topk: to_tch(&inputs.d_topk_affinities),
+            d_output: to_tch(&inputs.output_hidden_states_grad),
+        }
+    }
+
+    /// Hugging Face's router: normalised top-k affinities `[T, K]`.
+    fn router(&self) -> Result<Th> {
+        let probs = self
+            .x
+            .f_matmul(&self.w)
+            .map_err(tch_error)?
+            .softmax(-1, Kind::Float);
+        let (values, _) = probs.topk(self.k, -1, true, true);
+        Ok(&values / values.sum_dim_intlist(-1, true, Kind::Float))
+    }
+
+    /// `argsort` of the flattened ids, and the per-expert offsets.
+    fn permute(&self, experts: i64) -> (Th, Th) {
+        let flat = self.expert_index.flatten(0, 1);
+        let order = flat.argsort_stable(true, 0, false);
+        let offsets = flat.bincount(None::<Th>, experts).cumsum(0, Kind::Int);
+        (order, offsets)
+    }
+
+    /// Hugging Face's eager experts: `[T, H]`.
+    fn experts_loop(&self, experts: i64) -> Result<Th> {
+        let mut out = self.x.zeros_like();
+        for expert in 0..experts {
+            let hit = self.expert_index.eq(expert).nonzero();
+            if hit.size()[0] == 0 {
+                continue;
+            }
+            let (token, slot) = (hit.select(1, 0), hit.select(1, 1));
+            let xs = self.x.index_select(0, &token);
+            let act = xs.matmul(&self.gate.get(expert)).silu() * xs.matmul(&self.up.get(expert));
+            let weight = self
+                .topk
+                .index(&[Some(token.shallow_clone()), Some(slot)])
+                .unsqueeze(-1);
+            let y = act.matmul(&self.down.get(expert)) * weight;
+            out = out.f_index_add(0, &token, &y).map_err(tch_error)?;
+        }
+        Ok(out)
+    }
+
+    /// Sorted tokens through `torch._grouped_mm`: `[T, H]`.
+    fn experts_grouped(&self, experts: i64) -> Result<Th> {
+        let (order, offsets) = self.permute(experts);
+        let token = order.floor_divide_scalar(self.k);
+        let xs = self.x.index_select(0, &token);
+        let gate_up = xs
+            .f_internal_grouped_mm(&self.gate_up, Some(&offsets), None::<&Th>, None::<Kind>)
+            .map_err(tch_error)?;
+        let act = gate_up.narrow(-1, 0, self.i).silu() * gate_up.narrow(-1, self.i, self.i);
+        let y = act
+            .f_internal_grouped_mm(&self.down, Some(&offsets), None::<&Th>, None::<Kind>)
+            .map_err(tch_error)?;
+        let weight = self
+            .topk
+            .flatten(0, 1)
+            .index_select(0, &order)
+            .unsqueeze(-1);
+        self.x
+            .zeros_like()
+            .f_index_add(0, &token, &(y * weight))
+            .map_err(tch_error)
+    }
+}
+
+type ExpertPath = fn(&Operands, i64) -> Result<Th>;
+
+const EXPERT_PATHS: [(&str, ExpertPath); 2] = [
+    ("experts: loop (HF eager)", Operands::experts_loop),
+    ("experts: torch._grouped_mm", Operands::experts_grouped),
+];
+
+/// Times every peer path on the layer's inputs and the routing moekit chose. An expert path
+/// this libtorch build does not support on this device is left out.
+pub fn measure(
+    inputs: &LayerInputs,
+    routed: &RouterTopkOutputs,
+    min_time: Duration,
+) -> Result<Vec<PeerPath>> {
+    let ops = Operands::new(inputs, routed);
+    let e = inputs.shape.e as i64;
+    let mut paths = vec![
+        PeerPath {
+            name: "router: softmax + topk",
+            stage: Stage::Router,
+            forward_ms: time(min_time, || ops.router())?,
+            backward_ms: Some(time_backward(min_time, || {
+                Ok((ops.router()? * &ops.d_topk).sum(Kind::Float))
+            })?),
+        },
+        PeerPath {
+            name: "permute: argsort + bincount",
+            stage: Stage::Permute,
+            forward_ms: time(min_time, || Ok(ops.permute(e).0))?,
+            backward_ms: None,
+        },
+    ];
+    for (name, path) in EXPERT_PATHS {
+        if path(&ops, e).is_err() {
+            continue;
+        }
+        paths.push(PeerPath {
+            name,
+            stage: Stage::Experts,
+            forward_ms: time(min_time, || path(&ops, e))?,
+            backward_ms: Some(time_backward(min_time, || {
+                Ok((path(&ops, e)? * &ops.d_output).sum(Kind::Float))
+            })?),
+        });
+    }
+    Ok(paths)
+}
+
+/// The layer output `[T, H]` of each expert path that runs, as f32, with its name: the check
+/// that every peer computes the same function as `blockwise_mm`.
+pub fn expert_outputs(
+    inputs: &LayerInputs,
+    routed: &RouterTopkOutputs,
+) -> Vec<(&'static str, Vec<f32>)> {
+    let ops = Operands::new(inputs, routed);
+    let e = inputs.shape.e as i64;
+    EXPERT_PATHS
+        .into_iter()
+        .filter_map(|(name, path)| {
+            let out = path(&ops, e)
+                .ok()?
+                .to_kind(Kind::Float)
+                .to_device(Device::Cpu)
+                .flatten(0, -1);
+            Vec::<f32>::try_from(&out).ok().map(|v| (name, v))
+        })
+        .collect()
+}
