@@ -63,9 +63,9 @@ struct Operands {
     w: Th,
     /// `[E, H, 2I]`.
     gate_up: Th,
-    /// `[E, H, I]` each, contiguous.
-    gate: Th,
-    up: Th,
+    /// Per-expert `[H, I]`, `[H, I]`, `[I, H]` leaf tensors, as Hugging Face's per-expert
+    /// modules hold them (one parameter per expert, so no expert's gradient touches another's).
+    experts: Vec<[Th; 3]>,
     /// `[E, I, H]`.
     down: Th,
     /// `[T, K]` int64 and float.
@@ -84,16 +84,24 @@ impl Operands {
         );
         let grad = |t: Th| t.set_requires_grad(true);
         let gate_up4 = to_tch(&inputs.gate_up_proj_weight); // [E, H, 2, I]
+        let down = to_tch(&inputs.down_proj_weight); // [E, I, H]
         let dtype = gate_up4.kind();
         Self {
             k: inputs.shape.k as i64,
             i,
             x: grad(to_tch(&inputs.x)),
             w: grad(to_tch(&inputs.w)),
-            gate: grad(gate_up4.select(2, 0).contiguous()),
-            up: grad(gate_up4.select(2, 1).contiguous()),
+            experts: (0..e)
+                .map(|expert| {
+                    [
+                        grad(gate_up4.get(expert).select(1, 0).copy()),
+                        grad(gate_up4.get(expert).select(1, 1).copy()),
+                        grad(down.get(expert).copy()),
+                    ]
+                })
+                .collect(),
             gate_up: grad(gate_up4.reshape([e, h, 2 * i])),
-            down: grad(to_tch(&inputs.down_proj_weight)),
+            down: grad(down),
             expert_index: to_tch(&routed.expert_index).to_kind(Kind::Int64),
             topk: grad(to_tch(&routed.topk_affinities).to_kind(dtype)),
             d_topk: to_tch(&inputs.d_topk_affinities),
@@ -121,22 +129,22 @@ impl Operands {
     }
 
     /// Hugging Face's eager experts: `[T, H]`.
-    fn experts_loop(&self, experts: i64) -> Result<Th> {
+    fn experts_loop(&self, _experts: i64) -> Result<Th> {
         let mut out = self.x.zeros_like();
-        for expert in 0..experts {
-            let hit = self.expert_index.eq(expert).nonzero();
+        for (expert, [gate, up, down]) in self.experts.iter().enumerate() {
+            let hit = self.expert_index.eq(expert as i64).nonzero();
             if hit.size()[0] == 0 {
                 continue;
             }
             let (token, slot) = (hit.select(1, 0), hit.select(1, 1));
             let xs = self.x.index_select(0, &token);
-            let act = xs.matmul(&self.gate.get(expert)).silu() * xs.matmul(&self.up.get(expert));
+            let act = xs.matmul(gate).silu() * xs.matmul(up);
             let weight = self
                 .topk
                 .index(&[Some(token.shallow_clone()), Some(slot)])
                 .unsqueeze(-1);
-            let y = act.matmul(&self.down.get(expert)) * weight;
-            out = out.f_index_add(0, &token, &y).map_err(tch_error)?;
+            let y = act.matmul(down) * weight;
+            out = out.f_index_add_(0, &token, &y).map_err(tch_error)?;
         }
         Ok(out)
     }

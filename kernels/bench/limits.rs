@@ -26,6 +26,16 @@ impl MachineLimits {
             threads: rayon::current_num_threads(),
         }
     }
+
+    /// The higher of two measurements of each limit. On a virtual machine a limit can read low
+    /// when the host briefly shares a core; the higher reading is the machine's capability.
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            fma_gflops: self.fma_gflops.max(other.fma_gflops),
+            stream_gbps: self.stream_gbps.max(other.stream_gbps),
+            threads: self.threads.max(other.threads),
+        }
+    }
 }
 
 /// Independent accumulator chains: enough to cover FMA latency × issue width on current cores,

@@ -108,13 +108,19 @@ pub struct BenchRow {
     /// Median wall time, milliseconds.
     pub ms: f64,
     pub throughput: Throughput,
-    /// Share of the machine's limit for this kind of throughput, percent.
-    pub pct_of_peak: f64,
     /// The fastest libtorch path for the same work in the same run, when one was measured.
     pub libtorch_ms: Option<f64>,
 }
 
 impl BenchRow {
+    /// Share of the machine's limit for this kind of throughput, percent.
+    pub fn pct_of_peak(&self, limits: &MachineLimits) -> f64 {
+        match self.throughput {
+            Throughput::Gflops(v) => 100.0 * v / limits.fma_gflops,
+            Throughput::Gbps(v) => 100.0 * v / limits.stream_gbps,
+        }
+    }
+
     /// How many times faster than the fastest libtorch path (> 1: moekit is faster).
     pub fn vs_libtorch(&self) -> Option<f64> {
         self.libtorch_ms.map(|peer| peer / self.ms)
@@ -123,7 +129,7 @@ impl BenchRow {
     /// One JSON object with the fields `kernel`, `backend`, `shape`, `tokens`, `dtype`, `ms`,
     /// `gflops` or `gbps`, `pct_of_peak`, `libtorch_ms` and `vs_libtorch` (`null` when no
     /// libtorch peer was measured).
-    pub fn to_json(&self) -> String {
+    pub fn to_json(&self, limits: &MachineLimits) -> String {
         let (key, value) = match self.throughput {
             Throughput::Gflops(v) => ("gflops", v),
             Throughput::Gbps(v) => ("gbps", v),
@@ -137,7 +143,7 @@ impl BenchRow {
             self.tokens,
             self.dtype,
             self.ms,
-            self.pct_of_peak,
+            self.pct_of_peak(limits),
             optional(self.libtorch_ms),
             optional(self.vs_libtorch()),
         )
@@ -419,7 +425,7 @@ impl Layer {
 }
 
 /// Runs every kernel of one MoE layer, forward and backward, and measures each.
-pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<BenchResult> {
+pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     let backend = config.backend.create();
     let backend = backend.as_ref();
     let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
@@ -444,30 +450,23 @@ pub fn run(config: &BenchConfig, limits: &MachineLimits) -> Result<BenchResult> 
         .filter_map(|p| Some(p.forward_ms + p.backward_ms?))
         .reduce(f64::min);
     let layer_peer = (|| Some(router_fwd? + router_bwd? + permute_fwd? + experts_fwd_bwd?))();
-    let row = |kernel: &str, ms: f64, throughput: Throughput| {
-        let pct_of_peak = match throughput {
-            Throughput::Gflops(v) => 100.0 * v / limits.fma_gflops,
-            Throughput::Gbps(v) => 100.0 * v / limits.stream_gbps,
-        };
-        BenchRow {
-            kernel: kernel.to_owned(),
-            backend: config.backend,
-            shape: config.shape.name,
-            tokens: t,
-            dtype: config.dtype,
-            ms,
-            throughput,
-            pct_of_peak,
-            libtorch_ms: match kernel {
-                "router_topk" => router_fwd,
-                "router_topk_bwd" => router_bwd,
-                "permute" => permute_fwd,
-                "blockwise_mm" => experts_fwd,
-                "blockwise_mm_bwd" => experts_bwd,
-                "moe_layer_fwd_bwd" => layer_peer,
-                _ => None,
-            },
-        }
+    let row = |kernel: &str, ms: f64, throughput: Throughput| BenchRow {
+        kernel: kernel.to_owned(),
+        backend: config.backend,
+        shape: config.shape.name,
+        tokens: t,
+        dtype: config.dtype,
+        ms,
+        throughput,
+        libtorch_ms: match kernel {
+            "router_topk" => router_fwd,
+            "router_topk_bwd" => router_bwd,
+            "permute" => permute_fwd,
+            "blockwise_mm" => experts_fwd,
+            "blockwise_mm_bwd" => experts_bwd,
+            "moe_layer_fwd_bwd" => layer_peer,
+            _ => None,
+        },
     };
     let gflops = |flop: f64, ms: f64| Throughput::Gflops(flop / ms / 1e6);
     let gbps = |bytes: f64, ms: f64| Throughput::Gbps(bytes / ms / 1e6);
@@ -574,7 +573,7 @@ pub fn table(results: &[BenchResult], limits: &MachineLimits) -> String {
             r.dtype,
             r.ms,
             throughput,
-            r.pct_of_peak,
+            r.pct_of_peak(limits),
             peer,
             ratio
         );

@@ -118,11 +118,13 @@ fn bench(
             min_time: Duration::from_millis(min_time_ms),
             libtorch,
         };
-        results.push(moekit::bench::run(&config, &limits)?);
+        results.push(moekit::bench::run(&config)?);
     }
+    // Measured before and after the kernels: the higher reading of each limit counts.
+    let limits = limits.max(MachineLimits::measure());
     if json {
         for row in results.iter().flat_map(|r| &r.rows) {
-            println!("{}", row.to_json());
+            println!("{}", row.to_json(&limits));
         }
     } else {
         print!("{}", moekit::bench::table(&results, &limits));
