@@ -13,7 +13,7 @@ use crate::contracts::{
     PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::cpu::CpuBackend;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, find_named};
 use crate::reference::ReferenceBackend;
 
 /// One implementation of every kernel contract, forward and backward.
@@ -68,18 +68,10 @@ impl FromStr for BackendKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .iter()
-            .copied()
-            .find(|kind| kind.name() == s)
-            .ok_or_else(|| Error::UnknownBackend {
-                name: s.to_owned(),
-                known: Self::ALL
-                    .iter()
-                    .map(|k| k.name())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
+        find_named(Self::ALL, Self::name, s).map_err(|known| Error::UnknownBackend {
+            name: s.to_owned(),
+            known,
+        })
     }
 }
 

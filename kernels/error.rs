@@ -76,6 +76,23 @@ pub enum Error {
     Format { path: PathBuf, message: String },
 }
 
+/// The item of `items` called `wanted`, or else the comma-separated names of all of them (for
+/// an "unknown …; known: …" message).
+pub(crate) fn find_named<T: Copy>(
+    items: &[T],
+    name: impl Fn(T) -> &'static str,
+    wanted: &str,
+) -> std::result::Result<T, String> {
+    items
+        .iter()
+        .copied()
+        .find(|&item| name(item) == wanted)
+        .ok_or_else(|| {
+            let known: Vec<&str> = items.iter().map(|&item| name(item)).collect();
+            known.join(", ")
+        })
+}
+
 impl Error {
     pub(crate) fn shape(tensor: &str, expected: impl Into<String>, actual: &[usize]) -> Self {
         Self::Shape {

@@ -14,7 +14,7 @@ use crate::contracts::{
     PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
     RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
 
 /// One tensor of a kernel's contract.
@@ -261,18 +261,10 @@ impl FromStr for Kernel {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .iter()
-            .copied()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| Error::UnknownKernel {
-                name: s.to_owned(),
-                known: Self::ALL
-                    .iter()
-                    .map(|k| k.name())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
+        find_named(Self::ALL, Self::name, s).map_err(|known| Error::UnknownKernel {
+            name: s.to_owned(),
+            known,
+        })
     }
 }
 
@@ -355,17 +347,8 @@ fn parse_bool(param: Param, value: &str) -> Result<bool> {
 impl Params {
     /// Sets `name` from its textual `value`; an unknown name is an error.
     pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
-        let param = Param::ALL
-            .iter()
-            .copied()
-            .find(|p| p.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<&str> = Param::ALL.iter().map(|p| p.name()).collect();
-                Error::param(
-                    name,
-                    format!("unknown parameter; known: {}", known.join(", ")),
-                )
-            })?;
+        let param = find_named(Param::ALL, Param::name, name)
+            .map_err(|known| Error::param(name, format!("unknown parameter; known: {known}")))?;
         match param {
             Param::TopK => self.top_k = Some(parse_count(param, value)?),
             Param::Activation => self.activation = Some(value.trim().parse()?),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::BackendKind;
 use crate::contracts::*;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, find_named};
 use crate::tensor::{DType, Tensor};
 use limits::MachineLimits;
 
@@ -57,17 +57,8 @@ impl FromStr for MoeShape {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .iter()
-            .copied()
-            .find(|shape| shape.name == s)
-            .ok_or_else(|| {
-                let known: Vec<&str> = Self::ALL.iter().map(|shape| shape.name).collect();
-                Error::param(
-                    "shape",
-                    format!("unknown shape `{s}`; known: {}", known.join(", ")),
-                )
-            })
+        find_named(Self::ALL, |shape| shape.name, s)
+            .map_err(|known| Error::param("shape", format!("unknown shape `{s}`; known: {known}")))
     }
 }
 

@@ -94,6 +94,26 @@ fn check_num_experts(num_experts: usize, t: usize) -> Result<()> {
     Ok(())
 }
 
+/// Checks `expert_index [T, K]` against `num_experts`: i32, T and K at least 1, K ≤ E, distinct
+/// ids in `[0, E)` per row, and every masked-affinity index within i32. Returns `(T, K)`.
+fn check_expert_index(expert_index: &Tensor, e: usize) -> Result<(usize, usize)> {
+    let (shape, ids) =
+        validate::index_tensor("expert_index", expert_index, "[T, K]", &[None, None])?;
+    let (t, k) = (shape[0], shape[1]);
+    validate::non_empty("expert_index", "T (tokens)", t)?;
+    validate::non_empty("expert_index", "K (top_k)", k)?;
+    check_num_experts(e, t)?;
+    if k > e {
+        return Err(Error::shape(
+            "expert_index",
+            format!("[T, K] with K ≤ num_experts = {e}"),
+            &shape,
+        ));
+    }
+    validate::expert_ids("expert_index", ids, &shape, e)?;
+    Ok((t, k))
+}
+
 impl<'a> Permute<'a> {
     /// Checks shapes, dtypes, ids and parameters.
     pub fn new(inputs: PermuteInputs<'a>, params: PermuteParams) -> Result<Self> {
@@ -101,20 +121,7 @@ impl<'a> Permute<'a> {
         if b == 0 {
             return Err(Error::param("block_size", "must be at least 1, got 0"));
         }
-        let (shape, ids) =
-            validate::index_tensor("expert_index", inputs.expert_index, "[T, K]", &[None, None])?;
-        let (t, k) = (shape[0], shape[1]);
-        validate::non_empty("expert_index", "T (tokens)", t)?;
-        validate::non_empty("expert_index", "K (top_k)", k)?;
-        check_num_experts(e, t)?;
-        if k > e {
-            return Err(Error::shape(
-                "expert_index",
-                format!("[T, K] with K ≤ num_experts = {e}"),
-                &shape,
-            ));
-        }
-        validate::expert_ids("expert_index", ids, &shape, e)?;
+        let (t, k) = check_expert_index(inputs.expert_index, e)?;
         validate::float_tensor(
             "topk_affinities",
             inputs.topk_affinities,
@@ -192,13 +199,7 @@ impl<'a> PermuteBwd<'a> {
     /// Checks shapes, dtypes and ids.
     pub fn new(inputs: PermuteBwdInputs<'a>, params: PermuteBwdParams) -> Result<Self> {
         let e = params.num_experts;
-        let (shape, ids) =
-            validate::index_tensor("expert_index", inputs.expert_index, "[T, K]", &[None, None])?;
-        let (t, k) = (shape[0], shape[1]);
-        validate::non_empty("expert_index", "T (tokens)", t)?;
-        validate::non_empty("expert_index", "K (top_k)", k)?;
-        check_num_experts(e, t)?;
-        validate::expert_ids("expert_index", ids, &shape, e)?;
+        let (t, k) = check_expert_index(inputs.expert_index, e)?;
         validate::masked_affinities(
             "expert_affinities_masked_grad",
             inputs.expert_affinities_masked_grad,
