@@ -48,6 +48,11 @@ impl<'a> MatRef<'a> {
         }
     }
 
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
     /// The transpose, as a view of the same buffer.
     pub fn t(self) -> Self {
         Self {

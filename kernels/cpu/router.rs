@@ -61,28 +61,28 @@ fn logits(
     bias: Option<&[f32]>,
     (t, h, e): (usize, usize, usize),
 ) -> Vec<f32> {
-    let mut logits = vec![0.0f32; t * e];
-    logits
-        .par_chunks_mut(ROW_TILE * e)
-        .enumerate()
-        .for_each(|(tile, out)| {
-            let rows = out.len() / e;
-            let x_tile = &x[tile * ROW_TILE * h..][..rows * h];
-            matmul(
-                out,
-                MatRef::row_major(x_tile, rows, h),
-                MatRef::row_major(w, h, e),
-                false,
-            );
-            if let Some(bias) = bias {
-                for row in out.chunks_mut(e) {
-                    for (l, b) in row.iter_mut().zip(bias) {
-                        *l += b;
-                    }
-                }
+    let mut logits = row_tiled_product(x, h, MatRef::row_major(w, h, e), t);
+    if let Some(bias) = bias {
+        for row in logits.chunks_mut(e) {
+            for (l, b) in row.iter_mut().zip(bias) {
+                *l += b;
             }
-        });
+        }
+    }
     logits
+}
+
+/// `a [rows, k] · b [k, n]` as a new `[rows, n]` buffer, computed in parallel tiles of
+/// [`ROW_TILE`] rows (a fixed tiling, so results do not depend on the thread count).
+fn row_tiled_product(a: &[f32], k: usize, b: MatRef<'_>, rows: usize) -> Vec<f32> {
+    let n = b.cols();
+    let mut out = vec![0.0f32; rows * n];
+    out.par_chunks_mut(ROW_TILE * n)
+        .zip(a.par_chunks(ROW_TILE * k))
+        .for_each(|(out, a)| {
+            matmul(out, MatRef::row_major(a, out.len() / n, k), b, false);
+        });
+    out
 }
 
 pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
@@ -191,19 +191,7 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let x = inputs.x.f32_values();
     let w = inputs.w.f32_values();
     // d_x [T, H] = d_logits · wᵀ, in row tiles.
-    let mut d_x = vec![0.0f32; t * h];
-    d_x.par_chunks_mut(ROW_TILE * h)
-        .enumerate()
-        .for_each(|(tile, out)| {
-            let rows = out.len() / h;
-            let d_tile = &d_logits[tile * ROW_TILE * e..][..rows * e];
-            matmul(
-                out,
-                MatRef::row_major(d_tile, rows, e),
-                MatRef::row_major(&w, h, e).t(),
-                false,
-            );
-        });
+    let d_x = row_tiled_product(&d_logits, e, MatRef::row_major(&w, h, e).t(), t);
     // d_w [H, E] = xᵀ · d_logits (the token reduction stays inside one product).
     let mut d_w = vec![0.0f32; h * e];
     matmul(
