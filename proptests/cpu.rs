@@ -1,6 +1,6 @@
 //! The `cpu` backend against the `reference` oracle: every kernel, forward and backward, f32 and
 //! bf16 inputs, on random MoE layers including the contracts' edge cases; bit-identical results
-//! across thread counts; and the same errors as the reference.
+//! across thread counts; and the same input-validation errors as the reference.
 //!
 //! Tolerance: the cpu backend accumulates in f32, the reference in f64, so values agree within
 //! `1e-4 · (|reference| + max |reference of that tensor|)`; indices and counts agree exactly.
@@ -204,8 +204,12 @@ proptest! {
                     pool.install(|| kernel.run(cpu.as_ref(), &layer.tensors, &layer.params).unwrap())
                 })
                 .collect();
-            prop_assert_eq!(&runs[0], &runs[1], "{}: 1 vs 2 threads", kernel.name());
-            prop_assert_eq!(&runs[0], &runs[2], "{}: 1 vs 3 threads", kernel.name());
+            // Compared as bytes: bit-identical, so 0.0 vs −0.0 or differing NaNs would count.
+            let bits = |run: &Vec<(&str, moekit::Tensor)>| -> Vec<(String, Vec<u8>)> {
+                run.iter().map(|(n, t)| (n.to_string(), t.to_le_bytes())).collect()
+            };
+            prop_assert!(bits(&runs[0]) == bits(&runs[1]), "{}: 1 vs 2 threads", kernel.name());
+            prop_assert!(bits(&runs[0]) == bits(&runs[2]), "{}: 1 vs 3 threads", kernel.name());
         }
     }
 }

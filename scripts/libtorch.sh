@@ -17,6 +17,8 @@ if [ ! -x "${venv}/bin/python" ]; then
 fi
 if ! "${venv}/bin/python" -m pip show torch 2>/dev/null | grep -q '^Version: 2.11.0'; then
     "${venv}/bin/python" -m pip install --quiet --no-deps torch==2.11.0 >&2
+fi
+if ! "${venv}/bin/python" -m pip show nvidia-cuda-runtime nvidia-cuda-cupti >/dev/null 2>&1; then
     "${venv}/bin/python" -m pip install --quiet 'cuda-toolkit[cudart,cupti]==13.0.2' >&2
 fi
 libtorch="$(cd "${venv}" && pwd)/lib/python3.11/site-packages/torch"

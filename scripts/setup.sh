@@ -3,21 +3,32 @@
 # there. Sourced by scripts/test.sh; safe to run on its own.
 set -euo pipefail
 
-# System packages (Debian): command → package. apt-get update runs once, only if one is missing.
-declare -A APT_PACKAGES=([cc]=gcc)
+# System packages (Debian): command → package; g++ builds tch's C++ shim, python3-venv the
+# libtorch venv. apt-get update runs once, only if something is missing.
+declare -A APT_PACKAGES=([cc]=gcc [c++]=g++ [python3]=python3)
 missing=()
 for command in "${!APT_PACKAGES[@]}"; do
     command -v "${command}" >/dev/null 2>&1 || missing+=("${APT_PACKAGES[${command}]}")
 done
+if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    missing+=(python3-venv)
+fi
 if ((${#missing[@]})); then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
     echo "setup: installing ${missing[*]}" >&2
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    ${sudo} apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive ${sudo} apt-get install -y -qq "${missing[@]}"
 fi
 
 # The Rust toolchain comes from rustup (moekit needs Rust ≥ 1.89, newer than Debian's).
 if ! command -v cargo >/dev/null 2>&1 || ! command -v rustup >/dev/null 2>&1; then
     echo "setup: moekit needs a rustup-managed Rust toolchain (≥ 1.89) on PATH" >&2
+    exit 1
+fi
+rustc_minor=$(rustc --version | sed -E 's/^rustc 1\.([0-9]+).*/\1/')
+if [ "${rustc_minor}" -lt 89 ]; then
+    echo "setup: moekit needs Rust ≥ 1.89, found $(rustc --version)" >&2
     exit 1
 fi
 for component in rustfmt clippy; do

@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-eval "$(bash scripts/libtorch.sh)"
+# Assigned first so that a failing setup stops the script (set -e ignores failures inside eval).
+libtorch_env="$(bash scripts/libtorch.sh)"
+eval "${libtorch_env}"
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
 cargo clippy --locked --all-targets --features libtorch -- -D warnings

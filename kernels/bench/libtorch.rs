@@ -41,15 +41,22 @@ fn time(min_time: Duration, mut f: impl FnMut() -> Result<Th>) -> Result<f64> {
     super::time(min_time, || f().map(drop))
 }
 
-/// Median milliseconds of `loss.backward()` alone: each run records a fresh graph untimed.
-fn time_backward(min_time: Duration, mut forward: impl FnMut() -> Result<Th>) -> Result<f64> {
+/// Median milliseconds of the backward alone: each run records a fresh graph untimed, then
+/// computes the gradients of `leaves` as `torch.autograd.grad` does (returned, not accumulated
+/// into `.grad`, so no run pays for a previous run's gradients).
+fn time_backward(
+    min_time: Duration,
+    leaves: &[&Th],
+    mut forward: impl FnMut() -> Result<Th>,
+) -> Result<f64> {
     let mut times = Vec::new();
     let start = Instant::now();
     while times.len() < 3 || (start.elapsed() < min_time && times.len() < 1000) {
         let loss = forward()?;
         let t = Instant::now();
-        loss.f_backward().map_err(tch_error)?;
+        let grads = Th::f_run_backward(&[&loss], leaves, false, false).map_err(tch_error)?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(grads);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -175,9 +182,20 @@ impl Operands {
 
 type ExpertPath = fn(&Operands, i64) -> Result<Th>;
 
-const EXPERT_PATHS: [(&str, ExpertPath); 2] = [
-    ("experts: loop (HF eager)", Operands::experts_loop),
-    ("experts: torch._grouped_mm", Operands::experts_grouped),
+/// The leaf tensors a path differentiates: the activations, the affinities and its weights.
+type Leaves = fn(&Operands) -> Vec<&Th>;
+
+const EXPERT_PATHS: [(&str, ExpertPath, Leaves); 2] = [
+    ("experts: loop (HF eager)", Operands::experts_loop, |ops| {
+        let mut leaves = vec![&ops.x, &ops.topk];
+        leaves.extend(ops.experts.iter().flatten());
+        leaves
+    }),
+    (
+        "experts: torch._grouped_mm",
+        Operands::experts_grouped,
+        |ops| vec![&ops.x, &ops.topk, &ops.gate_up, &ops.down],
+    ),
 ];
 
 /// Times every peer path on the layer's inputs and the routing moekit chose. An expert path
@@ -194,7 +212,7 @@ pub fn measure(
             name: "router: softmax + topk",
             stage: Stage::Router,
             forward_ms: time(min_time, || ops.router())?,
-            backward_ms: Some(time_backward(min_time, || {
+            backward_ms: Some(time_backward(min_time, &[&ops.x, &ops.w], || {
                 Ok((ops.router()? * &ops.d_topk).sum(Kind::Float))
             })?),
         },
@@ -205,7 +223,7 @@ pub fn measure(
             backward_ms: None,
         },
     ];
-    for (name, path) in EXPERT_PATHS {
+    for (name, path, leaves) in EXPERT_PATHS {
         if path(&ops, e).is_err() {
             continue;
         }
@@ -213,7 +231,7 @@ pub fn measure(
             name,
             stage: Stage::Experts,
             forward_ms: time(min_time, || path(&ops, e))?,
-            backward_ms: Some(time_backward(min_time, || {
+            backward_ms: Some(time_backward(min_time, &leaves(&ops), || {
                 Ok((path(&ops, e)? * &ops.d_output).sum(Kind::Float))
             })?),
         });
@@ -231,7 +249,7 @@ pub fn expert_outputs(
     let e = inputs.shape.e as i64;
     EXPERT_PATHS
         .into_iter()
-        .filter_map(|(name, path)| {
+        .filter_map(|(name, path, _)| {
             let out = path(&ops, e)
                 .ok()?
                 .to_kind(Kind::Float)

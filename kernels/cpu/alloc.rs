@@ -6,14 +6,14 @@
 const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
 
 /// A zeroed `len`-element buffer; large ones are advised to use huge pages before first touch.
+/// The zeroing is the allocator's (fresh pages from the OS come zeroed), so the pages are
+/// faulted in by whichever threads first write them, in parallel.
 pub fn zeroed(len: usize) -> Vec<f32> {
+    let mut buffer = vec![0.0f32; len];
     let bytes = len * std::mem::size_of::<f32>();
-    if bytes < HUGE_PAGE_MIN_BYTES {
-        return vec![0.0; len];
+    if bytes >= HUGE_PAGE_MIN_BYTES {
+        advise_huge_pages(buffer.as_mut_ptr().cast(), bytes);
     }
-    let mut buffer: Vec<f32> = Vec::with_capacity(len);
-    advise_huge_pages(buffer.as_mut_ptr().cast(), bytes);
-    buffer.resize(len, 0.0);
     buffer
 }
 
@@ -24,9 +24,9 @@ fn advise_huge_pages(start: *mut u8, bytes: usize) {
     let begin = (start as usize).next_multiple_of(HUGE_PAGE);
     let end = (start as usize + bytes) / HUGE_PAGE * HUGE_PAGE;
     if end > begin {
-        // SAFETY: [begin, end) lies inside the allocation just reserved by `Vec::with_capacity`
-        // and owned by the caller; MADV_HUGEPAGE only changes how the kernel backs those pages,
-        // never their contents. A refusal (no THP support) is harmless and ignored.
+        // SAFETY: [begin, end) lies inside the buffer just allocated and owned by the caller;
+        // MADV_HUGEPAGE only changes how the kernel backs those pages, never their contents
+        // (zeroed pages stay zero). A refusal (no THP support) is harmless and ignored.
         unsafe {
             libc::madvise(begin as *mut libc::c_void, end - begin, libc::MADV_HUGEPAGE);
         }

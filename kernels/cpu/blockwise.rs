@@ -301,6 +301,7 @@ struct ExpertBackward {
 /// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]`.
 fn expert_backward(
     call: &BlockwiseMmBwd<'_>,
+    (affinities, checkpoint): (&[f32], &[f32]),
     group: &ExpertRows,
     scratch: &mut Scratch,
     d_gate_up_weight: &mut [f32],
@@ -310,8 +311,6 @@ fn expert_backward(
     let forward = inputs.forward;
     let BlockwiseDims { e, h, i, b, .. } = call.dims();
     let m = group.tokens.len();
-    let affinities = forward.expert_affinities_masked.f32_values();
-    let checkpoint = inputs.gate_up_activations_t.f32_values();
     let s = scratch;
 
     // d y = affinity · d output; d affinity = ⟨d output, y⟩.
@@ -399,6 +398,9 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         group_of[group.expert] = Some(g);
     }
 
+    // Read once here, not once per expert (bf16 inputs are widened).
+    let affinities = inputs.forward.expert_affinities_masked.f32_values();
+    let checkpoint = inputs.gate_up_activations_t.f32_values();
     // Each expert writes its own slices of the weight gradients; experts without tokens keep
     // zeros.
     let mut d_gate_up_weight = zeroed(e * h * 2 * i);
@@ -409,10 +411,9 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         .enumerate()
         .filter_map(|(expert, chunks)| group_of[expert].map(|g| (g, chunks)))
         .map_init(Scratch::default, |scratch, (g, (d_gate_up, d_down))| {
-            (
-                g,
-                expert_backward(call, &groups[g], scratch, d_gate_up, d_down),
-            )
+            let shared = (&affinities[..], &checkpoint[..]);
+            let result = expert_backward(call, shared, &groups[g], scratch, d_gate_up, d_down);
+            (g, result)
         })
         .collect();
     results.sort_by_key(|(g, _)| *g);

@@ -19,8 +19,10 @@ pub fn matmul_nt(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
+    let fits =
+        |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
     assert!(
-        dst.len() >= m * n && a.len() >= m * k && b.len() >= n * k,
+        fits(dst.len(), m, n) && fits(a.len(), m, k) && fits(b.len(), n, k),
         "operand too short"
     );
     #[cfg(target_arch = "x86_64")]

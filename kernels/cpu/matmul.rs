@@ -36,8 +36,15 @@ impl<'a> MatRef<'a> {
         col_stride: usize,
     ) -> Self {
         if rows > 0 && cols > 0 {
-            let last = (rows - 1) * row_stride + (cols - 1) * col_stride;
-            assert!(last < data.len(), "matrix view reaches past its buffer");
+            let last = (rows - 1).checked_mul(row_stride).and_then(|r| {
+                (cols - 1)
+                    .checked_mul(col_stride)
+                    .and_then(|c| r.checked_add(c))
+            });
+            assert!(
+                last.is_some_and(|last| last < data.len()),
+                "matrix view reaches past its buffer"
+            );
         }
         Self {
             data,
@@ -73,7 +80,11 @@ impl<'a> MatRef<'a> {
 pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "inner dimensions differ");
-    assert_eq!(dst.len(), m * n, "destination is not [m, n]");
+    assert_eq!(
+        Some(dst.len()),
+        m.checked_mul(n),
+        "destination is not [m, n]"
+    );
     if m == 0 || n == 0 {
         return;
     }

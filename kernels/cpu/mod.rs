@@ -6,9 +6,9 @@
 
 mod alloc;
 mod blockwise;
-pub mod dot;
+mod dot;
 mod load_balancing;
-pub mod matmul;
+mod matmul;
 mod permute;
 mod router;
 
