@@ -10,6 +10,19 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 
+/// `len` copies of `value`, or the allocation error instead of an abort: for buffers whose size
+/// comes from a parameter (`num_experts`, `block_size`) rather than from tensors already in
+/// memory.
+pub fn try_filled<T: Clone>(
+    len: usize,
+    value: T,
+) -> Result<Vec<T>, std::collections::TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)?;
+    v.resize(len, value);
+    Ok(v)
+}
+
 /// Element type of a [`Tensor`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {

@@ -4,17 +4,14 @@
 use super::f32_output;
 use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, try_filled};
 
+/// A parameter-sized buffer (see [`try_filled`]), naming it if it cannot be allocated.
 fn filled<T: Clone>(what: &str, len: usize, value: T) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)
-        .map_err(|source| Error::Allocation {
-            what: format!("{what} ({len} elements)"),
-            source,
-        })?;
-    v.resize(len, value);
-    Ok(v)
+    try_filled(len, value).map_err(|source| Error::Allocation {
+        what: format!("{what} ({len} elements)"),
+        source,
+    })
 }
 
 pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
@@ -23,12 +20,12 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let ids = inputs.expert_index.as_i32().expect("validated as i32");
     let affinities = inputs.topk_affinities.f32_values();
 
-    let mut counts = vec![0usize; e];
+    let mut counts = filled("expert_counts", e, 0usize)?;
     for &id in ids {
         counts[id as usize] += 1;
     }
     // First slot of each expert: its blocks follow the previous experts' blocks.
-    let mut next_slot = vec![0usize; e];
+    let mut next_slot = filled("expert_counts", e, 0usize)?;
     let mut block_to_expert = filled("block_to_expert", n, e as i32)?;
     let mut used = 0;
     for (expert, &count) in counts.iter().enumerate() {

@@ -3,15 +3,7 @@
 use std::collections::TryReserveError;
 
 use crate::contracts::PermuteDims;
-
-/// `len` copies of `value`, or the allocation error instead of an abort: the plan's size is set
-/// by the `num_experts` and `block_size` parameters, not by tensors already in memory.
-fn filled<T: Clone>(len: usize, value: T) -> Result<Vec<T>, TryReserveError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)?;
-    v.resize(len, value);
-    Ok(v)
-}
+use crate::tensor::try_filled as filled;
 
 /// The block plan of `permute`, before conversion to tensors.
 #[derive(Clone, Debug, PartialEq)]
