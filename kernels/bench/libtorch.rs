@@ -58,8 +58,7 @@ fn time_backward(
         times.push(t.elapsed().as_secs_f64() * 1e3);
         drop(grads);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(super::median(times))
 }
 
 /// The layer's tensors in libtorch, weights split for the loop and fused for `_grouped_mm`.

@@ -189,8 +189,13 @@ fn time<T>(min_time: Duration, mut f: impl FnMut() -> Result<T>) -> Result<f64> 
         f()?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
     }
+    Ok(median(times))
+}
+
+/// The median of at least one time.
+fn median(mut times: Vec<f64>) -> f64 {
     times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    times[times.len() / 2]
 }
 
 /// Deterministic pseudo-random values uniform in `[-scale, scale)`.

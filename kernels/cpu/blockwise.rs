@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use super::alloc::zeroed;
 use super::dot::matmul_nt;
 use super::matmul::{MatRef, matmul};
+use super::permute::topk_gradient;
 use super::{f32_output, sigmoid};
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
@@ -429,16 +430,7 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     TokenRows::new(&groups, t).combine(&mut d_hidden, h, |_, _| 1.0, |g| &results[g].d_x);
     let d_topk_affinities = inputs
         .expert_index
-        .map(|index| {
-            let ids = index.as_i32().expect("validated as i32");
-            let k = index.shape()[1];
-            let d = ids
-                .iter()
-                .enumerate()
-                .map(|(pair, &id)| d_affinities[(pair / k) * e + id as usize])
-                .collect();
-            Tensor::from_f32([t, k], d)
-        })
+        .map(|index| topk_gradient(index, &d_affinities, e))
         .transpose()?;
     Ok(BlockwiseMmGrads {
         hidden_states_grad: f32_output("hidden_states_grad", &[t, h], d_hidden)?,

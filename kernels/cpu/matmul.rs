@@ -21,37 +21,16 @@ impl<'a> MatRef<'a> {
     /// # Panics
     /// If `data` holds fewer than `rows · cols` elements.
     pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
-        Self::strided(data, rows, cols, cols, 1)
-    }
-
-    /// A row-major `[rows, cols]` matrix whose rows are `row_stride` elements apart.
-    ///
-    /// # Panics
-    /// If the last element lies outside `data`.
-    pub fn strided(
-        data: &'a [f32],
-        rows: usize,
-        cols: usize,
-        row_stride: usize,
-        col_stride: usize,
-    ) -> Self {
-        if rows > 0 && cols > 0 {
-            let last = (rows - 1).checked_mul(row_stride).and_then(|r| {
-                (cols - 1)
-                    .checked_mul(col_stride)
-                    .and_then(|c| r.checked_add(c))
-            });
-            assert!(
-                last.is_some_and(|last| last < data.len()),
-                "matrix view reaches past its buffer"
-            );
-        }
+        assert!(
+            rows.checked_mul(cols).is_some_and(|len| len <= data.len()),
+            "matrix view reaches past its buffer"
+        );
         Self {
             data,
             rows,
             cols,
-            row_stride,
-            col_stride,
+            row_stride: cols,
+            col_stride: 1,
         }
     }
 

@@ -51,17 +51,28 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     })
 }
 
-pub(super) fn backward(call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
-    let inputs = call.inputs();
-    let (t, k, e) = call.dims();
-    let ids = inputs.expert_index.as_i32().expect("validated as i32");
-    let grad = inputs.expert_affinities_masked_grad.f32_values();
-    let d: Vec<f32> = ids
+/// `d_topk_affinities [T, K]` from a masked `[(T+1)·E]` affinity gradient and a validated
+/// `expert_index [T, K]`: entry `t·E + expert_index[t, k]`.
+pub(super) fn topk_gradient(
+    expert_index: &Tensor,
+    masked_grad: &[f32],
+    e: usize,
+) -> Result<Tensor> {
+    let ids = expert_index.as_i32().expect("validated as i32");
+    let (t, k) = (expert_index.shape()[0], expert_index.shape()[1]);
+    let d = ids
         .iter()
         .enumerate()
-        .map(|(pair, &id)| grad[(pair / k) * e + id as usize])
+        .map(|(pair, &id)| masked_grad[(pair / k) * e + id as usize])
         .collect();
+    Tensor::from_f32([t, k], d)
+}
+
+pub(super) fn backward(call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+    let inputs = call.inputs();
+    let (_, _, e) = call.dims();
+    let grad = inputs.expert_affinities_masked_grad.f32_values();
     Ok(PermuteGrads {
-        d_topk_affinities: Tensor::from_f32([t, k], d)?,
+        d_topk_affinities: topk_gradient(inputs.expert_index, &grad, e)?,
     })
 }
