@@ -178,6 +178,11 @@ impl Tensors {
         }
     }
 
+    /// Validates the inputs as a forward call would.
+    fn check(&self) -> moekit::Result<()> {
+        BlockwiseMm::new(self.inputs(), BlockwiseMmParams::default()).map(|_| ())
+    }
+
     fn forward(&self, checkpoint_activations: bool) -> moekit::Result<BlockwiseMmOutputs> {
         ReferenceBackend.blockwise_mm(&BlockwiseMm::new(
             self.inputs(),
@@ -596,46 +601,20 @@ fn one_token_one_expert_by_hand() {
 }
 
 /// A small valid problem (T = 3, H = 2, E = 3, I = 2, B = 2) to break one rule at a time.
-struct Valid {
-    x: Tensor,
-    masked: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    positions: Tensor,
-    blocks: Tensor,
-}
-
-impl Valid {
-    fn new() -> Self {
-        // Token 0 → experts 0, 2; token 1 → expert 0; token 2 → expert 1.
-        let mut masked = vec![0.0; 4 * 3];
-        masked[0] = 0.6;
-        masked[2] = 0.4;
-        masked[3] = 1.0;
-        masked[2 * 3 + 1] = 1.0;
-        Self {
-            x: f32_tensor(&[4, 2], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0, 0.0]),
-            masked: f32_tensor(&[12], &masked),
-            gate_up: f32_tensor(&[3, 2, 2, 2], &[0.1; 24]),
-            down: f32_tensor(&[3, 2, 2], &[0.2; 12]),
-            positions: i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, -1]),
-            blocks: i32_tensor(&[4], &[0, 1, 2, 3]),
-        }
-    }
-
-    fn check(&self) -> moekit::Result<()> {
-        BlockwiseMm::new(
-            BlockwiseMmInputs {
-                hidden_states: &self.x,
-                expert_affinities_masked: &self.masked,
-                gate_up_proj_weight: &self.gate_up,
-                down_proj_weight: &self.down,
-                token_position_to_id: &self.positions,
-                block_to_expert: &self.blocks,
-            },
-            BlockwiseMmParams::default(),
-        )
-        .map(|_| ())
+fn valid() -> Tensors {
+    // Token 0 → experts 0, 2; token 1 → expert 0; token 2 → expert 1.
+    let mut masked = vec![0.0; 4 * 3];
+    masked[0] = 0.6;
+    masked[2] = 0.4;
+    masked[3] = 1.0;
+    masked[2 * 3 + 1] = 1.0;
+    Tensors {
+        x: f32_tensor(&[4, 2], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0, 0.0]),
+        masked: f32_tensor(&[12], &masked),
+        gate_up: f32_tensor(&[3, 2, 2, 2], &[0.1; 24]),
+        down: f32_tensor(&[3, 2, 2], &[0.2; 12]),
+        positions: i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, -1]),
+        blocks: i32_tensor(&[4], &[0, 1, 2, 3]),
     }
 }
 
@@ -648,9 +627,9 @@ fn expect_err(result: moekit::Result<()>, needles: &[&str]) {
 
 #[test]
 fn plan_violations_are_clear_errors() {
-    Valid::new().check().unwrap();
-    let with = |f: &dyn Fn(&mut Valid)| {
-        let mut v = Valid::new();
+    valid().check().unwrap();
+    let with = |f: &dyn Fn(&mut Tensors)| {
+        let mut v = valid();
         f(&mut v);
         v.check()
     };
@@ -749,15 +728,8 @@ fn plan_violations_are_clear_errors() {
 
 #[test]
 fn backward_rejects_bad_checkpoints_and_gradients() {
-    let v = Valid::new();
-    let inputs = BlockwiseMmInputs {
-        hidden_states: &v.x,
-        expert_affinities_masked: &v.masked,
-        gate_up_proj_weight: &v.gate_up,
-        down_proj_weight: &v.down,
-        token_position_to_id: &v.positions,
-        block_to_expert: &v.blocks,
-    };
+    let v = valid();
+    let inputs = v.inputs();
     let gu = f32_tensor(&[4, 2, 2, 2], &[0.0; 32]);
     let down = f32_tensor(&[4, 2, 2], &[0.0; 16]);
     let grad = f32_tensor(&[3, 2], &[1.0; 6]);
