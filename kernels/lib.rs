@@ -14,6 +14,7 @@
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
 //! - [`bench`]: kernel benchmarks against the machine's measured limits.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
+//! - `torch` (feature `libtorch`): conversions to and from libtorch tensors.
 //!
 //! ## An MoE layer forward: route, plan, expert matmul
 //!
@@ -79,6 +80,8 @@ pub mod golden;
 pub mod kernel;
 pub mod reference;
 pub mod tensor;
+#[cfg(feature = "libtorch")]
+pub mod torch;
 
 pub use backend::{Backend, BackendKind};
 pub use error::{Error, Result};

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs, then runs formatting,
-# lint and every test (unit, property, CLI and documentation tests, and the libtorch peer
-# tests against torch 2.11 from the project's venv).
+# lint and every test (unit, property, CLI and documentation tests, the libtorch peer tests
+# against torch 2.11 from the project's venv, and the trainer's tests).
 #
 #   bash scripts/test.sh
 #
@@ -16,5 +16,7 @@ eval "${libtorch_env}"
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
 cargo clippy --locked --all-targets --features libtorch -- -D warnings
+cargo clippy --locked -p moekit-trainer --all-targets -- -D warnings
 cargo test --locked --features libtorch --test libtorch
 cargo test --locked
+cargo test --locked -p moekit-trainer

@@ -18,22 +18,10 @@ use tch::{Device, Kind, Tensor as Th};
 use super::{LayerInputs, PeerPath, Stage};
 use crate::contracts::RouterTopkOutputs;
 use crate::error::{Error, Result};
-use crate::tensor::{Storage, Tensor};
+use crate::torch::to_tch;
 
 fn tch_error(err: tch::TchError) -> Error {
     Error::invalid("libtorch", err.to_string())
-}
-
-/// A moekit tensor as a libtorch tensor of the same dtype (bf16 from its raw bytes, since tch
-/// maps `half::bf16` to Half).
-fn to_tch(tensor: &Tensor) -> Th {
-    let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
-    let kind = match tensor.storage() {
-        Storage::F32(_) => Kind::Float,
-        Storage::BF16(_) => Kind::BFloat16,
-        Storage::I32(_) => Kind::Int,
-    };
-    Th::from_data_size(&tensor.to_le_bytes(), &shape, kind)
 }
 
 /// Median milliseconds of `f`, as [`super::time`] measures.

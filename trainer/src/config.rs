@@ -1,0 +1,393 @@
+//! The job config: a TOML file laid out like torchtitan's (`[job]`, `[model]`, `[kernels]`,
+//! `[training]`, `[optimizer]`, `[lr_scheduler]`, `[data]`, `[metrics]`), where any key can be
+//! overridden on the command line as `--section.key VALUE`.
+//!
+//! Every unknown key, bad value and impossible combination is an error from [`JobConfig::load`],
+//! before any work starts.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use toml::{Table, Value};
+
+use crate::model::Qwen3MoeConfig;
+use crate::moe::MoeImpl;
+
+/// A validated job config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobConfig {
+    pub job: Job,
+    pub model: Qwen3MoeConfig,
+    pub kernels: Kernels,
+    pub training: Training,
+    pub optimizer: Optimizer,
+    pub lr_scheduler: LrScheduler,
+    pub data: Data,
+    pub metrics: Metrics,
+}
+
+/// `[job]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Job {
+    /// Where metrics (and later checkpoints and plots) are written; relative paths are taken
+    /// from the working directory.
+    pub dump_folder: PathBuf,
+    /// Seeds parameter initialisation and data shuffling.
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub description: String,
+}
+
+/// `[kernels]`: which implementation runs the MoE experts.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Kernels {
+    pub moe: MoeImpl,
+    /// B, token slots per block of the moekit block plan (`reference`, `cpu`).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+}
+
+fn default_block_size() -> usize {
+    64
+}
+
+/// `[training]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Training {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Micro-batches whose gradients are summed (each loss divided by this) per step.
+    #[serde(default = "one")]
+    pub gradient_accumulation_steps: usize,
+    /// Global gradient-norm clipping threshold; 0 disables clipping.
+    #[serde(default)]
+    pub max_norm: f64,
+    /// libtorch intra-op threads; 0 keeps libtorch's default.
+    #[serde(default)]
+    pub threads: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// `[optimizer]`: AdamW with decoupled weight decay (PyTorch's `torch.optim.AdamW`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Optimizer {
+    #[serde(default = "default_optimizer_name")]
+    pub name: String,
+    /// Peak learning rate.
+    pub lr: f64,
+    #[serde(default = "default_betas")]
+    pub betas: [f64; 2],
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+}
+
+fn default_optimizer_name() -> String {
+    "AdamW".to_owned()
+}
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+
+/// How the learning rate decays after warmup.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DecayType {
+    Cosine,
+    Linear,
+    Constant,
+}
+
+/// `[lr_scheduler]`: linear warmup from 0 to `optimizer.lr` over `warmup_steps`, then decay to
+/// `min_lr_factor · lr` at the last step.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LrScheduler {
+    #[serde(default)]
+    pub warmup_steps: usize,
+    #[serde(default = "default_decay_type")]
+    pub decay_type: DecayType,
+    #[serde(default)]
+    pub min_lr_factor: f64,
+}
+
+fn default_decay_type() -> DecayType {
+    DecayType::Cosine
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Data {
+    /// `"byte"`: one token per UTF-8 byte (ids 0–255).
+    #[serde(default = "default_tokenizer")]
+    pub tokenizer: String,
+    /// Text files to train on; empty trains on the built-in corpus.
+    #[serde(default)]
+    pub files: Vec<PathBuf>,
+}
+
+fn default_tokenizer() -> String {
+    "byte".to_owned()
+}
+
+/// `[metrics]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Metrics {
+    /// Print a progress line every `log_freq` steps (and at the last step).
+    #[serde(default = "default_log_freq")]
+    pub log_freq: usize,
+}
+
+fn default_log_freq() -> usize {
+    10
+}
+
+const SECTIONS: &[&str] = &[
+    "job",
+    "model",
+    "kernels",
+    "training",
+    "optimizer",
+    "lr_scheduler",
+    "data",
+    "metrics",
+];
+
+/// Sections that may be left out entirely (every key has a default).
+const OPTIONAL_SECTIONS: &[&str] = &["lr_scheduler", "data", "metrics"];
+
+impl JobConfig {
+    /// Reads `path`, applies `overrides` (`("training.steps", "20")`: the value is parsed as a
+    /// TOML value, or taken as a string when it is not one) and validates the result. Paths in
+    /// the file (`model.config_json`, `data.files`) are relative to the file's folder.
+    pub fn load(path: &Path, overrides: &[(String, String)]) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read job config {}", path.display()))?;
+        let mut table: Table = toml::from_str(&text)
+            .with_context(|| format!("{} is not a valid TOML file", path.display()))?;
+        for (key, value) in overrides {
+            apply_override(&mut table, key, value)?;
+        }
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::from_table(table, base).with_context(|| format!("in job config {}", path.display()))
+    }
+
+    /// Builds and validates a config from a parsed TOML table; relative paths are taken from
+    /// `base`.
+    pub fn from_table(mut table: Table, base: &Path) -> Result<Self> {
+        if let Some(unknown) = table.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
+            bail!(
+                "unknown section `[{unknown}]`; the sections are {}",
+                SECTIONS.join(", ")
+            );
+        }
+        let mut take = |name: &str| -> Result<Table> {
+            match table.remove(name) {
+                Some(Value::Table(section)) => Ok(section),
+                Some(other) => bail!("`{name}` must be a section, got {}", other.type_str()),
+                None if OPTIONAL_SECTIONS.contains(&name) => Ok(Table::new()),
+                None => bail!("missing section `[{name}]`"),
+            }
+        };
+        let job: Job = section("job", take("job")?)?;
+        let model = model_section(take("model")?, base)?;
+        let kernels: Kernels = section("kernels", take("kernels")?)?;
+        let training: Training = section("training", take("training")?)?;
+        let optimizer: Optimizer = section("optimizer", take("optimizer")?)?;
+        let lr_scheduler: LrScheduler = section("lr_scheduler", take("lr_scheduler")?)?;
+        let mut data: Data = section("data", take("data")?)?;
+        let metrics: Metrics = section("metrics", take("metrics")?)?;
+        for file in &mut data.files {
+            if file.is_relative() {
+                *file = base.join(&*file);
+            }
+        }
+        let config = Self {
+            job,
+            model,
+            kernels,
+            training,
+            optimizer,
+            lr_scheduler,
+            data,
+            metrics,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        let Self {
+            kernels,
+            training,
+            optimizer,
+            lr_scheduler,
+            data,
+            metrics,
+            ..
+        } = self;
+        ensure!(
+            kernels.block_size > 0,
+            "kernels.block_size must be at least 1"
+        );
+        for (name, value) in [
+            ("training.steps", training.steps),
+            ("training.batch_size", training.batch_size),
+            (
+                "training.gradient_accumulation_steps",
+                training.gradient_accumulation_steps,
+            ),
+            ("metrics.log_freq", metrics.log_freq),
+        ] {
+            ensure!(value > 0, "{name} must be at least 1, got {value}");
+        }
+        ensure!(
+            training.seq_len >= 2,
+            "training.seq_len must be at least 2 (a sequence predicts its next tokens), got {}",
+            training.seq_len
+        );
+        ensure!(
+            training.seq_len <= self.model.max_position_embeddings,
+            "training.seq_len ({}) exceeds model.max_position_embeddings ({})",
+            training.seq_len,
+            self.model.max_position_embeddings
+        );
+        ensure!(
+            training.max_norm.is_finite() && training.max_norm >= 0.0,
+            "training.max_norm must be a non-negative finite number (0 disables clipping), got {}",
+            training.max_norm
+        );
+        ensure!(
+            optimizer.name == "AdamW",
+            "optimizer.name \"{}\" is not supported; the trainer implements \"AdamW\"",
+            optimizer.name
+        );
+        ensure!(
+            optimizer.lr.is_finite() && optimizer.lr > 0.0,
+            "optimizer.lr must be a positive finite number, got {}",
+            optimizer.lr
+        );
+        for (index, beta) in optimizer.betas.iter().enumerate() {
+            ensure!(
+                (0.0..1.0).contains(beta),
+                "optimizer.betas[{index}] must be in [0, 1), got {beta}"
+            );
+        }
+        ensure!(
+            optimizer.eps.is_finite() && optimizer.eps > 0.0,
+            "optimizer.eps must be a positive finite number, got {}",
+            optimizer.eps
+        );
+        ensure!(
+            optimizer.weight_decay.is_finite() && optimizer.weight_decay >= 0.0,
+            "optimizer.weight_decay must be a non-negative finite number, got {}",
+            optimizer.weight_decay
+        );
+        ensure!(
+            lr_scheduler.warmup_steps <= training.steps,
+            "lr_scheduler.warmup_steps ({}) exceeds training.steps ({})",
+            lr_scheduler.warmup_steps,
+            training.steps
+        );
+        ensure!(
+            (0.0..=1.0).contains(&lr_scheduler.min_lr_factor),
+            "lr_scheduler.min_lr_factor must be in [0, 1], got {}",
+            lr_scheduler.min_lr_factor
+        );
+        ensure!(
+            data.tokenizer == "byte",
+            "data.tokenizer \"{}\" is not supported; use \"byte\"",
+            data.tokenizer
+        );
+        ensure!(
+            self.model.vocab_size >= 256,
+            "the byte tokenizer needs model.vocab_size >= 256, got {}",
+            self.model.vocab_size
+        );
+        for file in &data.files {
+            ensure!(
+                file.is_file(),
+                "data.files: {} does not exist or is not a file",
+                file.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Deserializes one section, naming it in the error.
+fn section<T: DeserializeOwned>(name: &str, table: Table) -> Result<T> {
+    T::deserialize(Value::Table(table)).with_context(|| format!("in section [{name}]"))
+}
+
+/// `[model]` is either `config_json = "path/to/config.json"` alone, or the hyper-parameters
+/// inline under their Hugging Face names.
+fn model_section(table: Table, base: &Path) -> Result<Qwen3MoeConfig> {
+    match table.get("config_json") {
+        Some(Value::String(path)) => {
+            if let Some(other) = table.keys().find(|k| *k != "config_json") {
+                bail!(
+                    "in section [model]: `config_json` defines the whole model, so `{other}` \
+                     cannot be set beside it"
+                );
+            }
+            Qwen3MoeConfig::from_hf_config_json(&base.join(path))
+        }
+        Some(other) => bail!(
+            "in section [model]: `config_json` must be a path string, got {}",
+            other.type_str()
+        ),
+        None => section("model", table),
+    }
+}
+
+/// Sets `section.key` (dotted, any depth) in `table` to `raw`, parsed as a TOML value when it is
+/// one (`20`, `1e-3`, `true`, `[0.9, 0.95]`) and as a string otherwise.
+fn apply_override(table: &mut Table, key: &str, raw: &str) -> Result<()> {
+    let parts: Vec<&str> = key.split('.').collect();
+    ensure!(
+        parts.len() >= 2 && parts.iter().all(|p| !p.is_empty()),
+        "override `--{key}` must name a section and a key, e.g. `--training.steps`"
+    );
+    let value = toml::from_str::<Table>(&format!("value = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("value"))
+        .unwrap_or_else(|| Value::String(raw.to_owned()));
+    let (last, path) = parts.split_last().expect("at least two parts");
+    let mut current = table;
+    for part in path {
+        let entry = current
+            .entry(part.to_string())
+            .or_insert_with(|| Value::Table(Table::new()));
+        current = match entry {
+            Value::Table(t) => t,
+            other => bail!(
+                "override `--{key}`: `{part}` is a {}, not a section",
+                other.type_str()
+            ),
+        };
+    }
+    current.insert(last.to_string(), value);
+    Ok(())
+}

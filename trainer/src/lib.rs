@@ -1,0 +1,22 @@
+//! # moekit-trainer
+//!
+//! Trains Qwen3-MoE models (Hugging Face semantics) on libtorch through `tch`, with the MoE
+//! experts on the implementation the job config names: libtorch's own ops (`torch`,
+//! `grouped_mm`) or moekit's kernels (`reference`, `cpu`), whose backward is stitched into
+//! autograd.
+//!
+//! - [`config`]: the TOML job config and its command-line overrides.
+//! - [`model`]: Qwen3-MoE and its losses.
+//! - [`moe`]: the experts' implementations.
+//! - [`tape`]: running kernels outside autograd inside a backward pass.
+//! - [`data`]: tokenization, the built-in corpus and batching.
+//! - [`optim`]: AdamW, clipping, the learning-rate schedule.
+//! - [`train`]: the training loop and its metrics.
+
+pub mod config;
+pub mod data;
+pub mod model;
+pub mod moe;
+pub mod optim;
+pub mod tape;
+pub mod train;

@@ -1,0 +1,321 @@
+//! The Qwen3-MoE architecture hyper-parameters, with Hugging Face's field names, read from a
+//! job config's `[model]` table or from a Hugging Face `config.json`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail, ensure};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Qwen3-MoE hyper-parameters (Hugging Face `Qwen3MoeConfig` names and defaults).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Qwen3MoeConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    /// Intermediate size of the dense SwiGLU MLP of non-MoE layers.
+    pub intermediate_size: usize,
+    /// I, the intermediate size of each expert.
+    pub moe_intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// E.
+    pub num_experts: usize,
+    /// K.
+    pub num_experts_per_tok: usize,
+    /// Layer `i` is an MoE layer iff `i ∉ mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`.
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    /// Divide the top-K probabilities by their sum.
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default = "default_rms_norm_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default = "default_max_position_embeddings")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "default_router_aux_loss_coef")]
+    pub router_aux_loss_coef: f64,
+    #[serde(default = "default_initializer_range")]
+    pub initializer_range: f64,
+}
+
+fn one() -> usize {
+    1
+}
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+fn default_max_position_embeddings() -> usize {
+    32_768
+}
+fn default_router_aux_loss_coef() -> f64 {
+    0.001
+}
+fn default_initializer_range() -> f64 {
+    0.02
+}
+
+impl Qwen3MoeConfig {
+    /// Whether decoder layer `layer` has an MoE block (otherwise a dense MLP).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer)
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+
+    /// Number of MoE layers.
+    pub fn moe_layer_count(&self) -> usize {
+        (0..self.num_hidden_layers)
+            .filter(|&l| self.is_moe_layer(l))
+            .count()
+    }
+
+    /// Total parameter count (experts counted once each; the tied head counted once).
+    pub fn parameter_count(&self) -> u128 {
+        let (h, v) = (self.hidden_size as u128, self.vocab_size as u128);
+        let (heads, kv, d) = (
+            self.num_attention_heads as u128,
+            self.num_key_value_heads as u128,
+            self.head_dim as u128,
+        );
+        let attention = h * heads * d * 2 + h * kv * d * 2 + 2 * d;
+        let norms = 2 * h;
+        let moe = h * self.num_experts as u128
+            + self.num_experts as u128 * 3 * h * self.moe_intermediate_size as u128;
+        let dense = 3 * h * self.intermediate_size as u128;
+        let layers: u128 = (0..self.num_hidden_layers)
+            .map(|l| attention + norms + if self.is_moe_layer(l) { moe } else { dense })
+            .sum();
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + layers + h + head
+    }
+
+    /// Checks that the hyper-parameters describe a buildable model.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("num_experts", self.num_experts),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("decoder_sparse_step", self.decoder_sparse_step),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (name, value) in positive {
+            ensure!(value > 0, "model.{name} must be at least 1, got {value}");
+        }
+        ensure!(
+            self.num_attention_heads
+                .is_multiple_of(self.num_key_value_heads),
+            "model.num_attention_heads ({}) must be a multiple of model.num_key_value_heads ({})",
+            self.num_attention_heads,
+            self.num_key_value_heads
+        );
+        ensure!(
+            self.head_dim.is_multiple_of(2),
+            "model.head_dim must be even for rotary embeddings, got {}",
+            self.head_dim
+        );
+        ensure!(
+            self.num_experts_per_tok <= self.num_experts,
+            "model.num_experts_per_tok ({}) exceeds model.num_experts ({})",
+            self.num_experts_per_tok,
+            self.num_experts
+        );
+        if let Some(&layer) = self
+            .mlp_only_layers
+            .iter()
+            .find(|&&l| l >= self.num_hidden_layers)
+        {
+            bail!(
+                "model.mlp_only_layers names layer {layer}, but the model has {} layers",
+                self.num_hidden_layers
+            );
+        }
+        let positive_reals = [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+            ("initializer_range", self.initializer_range),
+        ];
+        for (name, value) in positive_reals {
+            ensure!(
+                value.is_finite() && value > 0.0,
+                "model.{name} must be a positive finite number, got {value}"
+            );
+        }
+        ensure!(
+            self.router_aux_loss_coef.is_finite() && self.router_aux_loss_coef >= 0.0,
+            "model.router_aux_loss_coef must be a non-negative finite number, got {}",
+            self.router_aux_loss_coef
+        );
+        Ok(())
+    }
+
+    /// Reads a Hugging Face `config.json`, in either form found in the wild: the Hub
+    /// checkpoints' (`num_experts`, top-level `rope_theta`) or transformers v5's
+    /// (`num_local_experts`, `rope_parameters.rope_theta`). Keys this model does not use are
+    /// ignored; features it does not implement (attention bias, sliding windows, RoPE scaling)
+    /// are errors.
+    pub fn from_hf_config_json(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read model config {}", path.display()))?;
+        let json: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        Self::from_hf_json(&json).with_context(|| format!("in {}", path.display()))
+    }
+
+    /// [`Self::from_hf_config_json`] on parsed JSON.
+    pub fn from_hf_json(json: &Value) -> Result<Self> {
+        let object = json
+            .as_object()
+            .context("config.json must be a JSON object")?;
+        if let Some(model_type) = object.get("model_type").and_then(Value::as_str) {
+            ensure!(
+                model_type == "qwen3_moe",
+                "model_type is \"{model_type}\", expected \"qwen3_moe\""
+            );
+        }
+        for flag in ["attention_bias", "use_sliding_window"] {
+            if object.get(flag).and_then(Value::as_bool) == Some(true) {
+                bail!("{flag} = true is not supported by this Qwen3-MoE implementation");
+            }
+        }
+        let rope_parameters = object.get("rope_parameters").filter(|v| !v.is_null());
+        if let Some(kind) = rope_parameters
+            .and_then(|p| p.get("rope_type"))
+            .and_then(Value::as_str)
+            .filter(|&kind| kind != "default")
+        {
+            bail!("rope_type \"{kind}\" is not supported (only the default rotary embedding)");
+        }
+        if object.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+            bail!("rope_scaling is not supported (only the default rotary embedding)");
+        }
+
+        let usize_key = |key: &str| -> Result<Option<usize>> {
+            object
+                .get(key)
+                .filter(|v| !v.is_null())
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| usize::try_from(n).ok())
+                        .with_context(|| format!("`{key}` must be a non-negative integer, got {v}"))
+                })
+                .transpose()
+        };
+        let f64_key = |value: Option<&Value>, key: &str| -> Result<Option<f64>> {
+            value
+                .filter(|v| !v.is_null())
+                .map(|v| {
+                    v.as_f64()
+                        .with_context(|| format!("`{key}` must be a number, got {v}"))
+                })
+                .transpose()
+        };
+        let bool_key = |key: &str| -> Result<Option<bool>> {
+            object
+                .get(key)
+                .filter(|v| !v.is_null())
+                .map(|v| {
+                    v.as_bool()
+                        .with_context(|| format!("`{key}` must be true or false, got {v}"))
+                })
+                .transpose()
+        };
+        let required = |key: &str| -> Result<usize> {
+            usize_key(key)?.with_context(|| format!("missing `{key}`"))
+        };
+
+        let hidden_size = required("hidden_size")?;
+        let num_attention_heads = required("num_attention_heads")?;
+        let num_experts = match (usize_key("num_experts")?, usize_key("num_local_experts")?) {
+            (Some(a), Some(b)) if a != b => {
+                bail!("`num_experts` ({a}) and `num_local_experts` ({b}) disagree")
+            }
+            (Some(n), _) | (None, Some(n)) => n,
+            (None, None) => bail!("missing `num_experts` (or `num_local_experts`)"),
+        };
+        let rope_theta = match (
+            f64_key(object.get("rope_theta"), "rope_theta")?,
+            f64_key(
+                rope_parameters.and_then(|p| p.get("rope_theta")),
+                "rope_parameters.rope_theta",
+            )?,
+        ) {
+            (Some(a), Some(b)) if a != b => {
+                bail!("`rope_theta` ({a}) and `rope_parameters.rope_theta` ({b}) disagree")
+            }
+            (Some(theta), _) | (None, Some(theta)) => theta,
+            (None, None) => default_rope_theta(),
+        };
+        let mlp_only_layers = match object.get("mlp_only_layers").filter(|v| !v.is_null()) {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .and_then(|layers| {
+                    layers
+                        .iter()
+                        .map(|l| l.as_u64().and_then(|n| usize::try_from(n).ok()))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .with_context(|| {
+                    format!("`mlp_only_layers` must be a list of layer indices, got {v}")
+                })?,
+        };
+        let head_dim = match usize_key("head_dim")? {
+            Some(d) => d,
+            None => {
+                ensure!(
+                    num_attention_heads > 0,
+                    "`num_attention_heads` must be at least 1"
+                );
+                hidden_size / num_attention_heads
+            }
+        };
+        let config = Self {
+            vocab_size: required("vocab_size")?,
+            hidden_size,
+            intermediate_size: required("intermediate_size")?,
+            moe_intermediate_size: required("moe_intermediate_size")?,
+            num_hidden_layers: required("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: usize_key("num_key_value_heads")?.unwrap_or(num_attention_heads),
+            head_dim,
+            num_experts,
+            num_experts_per_tok: required("num_experts_per_tok")?,
+            decoder_sparse_step: usize_key("decoder_sparse_step")?.unwrap_or(1),
+            mlp_only_layers,
+            norm_topk_prob: bool_key("norm_topk_prob")?.unwrap_or(false),
+            rms_norm_eps: f64_key(object.get("rms_norm_eps"), "rms_norm_eps")?
+                .unwrap_or_else(default_rms_norm_eps),
+            rope_theta,
+            max_position_embeddings: usize_key("max_position_embeddings")?
+                .unwrap_or_else(default_max_position_embeddings),
+            tie_word_embeddings: bool_key("tie_word_embeddings")?.unwrap_or(false),
+            router_aux_loss_coef: f64_key(
+                object.get("router_aux_loss_coef"),
+                "router_aux_loss_coef",
+            )?
+            .unwrap_or_else(default_router_aux_loss_coef),
+            initializer_range: f64_key(object.get("initializer_range"), "initializer_range")?
+                .unwrap_or_else(default_initializer_range),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}

@@ -1,0 +1,317 @@
+//! The Qwen3-MoE causal language model.
+//!
+//! Parameters live in a `tch` var store under Hugging Face's names
+//! (`model.layers.{l}.self_attn.q_proj.weight`, `model.layers.{l}.mlp.gate.weight`, ...), except
+//! the experts, which stay fused in the kernels' layout:
+//! `model.layers.{l}.mlp.experts.gate_up_proj [E, H, 2, I]` and
+//! `model.layers.{l}.mlp.experts.down_proj [E, I, H]`.
+
+use anyhow::{Result, ensure};
+use tch::{Kind, Tensor, nn};
+
+use super::Qwen3MoeConfig;
+use super::layers::{DenseMlp, RmsNorm, apply_rope, linear_weight, rope_tables};
+use crate::moe::Experts;
+use crate::tape::Tape;
+
+/// Qwen3-MoE: token embeddings, decoder layers, final norm, language-model head.
+pub struct Qwen3Moe {
+    config: Qwen3MoeConfig,
+    /// `[V, H]`.
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `[V, H]`; `None` when tied to the embeddings.
+    lm_head: Option<Tensor>,
+}
+
+/// The outputs of [`Qwen3Moe::forward`].
+pub struct ForwardOutput {
+    /// `[B, S, V]`.
+    pub logits: Tensor,
+    /// Per MoE layer, `[B·S, E]` router logits (for the auxiliary loss).
+    pub router_logits: Vec<Tensor>,
+    /// Per MoE layer, `[B·S, K]` i64 chosen experts (for load statistics).
+    pub expert_index: Vec<Tensor>,
+}
+
+impl Qwen3Moe {
+    /// Creates the parameters under `vs` with Hugging Face's initialisation: linear, embedding
+    /// and expert weights ~ N(0, `initializer_range`), norm weights 1.
+    pub fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+        let model = vs.sub("model");
+        let std = config.initializer_range;
+        let (v, h) = (config.vocab_size as i64, config.hidden_size as i64);
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| DecoderLayer::new(&model.sub("layers").sub(l), config, l))
+            .collect();
+        Self {
+            config: config.clone(),
+            embed_tokens: model.sub("embed_tokens").randn("weight", &[v, h], 0.0, std),
+            layers,
+            norm: RmsNorm::new(model.sub("norm"), h, config.rms_norm_eps),
+            lm_head: (!config.tie_word_embeddings).then(|| linear_weight(vs, "lm_head", v, h, std)),
+        }
+    }
+
+    pub fn config(&self) -> &Qwen3MoeConfig {
+        &self.config
+    }
+
+    /// Logits for `input_ids [B, S]` (i64, each in `[0, V)`), with a causal mask and positions
+    /// `0..S`. MoE layers run on `experts`; kernels outside autograd record their backward on
+    /// `tape`.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        experts: &dyn Experts,
+        tape: &mut Tape,
+    ) -> Result<ForwardOutput> {
+        let (batch, seq) = input_ids.size2()?;
+        ensure!(
+            input_ids.kind() == Kind::Int64,
+            "input_ids must be int64, got {:?}",
+            input_ids.kind()
+        );
+        ensure!(batch > 0 && seq > 0, "input_ids is empty: [{batch}, {seq}]");
+        ensure!(
+            seq as usize <= self.config.max_position_embeddings,
+            "sequence length {seq} exceeds max_position_embeddings {}",
+            self.config.max_position_embeddings
+        );
+        let (min, max) = (
+            input_ids.min().int64_value(&[]),
+            input_ids.max().int64_value(&[]),
+        );
+        ensure!(
+            min >= 0 && max < self.config.vocab_size as i64,
+            "input_ids holds token id {} outside the vocabulary [0, {})",
+            if min < 0 { min } else { max },
+            self.config.vocab_size
+        );
+
+        let mut hidden = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let (cos, sin) = rope_tables(
+            seq,
+            self.config.head_dim as i64,
+            self.config.rope_theta,
+            hidden.kind(),
+        );
+        let (cos, sin) = (
+            cos.to_device(hidden.device()),
+            sin.to_device(hidden.device()),
+        );
+        let mut router_logits = Vec::new();
+        let mut expert_index = Vec::new();
+        for layer in &self.layers {
+            hidden = hidden.shallow_clone()
+                + layer
+                    .self_attn
+                    .forward(&layer.input_layernorm.forward(&hidden), &cos, &sin);
+            hidden = match &layer.mlp {
+                Mlp::Dense(mlp) => {
+                    hidden.shallow_clone()
+                        + mlp.forward(&layer.post_attention_layernorm.forward(&hidden))
+                }
+                Mlp::Moe(moe) => {
+                    let hidden = tape.cut(hidden);
+                    let routed = moe.forward(
+                        &layer.post_attention_layernorm.forward(&hidden),
+                        experts,
+                        tape,
+                    )?;
+                    router_logits.push(routed.router_logits);
+                    expert_index.push(routed.expert_index);
+                    hidden + routed.output
+                }
+            };
+        }
+        let hidden = self.norm.forward(&hidden);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(ForwardOutput {
+            logits: hidden.linear(head, None::<Tensor>),
+            router_logits,
+            expert_index,
+        })
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn new(vs: &nn::Path, config: &Qwen3MoeConfig, layer: usize) -> Self {
+        let h = config.hidden_size as i64;
+        let std = config.initializer_range;
+        let mlp_path = vs.sub("mlp");
+        let mlp = if config.is_moe_layer(layer) {
+            Mlp::Moe(MoeBlock::new(&mlp_path, config))
+        } else {
+            Mlp::Dense(DenseMlp::new(
+                &mlp_path,
+                h,
+                config.intermediate_size as i64,
+                std,
+            ))
+        };
+        Self {
+            input_layernorm: RmsNorm::new(vs.sub("input_layernorm"), h, config.rms_norm_eps),
+            self_attn: Attention::new(&vs.sub("self_attn"), config),
+            post_attention_layernorm: RmsNorm::new(
+                vs.sub("post_attention_layernorm"),
+                h,
+                config.rms_norm_eps,
+            ),
+            mlp,
+        }
+    }
+}
+
+enum Mlp {
+    Dense(DenseMlp),
+    Moe(MoeBlock),
+}
+
+/// Grouped-query causal self-attention with per-head `q_norm`/`k_norm` before RoPE.
+struct Attention {
+    /// `[heads·D, H]`.
+    q_proj: Tensor,
+    /// `[kv_heads·D, H]`.
+    k_proj: Tensor,
+    /// `[kv_heads·D, H]`.
+    v_proj: Tensor,
+    /// `[H, heads·D]`.
+    o_proj: Tensor,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+        let h = config.hidden_size as i64;
+        let (heads, kv_heads, head_dim) = (
+            config.num_attention_heads as i64,
+            config.num_key_value_heads as i64,
+            config.head_dim as i64,
+        );
+        let std = config.initializer_range;
+        Self {
+            q_proj: linear_weight(vs, "q_proj", heads * head_dim, h, std),
+            k_proj: linear_weight(vs, "k_proj", kv_heads * head_dim, h, std),
+            v_proj: linear_weight(vs, "v_proj", kv_heads * head_dim, h, std),
+            o_proj: linear_weight(vs, "o_proj", h, heads * head_dim, std),
+            q_norm: RmsNorm::new(vs.sub("q_norm"), head_dim, config.rms_norm_eps),
+            k_norm: RmsNorm::new(vs.sub("k_norm"), head_dim, config.rms_norm_eps),
+            heads,
+            kv_heads,
+            head_dim,
+        }
+    }
+
+    /// `x [B, S, H]` → `[B, S, H]`.
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let (batch, seq) = (x.size()[0], x.size()[1]);
+        let heads = |weight: &Tensor, count: i64| {
+            x.linear(weight, None::<Tensor>)
+                .view([batch, seq, count, self.head_dim])
+        };
+        let q = self
+            .q_norm
+            .forward(&heads(&self.q_proj, self.heads))
+            .transpose(1, 2);
+        let k = self
+            .k_norm
+            .forward(&heads(&self.k_proj, self.kv_heads))
+            .transpose(1, 2);
+        let v = heads(&self.v_proj, self.kv_heads).transpose(1, 2);
+        let (q, k) = (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin));
+        let groups = self.heads / self.kv_heads;
+        let (k, v) = (
+            k.repeat_interleave_self_int(groups, 1, None),
+            v.repeat_interleave_self_int(groups, 1, None),
+        );
+        let scale = (self.head_dim as f64).powf(-0.5);
+        Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, false)
+            .transpose(1, 2)
+            .reshape([batch, seq, self.heads * self.head_dim])
+            .linear(&self.o_proj, None::<Tensor>)
+    }
+}
+
+/// The sparse MoE block: softmax router with top-K (optionally renormalised), then the
+/// experts on the configured implementation.
+struct MoeBlock {
+    /// `[E, H]`.
+    gate: Tensor,
+    /// `[E, H, 2, I]`.
+    gate_up_proj: Tensor,
+    /// `[E, I, H]`.
+    down_proj: Tensor,
+    top_k: i64,
+    norm_topk_prob: bool,
+}
+
+struct Routed {
+    /// `[B, S, H]`.
+    output: Tensor,
+    /// `[B·S, E]`.
+    router_logits: Tensor,
+    /// `[B·S, K]` i64.
+    expert_index: Tensor,
+}
+
+impl MoeBlock {
+    fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+        let (e, h, i) = (
+            config.num_experts as i64,
+            config.hidden_size as i64,
+            config.moe_intermediate_size as i64,
+        );
+        let std = config.initializer_range;
+        let experts = vs.sub("experts");
+        Self {
+            gate: linear_weight(vs, "gate", e, h, std),
+            gate_up_proj: experts.randn("gate_up_proj", &[e, h, 2, i], 0.0, std),
+            down_proj: experts.randn("down_proj", &[e, i, h], 0.0, std),
+            top_k: config.num_experts_per_tok as i64,
+            norm_topk_prob: config.norm_topk_prob,
+        }
+    }
+
+    /// `x [B, S, H]`: `softmax(x · gateᵀ)` in f32, top-K (sorted), divided by the top-K sum
+    /// when `norm_topk_prob`, cast back to x's dtype, then the experts.
+    fn forward(&self, x: &Tensor, experts: &dyn Experts, tape: &mut Tape) -> Result<Routed> {
+        let shape = x.size();
+        // With kernels outside autograd, the tensors that feed both a kernel and another
+        // consumer (the router, the auxiliary loss) are cut, so each graph node is
+        // backpropagated exactly once (see `Tape`).
+        let flat = tape.cut(x.reshape([-1, shape[2]]));
+        let router_logits = tape.cut(flat.linear(&self.gate, None::<Tensor>));
+        let probs = router_logits.softmax(-1, Kind::Float);
+        let (mut affinities, expert_index) = probs.topk(self.top_k, -1, true, true);
+        if self.norm_topk_prob {
+            affinities = &affinities / affinities.sum_dim_intlist(-1, true, Kind::Float);
+        }
+        let affinities = affinities.to_kind(x.kind());
+        let output = experts.forward(
+            &flat,
+            &expert_index,
+            &affinities,
+            &self.gate_up_proj,
+            &self.down_proj,
+            tape,
+        )?;
+        Ok(Routed {
+            output: output.view(shape.as_slice()),
+            router_logits,
+            expert_index,
+        })
+    }
+}

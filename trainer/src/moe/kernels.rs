@@ -1,0 +1,183 @@
+//! Experts on moekit's kernels (`permute` + `blockwise_mm`), with the backward
+//! (`blockwise_mm_bwd`) stitched into autograd through the [`Tape`].
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use moekit::contracts::{
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
+    Permute, PermuteInputs, PermuteOutputs, PermuteParams,
+};
+use moekit::torch::{from_tch, to_tch};
+use moekit::{Backend, BackendKind};
+use tch::{Device, Tensor};
+
+use super::Experts;
+use crate::tape::{ExternalBackward, Tape};
+
+/// moekit's `permute` and `blockwise_mm` on one backend. The forward runs outside autograd
+/// (on copies of the tensors in moekit's layout, with the padding token appended as row T of
+/// `hidden_states`) and checkpoints its activations; the backward returns the gradients of
+/// `x`, the affinities and both weights.
+pub struct KernelExperts {
+    backend: Arc<dyn Backend>,
+    block_size: usize,
+}
+
+impl KernelExperts {
+    pub fn new(backend: BackendKind, block_size: usize) -> Self {
+        Self {
+            backend: Arc::from(backend.create()),
+            block_size,
+        }
+    }
+}
+
+impl Experts for KernelExperts {
+    fn needs_graph_cuts(&self) -> bool {
+        true
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        expert_index: &Tensor,
+        affinities: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        tape: &mut Tape,
+    ) -> Result<Tensor> {
+        anyhow::ensure!(
+            x.device() == Device::Cpu,
+            "kernels.moe = \"{}\" runs on the CPU, but the activations are on {:?}",
+            self.backend.name(),
+            x.device()
+        );
+        let experts = gate_up.size()[0] as usize;
+        let padded = Tensor::cat(
+            &[
+                x.detach(),
+                x.new_zeros([1, x.size()[1]], (x.kind(), x.device())),
+            ],
+            0,
+        );
+        let expert_index_i32 = from_tch("expert_index", expert_index)?;
+        let topk = from_tch("topk_affinities", &affinities.detach())?;
+        let plan = self.backend.permute(&Permute::new(
+            PermuteInputs {
+                expert_index: &expert_index_i32,
+                topk_affinities: &topk,
+            },
+            PermuteParams {
+                num_experts: experts,
+                block_size: self.block_size,
+            },
+        )?)?;
+        let saved = Saved {
+            hidden_states: from_tch("hidden_states", &padded)?,
+            expert_index: expert_index_i32,
+            gate_up: from_tch("gate_up_proj_weight", &gate_up.detach())?,
+            down: from_tch("down_proj_weight", &down.detach())?,
+            plan,
+        };
+        let out = self.backend.blockwise_mm(&BlockwiseMm::new(
+            saved.forward_inputs(),
+            BlockwiseMmParams {
+                checkpoint_activations: true,
+            },
+        )?)?;
+        let output = to_tch(&out.output)
+            .to_kind(x.kind())
+            .set_requires_grad(true);
+        let (Some(gate_up_activations_t), Some(down_activations)) =
+            (out.gate_up_activations_t, out.down_activations)
+        else {
+            bail!("blockwise_mm returned no checkpoints");
+        };
+        tape.record(Box::new(KernelBackward {
+            backend: Arc::clone(&self.backend),
+            saved,
+            gate_up_activations_t,
+            down_activations,
+            inputs: [x, affinities, gate_up, down].map(Tensor::shallow_clone),
+            output: output.shallow_clone(),
+        }));
+        Ok(output)
+    }
+}
+
+/// The forward's inputs in moekit's layout.
+struct Saved {
+    /// `[T+1, H]`.
+    hidden_states: moekit::Tensor,
+    /// `[T, K]` i32.
+    expert_index: moekit::Tensor,
+    /// `[E, H, 2, I]`.
+    gate_up: moekit::Tensor,
+    /// `[E, I, H]`.
+    down: moekit::Tensor,
+    plan: PermuteOutputs,
+}
+
+impl Saved {
+    fn forward_inputs(&self) -> BlockwiseMmInputs<'_> {
+        BlockwiseMmInputs {
+            hidden_states: &self.hidden_states,
+            expert_affinities_masked: &self.plan.expert_affinities_masked,
+            gate_up_proj_weight: &self.gate_up,
+            down_proj_weight: &self.down,
+            token_position_to_id: &self.plan.token_position_to_id,
+            block_to_expert: &self.plan.block_to_expert,
+        }
+    }
+}
+
+/// The backward of one [`KernelExperts::forward`].
+struct KernelBackward {
+    backend: Arc<dyn Backend>,
+    saved: Saved,
+    /// `[N, 2, I, B]`.
+    gate_up_activations_t: moekit::Tensor,
+    /// `[N, B, H]`.
+    down_activations: moekit::Tensor,
+    /// `x`, `affinities`, `gate_up`, `down` as the forward received them (with their graphs).
+    inputs: [Tensor; 4],
+    output: Tensor,
+}
+
+impl ExternalBackward for KernelBackward {
+    fn output(&self) -> &Tensor {
+        &self.output
+    }
+
+    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let output_grad = from_tch("output_hidden_states_grad", output_grad)?;
+        let grads = self
+            .backend
+            .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+                forward: self.saved.forward_inputs(),
+                gate_up_activations_t: &self.gate_up_activations_t,
+                down_activations: &self.down_activations,
+                output_hidden_states_grad: &output_grad,
+                expert_index: Some(&self.saved.expert_index),
+            })?)?;
+        let d_affinities = grads
+            .d_topk_affinities
+            .context("blockwise_mm_bwd returned no d_topk_affinities")?;
+        let [x, affinities, gate_up, down] = &self.inputs;
+        Ok([
+            (x, &grads.hidden_states_grad),
+            (affinities, &d_affinities),
+            (gate_up, &grads.gate_up_proj_weight_grad),
+            (down, &grads.down_proj_weight_grad),
+        ]
+        .into_iter()
+        .map(|(input, grad)| {
+            (
+                input.shallow_clone(),
+                to_tch(grad).to_kind(input.kind()).to_device(input.device()),
+            )
+        })
+        .collect())
+    }
+}

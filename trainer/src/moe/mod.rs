@@ -1,0 +1,97 @@
+//! The MoE experts' implementations, chosen by `[kernels] moe = "..."`.
+//!
+//! Every implementation computes, for routed tokens `x [T, H]` with `expert_index [T, K]` and
+//! `affinities [T, K]`, the combined expert output
+//! `y[t] = Σ_k affinities[t, k] · down_e(silu(x_t · W[e, :, 0, :]) ⊙ (x_t · W[e, :, 1, :]))`
+//! with `e = expert_index[t, k]`, on weights in the kernels' layout: `gate_up [E, H, 2, I]`
+//! and `down [E, I, H]`. They differ only in how, so the trainer switches between them by
+//! configuration alone.
+
+mod grouped_mm;
+mod kernels;
+mod torch_loop;
+
+use anyhow::{Result, bail};
+use serde::Deserialize;
+use tch::Tensor;
+
+use crate::tape::Tape;
+
+pub use grouped_mm::GroupedMmExperts;
+pub use kernels::KernelExperts;
+pub use torch_loop::TorchLoopExperts;
+
+/// The implementations `[kernels] moe` can name.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeImpl {
+    /// Hugging Face's eager per-expert loop, in libtorch ops (autograd).
+    Torch,
+    /// `torch._grouped_mm` over tokens sorted by expert (autograd).
+    GroupedMm,
+    /// moekit's reference kernels (f64 oracle), backward stitched into autograd.
+    Reference,
+    /// moekit's cpu kernels, backward stitched into autograd.
+    Cpu,
+    /// moekit's neuron backend (NEFF kernels through libnrt).
+    Neuron,
+}
+
+impl MoeImpl {
+    /// Every implementation, in the order the documentation lists them.
+    pub const ALL: &'static [MoeImpl] = &[
+        MoeImpl::Torch,
+        MoeImpl::GroupedMm,
+        MoeImpl::Reference,
+        MoeImpl::Cpu,
+        MoeImpl::Neuron,
+    ];
+
+    /// The config name.
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeImpl::Torch => "torch",
+            MoeImpl::GroupedMm => "grouped_mm",
+            MoeImpl::Reference => "reference",
+            MoeImpl::Cpu => "cpu",
+            MoeImpl::Neuron => "neuron",
+        }
+    }
+
+    /// Instantiates the implementation; `block_size` is the moekit block plan's B.
+    pub fn create(self, block_size: usize) -> Result<Box<dyn Experts>> {
+        Ok(match self {
+            MoeImpl::Torch => Box::new(TorchLoopExperts),
+            MoeImpl::GroupedMm => Box::new(GroupedMmExperts),
+            MoeImpl::Reference => Box::new(KernelExperts::new(
+                moekit::BackendKind::Reference,
+                block_size,
+            )),
+            MoeImpl::Cpu => Box::new(KernelExperts::new(moekit::BackendKind::Cpu, block_size)),
+            MoeImpl::Neuron => bail!(
+                "kernels.moe = \"neuron\": this build of moekit has no neuron backend; \
+                 choose one of torch, grouped_mm, reference, cpu"
+            ),
+        })
+    }
+}
+
+/// One implementation of the MoE experts.
+pub trait Experts {
+    /// Whether the implementation runs outside autograd, so the model must cut the graph
+    /// before it (see [`Tape`]).
+    fn needs_graph_cuts(&self) -> bool;
+
+    /// The combined expert output `[T, H]` for `x [T, H]`, `expert_index [T, K]` (i64),
+    /// `affinities [T, K]`, `gate_up [E, H, 2, I]` and `down [E, I, H]`, all of `x`'s dtype
+    /// except the index.
+    fn forward(
+        &self,
+        x: &Tensor,
+        expert_index: &Tensor,
+        affinities: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        tape: &mut Tape,
+    ) -> Result<Tensor>;
+}

@@ -1,0 +1,134 @@
+//! AdamW, global-norm gradient clipping and the learning-rate schedule.
+
+use tch::{Kind, Tensor};
+
+use crate::config::{DecayType, LrScheduler, Optimizer};
+
+/// AdamW with decoupled weight decay, step for step PyTorch's `torch.optim.AdamW`
+/// (`amsgrad=False`): `p ← p·(1 − lr·wd)`, `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
+/// `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. The state is held here (not in libtorch's
+/// optimizer) so it can be checkpointed.
+pub struct AdamW {
+    /// Parameters sorted by name, so every run updates them in the same order.
+    params: Vec<(String, Tensor)>,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    step: u64,
+    betas: [f64; 2],
+    eps: f64,
+    weight_decay: f64,
+}
+
+impl AdamW {
+    /// Zero state for `params` (name, trainable leaf).
+    pub fn new(mut params: Vec<(String, Tensor)>, config: &Optimizer) -> Self {
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let zeros = |params: &[(String, Tensor)]| {
+            params
+                .iter()
+                .map(|(_, p)| p.zeros_like().to_kind(Kind::Float))
+                .collect()
+        };
+        Self {
+            exp_avg: zeros(&params),
+            exp_avg_sq: zeros(&params),
+            params,
+            step: 0,
+            betas: config.betas,
+            eps: config.eps,
+            weight_decay: config.weight_decay,
+        }
+    }
+
+    /// The parameters, sorted by name.
+    pub fn params(&self) -> &[(String, Tensor)] {
+        &self.params
+    }
+
+    /// Clears every parameter's gradient.
+    pub fn zero_grad(&mut self) {
+        for (_, p) in &mut self.params {
+            p.zero_grad();
+        }
+    }
+
+    /// The global L2 norm of all gradients; when `max_norm > 0` and the norm exceeds it, every
+    /// gradient is scaled by `max_norm / (norm + 1e-6)` (PyTorch's `clip_grad_norm_`).
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+        let grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        let squares: f64 = grads
+            .iter()
+            .map(|g| {
+                g.to_kind(Kind::Float)
+                    .square()
+                    .sum(Kind::Double)
+                    .double_value(&[])
+            })
+            .sum();
+        let norm = squares.sqrt();
+        if max_norm > 0.0 && norm > max_norm {
+            let scale = max_norm / (norm + 1e-6);
+            tch::no_grad(|| {
+                for mut g in grads {
+                    let _ = g.g_mul_scalar_(scale);
+                }
+            });
+        }
+        norm
+    }
+
+    /// One update at learning rate `lr`; parameters without a gradient are left alone.
+    pub fn step(&mut self, lr: f64) {
+        self.step += 1;
+        let [beta1, beta2] = self.betas;
+        let bias_correction1 = 1.0 - beta1.powi(self.step as i32);
+        let bias_correction2_sqrt = (1.0 - beta2.powi(self.step as i32)).sqrt();
+        let step_size = lr / bias_correction1;
+        tch::no_grad(|| {
+            for (((_, p), m), v) in self
+                .params
+                .iter_mut()
+                .zip(&mut self.exp_avg)
+                .zip(&mut self.exp_avg_sq)
+            {
+                let grad = p.grad();
+                if !grad.defined() {
+                    continue;
+                }
+                let grad = grad.to_kind(Kind::Float);
+                let mut master = p.to_kind(Kind::Float);
+                let _ = master.g_mul_scalar_(1.0 - lr * self.weight_decay);
+                let _ = m.lerp_(&grad, 1.0 - beta1);
+                let _ = v.g_mul_scalar_(beta2);
+                let _ = v.addcmul_(&(&grad * (1.0 - beta2)), &grad);
+                let denom = v.sqrt() / bias_correction2_sqrt + self.eps;
+                let _ = master.addcdiv_(&(&*m * -step_size), &denom);
+                p.copy_(&master);
+            }
+        });
+    }
+}
+
+/// The learning rate at `step` (1-based) of `total`: linear warmup from `peak/warmup` to
+/// `peak` over `warmup_steps`, then decay to `min_lr_factor · peak` at the last step.
+pub fn learning_rate(step: usize, total: usize, peak: f64, schedule: &LrScheduler) -> f64 {
+    let warmup = schedule.warmup_steps;
+    if step <= warmup {
+        return peak * step as f64 / warmup as f64;
+    }
+    let progress = (step - warmup) as f64 / (total - warmup) as f64;
+    let floor = schedule.min_lr_factor;
+    let factor = match schedule.decay_type {
+        DecayType::Constant => 1.0,
+        DecayType::Linear => 1.0 - (1.0 - floor) * progress,
+        DecayType::Cosine => {
+            floor + (1.0 - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+        }
+    };
+    peak * factor
+}

@@ -1,0 +1,109 @@
+//! Stitching kernels that run outside autograd into libtorch's backward pass.
+//!
+//! A kernel's output enters the graph as a fresh leaf; its backward, run by [`Tape::backward`]
+//! once that leaf's gradient is complete, returns `(tensor, gradient)` pairs through which
+//! autograd continues (the kernel's inputs and weights). To keep every graph node traversed
+//! exactly once, the model [cuts](Tape::cut) the residual stream before each such kernel:
+//! the graph between two cuts is backpropagated by one call, in reverse order of recording.
+//!
+//! A tensor that feeds both a kernel and another consumer must be cut too (the MoE block cuts
+//! its input and its router logits), since no graph node may be reached from two backward calls.
+//!
+//! Why the order is right: a tensor recorded at position p is consumed only by operations after
+//! p, and those operations' graphs end at later cuts, later kernels or the loss, all of which
+//! are backpropagated before p.
+
+use anyhow::Result;
+use tch::Tensor;
+
+/// The backward of a kernel run outside autograd.
+pub trait ExternalBackward {
+    /// The leaf that stands for the kernel's output in the graph.
+    fn output(&self) -> &Tensor;
+    /// Given the gradient of [`Self::output`], the gradients of the kernel's differentiable
+    /// inputs, as `(input, gradient)` pairs with matching shapes.
+    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>>;
+}
+
+enum Entry {
+    /// `leaf` is a detached copy of `source` that requires grad.
+    Cut {
+        source: Tensor,
+        leaf: Tensor,
+    },
+    Kernel(Box<dyn ExternalBackward>),
+}
+
+/// The kernels and graph cuts of one forward pass, in order of recording.
+pub struct Tape {
+    cuts: bool,
+    entries: Vec<Entry>,
+}
+
+impl Tape {
+    /// A tape that cuts the graph where asked when `cuts` is true; with `false`, [`Self::cut`]
+    /// is the identity (for forward passes that are all autograd).
+    pub fn new(cuts: bool) -> Self {
+        Self {
+            cuts,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Cuts the graph at `tensor`: returns a leaf with its value whose gradient is sent into
+    /// `tensor`'s graph during [`Self::backward`]. The identity on a tape without cuts.
+    pub fn cut(&mut self, tensor: Tensor) -> Tensor {
+        if !self.cuts || !tensor.requires_grad() {
+            return tensor;
+        }
+        let leaf = tensor.detach().set_requires_grad(true);
+        self.entries.push(Entry::Cut {
+            source: tensor,
+            leaf: leaf.shallow_clone(),
+        });
+        leaf
+    }
+
+    /// Records a kernel whose output leaf is already in the graph.
+    pub fn record(&mut self, kernel: Box<dyn ExternalBackward>) {
+        self.entries.push(Entry::Kernel(kernel));
+    }
+
+    /// Backpropagates `loss` (a scalar) through the autograd graph and every recorded kernel,
+    /// accumulating into the `.grad` of the leaves, as `loss.backward()` does for a graph that
+    /// is all autograd.
+    pub fn backward(self, loss: &Tensor) -> Result<()> {
+        loss.f_backward()?;
+        for entry in self.entries.into_iter().rev() {
+            match entry {
+                Entry::Cut { source, leaf } => {
+                    let grad = leaf.grad();
+                    if grad.defined() {
+                        propagate(&[(source, grad)])?;
+                    }
+                }
+                Entry::Kernel(kernel) => {
+                    let grad = kernel.output().grad();
+                    if grad.defined() {
+                        propagate(&kernel.backward(&grad)?)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sends each gradient into its tensor's graph: the backward of `Σ (tensor · gradient).sum()`,
+/// whose gradient with respect to each tensor is exactly its given gradient.
+fn propagate(pairs: &[(Tensor, Tensor)]) -> Result<()> {
+    let terms: Vec<Tensor> = pairs
+        .iter()
+        .filter(|(tensor, _)| tensor.requires_grad())
+        .map(|(tensor, grad)| (tensor * grad).sum(tch::Kind::Float))
+        .collect();
+    if let Some(surrogate) = terms.into_iter().reduce(|a, b| a + b) {
+        surrogate.f_backward()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! The training loop: micro-batches with gradient accumulation, clipping, AdamW, the learning
+//! rate schedule, progress lines and JSONL metrics.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use tch::{Device, Kind, Tensor, nn};
+
+use crate::config::JobConfig;
+use crate::data::{Batches, Source};
+use crate::model::{Qwen3Moe, causal_lm_loss, load_balancing_loss};
+use crate::moe::Experts;
+use crate::optim::{AdamW, learning_rate};
+use crate::tape::Tape;
+
+/// Size of the built-in corpus used when `[data] files` is empty.
+const BUILTIN_CORPUS_BYTES: usize = 1 << 20;
+
+/// The metrics of one optimizer step (one JSONL line of `metrics.jsonl`).
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    /// Mean next-token cross-entropy over the step's micro-batches.
+    pub loss: f64,
+    /// Mean auxiliary load-balancing loss (before `router_aux_loss_coef`).
+    pub aux_loss: f64,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub tokens_per_second: f64,
+    /// Token-to-expert assignments of each MoE layer over the step.
+    pub expert_load: Vec<LayerLoad>,
+}
+
+/// Load statistics of one MoE layer: assignments per expert.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerLoad {
+    /// Decoder layer index.
+    pub layer: usize,
+    pub min: f64,
+    pub max: f64,
+    /// Coefficient of variation (population standard deviation / mean).
+    pub cv: f64,
+}
+
+impl LayerLoad {
+    fn new(layer: usize, counts: &[f64]) -> Self {
+        let n = counts.len() as f64;
+        let mean = counts.iter().sum::<f64>() / n;
+        let variance = counts.iter().map(|c| (c - mean).powi(2)).sum::<f64>() / n;
+        Self {
+            layer,
+            min: counts.iter().copied().fold(f64::INFINITY, f64::min),
+            max: counts.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            cv: if mean > 0.0 {
+                variance.sqrt() / mean
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// A model, its optimizer, its data and its MoE implementation, ready to take steps.
+pub struct Trainer {
+    config: JobConfig,
+    // Owns the parameters the model and optimizer hold handles to.
+    _vars: nn::VarStore,
+    model: Qwen3Moe,
+    experts: Box<dyn Experts>,
+    optimizer: AdamW,
+    batches: Batches,
+    step: usize,
+}
+
+impl Trainer {
+    /// Seeds libtorch with `job.seed`, initialises the model and loads the data.
+    pub fn new(config: &JobConfig) -> Result<Self> {
+        if config.training.threads > 0 {
+            tch::set_num_threads(config.training.threads as i32);
+        }
+        tch::manual_seed(config.job.seed as i64);
+        let experts = config.kernels.moe.create(config.kernels.block_size)?;
+        let vars = nn::VarStore::new(Device::Cpu);
+        let model = Qwen3Moe::new(&vars.root(), &config.model);
+        let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
+        let source = if config.data.files.is_empty() {
+            Source::Builtin(BUILTIN_CORPUS_BYTES)
+        } else {
+            Source::Files(config.data.files.clone())
+        };
+        let batches = Batches::new(
+            source.tokens()?,
+            config.training.seq_len,
+            config.training.batch_size,
+            config.job.seed,
+        )?;
+        Ok(Self {
+            config: config.clone(),
+            _vars: vars,
+            model,
+            experts,
+            optimizer,
+            batches,
+            step: 0,
+        })
+    }
+
+    /// The parameters by name (sorted), as the optimizer updates them.
+    pub fn params(&self) -> &[(String, Tensor)] {
+        self.optimizer.params()
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches. A non-finite loss,
+    /// activation or gradient is an error and leaves the parameters untouched.
+    pub fn step(&mut self) -> Result<StepMetrics> {
+        self.step += 1;
+        let step = self.step;
+        self.try_step().with_context(|| format!("step {step}"))
+    }
+
+    fn try_step(&mut self) -> Result<StepMetrics> {
+        let start = Instant::now();
+        let training = &self.config.training;
+        let accumulation = training.gradient_accumulation_steps;
+        let coef = self.config.model.router_aux_loss_coef;
+        let top_k = self.config.model.num_experts_per_tok as i64;
+        let experts = self.config.model.num_experts as i64;
+        let moe_layers: Vec<usize> = (0..self.config.model.num_hidden_layers)
+            .filter(|&l| self.config.model.is_moe_layer(l))
+            .collect();
+        let mut counts = vec![vec![0.0; experts as usize]; moe_layers.len()];
+        let (mut loss_sum, mut aux_sum) = (0.0, 0.0);
+
+        self.optimizer.zero_grad();
+        for _ in 0..accumulation {
+            let input_ids = self.batches.next_batch();
+            let mut tape = Tape::new(self.experts.needs_graph_cuts());
+            let out = self
+                .model
+                .forward(&input_ids, self.experts.as_ref(), &mut tape)?;
+            let loss = causal_lm_loss(&out.logits, &input_ids);
+            let aux = load_balancing_loss(&out.router_logits, top_k);
+            let (loss_value, aux_value) = (loss.double_value(&[]), aux.double_value(&[]));
+            if !loss_value.is_finite() || !aux_value.is_finite() {
+                bail!(
+                    "the loss is not finite (loss {loss_value}, aux_loss {aux_value}); \
+                     stopping before the update"
+                );
+            }
+            tape.backward(&((loss + aux * coef) / accumulation as f64))?;
+            loss_sum += loss_value;
+            aux_sum += aux_value;
+            for (layer_counts, index) in counts.iter_mut().zip(&out.expert_index) {
+                let bins = Vec::<f64>::try_from(
+                    index
+                        .flatten(0, 1)
+                        .bincount(None::<Tensor>, experts)
+                        .to_kind(Kind::Double),
+                )?;
+                for (count, bin) in layer_counts.iter_mut().zip(bins) {
+                    *count += bin;
+                }
+            }
+        }
+        let grad_norm = self.optimizer.clip_grad_norm(training.max_norm);
+        if !grad_norm.is_finite() {
+            bail!("the gradient norm is not finite ({grad_norm}); stopping before the update");
+        }
+        let lr = learning_rate(
+            self.step,
+            training.steps,
+            self.config.optimizer.lr,
+            &self.config.lr_scheduler,
+        );
+        self.optimizer.step(lr);
+
+        let tokens = (accumulation * training.batch_size * training.seq_len) as f64;
+        Ok(StepMetrics {
+            step: self.step,
+            loss: loss_sum / accumulation as f64,
+            aux_loss: aux_sum / accumulation as f64,
+            lr,
+            grad_norm,
+            tokens_per_second: tokens / start.elapsed().as_secs_f64(),
+            expert_load: moe_layers
+                .iter()
+                .zip(&counts)
+                .map(|(&layer, counts)| LayerLoad::new(layer, counts))
+                .collect(),
+        })
+    }
+}
+
+/// Trains for `training.steps` steps, printing a progress line every `metrics.log_freq` steps
+/// and writing every step's metrics to `<dump_folder>/metrics.jsonl` (replacing the file of a
+/// previous run in that folder). Returns every step's metrics.
+pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
+    let folder = &config.job.dump_folder;
+    std::fs::create_dir_all(folder)
+        .with_context(|| format!("cannot create dump folder {}", folder.display()))?;
+    let metrics_path = folder.join("metrics.jsonl");
+    let mut metrics_file = BufWriter::new(
+        File::create(&metrics_path)
+            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
+    );
+    let mut trainer = Trainer::new(config)?;
+    let total = config.training.steps;
+    println!(
+        "training {} parameters ({} MoE layers of {} experts, top-{}) with kernels.moe = {} for {total} steps",
+        config.model.parameter_count(),
+        config.model.moe_layer_count(),
+        config.model.num_experts,
+        config.model.num_experts_per_tok,
+        config.kernels.moe.name(),
+    );
+    let start = Instant::now();
+    let mut history = Vec::with_capacity(total);
+    for step in 1..=total {
+        let metrics = trainer.step()?;
+        serde_json::to_writer(&mut metrics_file, &metrics)?;
+        writeln!(metrics_file)?;
+        if step % config.metrics.log_freq == 0 || step == total {
+            metrics_file.flush()?;
+            let elapsed = start.elapsed().as_secs_f64();
+            let eta = elapsed / step as f64 * (total - step) as f64;
+            println!(
+                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}  aux {:.4}  lr {:.2e}  {:.0} tok/s  eta {eta:.0}s",
+                metrics.loss,
+                metrics.aux_loss,
+                metrics.lr,
+                metrics.tokens_per_second,
+                bar = "=".repeat(20 * step / total),
+            );
+        }
+        history.push(metrics);
+    }
+    metrics_file.flush()?;
+    println!("metrics: {}", metrics_path.display());
+    Ok(history)
+}

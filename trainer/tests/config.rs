@@ -1,0 +1,261 @@
+//! Job configs: the shipped ones load, the published architectures have their published
+//! parameter counts, overrides apply, and every bad key, value or combination is a clear error.
+
+use std::path::{Path, PathBuf};
+
+use moekit_trainer::config::JobConfig;
+use moekit_trainer::model::{Qwen3Moe, Qwen3MoeConfig};
+use moekit_trainer::moe::MoeImpl;
+use tch::{Device, nn};
+
+fn configs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
+}
+
+fn shipped(name: &str) -> PathBuf {
+    configs_dir().join(name)
+}
+
+fn overrides(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// The error chain of loading `shipped(name)` with `pairs` as overrides.
+fn load_error(name: &str, pairs: &[(&str, &str)]) -> String {
+    let err = JobConfig::load(&shipped(name), &overrides(pairs)).unwrap_err();
+    format!("{err:#}")
+}
+
+/// A scratch folder unique to this test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moekit-config-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn shipped_configs_load() {
+    for name in [
+        "qwen3_moe_debug.toml",
+        "qwen3_moe_small.toml",
+        "qwen3_moe_30b_a3b.toml",
+        "qwen3_moe_235b_a22b.toml",
+    ] {
+        let config =
+            JobConfig::load(&shipped(name), &[]).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert_eq!(config.kernels.moe, MoeImpl::Cpu, "{name}");
+    }
+}
+
+#[test]
+fn published_architectures_have_their_published_parameter_counts() {
+    // The `total_size` of the Hub checkpoints' safetensors index (bf16 bytes) / 2.
+    for (name, published, layers) in [
+        ("qwen3_moe_30b_a3b.toml", 30_532_122_624u128, 48),
+        ("qwen3_moe_235b_a22b.toml", 235_093_634_560, 94),
+    ] {
+        let model = JobConfig::load(&shipped(name), &[]).unwrap().model;
+        assert_eq!(model.parameter_count(), published, "{name}");
+        assert_eq!(model.moe_layer_count(), layers, "{name}");
+    }
+}
+
+#[test]
+fn parameter_count_equals_the_instantiated_model() {
+    for pairs in [
+        vec![],
+        vec![("model.tie_word_embeddings", "true")],
+        vec![
+            ("model.decoder_sparse_step", "2"),
+            ("model.mlp_only_layers", "[1]"),
+        ],
+    ] {
+        let config = JobConfig::load(&shipped("qwen3_moe_debug.toml"), &overrides(&pairs)).unwrap();
+        let vars = nn::VarStore::new(Device::Cpu);
+        let _model = Qwen3Moe::new(&vars.root(), &config.model);
+        let numel: usize = vars.trainable_variables().iter().map(|v| v.numel()).sum();
+        assert_eq!(config.model.parameter_count(), numel as u128, "{pairs:?}");
+    }
+}
+
+#[test]
+fn overrides_replace_values_of_any_type() {
+    let config = JobConfig::load(
+        &shipped("qwen3_moe_debug.toml"),
+        &overrides(&[
+            ("training.steps", "70"),
+            ("kernels.moe", "grouped_mm"),
+            ("optimizer.betas", "[0.8, 0.9]"),
+            ("model.norm_topk_prob", "false"),
+            ("job.dump_folder", "elsewhere"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.training.steps, 70);
+    assert_eq!(config.kernels.moe, MoeImpl::GroupedMm);
+    assert_eq!(config.optimizer.betas, [0.8, 0.9]);
+    assert!(!config.model.norm_topk_prob);
+    assert_eq!(config.job.dump_folder, PathBuf::from("elsewhere"));
+}
+
+#[test]
+fn bad_keys_values_and_combinations_are_clear_errors() {
+    let debug = "qwen3_moe_debug.toml";
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[("training.stepz", "3")], "unknown field `stepz`"),
+        (&[("trainer.steps", "3")], "unknown section `[trainer]`"),
+        (&[("training.steps", "many")], "in section [training]"),
+        (
+            &[("training.steps", "0")],
+            "training.steps must be at least 1",
+        ),
+        (&[("kernels.moe", "magic")], "unknown variant `magic`"),
+        (
+            &[("model.num_experts_per_tok", "9")],
+            "num_experts_per_tok (9) exceeds model.num_experts (8)",
+        ),
+        (
+            &[("model.num_key_value_heads", "3")],
+            "must be a multiple of model.num_key_value_heads (3)",
+        ),
+        (&[("model.head_dim", "15")], "head_dim must be even"),
+        (
+            &[("model.mlp_only_layers", "[2]")],
+            "names layer 2, but the model has 2 layers",
+        ),
+        (
+            &[("model.vocab_size", "100")],
+            "byte tokenizer needs model.vocab_size >= 256",
+        ),
+        (
+            &[("training.seq_len", "1024")],
+            "exceeds model.max_position_embeddings (512)",
+        ),
+        (
+            &[("lr_scheduler.warmup_steps", "500")],
+            "warmup_steps (500) exceeds training.steps (200)",
+        ),
+        (
+            &[("optimizer.lr", "-1.0")],
+            "optimizer.lr must be a positive finite number",
+        ),
+        (
+            &[("optimizer.betas", "[0.9, 1.0]")],
+            "optimizer.betas[1] must be in [0, 1)",
+        ),
+        (
+            &[("optimizer.name", "SGD")],
+            "optimizer.name \"SGD\" is not supported",
+        ),
+        (
+            &[("data.files", "[\"no/such/file.txt\"]")],
+            "does not exist",
+        ),
+        (
+            &[("data.tokenizer", "gpt2")],
+            "data.tokenizer \"gpt2\" is not supported",
+        ),
+        (
+            &[("model.config_json", "config.json")],
+            "cannot be set beside it",
+        ),
+        (&[("training", "3")], "must name a section and a key"),
+    ];
+    for (pairs, expected) in cases {
+        let message = load_error(debug, pairs);
+        assert!(
+            message.contains(expected),
+            "{pairs:?}: `{message}` lacks `{expected}`"
+        );
+    }
+    let missing = JobConfig::load(Path::new("no/such/config.toml"), &[]).unwrap_err();
+    assert!(format!("{missing:#}").contains("cannot read job config no/such/config.toml"));
+}
+
+#[test]
+fn the_neuron_implementation_is_a_clear_error_in_this_build() {
+    let config = JobConfig::load(
+        &shipped("qwen3_moe_debug.toml"),
+        &overrides(&[("kernels.moe", "neuron")]),
+    )
+    .unwrap();
+    let err = config
+        .kernels
+        .moe
+        .create(16)
+        .err()
+        .expect("neuron is not built");
+    assert!(err.to_string().contains("no neuron backend"), "{err}");
+}
+
+const HUB_CONFIG: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+  "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+  "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+  "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+  "norm_topk_prob": true, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "max_position_embeddings": 128, "tie_word_embeddings": false, "router_aux_loss_coef": 0.001,
+  "initializer_range": 0.02, "rope_scaling": null, "torch_dtype": "bfloat16"
+}"#;
+
+#[test]
+fn hf_config_json_in_hub_and_transformers_v5_forms() {
+    let hub: serde_json::Value = serde_json::from_str(HUB_CONFIG).unwrap();
+    let from_hub = Qwen3MoeConfig::from_hf_json(&hub).unwrap();
+    assert_eq!(from_hub.num_experts, 8);
+    assert_eq!(from_hub.rope_theta, 1e6);
+    assert_eq!(from_hub.mlp_only_layers, [0]);
+
+    let mut v5 = hub.clone();
+    let object = v5.as_object_mut().unwrap();
+    object.remove("num_experts");
+    object.remove("rope_theta");
+    object.remove("rope_scaling");
+    object.insert("num_local_experts".into(), 8.into());
+    object.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_theta": 1000000.0, "rope_type": "default"}),
+    );
+    assert_eq!(Qwen3MoeConfig::from_hf_json(&v5).unwrap(), from_hub);
+
+    let mut broken = hub.clone();
+    broken["num_local_experts"] = 4.into();
+    let err = Qwen3MoeConfig::from_hf_json(&broken)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("disagree"), "{err}");
+    let mut scaled = hub.clone();
+    scaled["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 4.0});
+    let err = Qwen3MoeConfig::from_hf_json(&scaled)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rope_scaling is not supported"), "{err}");
+    let mut other = hub;
+    other["model_type"] = "llama".into();
+    let err = Qwen3MoeConfig::from_hf_json(&other)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("expected \"qwen3_moe\""), "{err}");
+}
+
+#[test]
+fn a_job_config_can_take_its_model_from_config_json() {
+    let dir = scratch("config-json");
+    std::fs::write(dir.join("config.json"), HUB_CONFIG).unwrap();
+    let debug = std::fs::read_to_string(shipped("qwen3_moe_debug.toml")).unwrap();
+    let start = debug.find("[model]").unwrap();
+    let end = debug.find("[kernels]").unwrap();
+    let job = format!(
+        "{}[model]\nconfig_json = \"config.json\"\n\n{}",
+        &debug[..start],
+        &debug[end..]
+    );
+    std::fs::write(dir.join("job.toml"), job).unwrap();
+    let config = JobConfig::load(&dir.join("job.toml"), &[]).unwrap();
+    let hub: serde_json::Value = serde_json::from_str(HUB_CONFIG).unwrap();
+    assert_eq!(config.model, Qwen3MoeConfig::from_hf_json(&hub).unwrap());
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -1,0 +1,190 @@
+//! `moekit-train` end to end: the debug config learns, runs repeat exactly, and bad command
+//! lines and diverging runs fail with a message and a non-zero exit.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn debug_config() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_moe_debug.toml")
+}
+
+/// A scratch folder unique to this test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moekit-train-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn train(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moekit-train"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Trains the debug config into `dump`, with extra `args`, and returns metrics.jsonl's lines.
+fn train_debug(dump: &Path, args: &[&str]) -> Vec<Value> {
+    let config = debug_config();
+    let mut all = vec![
+        "--config",
+        config.to_str().unwrap(),
+        "--job.dump_folder",
+        dump.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let out = train(&all);
+    assert!(
+        out.status.success(),
+        "moekit-train failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(dump.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect()
+}
+
+fn field(metrics: &[Value], name: &str) -> Vec<f64> {
+    metrics.iter().map(|m| m[name].as_f64().unwrap()).collect()
+}
+
+#[test]
+fn the_debug_config_learns_the_builtin_corpus() {
+    let dir = scratch("learns");
+    let metrics = train_debug(&dir, &[]);
+    assert_eq!(metrics.len(), 200);
+    let loss = field(&metrics, "loss");
+    // An untrained model is close to uniform over the 256 byte values: ln 256 = 5.55.
+    assert!(
+        (loss[0] - 256f64.ln()).abs() < 0.3,
+        "first loss {}",
+        loss[0]
+    );
+    let last = loss[190..].iter().sum::<f64>() / 10.0;
+    assert!(last < 1.0, "mean loss of the last 10 steps is {last}");
+    let load = &metrics[199]["expert_load"];
+    assert_eq!(load.as_array().unwrap().len(), 2, "one entry per MoE layer");
+    let total: f64 = ["min", "max"]
+        .iter()
+        .map(|k| load[0][k].as_f64().unwrap())
+        .sum();
+    assert!(total > 0.0 && load[0]["cv"].as_f64().unwrap() >= 0.0);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn runs_with_the_same_config_repeat_exactly() {
+    let dir = scratch("repeat");
+    let args = ["--training.steps", "15", "--lr_scheduler.warmup_steps", "3"];
+    let first = train_debug(&dir, &args);
+    let second = train_debug(&dir, &args);
+    for name in ["loss", "aux_loss", "grad_norm", "lr"] {
+        assert_eq!(field(&first, name), field(&second, name), "{name}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn gradient_accumulation_of_equal_halves_matches_one_batch() {
+    // Two micro-batches of 8 sequences see the same 16 sequences as one batch of 16 when the
+    // data order is the same. The auxiliary loss is off: it is not a mean over sequences.
+    let dir = scratch("accumulate");
+    let one_step = [
+        "--training.steps",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--model.router_aux_loss_coef",
+        "0",
+    ];
+    let whole = train_debug(&dir, &one_step);
+    let halves = train_debug(
+        &dir,
+        &[
+            &one_step[..],
+            &[
+                "--training.batch_size",
+                "8",
+                "--training.gradient_accumulation_steps",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
+    let (a, b) = (field(&whole, "loss")[0], field(&halves, "loss")[0]);
+    assert!((a - b).abs() < 1e-5 * a, "loss {a} vs {b}");
+    let (a, b) = (
+        field(&whole, "grad_norm")[0],
+        field(&halves, "grad_norm")[0],
+    );
+    assert!((a - b).abs() < 1e-4 * a, "grad_norm {a} vs {b}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_command_lines_fail_with_a_message() {
+    let config = debug_config();
+    let config = config.to_str().unwrap();
+    for (args, expected) in [
+        (vec![], "missing `--config FILE`"),
+        (
+            vec!["--config", config, "--training.steps"],
+            "`--training.steps` needs a value",
+        ),
+        (
+            vec!["--config", config, "stray"],
+            "unexpected argument `stray`",
+        ),
+        (
+            vec!["--config", config, "--training.steps", "-3"],
+            "in section [training]",
+        ),
+        (
+            vec!["--config", "missing.toml"],
+            "cannot read job config missing.toml",
+        ),
+    ] {
+        let out = train(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            stderr.contains(expected),
+            "{args:?}: `{stderr}` lacks `{expected}`"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    }
+}
+
+#[test]
+fn a_diverging_run_stops_with_a_message() {
+    let dir = scratch("diverge");
+    let config = debug_config();
+    let out = train(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--job.dump_folder",
+        dir.to_str().unwrap(),
+        "--optimizer.lr",
+        "1e30",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--training.max_norm",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    // The first non-finite value stops the run: the loss, a kernel's validated input, or the
+    // gradient norm, whichever the divergence reaches first.
+    assert!(stderr.contains("error: step "), "{stderr}");
+    assert!(
+        ["not finite", "non-finite"]
+            .iter()
+            .any(|m| stderr.contains(m)),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
