@@ -1,5 +1,5 @@
 //! The job config: a TOML file laid out like torchtitan's (`[job]`, `[model]`, `[kernels]`,
-//! `[training]`, `[optimizer]`, `[lr_scheduler]`, `[data]`, `[metrics]`), where any key can be
+//! `[training]`, `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[data]`, `[metrics]`), where any key can be
 //! overridden on the command line as `--section.key VALUE`.
 //!
 //! Every unknown key, bad value and impossible combination is an error from [`JobConfig::load`],
@@ -24,6 +24,7 @@ pub struct JobConfig {
     pub training: Training,
     pub optimizer: Optimizer,
     pub lr_scheduler: LrScheduler,
+    pub checkpoint: Checkpoint,
     pub data: Data,
     pub metrics: Metrics,
 }
@@ -149,6 +150,38 @@ fn default_tokenizer() -> String {
     "byte".to_owned()
 }
 
+/// `[checkpoint]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    /// Save training checkpoints, and resume from the newest one found in `folder`.
+    #[serde(default)]
+    pub enable: bool,
+    /// Where training checkpoints go, relative to `job.dump_folder`.
+    #[serde(default = "default_checkpoint_folder")]
+    pub folder: PathBuf,
+    /// Steps between checkpoints (the last step is always saved).
+    #[serde(default = "default_checkpoint_interval")]
+    pub interval: usize,
+    /// Checkpoints kept (the newest); 0 keeps all.
+    #[serde(default = "default_keep_latest_k")]
+    pub keep_latest_k: usize,
+    /// A Hugging Face model directory to start from (relative to the working directory);
+    /// ignored when a training checkpoint is resumed.
+    #[serde(default)]
+    pub initial_load_path: Option<PathBuf>,
+}
+
+fn default_checkpoint_folder() -> PathBuf {
+    PathBuf::from("checkpoints")
+}
+fn default_checkpoint_interval() -> usize {
+    100
+}
+fn default_keep_latest_k() -> usize {
+    2
+}
+
 /// `[metrics]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -169,12 +202,13 @@ const SECTIONS: &[&str] = &[
     "training",
     "optimizer",
     "lr_scheduler",
+    "checkpoint",
     "data",
     "metrics",
 ];
 
 /// Sections that may be left out entirely (every key has a default).
-const OPTIONAL_SECTIONS: &[&str] = &["lr_scheduler", "data", "metrics"];
+const OPTIONAL_SECTIONS: &[&str] = &["lr_scheduler", "checkpoint", "data", "metrics"];
 
 impl JobConfig {
     /// Reads `path`, applies `overrides` (`("training.steps", "20")`: the value is parsed as a
@@ -215,6 +249,7 @@ impl JobConfig {
         let training: Training = section("training", take("training")?)?;
         let optimizer: Optimizer = section("optimizer", take("optimizer")?)?;
         let lr_scheduler: LrScheduler = section("lr_scheduler", take("lr_scheduler")?)?;
+        let checkpoint: Checkpoint = section("checkpoint", take("checkpoint")?)?;
         let mut data: Data = section("data", take("data")?)?;
         let metrics: Metrics = section("metrics", take("metrics")?)?;
         for file in &mut data.files {
@@ -229,6 +264,7 @@ impl JobConfig {
             training,
             optimizer,
             lr_scheduler,
+            checkpoint,
             data,
             metrics,
         };
@@ -259,6 +295,7 @@ impl JobConfig {
                 training.gradient_accumulation_steps,
             ),
             ("metrics.log_freq", metrics.log_freq),
+            ("checkpoint.interval", self.checkpoint.interval),
         ] {
             ensure!(value > 0, "{name} must be at least 1, got {value}");
         }
@@ -325,6 +362,14 @@ impl JobConfig {
             "the byte tokenizer needs model.vocab_size >= 256, got {}",
             self.model.vocab_size
         );
+        if let Some(path) = &self.checkpoint.initial_load_path {
+            ensure!(
+                path.join("config.json").is_file(),
+                "checkpoint.initial_load_path: {} is not a Hugging Face model directory (no \
+                 config.json)",
+                path.display()
+            );
+        }
         for file in &data.files {
             ensure!(
                 file.is_file(),

@@ -151,6 +151,24 @@ impl Batches {
         self.cursor = 0;
     }
 
+    /// The position in the data order: `(epoch, cursor)`.
+    pub fn position(&self) -> (u64, usize) {
+        (self.epoch, self.cursor)
+    }
+
+    /// Continues from a [`Self::position`] of the same data, seed and shapes.
+    pub fn seek(&mut self, epoch: u64, cursor: usize) -> Result<()> {
+        self.epoch = epoch;
+        self.shuffle();
+        ensure!(
+            cursor <= self.order.len(),
+            "data position {cursor} is past the {} windows of the data",
+            self.order.len()
+        );
+        self.cursor = cursor;
+        Ok(())
+    }
+
     /// The next `[batch_size, seq_len]` i64 batch; an epoch's last partial batch is skipped.
     pub fn next_batch(&mut self) -> Tensor {
         if self.cursor + self.batch_size > self.order.len() {

@@ -6,15 +6,19 @@
 //! autograd.
 //!
 //! - [`config`]: the TOML job config and its command-line overrides.
+//! - [`checkpoint`]: Hugging Face directories and training checkpoints.
 //! - [`model`]: Qwen3-MoE and its losses.
 //! - [`moe`]: the experts' implementations.
 //! - [`tape`]: running kernels outside autograd inside a backward pass.
+//! - [`eval`]: loading, evaluating and exporting trained models.
 //! - [`data`]: tokenization, the built-in corpus and batching.
 //! - [`optim`]: AdamW, clipping, the learning-rate schedule.
 //! - [`train`]: the training loop and its metrics.
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod eval;
 pub mod model;
 pub mod moe;
 pub mod optim;

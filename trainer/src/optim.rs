@@ -1,5 +1,8 @@
 //! AdamW, global-norm gradient clipping and the learning-rate schedule.
 
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result, ensure};
 use tch::{Kind, Tensor};
 
 use crate::config::{DecayType, LrScheduler, Optimizer};
@@ -43,6 +46,47 @@ impl AdamW {
     /// The parameters, sorted by name.
     pub fn params(&self) -> &[(String, Tensor)] {
         &self.params
+    }
+
+    /// Steps taken.
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// The moments by name: `exp_avg.{param}` and `exp_avg_sq.{param}`, `[param's shape]` f32.
+    pub fn state(&self) -> BTreeMap<String, Tensor> {
+        let mut state = BTreeMap::new();
+        for (((name, _), m), v) in self.params.iter().zip(&self.exp_avg).zip(&self.exp_avg_sq) {
+            state.insert(format!("exp_avg.{name}"), m.shallow_clone());
+            state.insert(format!("exp_avg_sq.{name}"), v.shallow_clone());
+        }
+        state
+    }
+
+    /// Restores the moments written by [`Self::state`] and the step count.
+    pub fn load_state(&mut self, state: &BTreeMap<String, Tensor>, steps_taken: u64) -> Result<()> {
+        for (((name, p), m), v) in self
+            .params
+            .iter()
+            .zip(&mut self.exp_avg)
+            .zip(&mut self.exp_avg_sq)
+        {
+            for (prefix, moment) in [("exp_avg", m), ("exp_avg_sq", v)] {
+                let key = format!("{prefix}.{name}");
+                let value = state
+                    .get(&key)
+                    .with_context(|| format!("optimizer state has no `{key}`"))?;
+                ensure!(
+                    value.size() == p.size(),
+                    "optimizer state `{key}` has shape {:?}, the parameter {:?}",
+                    value.size(),
+                    p.size()
+                );
+                *moment = value.to_kind(Kind::Float).copy();
+            }
+        }
+        self.step = steps_taken;
+        Ok(())
     }
 
     /// Clears every parameter's gradient.

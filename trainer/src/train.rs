@@ -3,12 +3,17 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
+use crate::checkpoint::{
+    TrainingCheckpoint, TrainingState, assign_params, list_checkpoints, load_hf, load_training,
+    save_training,
+};
 use crate::config::JobConfig;
 use crate::data::{Batches, Source};
 use crate::model::{Qwen3Moe, causal_lm_loss, load_balancing_loss};
@@ -98,7 +103,7 @@ impl Trainer {
             config.training.batch_size,
             config.job.seed,
         )?;
-        Ok(Self {
+        let mut trainer = Self {
             config: config.clone(),
             _vars: vars,
             model,
@@ -106,7 +111,96 @@ impl Trainer {
             optimizer,
             batches,
             step: 0,
-        })
+        };
+        let latest = match config.checkpoint.enable {
+            true => list_checkpoints(&trainer.checkpoint_folder())?.pop(),
+            false => None,
+        };
+        if let Some((_, dir)) = latest {
+            trainer
+                .resume(&dir)
+                .with_context(|| format!("cannot resume from {}", dir.display()))?;
+        } else if let Some(path) = &config.checkpoint.initial_load_path {
+            load_hf(path, &config.model, trainer.params())?;
+        }
+        Ok(trainer)
+    }
+
+    /// Steps taken (including those of a resumed checkpoint).
+    pub fn steps_taken(&self) -> usize {
+        self.step
+    }
+
+    /// `<dump_folder>/<checkpoint.folder>`.
+    pub fn checkpoint_folder(&self) -> PathBuf {
+        self.config
+            .job
+            .dump_folder
+            .join(&self.config.checkpoint.folder)
+    }
+
+    /// Continues from a training checkpoint of the same model, seed and batch shape.
+    fn resume(&mut self, dir: &Path) -> Result<()> {
+        let checkpoint = load_training(dir)?;
+        let state = &checkpoint.state;
+        let training = &self.config.training;
+        ensure!(
+            state.model == self.config.model,
+            "the checkpoint was trained with a different [model] config"
+        );
+        for (what, saved, now) in [
+            ("job.seed", state.data_seed, self.config.job.seed),
+            (
+                "training.batch_size",
+                state.batch_size as u64,
+                training.batch_size as u64,
+            ),
+            (
+                "training.seq_len",
+                state.seq_len as u64,
+                training.seq_len as u64,
+            ),
+        ] {
+            ensure!(
+                saved == now,
+                "the checkpoint was trained with {what} = {saved}, the config says {now}"
+            );
+        }
+        assign_params(self.params(), &checkpoint.params, dir)?;
+        self.optimizer
+            .load_state(&checkpoint.optimizer, state.step as u64)
+            .with_context(|| format!("in {}", dir.display()))?;
+        self.batches.seek(state.data_epoch, state.data_cursor)?;
+        self.step = state.step;
+        Ok(())
+    }
+
+    /// Writes a training checkpoint of the current step into the checkpoint folder, keeping
+    /// the newest `checkpoint.keep_latest_k`.
+    pub fn save(&self) -> Result<PathBuf> {
+        let (data_epoch, data_cursor) = self.batches.position();
+        let checkpoint = TrainingCheckpoint {
+            state: TrainingState {
+                step: self.step,
+                model: self.config.model.clone(),
+                data_seed: self.config.job.seed,
+                data_epoch,
+                data_cursor,
+                batch_size: self.config.training.batch_size,
+                seq_len: self.config.training.seq_len,
+            },
+            params: self
+                .params()
+                .iter()
+                .map(|(name, p)| (name.clone(), p.detach()))
+                .collect(),
+            optimizer: self.optimizer.state(),
+        };
+        save_training(
+            &self.checkpoint_folder(),
+            self.config.checkpoint.keep_latest_k,
+            &checkpoint,
+        )
     }
 
     /// The parameters by name (sorted), as the optimizer updates them.
@@ -195,20 +289,33 @@ impl Trainer {
     }
 }
 
-/// Trains for `training.steps` steps, printing a progress line every `metrics.log_freq` steps
-/// and writing every step's metrics to `<dump_folder>/metrics.jsonl` (replacing the file of a
-/// previous run in that folder). Returns every step's metrics.
+/// Trains until `training.steps` steps are taken, printing a progress line every
+/// `metrics.log_freq` steps and writing every step's metrics to `<dump_folder>/metrics.jsonl`
+/// (appended to when a checkpoint is resumed, replaced otherwise), with a checkpoint every
+/// `checkpoint.interval` steps when enabled. Returns the metrics of the steps taken.
 pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
         .with_context(|| format!("cannot create dump folder {}", folder.display()))?;
+    let mut trainer = Trainer::new(config)?;
+    let resumed = trainer.steps_taken();
     let metrics_path = folder.join("metrics.jsonl");
     let mut metrics_file = BufWriter::new(
-        File::create(&metrics_path)
-            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
+        File::options()
+            .create(true)
+            .write(true)
+            .append(resumed > 0)
+            .truncate(resumed == 0)
+            .open(&metrics_path)
+            .with_context(|| format!("cannot open {}", metrics_path.display()))?,
     );
-    let mut trainer = Trainer::new(config)?;
     let total = config.training.steps;
+    if resumed > 0 {
+        println!(
+            "resumed after step {resumed} from {}",
+            trainer.checkpoint_folder().display()
+        );
+    }
     println!(
         "training {} parameters ({} MoE layers of {} experts, top-{}) with kernels.moe = {} for {total} steps",
         config.model.parameter_count(),
@@ -219,14 +326,14 @@ pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
     );
     let start = Instant::now();
     let mut history = Vec::with_capacity(total);
-    for step in 1..=total {
+    for step in resumed + 1..=total {
         let metrics = trainer.step()?;
         serde_json::to_writer(&mut metrics_file, &metrics)?;
         writeln!(metrics_file)?;
         if step % config.metrics.log_freq == 0 || step == total {
             metrics_file.flush()?;
             let elapsed = start.elapsed().as_secs_f64();
-            let eta = elapsed / step as f64 * (total - step) as f64;
+            let eta = elapsed / (step - resumed) as f64 * (total - step) as f64;
             println!(
                 "[{bar:<20}] step {step:>5}/{total}  loss {:.4}  aux {:.4}  lr {:.2e}  {:.0} tok/s  eta {eta:.0}s",
                 metrics.loss,
@@ -237,6 +344,12 @@ pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
             );
         }
         history.push(metrics);
+        let checkpoint = &config.checkpoint;
+        if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
+            metrics_file.flush()?;
+            let dir = trainer.save()?;
+            println!("checkpoint: {}", dir.display());
+        }
     }
     metrics_file.flush()?;
     println!("metrics: {}", metrics_path.display());

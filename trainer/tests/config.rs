@@ -163,6 +163,14 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             "cannot be set beside it",
         ),
         (&[("training", "3")], "must name a section and a key"),
+        (
+            &[("checkpoint.interval", "0")],
+            "checkpoint.interval must be at least 1",
+        ),
+        (
+            &[("checkpoint.initial_load_path", "no/such/dir")],
+            "no/such/dir is not a Hugging Face model directory",
+        ),
     ];
     for (pairs, expected) in cases {
         let message = load_error(debug, pairs);

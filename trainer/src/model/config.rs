@@ -4,11 +4,11 @@
 use std::path::Path;
 
 use anyhow::{Context, Result, bail, ensure};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// Qwen3-MoE hyper-parameters (Hugging Face `Qwen3MoeConfig` names and defaults).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Qwen3MoeConfig {
     pub vocab_size: usize,

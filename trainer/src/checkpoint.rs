@@ -1,0 +1,445 @@
+//! Checkpoints: Hugging Face model directories (read and written directly) and training
+//! checkpoints (model, AdamW state, step and data position) that resume a run exactly.
+//!
+//! Everything is written into a temporary folder beside the destination and renamed into place
+//! once complete, so an existing checkpoint or export is never overwritten or left half-written.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use moekit::golden::{TensorFile, write_atomically};
+use moekit::torch::{from_tch, to_tch};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::model::Qwen3MoeConfig;
+
+/// Suffix of the kernels' fused expert weights in the trainer's parameter names.
+const GATE_UP: &str = "mlp.experts.gate_up_proj";
+const DOWN: &str = "mlp.experts.down_proj";
+
+/// Parameters in Hugging Face's per-expert layout: `gate_up_proj [E, H, 2, I]` becomes
+/// `experts.{e}.gate_proj.weight [I, H]` and `experts.{e}.up_proj.weight [I, H]`, and
+/// `down_proj [E, I, H]` becomes `experts.{e}.down_proj.weight [H, I]`; every other name is
+/// already Hugging Face's. Tied heads are not written (as Hugging Face does).
+pub fn to_hf_tensors(params: &[(String, Tensor)]) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for (name, value) in params {
+        let value = value.detach();
+        if let Some(prefix) = name.strip_suffix(GATE_UP) {
+            for e in 0..value.size()[0] {
+                let expert = value.get(e); // [H, 2, I]
+                for (slot, proj) in [(0, "gate_proj"), (1, "up_proj")] {
+                    out.insert(
+                        format!("{prefix}mlp.experts.{e}.{proj}.weight"),
+                        expert.select(1, slot).transpose(0, 1).contiguous(),
+                    );
+                }
+            }
+        } else if let Some(prefix) = name.strip_suffix(DOWN) {
+            for e in 0..value.size()[0] {
+                out.insert(
+                    format!("{prefix}mlp.experts.{e}.down_proj.weight"),
+                    value.get(e).transpose(0, 1).contiguous(),
+                );
+            }
+        } else {
+            out.insert(name.clone(), value);
+        }
+    }
+    out
+}
+
+/// The tensor the trainer calls `name` (shape `shape`), built from Hugging Face's tensors:
+/// fused expert weights are gathered from their per-expert keys; a missing tied `lm_head` is
+/// the embeddings.
+fn from_hf_tensor(
+    name: &str,
+    shape: &[i64],
+    hf: &BTreeMap<String, Tensor>,
+    source: &Path,
+) -> Result<Tensor> {
+    let get = |key: &str| {
+        hf.get(key)
+            .with_context(|| format!("{}: missing tensor `{key}`", source.display()))
+    };
+    let tensor = if let Some(prefix) = name.strip_suffix(GATE_UP) {
+        let experts = (0..shape[0])
+            .map(|e| {
+                let gate = get(&format!("{prefix}mlp.experts.{e}.gate_proj.weight"))?;
+                let up = get(&format!("{prefix}mlp.experts.{e}.up_proj.weight"))?;
+                ensure!(
+                    gate.size() == up.size(),
+                    "{}: expert {e}'s gate_proj and up_proj shapes differ",
+                    source.display()
+                );
+                Ok(Tensor::stack(
+                    &[gate.transpose(0, 1), up.transpose(0, 1)],
+                    1,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&experts, 0)
+    } else if let Some(prefix) = name.strip_suffix(DOWN) {
+        let experts = (0..shape[0])
+            .map(|e| Ok(get(&format!("{prefix}mlp.experts.{e}.down_proj.weight"))?.transpose(0, 1)))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&experts, 0)
+    } else if name == "lm_head.weight" && !hf.contains_key(name) {
+        get("model.embed_tokens.weight")?.shallow_clone()
+    } else {
+        get(name)?.shallow_clone()
+    };
+    ensure!(
+        tensor.size() == shape,
+        "{}: tensor for `{name}` has shape {:?}, the model expects {shape:?}",
+        source.display(),
+        tensor.size()
+    );
+    Ok(tensor)
+}
+
+/// Copies `values` into the parameters (same names), converting to each parameter's dtype.
+fn assign(
+    params: &[(String, Tensor)],
+    values: impl Fn(&str, &[i64]) -> Result<Tensor>,
+) -> Result<()> {
+    let loaded = params
+        .iter()
+        .map(|(name, p)| values(name, &p.size()))
+        .collect::<Result<Vec<_>>>()?;
+    tch::no_grad(|| {
+        for ((_, p), value) in params.iter().zip(loaded) {
+            p.shallow_clone().copy_(&value.to_kind(p.kind()));
+        }
+    });
+    Ok(())
+}
+
+/// Reads every tensor of a safetensors file into libtorch tensors.
+fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
+    let file = TensorFile::read(path)?;
+    Ok(file
+        .tensors
+        .iter()
+        .map(|(name, t)| (name.clone(), to_tch(t)))
+        .collect())
+}
+
+/// Writes libtorch tensors as one safetensors file (atomically).
+fn write_tensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+    let mut file = TensorFile::default();
+    for (name, tensor) in tensors {
+        file.tensors.insert(name.clone(), from_tch(name, tensor)?);
+    }
+    file.write(path)?;
+    Ok(())
+}
+
+/// The tensors of a Hugging Face model directory: `model.safetensors`, or the shards named by
+/// `model.safetensors.index.json`.
+fn read_hf_tensors(dir: &Path) -> Result<BTreeMap<String, Tensor>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if single.is_file() {
+        return read_tensors(&single);
+    }
+    ensure!(
+        index.is_file(),
+        "{} has neither model.safetensors nor model.safetensors.index.json",
+        dir.display()
+    );
+    let text = std::fs::read_to_string(&index)
+        .with_context(|| format!("cannot read {}", index.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let weight_map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .with_context(|| format!("{} has no `weight_map` object", index.display()))?;
+    let mut shards: Vec<&str> = weight_map.values().filter_map(|v| v.as_str()).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let mut tensors = BTreeMap::new();
+    for shard in shards {
+        tensors.extend(read_tensors(&dir.join(shard))?);
+    }
+    for key in weight_map.keys() {
+        ensure!(
+            tensors.contains_key(key),
+            "{}: `{key}` is not in its shard",
+            index.display()
+        );
+    }
+    Ok(tensors)
+}
+
+/// Loads a Hugging Face model directory (`config.json` + safetensors) into `params`, after
+/// checking that its architecture is `config`'s.
+pub fn load_hf(dir: &Path, config: &Qwen3MoeConfig, params: &[(String, Tensor)]) -> Result<()> {
+    let found = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
+    if let Some(field) = architecture_difference(&found, config) {
+        bail!(
+            "{}: the checkpoint's {field} differs from the model config's",
+            dir.display()
+        );
+    }
+    let hf = read_hf_tensors(dir)?;
+    assign(params, |name, shape| from_hf_tensor(name, shape, &hf, dir))
+}
+
+/// The first architecture field (anything that changes the function the weights compute)
+/// where `a` and `b` differ.
+fn architecture_difference(a: &Qwen3MoeConfig, b: &Qwen3MoeConfig) -> Option<&'static str> {
+    let fields: [(&str, bool); 16] = [
+        ("vocab_size", a.vocab_size == b.vocab_size),
+        ("hidden_size", a.hidden_size == b.hidden_size),
+        (
+            "intermediate_size",
+            a.intermediate_size == b.intermediate_size,
+        ),
+        (
+            "moe_intermediate_size",
+            a.moe_intermediate_size == b.moe_intermediate_size,
+        ),
+        (
+            "num_hidden_layers",
+            a.num_hidden_layers == b.num_hidden_layers,
+        ),
+        (
+            "num_attention_heads",
+            a.num_attention_heads == b.num_attention_heads,
+        ),
+        (
+            "num_key_value_heads",
+            a.num_key_value_heads == b.num_key_value_heads,
+        ),
+        ("head_dim", a.head_dim == b.head_dim),
+        ("num_experts", a.num_experts == b.num_experts),
+        (
+            "num_experts_per_tok",
+            a.num_experts_per_tok == b.num_experts_per_tok,
+        ),
+        (
+            "decoder_sparse_step",
+            a.decoder_sparse_step == b.decoder_sparse_step,
+        ),
+        ("mlp_only_layers", a.mlp_only_layers == b.mlp_only_layers),
+        ("norm_topk_prob", a.norm_topk_prob == b.norm_topk_prob),
+        ("rms_norm_eps", a.rms_norm_eps == b.rms_norm_eps),
+        ("rope_theta", a.rope_theta == b.rope_theta),
+        (
+            "tie_word_embeddings",
+            a.tie_word_embeddings == b.tie_word_embeddings,
+        ),
+    ];
+    fields
+        .into_iter()
+        .find(|(_, same)| !same)
+        .map(|(name, _)| name)
+}
+
+/// Hugging Face `config.json` for `config` (the Hub checkpoints' form, which every
+/// transformers version reads).
+pub fn hf_config_json(config: &Qwen3MoeConfig, dtype: Kind) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "decoder_sparse_step": config.decoder_sparse_step,
+        "mlp_only_layers": config.mlp_only_layers,
+        "norm_topk_prob": config.norm_topk_prob,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": null,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "initializer_range": config.initializer_range,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_sliding_window": false,
+        "output_router_logits": false,
+        "torch_dtype": if dtype == Kind::BFloat16 { "bfloat16" } else { "float32" },
+    })
+}
+
+/// Writes `params` as a Hugging Face directory (`config.json` + `model.safetensors`) at `dir`,
+/// which must not exist yet.
+pub fn export_hf(dir: &Path, config: &Qwen3MoeConfig, params: &[(String, Tensor)]) -> Result<()> {
+    let dtype = params.first().map_or(Kind::Float, |(_, p)| p.kind());
+    let tensors = to_hf_tensors(params);
+    write_folder(dir, |tmp| {
+        write_json(&tmp.join("config.json"), &hf_config_json(config, dtype))?;
+        write_tensors(&tmp.join("model.safetensors"), &tensors)
+    })
+}
+
+/// Builds a folder at `dir` (which must not exist) by filling a temporary sibling with `fill`
+/// and renaming it into place; on failure the temporary folder is removed.
+fn write_folder(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    ensure!(
+        !dir.exists(),
+        "{} already exists; choose another path or remove it first",
+        dir.display()
+    );
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    let mut tmp_name = dir.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = dir.with_file_name(tmp_name);
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let result = fill(&tmp).and_then(|()| {
+        std::fs::rename(&tmp, dir)
+            .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    write_atomically(path, text.as_bytes())?;
+    Ok(())
+}
+
+/// The run state a training checkpoint stores beside the tensors (`state.json`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct TrainingState {
+    /// Optimizer steps taken.
+    pub step: usize,
+    pub model: Qwen3MoeConfig,
+    /// The data order's seed, epoch and position.
+    pub data_seed: u64,
+    pub data_epoch: u64,
+    pub data_cursor: usize,
+    pub batch_size: usize,
+    pub seq_len: usize,
+}
+
+/// A training checkpoint's contents.
+pub struct TrainingCheckpoint {
+    pub state: TrainingState,
+    /// Parameters by the trainer's names.
+    pub params: BTreeMap<String, Tensor>,
+    /// AdamW's `exp_avg.{name}` and `exp_avg_sq.{name}`.
+    pub optimizer: BTreeMap<String, Tensor>,
+}
+
+/// Folder name of the checkpoint after `step` steps.
+fn step_folder(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+/// The checkpoints in `folder`, oldest first, as (step, path).
+pub fn list_checkpoints(folder: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    if !folder.exists() {
+        return Ok(Vec::new());
+    }
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(folder)
+        .with_context(|| format!("cannot list checkpoints in {}", folder.display()))?
+    {
+        let path = entry?.path();
+        let step = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<usize>().ok());
+        if let (Some(step), true) = (step, path.is_dir()) {
+            found.push((step, path));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Writes a training checkpoint into `folder/step-NNNNNNNN` (plus `config.json`, so the
+/// folder also names its architecture), then deletes all but the newest `keep_latest_k`
+/// checkpoints (0 keeps all).
+pub fn save_training(
+    folder: &Path,
+    keep_latest_k: usize,
+    checkpoint: &TrainingCheckpoint,
+) -> Result<PathBuf> {
+    let dir = folder.join(step_folder(checkpoint.state.step));
+    let dtype = checkpoint
+        .params
+        .values()
+        .next()
+        .map_or(Kind::Float, Tensor::kind);
+    write_folder(&dir, |tmp| {
+        write_tensors(&tmp.join("model.safetensors"), &checkpoint.params)?;
+        write_tensors(&tmp.join("optimizer.safetensors"), &checkpoint.optimizer)?;
+        write_json(
+            &tmp.join("config.json"),
+            &hf_config_json(&checkpoint.state.model, dtype),
+        )?;
+        write_json(&tmp.join("state.json"), &checkpoint.state)
+    })?;
+    if keep_latest_k > 0 {
+        let all = list_checkpoints(folder)?;
+        for (_, old) in &all[..all.len().saturating_sub(keep_latest_k)] {
+            std::fs::remove_dir_all(old)
+                .with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+        }
+    }
+    Ok(dir)
+}
+
+/// Whether `dir` is a training checkpoint (rather than a Hugging Face directory).
+pub fn is_training_checkpoint(dir: &Path) -> bool {
+    dir.join("state.json").is_file()
+}
+
+/// Reads a training checkpoint folder.
+pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
+    let state_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&state_path)
+        .with_context(|| format!("cannot read {}", state_path.display()))?;
+    let state: TrainingState = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a valid training state", state_path.display()))?;
+    Ok(TrainingCheckpoint {
+        state,
+        params: read_tensors(&dir.join("model.safetensors"))?,
+        optimizer: read_tensors(&dir.join("optimizer.safetensors"))?,
+    })
+}
+
+/// Copies a checkpoint's tensors into `params` (same names and shapes).
+pub fn assign_params(
+    params: &[(String, Tensor)],
+    values: &BTreeMap<String, Tensor>,
+    source: &Path,
+) -> Result<()> {
+    assign(params, |name, shape| {
+        let value = values
+            .get(name)
+            .with_context(|| format!("{}: missing tensor `{name}`", source.display()))?;
+        ensure!(
+            value.size() == shape,
+            "{}: tensor `{name}` has shape {:?}, the model expects {shape:?}",
+            source.display(),
+            value.size()
+        );
+        Ok(value.shallow_clone())
+    })
+}

@@ -1,0 +1,112 @@
+//! Evaluating and exporting trained models: load a Hugging Face directory or a training
+//! checkpoint, run the forward pass on given token ids, report the losses.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use safetensors::SafeTensors;
+use safetensors::tensor::Dtype;
+use serde::Serialize;
+use tch::{Device, Kind, Tensor, nn};
+
+use crate::checkpoint::{assign_params, export_hf, is_training_checkpoint, load_hf, load_training};
+use crate::model::{Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
+use crate::moe::MoeImpl;
+use crate::tape::Tape;
+
+/// A model loaded for evaluation; `vars` owns its parameters.
+pub struct LoadedModel {
+    pub vars: nn::VarStore,
+    pub model: Qwen3Moe,
+}
+
+/// Loads a Hugging Face model directory or a training checkpoint folder.
+pub fn load_model(dir: &Path) -> Result<LoadedModel> {
+    let vars = nn::VarStore::new(Device::Cpu);
+    let model = if is_training_checkpoint(dir) {
+        let checkpoint = load_training(dir)?;
+        let model = Qwen3Moe::new(&vars.root(), &checkpoint.state.model);
+        assign_params(&sorted_variables(&vars), &checkpoint.params, dir)?;
+        model
+    } else {
+        let config = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
+        let model = Qwen3Moe::new(&vars.root(), &config);
+        load_hf(dir, &config, &sorted_variables(&vars))?;
+        model
+    };
+    Ok(LoadedModel { vars, model })
+}
+
+fn sorted_variables(vars: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut params: Vec<_> = vars.variables().into_iter().collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    params
+}
+
+/// Writes a training checkpoint's model as a Hugging Face directory at `out` (which must not
+/// exist).
+pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
+    if !is_training_checkpoint(checkpoint) {
+        bail!(
+            "{} is not a training checkpoint (no state.json)",
+            checkpoint.display()
+        );
+    }
+    let loaded = load_training(checkpoint)?;
+    let params: Vec<(String, Tensor)> = loaded.params.into_iter().collect();
+    export_hf(out, &loaded.state.model, &params)
+}
+
+/// Reads `input_ids [batch, seq]` (i64 or i32) from a safetensors file, as i64.
+pub fn read_input_ids(path: &Path) -> Result<Tensor> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let file = SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("{} is not a valid safetensors file", path.display()))?;
+    let view = file
+        .tensor("input_ids")
+        .with_context(|| format!("{} has no tensor `input_ids`", path.display()))?;
+    let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+    if shape.len() != 2 {
+        bail!("input_ids must be [batch, seq], got shape {shape:?}");
+    }
+    let kind = match view.dtype() {
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        other => bail!("input_ids must be i64 or i32, got {other:?}"),
+    };
+    Ok(Tensor::from_data_size(view.data(), &shape, kind).to_kind(Kind::Int64))
+}
+
+/// The losses of one evaluation (printed as one JSON line).
+#[derive(Clone, Debug, Serialize)]
+pub struct Losses {
+    /// Mean next-token cross-entropy.
+    pub loss: f64,
+    /// Load-balancing loss before its coefficient.
+    pub aux_loss: f64,
+    /// `loss + router_aux_loss_coef · aux_loss`.
+    pub total_loss: f64,
+}
+
+/// The forward pass on `input_ids [batch, seq]`: logits `[batch, seq, vocab]` (f32) and losses.
+pub fn evaluate(
+    model: &Qwen3Moe,
+    input_ids: &Tensor,
+    moe: MoeImpl,
+    block_size: usize,
+) -> Result<(Tensor, Losses)> {
+    let experts = moe.create(block_size)?;
+    tch::no_grad(|| {
+        let out = model.forward(input_ids, experts.as_ref(), &mut Tape::new(false))?;
+        let config = model.config();
+        let loss = causal_lm_loss(&out.logits, input_ids).double_value(&[]);
+        let aux_loss = load_balancing_loss(&out.router_logits, config.num_experts_per_tok as i64)
+            .double_value(&[]);
+        let losses = Losses {
+            loss,
+            aux_loss,
+            total_loss: loss + config.router_aux_loss_coef * aux_loss,
+        };
+        Ok((out.logits.to_kind(Kind::Float), losses))
+    })
+}

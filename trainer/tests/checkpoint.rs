@@ -1,0 +1,414 @@
+//! Checkpoints end to end through `moekit-train`: resuming equals an uninterrupted run, old
+//! checkpoints are rotated, exports are Hugging Face directories that evaluate like the
+//! checkpoint they came from, and corrupt or mismatched checkpoints are clear errors that
+//! leave every file as it was.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
+use serde_json::Value;
+
+fn debug_config() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../configs/qwen3_moe_debug.toml")
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moekit-ckpt-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moekit-train"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn succeed(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "{args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn fail(args: &[&str], expected: &str) {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(
+        stderr.contains(expected),
+        "{args:?}: `{stderr}` lacks `{expected}`"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Trains the debug config for `steps` steps into `dump` with checkpoints every `interval`.
+fn train_args<'a>(dump: &'a str, config: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "--config",
+        config,
+        "--job.dump_folder",
+        dump,
+        "--training.steps",
+        "20",
+        "--lr_scheduler.warmup_steps",
+        "5",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "10",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+fn metrics(dump: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dump.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {
+    lines
+        .iter()
+        .map(|m| {
+            (
+                m["step"].as_u64().unwrap(),
+                m["loss"].as_f64().unwrap(),
+                m["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+fn write_tokens(path: &Path, ids: &[i64], shape: [usize; 2]) {
+    let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::I64, shape.to_vec(), &bytes).unwrap();
+    safetensors::serialize_to_file([("input_ids", view)], None, path).unwrap();
+}
+
+fn eval_json(args: &[&str]) -> Value {
+    serde_json::from_str(succeed(args).trim()).unwrap()
+}
+
+#[test]
+fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
+    let dir = scratch("resume");
+    let config = debug_config();
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let (a_str, b_str) = (a.to_str().unwrap(), b.to_str().unwrap());
+
+    // Uninterrupted: 20 steps, checkpoints after steps 10 and 20.
+    succeed(&train_args(a_str, &config, &[]));
+    let step10 = a.join("checkpoints/step-00000010");
+    let step20 = a.join("checkpoints/step-00000020");
+    assert!(step10.is_dir() && step20.is_dir());
+
+    // Interrupted after step 10: a fresh folder holding only that checkpoint resumes.
+    copy_dir(&step10, &b.join("checkpoints/step-00000010"));
+    let stdout = succeed(&train_args(b_str, &config, &[]));
+    assert!(stdout.contains("resumed after step 10"), "{stdout}");
+    let whole = losses(&metrics(&a));
+    let resumed = losses(&metrics(&b));
+    assert_eq!(resumed, whole[10..], "steps 11-20 after resuming");
+
+    // The resumed run's final checkpoint holds the same parameters as the uninterrupted one.
+    let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert_eq!(read(&step20), read(&b.join("checkpoints/step-00000020")));
+
+    // Export to a Hugging Face directory.
+    let hf = dir.join("hf");
+    let hf_str = hf.to_str().unwrap();
+    succeed(&[
+        "export",
+        "--checkpoint",
+        step20.to_str().unwrap(),
+        "--out",
+        hf_str,
+    ]);
+    let config_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config_json["model_type"], "qwen3_moe");
+    assert_eq!(config_json["num_experts"], 8);
+    let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
+    let tensors = SafeTensors::deserialize(&bytes).unwrap();
+    let shape = |key: &str| tensors.tensor(key).unwrap().shape().to_vec();
+    assert_eq!(
+        shape("model.layers.1.mlp.experts.7.gate_proj.weight"),
+        [32, 64]
+    );
+    assert_eq!(
+        shape("model.layers.1.mlp.experts.7.up_proj.weight"),
+        [32, 64]
+    );
+    assert_eq!(
+        shape("model.layers.1.mlp.experts.7.down_proj.weight"),
+        [64, 32]
+    );
+    assert_eq!(shape("model.layers.0.mlp.gate.weight"), [8, 64]);
+    assert_eq!(shape("model.layers.0.self_attn.q_norm.weight"), [16]);
+    assert_eq!(shape("lm_head.weight"), [256, 64]);
+    // 8 experts × 3 + gate per MoE layer, 4 projections + 2 head norms + 2 layer norms.
+    assert_eq!(tensors.len(), 2 * (8 * 3 + 1 + 4 + 2 + 2) + 3);
+
+    // The export and the checkpoint evaluate identically, on every implementation.
+    let tokens = dir.join("tokens.safetensors");
+    let text = b"the cat sees the river in the morning.\na dog finds a long letter at night.\n";
+    let ids: Vec<i64> = text[..64].iter().map(|&b| i64::from(b)).collect();
+    write_tokens(&tokens, &ids, [2, 32]);
+    let tokens_str = tokens.to_str().unwrap();
+    let from_hf = eval_json(&["eval", "--model", hf_str, "--tokens", tokens_str]);
+    let from_ckpt = eval_json(&[
+        "eval",
+        "--model",
+        step20.to_str().unwrap(),
+        "--tokens",
+        tokens_str,
+    ]);
+    assert_eq!(from_hf, from_ckpt);
+    let loss = from_hf["loss"].as_f64().unwrap();
+    // Untrained, the loss is ln 256 = 5.55; 20 steps bring it to about 3.
+    assert!(
+        loss < 4.0,
+        "a trained model predicts the corpus: loss {loss}"
+    );
+    let total = from_hf["total_loss"].as_f64().unwrap();
+    let aux = from_hf["aux_loss"].as_f64().unwrap();
+    assert!((total - (loss + 0.001 * aux)).abs() < 1e-12);
+    for moe in ["grouped_mm", "reference", "cpu"] {
+        let other = eval_json(&[
+            "eval",
+            "--model",
+            hf_str,
+            "--tokens",
+            tokens_str,
+            "--kernels.moe",
+            moe,
+            "--kernels.block_size",
+            "3",
+        ]);
+        let other_loss = other["loss"].as_f64().unwrap();
+        assert!(
+            (other_loss - loss).abs() < 1e-5 * loss,
+            "{moe}: {other_loss} vs {loss}"
+        );
+    }
+
+    // Logits are written as [batch, seq, vocab] f32.
+    let logits = dir.join("logits.safetensors");
+    succeed(&[
+        "eval",
+        "--model",
+        hf_str,
+        "--tokens",
+        tokens_str,
+        "--output",
+        logits.to_str().unwrap(),
+    ]);
+    let bytes = std::fs::read(&logits).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let view = file.tensor("logits").unwrap();
+    assert_eq!(
+        (view.shape(), view.dtype()),
+        (&[2, 32, 256][..], Dtype::F32)
+    );
+
+    // Starting a new run from the export begins where the checkpoint left off.
+    let c = dir.join("c");
+    succeed(&[
+        "--config",
+        &config,
+        "--job.dump_folder",
+        c.to_str().unwrap(),
+        "--training.steps",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--checkpoint.initial_load_path",
+        hf_str,
+    ]);
+    let first = losses(&metrics(&c))[0].1;
+    assert!(first < 4.0, "first loss from the export is {first}");
+
+    // Exporting over an existing directory is refused and leaves it untouched.
+    let before = std::fs::read(hf.join("model.safetensors")).unwrap();
+    fail(
+        &[
+            "export",
+            "--checkpoint",
+            step10.to_str().unwrap(),
+            "--out",
+            hf_str,
+        ],
+        "already exists",
+    );
+    assert_eq!(std::fs::read(hf.join("model.safetensors")).unwrap(), before);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn only_the_newest_checkpoints_are_kept() {
+    let dir = scratch("rotate");
+    let config = debug_config();
+    let dump = dir.to_str().unwrap();
+    succeed(&train_args(
+        dump,
+        &config,
+        &[
+            "--checkpoint.interval",
+            "4",
+            "--checkpoint.keep_latest_k",
+            "2",
+        ],
+    ));
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["step-00000016", "step-00000020"]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
+    let dir = scratch("corrupt");
+    let config = debug_config();
+    let dump = dir.to_str().unwrap();
+    succeed(&train_args(dump, &config, &["--training.steps", "10"]));
+    let ckpt = dir.join("checkpoints/step-00000010");
+    let hf = dir.join("hf");
+    succeed(&[
+        "export",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--out",
+        hf.to_str().unwrap(),
+    ]);
+    let snapshot = |path: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut files: Vec<_> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().into_string().unwrap(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        files.sort();
+        files
+    };
+
+    // A different model or batch shape than the checkpoint's.
+    let before = snapshot(&ckpt);
+    fail(
+        &train_args(dump, &config, &["--model.num_experts", "4"]),
+        "different [model] config",
+    );
+    fail(
+        &train_args(dump, &config, &["--training.seq_len", "32"]),
+        "training.seq_len = 64, the config says 32",
+    );
+    assert_eq!(snapshot(&ckpt), before);
+
+    // A truncated tensor file.
+    let model = ckpt.join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let before = snapshot(&ckpt);
+    fail(
+        &train_args(dump, &config, &[]),
+        "not a valid safetensors file",
+    );
+    fail(
+        &[
+            "export",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--out",
+            dir.join("x").to_str().unwrap(),
+        ],
+        "not a valid safetensors file",
+    );
+    assert!(!dir.join("x").exists());
+    assert_eq!(snapshot(&ckpt), before);
+
+    // A missing state file.
+    std::fs::write(&model, &bytes).unwrap();
+    std::fs::remove_file(ckpt.join("state.json")).unwrap();
+    fail(&train_args(dump, &config, &[]), "cannot read");
+
+    // Evaluation inputs: token ids outside the vocabulary, a wrong dtype, a missing model.
+    let tokens = dir.join("tokens.safetensors");
+    write_tokens(&tokens, &[1, 2, 300, 4], [1, 4]);
+    std::fs::write(ckpt.join("state.json"), b"{}").unwrap();
+    fail(
+        &[
+            "eval",
+            "--model",
+            ckpt.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ],
+        "is not a valid training state",
+    );
+    fail(
+        &[
+            "eval",
+            "--model",
+            hf.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ],
+        "token id 300 outside the vocabulary [0, 256)",
+    );
+    let floats = dir.join("floats.safetensors");
+    let bytes: Vec<u8> = [1f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::F32, vec![1, 2], &bytes).unwrap();
+    safetensors::serialize_to_file([("input_ids", view)], None, &floats).unwrap();
+    fail(
+        &[
+            "eval",
+            "--model",
+            hf.to_str().unwrap(),
+            "--tokens",
+            floats.to_str().unwrap(),
+        ],
+        "input_ids must be i64 or i32",
+    );
+    fail(
+        &[
+            "eval",
+            "--model",
+            dir.join("none").to_str().unwrap(),
+            "--tokens",
+            floats.to_str().unwrap(),
+        ],
+        "cannot read model config",
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
