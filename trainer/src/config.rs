@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use toml::{Table, Value};
 
 use crate::model::Qwen3MoeConfig;
-use crate::moe::MoeImpl;
+use crate::moe::{MoeImpl, check_grouped_mm_alignment};
 
 /// A validated job config.
 #[derive(Clone, Debug, PartialEq)]
@@ -76,6 +76,28 @@ pub struct Training {
     /// libtorch intra-op threads; 0 keeps libtorch's default.
     #[serde(default)]
     pub threads: usize,
+    /// Parameter and activation dtype. With bf16, AdamW keeps f32 master weights and moments;
+    /// norms, softmaxes and losses still compute in f32.
+    #[serde(default)]
+    pub dtype: ParamDtype,
+}
+
+/// `training.dtype`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamDtype {
+    #[default]
+    Float32,
+    Bfloat16,
+}
+
+impl ParamDtype {
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            ParamDtype::Float32 => tch::Kind::Float,
+            ParamDtype::Bfloat16 => tch::Kind::BFloat16,
+        }
+    }
 }
 
 fn one() -> usize {
@@ -283,6 +305,13 @@ impl JobConfig {
             metrics,
             ..
         } = self;
+        if kernels.moe == MoeImpl::GroupedMm {
+            check_grouped_mm_alignment(
+                self.model.hidden_size,
+                self.model.moe_intermediate_size,
+                training.dtype.kind().elt_size_in_bytes(),
+            )?;
+        }
         ensure!(
             kernels.block_size > 0,
             "kernels.block_size must be at least 1"

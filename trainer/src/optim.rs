@@ -9,11 +9,15 @@ use crate::config::{DecayType, LrScheduler, Optimizer};
 
 /// AdamW with decoupled weight decay, step for step PyTorch's `torch.optim.AdamW`
 /// (`amsgrad=False`): `p ← p·(1 − lr·wd)`, `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
-/// `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. The state is held here (not in libtorch's
-/// optimizer) so it can be checkpointed.
+/// `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`, in f32 (on an f32 master copy for bf16
+/// parameters). The state is held here (not in libtorch's optimizer) so it can be
+/// checkpointed.
 pub struct AdamW {
     /// Parameters sorted by name, so every run updates them in the same order.
     params: Vec<(String, Tensor)>,
+    /// f32 master copies of the parameters that are not f32 (updated, then rounded into the
+    /// parameter).
+    master: Vec<Option<Tensor>>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
     step: u64,
@@ -33,6 +37,10 @@ impl AdamW {
                 .collect()
         };
         Self {
+            master: params
+                .iter()
+                .map(|(_, p)| (p.kind() != Kind::Float).then(|| p.detach().to_kind(Kind::Float)))
+                .collect(),
             exp_avg: zeros(&params),
             exp_avg_sq: zeros(&params),
             params,
@@ -53,25 +61,41 @@ impl AdamW {
         self.step
     }
 
-    /// The moments by name: `exp_avg.{param}` and `exp_avg_sq.{param}`, `[param's shape]` f32.
+    /// The state by name: `exp_avg.{param}`, `exp_avg_sq.{param}` and, for parameters that
+    /// are not f32, `master.{param}`; each `[param's shape]` f32.
     pub fn state(&self) -> BTreeMap<String, Tensor> {
         let mut state = BTreeMap::new();
-        for (((name, _), m), v) in self.params.iter().zip(&self.exp_avg).zip(&self.exp_avg_sq) {
+        for ((((name, _), m), v), master) in self
+            .params
+            .iter()
+            .zip(&self.exp_avg)
+            .zip(&self.exp_avg_sq)
+            .zip(&self.master)
+        {
             state.insert(format!("exp_avg.{name}"), m.shallow_clone());
             state.insert(format!("exp_avg_sq.{name}"), v.shallow_clone());
+            if let Some(master) = master {
+                state.insert(format!("master.{name}"), master.shallow_clone());
+            }
         }
         state
     }
 
     /// Restores the moments written by [`Self::state`] and the step count.
     pub fn load_state(&mut self, state: &BTreeMap<String, Tensor>, steps_taken: u64) -> Result<()> {
-        for (((name, p), m), v) in self
+        for ((((name, p), m), v), master) in self
             .params
             .iter()
             .zip(&mut self.exp_avg)
             .zip(&mut self.exp_avg_sq)
+            .zip(&mut self.master)
         {
-            for (prefix, moment) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            let slots = [
+                ("exp_avg", Some(m)),
+                ("exp_avg_sq", Some(v)),
+                ("master", master.as_mut()),
+            ];
+            for (prefix, moment) in slots.into_iter().filter_map(|(p, m)| Some(p).zip(m)) {
                 let key = format!("{prefix}.{name}");
                 let value = state
                     .get(&key)
@@ -87,6 +111,17 @@ impl AdamW {
         }
         self.step = steps_taken;
         Ok(())
+    }
+
+    /// Re-reads the master copies from the parameters, after the parameters were loaded.
+    pub fn reset_master_weights(&mut self) {
+        tch::no_grad(|| {
+            for ((_, p), master) in self.params.iter().zip(&mut self.master) {
+                if let Some(master) = master {
+                    master.copy_(&p.to_kind(Kind::Float));
+                }
+            }
+        });
     }
 
     /// Clears every parameter's gradient.
@@ -134,25 +169,31 @@ impl AdamW {
         let bias_correction2_sqrt = (1.0 - beta2.powi(self.step as i32)).sqrt();
         let step_size = lr / bias_correction1;
         tch::no_grad(|| {
-            for (((_, p), m), v) in self
+            for ((((_, p), m), v), master) in self
                 .params
                 .iter_mut()
                 .zip(&mut self.exp_avg)
                 .zip(&mut self.exp_avg_sq)
+                .zip(&self.master)
             {
                 let grad = p.grad();
                 if !grad.defined() {
                     continue;
                 }
                 let grad = grad.to_kind(Kind::Float);
-                let mut master = p.to_kind(Kind::Float);
+                // f32 parameters are updated in place; others through their master copy.
+                let mut master = master
+                    .as_ref()
+                    .map_or_else(|| p.shallow_clone(), Tensor::shallow_clone);
                 let _ = master.g_mul_scalar_(1.0 - lr * self.weight_decay);
                 let _ = m.lerp_(&grad, 1.0 - beta1);
                 let _ = v.g_mul_scalar_(beta2);
                 let _ = v.addcmul_(&(&grad * (1.0 - beta2)), &grad);
                 let denom = v.sqrt() / bias_correction2_sqrt + self.eps;
                 let _ = master.addcdiv_(&(&*m * -step_size), &denom);
-                p.copy_(&master);
+                if p.kind() != Kind::Float {
+                    p.copy_(&master);
+                }
             }
         });
     }

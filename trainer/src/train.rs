@@ -89,8 +89,10 @@ impl Trainer {
         }
         tch::manual_seed(config.job.seed as i64);
         let experts = config.kernels.moe.create(config.kernels.block_size)?;
-        let vars = nn::VarStore::new(Device::Cpu);
+        let mut vars = nn::VarStore::new(Device::Cpu);
         let model = Qwen3Moe::new(&vars.root(), &config.model);
+        // Initialised in f32 (the same values whatever the dtype), then cast.
+        vars.set_kind(config.training.dtype.kind());
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
         let source = if config.data.files.is_empty() {
             Source::Builtin(BUILTIN_CORPUS_BYTES)
@@ -122,6 +124,7 @@ impl Trainer {
                 .with_context(|| format!("cannot resume from {}", dir.display()))?;
         } else if let Some(path) = &config.checkpoint.initial_load_path {
             load_hf(path, &config.model, trainer.params())?;
+            trainer.optimizer.reset_master_weights();
         }
         Ok(trainer)
     }

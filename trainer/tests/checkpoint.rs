@@ -412,3 +412,41 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn bf16_runs_learn_and_resume_exactly_with_their_master_weights() {
+    let dir = scratch("bf16");
+    let config = debug_config();
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let bf16 = ["--training.dtype", "bfloat16"];
+    succeed(&train_args(a.to_str().unwrap(), &config, &bf16));
+    copy_dir(
+        &a.join("checkpoints/step-00000010"),
+        &b.join("checkpoints/step-00000010"),
+    );
+    succeed(&train_args(b.to_str().unwrap(), &config, &bf16));
+    let whole = losses(&metrics(&a));
+    assert_eq!(
+        losses(&metrics(&b)),
+        whole[10..],
+        "steps 11-20 after resuming"
+    );
+    assert!(
+        whole[19].1 < whole[0].1 - 1.0,
+        "bf16 loss falls: {} -> {}",
+        whole[0].1,
+        whole[19].1
+    );
+    // The checkpoint stores bf16 parameters and their f32 master copies.
+    let bytes = std::fs::read(a.join("checkpoints/step-00000020/optimizer.safetensors")).unwrap();
+    let state = SafeTensors::deserialize(&bytes).unwrap();
+    let master = state.tensor("master.model.norm.weight").unwrap();
+    assert_eq!(master.dtype(), Dtype::F32);
+    let bytes = std::fs::read(a.join("checkpoints/step-00000020/model.safetensors")).unwrap();
+    let model = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(
+        model.tensor("model.norm.weight").unwrap().dtype(),
+        Dtype::BF16
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

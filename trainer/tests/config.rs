@@ -164,6 +164,21 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
         ),
         (&[("training", "3")], "must name a section and a key"),
         (
+            &[
+                ("kernels.moe", "grouped_mm"),
+                ("model.moe_intermediate_size", "30"),
+            ],
+            "needs moe_intermediate_size to be a multiple of 4 with 4-byte elements",
+        ),
+        (
+            &[
+                ("kernels.moe", "grouped_mm"),
+                ("training.dtype", "bfloat16"),
+                ("model.moe_intermediate_size", "20"),
+            ],
+            "needs moe_intermediate_size to be a multiple of 8 with 2-byte elements",
+        ),
+        (
             &[("checkpoint.interval", "0")],
             "checkpoint.interval must be at least 1",
         ),

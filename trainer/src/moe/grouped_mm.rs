@@ -1,10 +1,28 @@
 //! Experts through `torch._grouped_mm` over token copies sorted by expert.
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 use tch::{Kind, Tensor};
 
 use super::Experts;
 use crate::tape::Tape;
+
+/// `torch._grouped_mm` needs every row stride to be a multiple of 16 bytes: H and I (in
+/// elements of `elem_bytes`) must be multiples of 16 / `elem_bytes`.
+pub fn check_alignment(hidden: usize, intermediate: usize, elem_bytes: usize) -> Result<()> {
+    for (name, size) in [
+        ("hidden_size", hidden),
+        ("moe_intermediate_size", intermediate),
+    ] {
+        ensure!(
+            (size * elem_bytes).is_multiple_of(16),
+            "kernels.moe = \"grouped_mm\" needs {name} to be a multiple of {} with {}-byte \
+             elements (torch._grouped_mm's 16-byte stride rule), got {size}",
+            16 / elem_bytes,
+            elem_bytes
+        );
+    }
+    Ok(())
+}
 
 /// Sort the T·K token copies by expert (stable), run gate_up and down as two grouped matmuls
 /// with per-expert offsets, scale by the affinities and `index_add` back to token order.
@@ -25,6 +43,7 @@ impl Experts for GroupedMmExperts {
         _tape: &mut Tape,
     ) -> Result<Tensor> {
         let (experts, h, _, i) = gate_up.size4()?;
+        check_alignment(h as usize, i as usize, x.kind().elt_size_in_bytes())?;
         let k = expert_index.size()[1];
         let flat = expert_index.flatten(0, 1);
         let order = flat.argsort_stable(true, 0, false);

@@ -17,7 +17,7 @@ use tch::Tensor;
 
 use crate::tape::Tape;
 
-pub use grouped_mm::GroupedMmExperts;
+pub use grouped_mm::{GroupedMmExperts, check_alignment as check_grouped_mm_alignment};
 pub use kernels::KernelExperts;
 pub use torch_loop::TorchLoopExperts;
 
