@@ -275,11 +275,31 @@ pub fn hf_config_json(config: &Qwen3MoeConfig, dtype: Kind) -> serde_json::Value
     })
 }
 
+/// Suffix of the aux-loss-free selection biases, which Hugging Face's format has no place for.
+const EXPERT_BIAS: &str = ".mlp.expert_bias";
+
 /// Writes `params` as a Hugging Face directory (`config.json` + `model.safetensors`) at `dir`,
-/// which must not exist yet.
+/// which must not exist yet. Selection biases (`*.mlp.expert_bias`) are left out, with a
+/// warning when they are not zero: transformers' router has none, so the export routes by the
+/// probabilities alone.
 pub fn export_hf(dir: &Path, config: &Qwen3MoeConfig, params: &[(String, Tensor)]) -> Result<()> {
+    let (biases, params): (Vec<_>, Vec<_>) = params
+        .iter()
+        .map(|(name, p)| (name.clone(), p.shallow_clone()))
+        .partition(|(name, _)| name.ends_with(EXPERT_BIAS));
+    if biases
+        .iter()
+        .any(|(_, b)| b.abs().max().double_value(&[]) > 0.0)
+    {
+        eprintln!(
+            "warning: the aux-loss-free selection biases (*{EXPERT_BIAS}) are not part of the \
+             Hugging Face format and are left out of {}; its routing uses the router \
+             probabilities alone",
+            dir.display()
+        );
+    }
     let dtype = params.first().map_or(Kind::Float, |(_, p)| p.kind());
-    let tensors = to_hf_tensors(params);
+    let tensors = to_hf_tensors(&params);
     write_folder(dir, |tmp| {
         write_json(&tmp.join("config.json"), &hf_config_json(config, dtype))?;
         write_tensors(&tmp.join("model.safetensors"), &tensors)

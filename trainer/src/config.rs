@@ -76,6 +76,11 @@ pub struct Training {
     /// libtorch intra-op threads; 0 keeps libtorch's default.
     #[serde(default)]
     pub threads: usize,
+    /// Aux-loss-free balancing (torchtitan's): after each step every MoE layer's selection
+    /// bias moves by `load_balance_coeff · sign(mean load − expert load)`, mean-centred. 0 (the
+    /// default) leaves the bias at zero, which is Hugging Face's router.
+    #[serde(default)]
+    pub load_balance_coeff: f64,
     /// Parameter and activation dtype. With bf16, AdamW keeps f32 master weights and moments;
     /// norms, softmaxes and losses still compute in f32.
     #[serde(default)]
@@ -343,6 +348,11 @@ impl JobConfig {
             training.max_norm.is_finite() && training.max_norm >= 0.0,
             "training.max_norm must be a non-negative finite number (0 disables clipping), got {}",
             training.max_norm
+        );
+        ensure!(
+            training.load_balance_coeff.is_finite() && training.load_balance_coeff >= 0.0,
+            "training.load_balance_coeff must be a non-negative finite number, got {}",
+            training.load_balance_coeff
         );
         ensure!(
             optimizer.name == "AdamW",

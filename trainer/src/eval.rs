@@ -27,6 +27,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         let checkpoint = load_training(dir)?;
         let model = Qwen3Moe::new(&vars.root(), &checkpoint.state.model);
         assign_params(&sorted_variables(&vars), &checkpoint.params, dir)?;
+        assign_params(&model.expert_biases(), &checkpoint.params, dir)?;
         model
     } else {
         let config = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;

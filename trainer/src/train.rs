@@ -129,6 +129,19 @@ impl Trainer {
         Ok(trainer)
     }
 
+    /// Aux-loss-free balancing: moves each MoE layer's selection bias towards its
+    /// under-loaded experts by `load_balance_coeff · sign(mean − count)`, mean-centred.
+    fn update_expert_biases(&self, counts: &[Vec<f64>]) {
+        let coeff = self.config.training.load_balance_coeff;
+        tch::no_grad(|| {
+            for ((_, mut bias), counts) in self.model.expert_biases().into_iter().zip(counts) {
+                let counts = Tensor::from_slice(counts).to_kind(Kind::Float);
+                let delta = (counts.mean(Kind::Float) - counts).sign() * coeff;
+                let _ = bias.g_add_(&(&delta - delta.mean(Kind::Float)));
+            }
+        });
+    }
+
     /// Steps taken (including those of a resumed checkpoint).
     pub fn steps_taken(&self) -> usize {
         self.step
@@ -170,6 +183,7 @@ impl Trainer {
             );
         }
         assign_params(self.params(), &checkpoint.params, dir)?;
+        assign_params(&self.model.expert_biases(), &checkpoint.params, dir)?;
         self.optimizer
             .load_state(&checkpoint.optimizer, state.step as u64)
             .with_context(|| format!("in {}", dir.display()))?;
@@ -196,6 +210,7 @@ impl Trainer {
                 .params()
                 .iter()
                 .map(|(name, p)| (name.clone(), p.detach()))
+                .chain(self.model.expert_biases())
                 .collect(),
             optimizer: self.optimizer.state(),
         };
@@ -274,6 +289,9 @@ impl Trainer {
             &self.config.lr_scheduler,
         );
         self.optimizer.step(lr);
+        if training.load_balance_coeff > 0.0 {
+            self.update_expert_biases(&counts);
+        }
 
         let tokens = (accumulation * training.batch_size * training.seq_len) as f64;
         Ok(StepMetrics {

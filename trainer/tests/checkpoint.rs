@@ -414,11 +414,16 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
 }
 
 #[test]
-fn bf16_runs_learn_and_resume_exactly_with_their_master_weights() {
+fn bf16_balanced_runs_learn_and_resume_exactly_with_master_weights_and_biases() {
     let dir = scratch("bf16");
     let config = debug_config();
     let (a, b) = (dir.join("a"), dir.join("b"));
-    let bf16 = ["--training.dtype", "bfloat16"];
+    let bf16 = [
+        "--training.dtype",
+        "bfloat16",
+        "--training.load_balance_coeff",
+        "0.001",
+    ];
     succeed(&train_args(a.to_str().unwrap(), &config, &bf16));
     copy_dir(
         &a.join("checkpoints/step-00000010"),
@@ -448,5 +453,23 @@ fn bf16_runs_learn_and_resume_exactly_with_their_master_weights() {
         model.tensor("model.norm.weight").unwrap().dtype(),
         Dtype::BF16
     );
+    // The aux-loss-free selection biases moved, are saved in f32, and are restored on resume
+    // (the resumed losses above depend on them).
+    let bias = model.tensor("model.layers.1.mlp.expert_bias").unwrap();
+    assert_eq!((bias.dtype(), bias.shape()), (Dtype::F32, &[8][..]));
+    assert!(bias.data().iter().any(|&b| b != 0));
+    // The Hugging Face export leaves them out, and says so.
+    let out = run(&[
+        "export",
+        "--checkpoint",
+        a.join("checkpoints/step-00000020").to_str().unwrap(),
+        "--out",
+        dir.join("hf").to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("selection biases"));
+    let bytes = std::fs::read(dir.join("hf/model.safetensors")).unwrap();
+    let export = SafeTensors::deserialize(&bytes).unwrap();
+    assert!(export.names().iter().all(|n| !n.contains("expert_bias")));
     std::fs::remove_dir_all(dir).unwrap();
 }

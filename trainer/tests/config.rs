@@ -164,6 +164,10 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
         ),
         (&[("training", "3")], "must name a section and a key"),
         (
+            &[("training.load_balance_coeff", "-1.0")],
+            "training.load_balance_coeff must be a non-negative finite number",
+        ),
+        (
             &[
                 ("kernels.moe", "grouped_mm"),
                 ("model.moe_intermediate_size", "30"),

@@ -188,3 +188,36 @@ fn a_diverging_run_stops_with_a_message() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn aux_loss_free_balancing_evens_out_the_expert_load() {
+    // Without the auxiliary loss the router concentrates on a few experts; the selection bias
+    // update spreads the load again.
+    let mean_cv = |coeff: &str| {
+        let dir = scratch(&format!("balance-{coeff}"));
+        let metrics = train_debug(
+            &dir,
+            &[
+                "--training.steps",
+                "80",
+                "--model.router_aux_loss_coef",
+                "0",
+                "--training.load_balance_coeff",
+                coeff,
+            ],
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+        let last = &metrics[60..];
+        let cvs: Vec<f64> = last
+            .iter()
+            .flat_map(|m| m["expert_load"].as_array().unwrap().clone())
+            .map(|layer| layer["cv"].as_f64().unwrap())
+            .collect();
+        cvs.iter().sum::<f64>() / cvs.len() as f64
+    };
+    let (free, balanced) = (mean_cv("0"), mean_cv("0.01"));
+    assert!(
+        balanced < 0.5 * free,
+        "coefficient of variation of the expert load: {balanced} with the bias, {free} without"
+    );
+}

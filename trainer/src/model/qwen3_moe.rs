@@ -58,6 +58,21 @@ impl Qwen3Moe {
         &self.config
     }
 
+    /// The MoE layers' selection biases, `model.layers.{l}.mlp.expert_bias [E]` f32, by name.
+    pub fn expert_biases(&self) -> Vec<(String, Tensor)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, layer)| match &layer.mlp {
+                Mlp::Moe(moe) => Some((
+                    format!("model.layers.{l}.mlp.expert_bias"),
+                    moe.expert_bias.shallow_clone(),
+                )),
+                Mlp::Dense(_) => None,
+            })
+            .collect()
+    }
+
     /// Logits for `input_ids [B, S]` (i64, each in `[0, V)`), with a causal mask and positions
     /// `0..S`. MoE layers run on `experts`; kernels outside autograd record their backward on
     /// `tape`.
@@ -250,6 +265,10 @@ impl Attention {
 struct MoeBlock {
     /// `[E, H]`.
     gate: Tensor,
+    /// `[E]` f32 selection bias for aux-loss-free balancing: added to the probabilities to
+    /// choose the top K, never to the affinities. Not a trainable parameter; zeros unless
+    /// training updates it.
+    expert_bias: Tensor,
     /// `[E, H, 2, I]`.
     gate_up_proj: Tensor,
     /// `[E, I, H]`.
@@ -278,6 +297,7 @@ impl MoeBlock {
         let experts = vs.sub("experts");
         Self {
             gate: linear_weight(vs, "gate", e, h, std),
+            expert_bias: Tensor::zeros([e], (Kind::Float, vs.device())),
             gate_up_proj: experts.randn("gate_up_proj", &[e, h, 2, i], 0.0, std),
             down_proj: experts.randn("down_proj", &[e, i, h], 0.0, std),
             top_k: config.num_experts_per_tok as i64,
@@ -285,8 +305,9 @@ impl MoeBlock {
         }
     }
 
-    /// `x [B, S, H]`: `softmax(x · gateᵀ)` in f32, top-K (sorted), divided by the top-K sum
-    /// when `norm_topk_prob`, cast back to x's dtype, then the experts.
+    /// `x [B, S, H]`: `p = softmax(x · gateᵀ)` in f32, the top K of `p + expert_bias` (sorted),
+    /// their `p` divided by its sum when `norm_topk_prob`, cast back to x's dtype, then the
+    /// experts. With a zero bias this is Hugging Face's router exactly.
     fn forward(&self, x: &Tensor, experts: &dyn Experts, tape: &mut Tape) -> Result<Routed> {
         let shape = x.size();
         // With kernels outside autograd, the tensors that feed both a kernel and another
@@ -295,7 +316,8 @@ impl MoeBlock {
         let flat = tape.cut(x.reshape([-1, shape[2]]));
         let router_logits = tape.cut(flat.linear(&self.gate, None::<Tensor>));
         let probs = router_logits.softmax(-1, Kind::Float);
-        let (mut affinities, expert_index) = probs.topk(self.top_k, -1, true, true);
+        let (_, expert_index) = (&probs + &self.expert_bias).topk(self.top_k, -1, true, true);
+        let mut affinities = probs.gather(-1, &expert_index, false);
         if self.norm_topk_prob {
             affinities = &affinities / affinities.sum_dim_intlist(-1, true, Kind::Float);
         }
