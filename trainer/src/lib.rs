@@ -13,6 +13,7 @@
 //! - [`eval`]: loading, evaluating and exporting trained models.
 //! - [`data`]: tokenization, the built-in corpus and batching.
 //! - [`optim`]: AdamW, clipping, the learning-rate schedule.
+//! - [`plots`]: PNG plots of the loss and the expert load.
 //! - [`train`]: the training loop and its metrics.
 
 pub mod checkpoint;
@@ -22,5 +23,6 @@ pub mod eval;
 pub mod model;
 pub mod moe;
 pub mod optim;
+pub mod plots;
 pub mod tape;
 pub mod train;

@@ -19,6 +19,7 @@ use crate::data::{Batches, Source};
 use crate::model::{Qwen3Moe, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
+use crate::plots;
 use crate::tape::Tape;
 
 /// Size of the built-in corpus used when `[data] files` is empty.
@@ -38,6 +39,9 @@ pub struct StepMetrics {
     pub tokens_per_second: f64,
     /// Token-to-expert assignments of each MoE layer over the step.
     pub expert_load: Vec<LayerLoad>,
+    /// The assignments themselves, `[MoE layers][E]` (not written to metrics.jsonl).
+    #[serde(skip)]
+    pub expert_counts: Vec<Vec<f64>>,
 }
 
 /// Load statistics of one MoE layer: assignments per expert.
@@ -306,6 +310,7 @@ impl Trainer {
                 .zip(&counts)
                 .map(|(&layer, counts)| LayerLoad::new(layer, counts))
                 .collect(),
+            expert_counts: counts,
         })
     }
 }
@@ -374,5 +379,45 @@ pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
     }
     metrics_file.flush()?;
     println!("metrics: {}", metrics_path.display());
+    if let Err(err) = plot(config, &metrics_path, &history) {
+        eprintln!("warning: plots skipped: {err:#}");
+    }
     Ok(history)
+}
+
+/// `loss.png` from every step in metrics.jsonl (a resumed run's earlier steps included) and
+/// `expert_load.png` from the assignments of the steps taken by this process.
+fn plot(config: &JobConfig, metrics_path: &Path, history: &[StepMetrics]) -> Result<()> {
+    let text = std::fs::read_to_string(metrics_path)
+        .with_context(|| format!("cannot read {}", metrics_path.display()))?;
+    let points = text
+        .lines()
+        .map(|line| {
+            let m: serde_json::Value = serde_json::from_str(line)?;
+            let field = |k: &str| m[k].as_f64().with_context(|| format!("no `{k}` in {line}"));
+            Ok((field("step")? as usize, field("loss")?, field("aux_loss")?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let folder = &config.job.dump_folder;
+    let loss_png = folder.join("loss.png");
+    plots::loss_curve(&loss_png, &points)?;
+    let layers: Vec<usize> = (0..config.model.num_hidden_layers)
+        .filter(|&l| config.model.is_moe_layer(l))
+        .collect();
+    let mut totals = vec![vec![0.0; config.model.num_experts]; layers.len()];
+    for step in history {
+        for (total, counts) in totals.iter_mut().zip(&step.expert_counts) {
+            for (t, c) in total.iter_mut().zip(counts) {
+                *t += c;
+            }
+        }
+    }
+    let load_png = folder.join("expert_load.png");
+    if !layers.is_empty() && !history.is_empty() {
+        plots::expert_load_heatmap(&load_png, &layers, &totals)?;
+        println!("plots: {} {}", loss_png.display(), load_png.display());
+    } else {
+        println!("plots: {}", loss_png.display());
+    }
+    Ok(())
 }

@@ -72,6 +72,13 @@ fn the_debug_config_learns_the_builtin_corpus() {
         .map(|k| load[0][k].as_f64().unwrap())
         .sum();
     assert!(total > 0.0 && load[0]["cv"].as_f64().unwrap() >= 0.0);
+    // The plots are PNG images of the stated sizes (width, height from the IHDR chunk).
+    for (name, size) in [("loss.png", (900, 520)), ("expert_load.png", (720, 240))] {
+        let png = std::fs::read(dir.join(name)).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{name}");
+        let dim = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+        assert_eq!((dim(16), dim(20)), size, "{name}");
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -220,4 +227,30 @@ fn aux_loss_free_balancing_evens_out_the_expert_load() {
         balanced < 0.5 * free,
         "coefficient of variation of the expert load: {balanced} with the bias, {free} without"
     );
+}
+
+#[test]
+fn a_missing_plot_font_skips_the_plots_with_a_warning() {
+    let dir = scratch("no-font");
+    let config = debug_config();
+    let out = Command::new(env!("CARGO_BIN_EXE_moekit-train"))
+        .env("MOEKIT_PLOT_FONT", "/no/such/font.ttf")
+        .args([
+            "--config",
+            config.to_str().unwrap(),
+            "--job.dump_folder",
+            dir.to_str().unwrap(),
+            "--training.steps",
+            "3",
+            "--lr_scheduler.warmup_steps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("plots skipped: no font for the plot labels (tried /no/such/font.ttf"));
+    assert!(dir.join("metrics.jsonl").is_file());
+    assert!(!dir.join("loss.png").exists());
+    std::fs::remove_dir_all(dir).unwrap();
 }
