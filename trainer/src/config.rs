@@ -165,7 +165,8 @@ fn default_decay_type() -> DecayType {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Data {
-    /// `"byte"`: one token per UTF-8 byte (ids 0–255).
+    /// `"byte"` (one token per UTF-8 byte, ids 0–255) or the path of a Hugging Face
+    /// `tokenizer.json`, relative to the config file's folder.
     #[serde(default = "default_tokenizer")]
     pub tokenizer: String,
     /// Text files to train on; empty trains on the built-in corpus.
@@ -284,6 +285,9 @@ impl JobConfig {
                 *file = base.join(&*file);
             }
         }
+        if data.tokenizer != "byte" && Path::new(&data.tokenizer).is_relative() {
+            data.tokenizer = base.join(&data.tokenizer).to_string_lossy().into_owned();
+        }
         let config = Self {
             job,
             model,
@@ -391,22 +395,17 @@ impl JobConfig {
             "lr_scheduler.min_lr_factor must be in [0, 1], got {}",
             lr_scheduler.min_lr_factor
         );
-        ensure!(
-            data.tokenizer == "byte",
-            "data.tokenizer \"{}\" is not supported; use \"byte\"",
-            data.tokenizer
-        );
-        ensure!(
-            self.model.vocab_size >= 256,
-            "the byte tokenizer needs model.vocab_size >= 256, got {}",
-            self.model.vocab_size
-        );
-        if let Some(path) = &self.checkpoint.initial_load_path {
+        if data.tokenizer == "byte" {
             ensure!(
-                path.join("config.json").is_file(),
-                "checkpoint.initial_load_path: {} is not a Hugging Face model directory (no \
-                 config.json)",
-                path.display()
+                self.model.vocab_size >= 256,
+                "the byte tokenizer needs model.vocab_size >= 256, got {}",
+                self.model.vocab_size
+            );
+        } else {
+            ensure!(
+                Path::new(&data.tokenizer).is_file(),
+                "data.tokenizer: {} is neither \"byte\" nor an existing tokenizer.json file",
+                data.tokenizer
             );
         }
         for file in &data.files {

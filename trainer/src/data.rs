@@ -1,14 +1,53 @@
-//! Training data: text tokenized byte by byte, cut into packed `seq_len` windows, served in
-//! batches in a seeded shuffled order that is reshuffled every epoch.
+//! Training data: text tokenized byte by byte or by a Hugging Face `tokenizer.json`, cut into
+//! packed `seq_len` windows, served in batches in a seeded shuffled order that is reshuffled
+//! every epoch.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use tch::Tensor;
 
-/// The byte-level tokenizer: token id = UTF-8 byte (vocabulary 256).
-pub fn byte_tokenize(text: &str) -> Vec<i64> {
-    text.bytes().map(i64::from).collect()
+/// How text becomes token ids.
+pub enum TextTokenizer {
+    /// One token per UTF-8 byte (ids 0–255).
+    Byte,
+    /// A Hugging Face `tokenizer.json` (Qwen's, or any other), without special tokens added.
+    HuggingFace(Box<tokenizers::Tokenizer>),
+}
+
+impl TextTokenizer {
+    /// `"byte"`, or the path of a `tokenizer.json`.
+    pub fn load(spec: &str) -> Result<Self> {
+        if spec == "byte" {
+            return Ok(Self::Byte);
+        }
+        let path = Path::new(spec);
+        let tokenizer = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
+        Ok(Self::HuggingFace(Box::new(tokenizer)))
+    }
+
+    /// Number of token ids it can produce (added tokens included).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Byte => 256,
+            Self::HuggingFace(tokenizer) => tokenizer.get_vocab_size(true),
+        }
+    }
+
+    /// The token ids of `text`.
+    pub fn encode(&self, text: &str) -> Result<Vec<i64>> {
+        match self {
+            Self::Byte => Ok(text.bytes().map(i64::from).collect()),
+            Self::HuggingFace(tokenizer) => Ok(tokenizer
+                .encode(text, false)
+                .map_err(|e| anyhow!("cannot tokenize: {e}"))?
+                .get_ids()
+                .iter()
+                .map(|&id| i64::from(id))
+                .collect()),
+        }
+    }
 }
 
 /// A deterministic corpus of simple English sentences (about `bytes` long) built from a small
@@ -87,15 +126,19 @@ pub enum Source {
 
 impl Source {
     /// The token ids of the whole source.
-    pub fn tokens(&self) -> Result<Vec<i64>> {
+    pub fn tokens(&self, tokenizer: &TextTokenizer) -> Result<Vec<i64>> {
         match self {
-            Source::Builtin(bytes) => Ok(byte_tokenize(&builtin_corpus(*bytes))),
+            Source::Builtin(bytes) => tokenizer.encode(&builtin_corpus(*bytes)),
             Source::Files(files) => {
                 let mut tokens = Vec::new();
                 for file in files {
                     let text = std::fs::read_to_string(file)
                         .with_context(|| format!("cannot read training text {}", file.display()))?;
-                    tokens.extend(byte_tokenize(&text));
+                    tokens.extend(
+                        tokenizer
+                            .encode(&text)
+                            .with_context(|| format!("in {}", file.display()))?,
+                    );
                 }
                 Ok(tokens)
             }

@@ -15,7 +15,7 @@ use crate::checkpoint::{
     save_training,
 };
 use crate::config::JobConfig;
-use crate::data::{Batches, Source};
+use crate::data::{Batches, Source, TextTokenizer};
 use crate::model::{Qwen3Moe, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
@@ -103,8 +103,16 @@ impl Trainer {
         } else {
             Source::Files(config.data.files.clone())
         };
+        let tokenizer = TextTokenizer::load(&config.data.tokenizer)?;
+        ensure!(
+            tokenizer.vocab_size() <= config.model.vocab_size,
+            "data.tokenizer {} has {} tokens, more than model.vocab_size {}",
+            config.data.tokenizer,
+            tokenizer.vocab_size(),
+            config.model.vocab_size
+        );
         let batches = Batches::new(
-            source.tokens()?,
+            source.tokens(&tokenizer)?,
             config.training.seq_len,
             config.training.batch_size,
             config.job.seed,

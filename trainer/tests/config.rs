@@ -156,7 +156,7 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
         ),
         (
             &[("data.tokenizer", "gpt2")],
-            "data.tokenizer \"gpt2\" is not supported",
+            "gpt2 is neither \"byte\" nor an existing tokenizer.json file",
         ),
         (
             &[("model.config_json", "config.json")],

@@ -254,3 +254,90 @@ fn a_missing_plot_font_skips_the_plots_with_a_warning() {
     assert!(!dir.join("loss.png").exists());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A word-level `tokenizer.json` covering the built-in corpus: one id per word and per
+/// punctuation mark, `[UNK]` = 0.
+fn word_tokenizer(path: &Path) -> usize {
+    let corpus = moekit_trainer::data::builtin_corpus(1 << 16);
+    let mut words: Vec<&str> = corpus
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    words.sort_unstable();
+    words.dedup();
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), 0.into());
+    vocab.insert(".".into(), 1.into());
+    for (id, word) in words.iter().enumerate() {
+        vocab.insert((*word).into(), (id + 2).into());
+    }
+    let size = vocab.len();
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(path, serde_json::to_string(&json).unwrap()).unwrap();
+    size
+}
+
+#[test]
+fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
+    let dir = scratch("tokenizer");
+    let tokenizer = dir.join("tokenizer.json");
+    let vocab = word_tokenizer(&tokenizer);
+    let tokenizer = tokenizer.to_str().unwrap();
+    let metrics = train_debug(
+        &dir.join("run"),
+        &[
+            "--data.tokenizer",
+            tokenizer,
+            "--training.steps",
+            "40",
+            "--lr_scheduler.warmup_steps",
+            "5",
+        ],
+    );
+    let loss = field(&metrics, "loss");
+    // Words are far more predictable than bytes: the loss falls well below its start.
+    assert!(loss[39] < loss[0] - 2.0, "loss {} -> {}", loss[0], loss[39]);
+
+    let config = debug_config();
+    let config = config.to_str().unwrap();
+    let small = (vocab - 1).to_string();
+    for (args, expected) in [
+        (
+            vec![
+                "--data.tokenizer",
+                tokenizer,
+                "--model.vocab_size",
+                small.as_str(),
+            ],
+            format!("has {vocab} tokens, more than model.vocab_size {small}"),
+        ),
+        (
+            vec!["--data.tokenizer", config],
+            format!("cannot load tokenizer {config}"),
+        ),
+    ] {
+        let dump = dir.join("bad");
+        let mut all = vec![
+            "--config",
+            config,
+            "--job.dump_folder",
+            dump.to_str().unwrap(),
+        ];
+        all.extend(args);
+        let out = train(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains(&expected), "`{stderr}` lacks `{expected}`");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
