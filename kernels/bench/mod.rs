@@ -36,6 +36,14 @@ impl MoeShape {
             e: 8,
             k: 2,
         },
+        // The MoE layer of the trainer's benchmark config (configs/qwen3_moe_small.toml).
+        MoeShape {
+            name: "qwen3-moe-small",
+            h: 256,
+            i: 128,
+            e: 32,
+            k: 4,
+        },
         MoeShape {
             name: "qwen3-30b-a3b",
             h: 2048,

@@ -408,6 +408,14 @@ impl JobConfig {
                 data.tokenizer
             );
         }
+        if let Some(path) = &self.checkpoint.initial_load_path {
+            ensure!(
+                path.join("config.json").is_file(),
+                "checkpoint.initial_load_path: {} is not a Hugging Face model directory (no \
+                 config.json)",
+                path.display()
+            );
+        }
         for file in &data.files {
             ensure!(
                 file.is_file(),

@@ -5,6 +5,7 @@
 //! `grouped_mm`) or moekit's kernels (`reference`, `cpu`), whose backward is stitched into
 //! autograd.
 //!
+//! - [`bench`]: training throughput of each MoE implementation.
 //! - [`config`]: the TOML job config and its command-line overrides.
 //! - [`checkpoint`]: Hugging Face directories and training checkpoints.
 //! - [`model`]: Qwen3-MoE and its losses.
@@ -16,6 +17,7 @@
 //! - [`plots`]: PNG plots of the loss and the expert load.
 //! - [`train`]: the training loop and its metrics.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

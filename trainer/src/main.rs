@@ -4,6 +4,7 @@
 //! moekit-train [train] --config FILE [--section.key VALUE]...
 //! moekit-train eval --model DIR --tokens FILE [--output FILE] [--kernels.moe IMPL]
 //! moekit-train export --checkpoint DIR --out DIR
+//! moekit-train bench --config FILE [--bench.impls A,B] [--bench.warmup N] [--bench.steps N]
 //! ```
 
 use std::path::PathBuf;
@@ -12,6 +13,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use moekit::golden::TensorFile;
 use moekit::torch::from_tch;
+use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::eval::{evaluate, export, load_model, read_input_ids};
 use moekit_trainer::moe::MoeImpl;
@@ -22,6 +24,9 @@ usage: moekit-train [train] --config FILE [--section.key VALUE]...
        moekit-train eval --model DIR --tokens FILE [--output FILE] [--kernels.moe IMPL]
                          [--kernels.block_size B]
        moekit-train export --checkpoint DIR --out DIR
+       moekit-train bench --config FILE [--bench.impls torch,grouped_mm,reference,cpu]
+                          [--bench.warmup 3] [--bench.steps 10] [--bench.json true]
+                          [--section.key VALUE]...
 
 train   Trains a Qwen3-MoE model as the job config (TOML) describes. Any key of the config can
         be overridden: `--training.steps 20`, `--kernels.moe cpu`, `--optimizer.lr=1e-3`.
@@ -29,7 +34,11 @@ eval    Loads a Hugging Face model directory or a training checkpoint, runs the 
         `input_ids [batch, seq]` (i64 or i32) from a safetensors file, writes `logits` (f32) to
         --output and prints {\"loss\", \"aux_loss\", \"total_loss\"} as one JSON line.
         IMPL: torch (default), grouped_mm, reference, cpu.
-export  Writes a training checkpoint's model as a Hugging Face directory (must not exist).";
+export  Writes a training checkpoint's model as a Hugging Face directory (must not exist).
+bench   Trains the config with each MoE implementation in one process, steps taken in turn,
+        and prints the median step time, tokens/s, model FLOP/s as a share of the measured
+        f32 FMA peak, and the ratios to torch and grouped_mm (one JSON object per row with
+        --bench.json true).";
 
 /// `--key value` and `--key=value` pairs, in order.
 fn flags(mut args: impl Iterator<Item = String>) -> Result<Vec<(String, String)>> {
@@ -87,15 +96,77 @@ fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
     Ok(())
 }
 
-fn run_eval(options: Options) -> Result<()> {
-    let moe: MoeImpl = match options.get("kernels.moe") {
-        None => MoeImpl::Torch,
-        Some(name) => MoeImpl::ALL
-            .iter()
-            .copied()
-            .find(|m| m.name() == name)
-            .with_context(|| format!("unknown --kernels.moe `{name}`"))?,
+fn run_bench(pairs: Vec<(String, String)>) -> Result<()> {
+    let (bench, rest): (Vec<_>, Vec<_>) = pairs
+        .into_iter()
+        .partition(|(k, _)| k.starts_with("bench."));
+    let bench = Options::new(
+        bench,
+        &["bench.impls", "bench.warmup", "bench.steps", "bench.json"],
+    )?;
+    let count = |key: &str, default: usize| -> Result<usize> {
+        bench.get(key).map_or(Ok(default), |v| {
+            v.parse()
+                .with_context(|| format!("--{key} must be a non-negative integer, got `{v}`"))
+        })
     };
+    let impls = match bench.get("bench.impls") {
+        None => vec![
+            MoeImpl::Torch,
+            MoeImpl::GroupedMm,
+            MoeImpl::Reference,
+            MoeImpl::Cpu,
+        ],
+        Some(list) => list
+            .split(',')
+            .map(|name| parse_moe(name.trim()))
+            .collect::<Result<_>>()?,
+    };
+    let json = match bench.get("bench.json") {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => bail!("--bench.json must be true or false, got `{other}`"),
+    };
+    let options = BenchOptions {
+        impls,
+        warmup: count("bench.warmup", 3)?,
+        steps: count("bench.steps", 10)?,
+    };
+    let (config, overrides): (Vec<_>, Vec<_>) = rest.into_iter().partition(|(k, _)| k == "config");
+    let (_, path) = config
+        .into_iter()
+        .last()
+        .with_context(|| format!("missing `--config FILE`\n\n{USAGE}"))?;
+    let config = JobConfig::load(&PathBuf::from(path), &overrides)?;
+    let (limits, rows) = bench::bench(&config, &options)?;
+    if json {
+        for row in &rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+    } else {
+        print!("{}", bench::table(&limits, &rows));
+    }
+    Ok(())
+}
+
+fn parse_moe(name: &str) -> Result<MoeImpl> {
+    MoeImpl::ALL
+        .iter()
+        .copied()
+        .find(|m| m.name() == name)
+        .with_context(|| {
+            let known: Vec<_> = MoeImpl::ALL.iter().map(|m| m.name()).collect();
+            format!(
+                "unknown MoE implementation `{name}`; known: {}",
+                known.join(", ")
+            )
+        })
+}
+
+fn run_eval(options: Options) -> Result<()> {
+    let moe = options
+        .get("kernels.moe")
+        .map_or(Ok(MoeImpl::Torch), parse_moe)?;
     let block_size = match options.get("kernels.block_size") {
         None => 64,
         Some(b) => b
@@ -121,15 +192,15 @@ fn run_eval(options: Options) -> Result<()> {
 
 fn run() -> Result<()> {
     let mut args = std::env::args().skip(1).peekable();
-    if args
-        .peek()
-        .is_some_and(|a| a == "-h" || a == "--help" || a == "help")
+    if std::env::args()
+        .skip(1)
+        .any(|a| a == "-h" || a == "--help" || a == "help")
     {
         println!("{USAGE}");
         return Ok(());
     }
     let command = match args.peek().map(String::as_str) {
-        Some("train" | "eval" | "export") => args.next(),
+        Some("train" | "eval" | "export" | "bench") => args.next(),
         _ => None,
     };
     let pairs = flags(args)?;
@@ -144,6 +215,7 @@ fn run() -> Result<()> {
                 "kernels.block_size",
             ],
         )?),
+        Some("bench") => run_bench(pairs),
         Some("export") => {
             let options = Options::new(pairs, &["checkpoint", "out"])?;
             export(

@@ -94,14 +94,22 @@ impl Tape {
     }
 }
 
-/// Sends each gradient into its tensor's graph: the backward of `Σ (tensor · gradient).sum()`,
-/// whose gradient with respect to each tensor is exactly its given gradient.
+/// Sends each gradient into its tensor's graph. A leaf whose `.grad` already exists (every
+/// parameter after its first step) gets the gradient added in place; the others receive it
+/// through the backward of `Σ (tensor · gradient).sum()`, whose gradient with respect to each
+/// tensor is exactly its given gradient.
 fn propagate(pairs: &[(Tensor, Tensor)]) -> Result<()> {
-    let terms: Vec<Tensor> = pairs
-        .iter()
-        .filter(|(tensor, _)| tensor.requires_grad())
-        .map(|(tensor, grad)| (tensor * grad).sum(tch::Kind::Float))
-        .collect();
+    let mut terms = Vec::new();
+    for (tensor, grad) in pairs.iter().filter(|(tensor, _)| tensor.requires_grad()) {
+        let mut accumulated = match tensor.is_leaf() {
+            true => Some(tensor.grad()).filter(Tensor::defined),
+            false => None,
+        };
+        match &mut accumulated {
+            Some(accumulated) => drop(tch::no_grad(|| accumulated.f_add_(grad))?),
+            None => terms.push((tensor * grad).sum(tch::Kind::Float)),
+        }
+    }
     if let Some(surrogate) = terms.into_iter().reduce(|a, b| a + b) {
         surrogate.f_backward()?;
     }

@@ -65,15 +65,20 @@ fn loss_and_grads(
     vars.set_kind(storage);
     vars.set_kind(compute);
     let experts = moe.create(block_size).unwrap();
-    let mut tape = Tape::new(experts.needs_graph_cuts());
-    let out = model
-        .forward(input_ids, experts.as_ref(), &mut tape)
-        .unwrap();
-    let loss = causal_lm_loss(&out.logits, input_ids);
-    let aux = load_balancing_loss(&out.router_logits, config.num_experts_per_tok as i64);
-    let values = (loss.double_value(&[]), aux.double_value(&[]));
-    tape.backward(&(loss + aux * config.router_aux_loss_coef))
-        .unwrap();
+    // Two forward/backward passes: the first creates every `.grad`, the second accumulates
+    // into them (kernels add their weight gradients in place), as gradient accumulation does.
+    let mut values = (0.0, 0.0);
+    for _ in 0..2 {
+        let mut tape = Tape::new(experts.needs_graph_cuts());
+        let out = model
+            .forward(input_ids, experts.as_ref(), &mut tape)
+            .unwrap();
+        let loss = causal_lm_loss(&out.logits, input_ids);
+        let aux = load_balancing_loss(&out.router_logits, config.num_experts_per_tok as i64);
+        values = (loss.double_value(&[]), aux.double_value(&[]));
+        tape.backward(&(loss + aux * config.router_aux_loss_coef))
+            .unwrap();
+    }
     let mut grads: Vec<(String, Tensor)> = vars
         .variables()
         .into_iter()

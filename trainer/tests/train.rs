@@ -341,3 +341,50 @@ fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn bench_reports_every_implementation_relative_to_the_peers() {
+    let config = debug_config();
+    let out = train(&[
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--bench.warmup",
+        "1",
+        "--bench.steps",
+        "2",
+        "--bench.json",
+        "true",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = rows.iter().map(|r| r["moe"].as_str().unwrap()).collect();
+    assert_eq!(names, ["torch", "grouped_mm", "reference", "cpu"]);
+    let torch = rows[0]["tokens_per_second"].as_f64().unwrap();
+    for row in &rows {
+        let rate = row["tokens_per_second"].as_f64().unwrap();
+        assert!(rate > 0.0 && row["pct_of_peak"].as_f64().unwrap() > 0.0);
+        let vs_torch = row["vs_torch"].as_f64().unwrap();
+        assert!((vs_torch - rate / torch).abs() < 1e-9 * vs_torch);
+        // Same model, data and seed: the implementations' losses agree.
+        let loss = row["last_loss"].as_f64().unwrap();
+        let torch_loss = rows[0]["last_loss"].as_f64().unwrap();
+        assert!((loss - torch_loss).abs() < 1e-4 * torch_loss, "{row}");
+    }
+    let out = train(&[
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--bench.impls",
+        "numpy",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown MoE implementation `numpy`"));
+}
