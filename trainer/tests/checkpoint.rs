@@ -473,3 +473,103 @@ fn bf16_balanced_runs_learn_and_resume_exactly_with_master_weights_and_biases() 
     assert!(export.names().iter().all(|n| !n.contains("expert_bias")));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
+    let dir = scratch("shards");
+    let config = debug_config();
+    let dump = dir.join("run");
+    succeed(&train_args(
+        dump.to_str().unwrap(),
+        &config,
+        &["--training.steps", "5", "--training.dtype", "bfloat16"],
+    ));
+    let ckpt = dump.join("checkpoints/step-00000005");
+    let hf = dir.join("hf");
+    succeed(&[
+        "export",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--out",
+        hf.to_str().unwrap(),
+    ]);
+    let config_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config_json["torch_dtype"], "bfloat16");
+
+    // The same tensors split over two shards with an index, as large Hub checkpoints are.
+    let sharded = dir.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    std::fs::copy(hf.join("config.json"), sharded.join("config.json")).unwrap();
+    let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut names = file.names();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in [
+        (1, &names[..names.len() / 2]),
+        (2, &names[names.len() / 2..]),
+    ] {
+        let shard_name = format!("model-0000{shard}-of-00002.safetensors");
+        let views: Vec<(String, TensorView<'_>)> = part
+            .iter()
+            .map(|name| {
+                let t = file.tensor(name).unwrap();
+                assert_eq!(t.dtype(), Dtype::BF16, "{name}");
+                (
+                    name.to_string(),
+                    TensorView::new(t.dtype(), t.shape().to_vec(), t.data()).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &sharded.join(&shard_name)).unwrap();
+        for name in part {
+            weight_map.insert(name.to_string(), shard_name.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        serde_json::to_string(&index).unwrap(),
+    )
+    .unwrap();
+
+    let tokens = dir.join("tokens.safetensors");
+    let ids: Vec<i64> = b"the red fox paints a long letter at night."[..40]
+        .iter()
+        .map(|&b| i64::from(b))
+        .collect();
+    write_tokens(&tokens, &ids, [2, 20]);
+    let eval = |model: &Path| {
+        eval_json(&[
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ])
+    };
+    let from_ckpt = eval(&ckpt);
+    assert_eq!(eval(&hf), from_ckpt);
+    assert_eq!(eval(&sharded), from_ckpt);
+
+    // An index naming a tensor its shard lacks is an error.
+    let mut broken = index.clone();
+    broken["weight_map"]["model.extra.weight"] = "model-00001-of-00002.safetensors".into();
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        serde_json::to_string(&broken).unwrap(),
+    )
+    .unwrap();
+    fail(
+        &[
+            "eval",
+            "--model",
+            sharded.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ],
+        "`model.extra.weight` is not in its shard",
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
