@@ -13,6 +13,7 @@ use moekit::torch::{from_tch, to_tch};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
+use crate::config::ParamDtype;
 use crate::model::Qwen3MoeConfig;
 
 /// Suffix of the kernels' fused expert weights in the trainer's parameter names.
@@ -52,8 +53,8 @@ pub fn to_hf_tensors(params: &[(String, Tensor)]) -> BTreeMap<String, Tensor> {
 }
 
 /// The tensor the trainer calls `name` (shape `shape`), built from Hugging Face's tensors:
-/// fused expert weights are gathered from their per-expert keys; a missing tied `lm_head` is
-/// the embeddings.
+/// fused expert weights are gathered from their per-expert keys. (A tied model has no
+/// `lm_head` parameter, so an untied one without `lm_head.weight` is an error.)
 fn from_hf_tensor(
     name: &str,
     shape: &[i64],
@@ -86,8 +87,6 @@ fn from_hf_tensor(
             .map(|e| Ok(get(&format!("{prefix}mlp.experts.{e}.down_proj.weight"))?.transpose(0, 1)))
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&experts, 0)
-    } else if name == "lm_head.weight" && !hf.contains_key(name) {
-        get("model.embed_tokens.weight")?.shallow_clone()
     } else {
         get(name)?.shallow_clone()
     };
@@ -351,8 +350,15 @@ pub struct TrainingState {
     pub data_seed: u64,
     pub data_epoch: u64,
     pub data_cursor: usize,
+    /// Length and FNV-1a hash of the tokenized training data, so a resume on other data (or
+    /// another tokenizer) is caught.
+    pub data_tokens: usize,
+    pub data_hash: u64,
     pub batch_size: usize,
     pub seq_len: usize,
+    pub gradient_accumulation_steps: usize,
+    /// Parameter dtype (bf16 checkpoints hold f32 master weights in the optimizer state).
+    pub dtype: ParamDtype,
 }
 
 /// A training checkpoint's contents.
@@ -360,7 +366,8 @@ pub struct TrainingCheckpoint {
     pub state: TrainingState,
     /// Parameters by the trainer's names.
     pub params: BTreeMap<String, Tensor>,
-    /// AdamW's `exp_avg.{name}` and `exp_avg_sq.{name}`.
+    /// AdamW's `exp_avg.{name}`, `exp_avg_sq.{name}` and, for bf16 parameters, the f32
+    /// `master.{name}`.
     pub optimizer: BTreeMap<String, Tensor>,
 }
 
@@ -401,11 +408,7 @@ pub fn save_training(
     checkpoint: &TrainingCheckpoint,
 ) -> Result<PathBuf> {
     let dir = folder.join(step_folder(checkpoint.state.step));
-    let dtype = checkpoint
-        .params
-        .values()
-        .next()
-        .map_or(Kind::Float, Tensor::kind);
+    let dtype = checkpoint.state.dtype.kind();
     write_folder(&dir, |tmp| {
         write_tensors(&tmp.join("model.safetensors"), &checkpoint.params)?;
         write_tensors(&tmp.join("optimizer.safetensors"), &checkpoint.optimizer)?;
@@ -437,6 +440,10 @@ pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
         .with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: TrainingState = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a valid training state", state_path.display()))?;
+    state
+        .model
+        .validate()
+        .with_context(|| format!("in {}", state_path.display()))?;
     Ok(TrainingCheckpoint {
         state,
         params: read_tensors(&dir.join("model.safetensors"))?,

@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
-use serde::Deserialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
 use crate::model::Qwen3MoeConfig;
@@ -88,7 +88,7 @@ pub struct Training {
 }
 
 /// `training.dtype`.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ParamDtype {
     #[default]
@@ -144,8 +144,8 @@ pub enum DecayType {
     Constant,
 }
 
-/// `[lr_scheduler]`: linear warmup from 0 to `optimizer.lr` over `warmup_steps`, then decay to
-/// `min_lr_factor · lr` at the last step.
+/// `[lr_scheduler]`: linear warmup from `lr / warmup_steps` to `optimizer.lr` over
+/// `warmup_steps`, then decay to `min_lr_factor · lr` at the last step.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LrScheduler {
@@ -337,6 +337,11 @@ impl JobConfig {
         ] {
             ensure!(value > 0, "{name} must be at least 1, got {value}");
         }
+        ensure!(
+            training.threads <= 4096,
+            "training.threads must be at most 4096 (0 keeps libtorch's default), got {}",
+            training.threads
+        );
         ensure!(
             training.seq_len >= 2,
             "training.seq_len must be at least 2 (a sequence predicts its next tokens), got {}",

@@ -199,6 +199,19 @@ impl Batches {
         (self.epoch, self.cursor)
     }
 
+    /// `(length, FNV-1a hash)` of the token stream, identifying the data a position refers to.
+    pub fn fingerprint(&self) -> (usize, u64) {
+        let hash = self
+            .tokens
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |hash, &token| {
+                token.to_le_bytes().iter().fold(hash, |h, &b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+                })
+            });
+        (self.tokens.len(), hash)
+    }
+
     /// Continues from a [`Self::position`] of the same data, seed and shapes.
     pub fn seek(&mut self, epoch: u64, cursor: usize) -> Result<()> {
         self.epoch = epoch;

@@ -20,12 +20,24 @@ pub struct LoadedModel {
     pub model: Qwen3Moe,
 }
 
+/// How [`load_model`] stores the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadDtype {
+    /// f32, whatever the files hold (evaluation, as transformers' `dtype=torch.float32`).
+    Float32,
+    /// A training checkpoint's own dtype (export); f32 for Hugging Face directories.
+    AsSaved,
+}
+
 /// Loads a Hugging Face model directory or a training checkpoint folder.
-pub fn load_model(dir: &Path) -> Result<LoadedModel> {
-    let vars = nn::VarStore::new(Device::Cpu);
+pub fn load_model(dir: &Path, dtype: LoadDtype) -> Result<LoadedModel> {
+    let mut vars = nn::VarStore::new(Device::Cpu);
     let model = if is_training_checkpoint(dir) {
         let checkpoint = load_training(dir)?;
         let model = Qwen3Moe::new(&vars.root(), &checkpoint.state.model);
+        if dtype == LoadDtype::AsSaved {
+            vars.set_kind(checkpoint.state.dtype.kind());
+        }
         assign_params(&sorted_variables(&vars), &checkpoint.params, dir)?;
         assign_params(&model.expert_biases(), &checkpoint.params, dir)?;
         model
@@ -45,7 +57,8 @@ fn sorted_variables(vars: &nn::VarStore) -> Vec<(String, Tensor)> {
 }
 
 /// Writes a training checkpoint's model as a Hugging Face directory at `out` (which must not
-/// exist).
+/// exist). The checkpoint is loaded into a model first, so every tensor is checked against its
+/// config.
 pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
     if !is_training_checkpoint(checkpoint) {
         bail!(
@@ -53,9 +66,12 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
             checkpoint.display()
         );
     }
-    let loaded = load_training(checkpoint)?;
-    let params: Vec<(String, Tensor)> = loaded.params.into_iter().collect();
-    export_hf(out, &loaded.state.model, &params)
+    let loaded = load_model(checkpoint, LoadDtype::AsSaved)?;
+    let params: Vec<(String, Tensor)> = sorted_variables(&loaded.vars)
+        .into_iter()
+        .chain(loaded.model.expert_biases())
+        .collect();
+    export_hf(out, loaded.model.config(), &params)
 }
 
 /// Reads `input_ids [batch, seq]` (i64 or i32) from a safetensors file, as i64.
@@ -67,8 +83,11 @@ pub fn read_input_ids(path: &Path) -> Result<Tensor> {
         .tensor("input_ids")
         .with_context(|| format!("{} has no tensor `input_ids`", path.display()))?;
     let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-    if shape.len() != 2 {
-        bail!("input_ids must be [batch, seq], got shape {shape:?}");
+    if shape.len() != 2 || shape[0] < 1 || shape[1] < 2 {
+        bail!(
+            "input_ids must be [batch, seq] with at least one sequence of 2 or more tokens (the \
+             loss predicts each next token), got shape {shape:?}"
+        );
     }
     let kind = match view.dtype() {
         Dtype::I64 => Kind::Int64,

@@ -15,7 +15,7 @@ use moekit::golden::TensorFile;
 use moekit::torch::from_tch;
 use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
-use moekit_trainer::eval::{evaluate, export, load_model, read_input_ids};
+use moekit_trainer::eval::{LoadDtype, evaluate, export, load_model, read_input_ids};
 use moekit_trainer::moe::MoeImpl;
 use moekit_trainer::train::train;
 
@@ -40,10 +40,14 @@ bench   Trains the config with each MoE implementation in one process, steps tak
         f32 FMA peak, and the ratios to torch and grouped_mm (one JSON object per row with
         --bench.json true).";
 
-/// `--key value` and `--key=value` pairs, in order.
-fn flags(mut args: impl Iterator<Item = String>) -> Result<Vec<(String, String)>> {
+/// `--key value` and `--key=value` pairs, in order; `None` when `-h`/`--help` stands where a
+/// flag would.
+fn flags(mut args: impl Iterator<Item = String>) -> Result<Option<Vec<(String, String)>>> {
     let mut pairs = Vec::new();
     while let Some(arg) = args.next() {
+        if arg == "-h" || arg == "--help" {
+            return Ok(None);
+        }
         let Some(flag) = arg.strip_prefix("--") else {
             bail!("unexpected argument `{arg}`\n\n{USAGE}");
         };
@@ -58,7 +62,7 @@ fn flags(mut args: impl Iterator<Item = String>) -> Result<Vec<(String, String)>
         };
         pairs.push((key, value));
     }
-    Ok(pairs)
+    Ok(Some(pairs))
 }
 
 /// Flags of a subcommand with a fixed set of keys.
@@ -177,7 +181,10 @@ fn run_eval(options: Options) -> Result<()> {
                 format!("--kernels.block_size must be a positive integer, got `{b}`")
             })?,
     };
-    let loaded = load_model(&PathBuf::from(options.required("model")?))?;
+    let loaded = load_model(
+        &PathBuf::from(options.required("model")?),
+        LoadDtype::Float32,
+    )?;
     let input_ids = read_input_ids(&PathBuf::from(options.required("tokens")?))?;
     let (logits, losses) = evaluate(&loaded.model, &input_ids, moe, block_size)?;
     if let Some(output) = options.get("output") {
@@ -192,18 +199,14 @@ fn run_eval(options: Options) -> Result<()> {
 
 fn run() -> Result<()> {
     let mut args = std::env::args().skip(1).peekable();
-    if std::env::args()
-        .skip(1)
-        .any(|a| a == "-h" || a == "--help" || a == "help")
-    {
-        println!("{USAGE}");
-        return Ok(());
-    }
     let command = match args.peek().map(String::as_str) {
-        Some("train" | "eval" | "export" | "bench") => args.next(),
+        Some("train" | "eval" | "export" | "bench" | "help") => args.next(),
         _ => None,
     };
-    let pairs = flags(args)?;
+    let Some(pairs) = flags(args)?.filter(|_| command.as_deref() != Some("help")) else {
+        println!("{USAGE}");
+        return Ok(());
+    };
     match command.as_deref() {
         Some("eval") => run_eval(Options::new(
             pairs,

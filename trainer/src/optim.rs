@@ -7,7 +7,7 @@ use tch::{Kind, Tensor};
 
 use crate::config::{DecayType, LrScheduler, Optimizer};
 
-/// AdamW with decoupled weight decay, step for step PyTorch's `torch.optim.AdamW`
+/// AdamW with decoupled weight decay, the update rule of PyTorch's `torch.optim.AdamW`
 /// (`amsgrad=False`): `p ← p·(1 − lr·wd)`, `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
 /// `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`, in f32 (on an f32 master copy for bf16
 /// parameters). The state is held here (not in libtorch's optimizer) so it can be

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
+use moekit::golden::write_atomically;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
@@ -14,7 +15,7 @@ use crate::checkpoint::{
     TrainingCheckpoint, TrainingState, assign_params, list_checkpoints, load_hf, load_training,
     save_training,
 };
-use crate::config::JobConfig;
+use crate::config::{JobConfig, ParamDtype};
 use crate::data::{Batches, Source, TextTokenizer};
 use crate::model::{Qwen3Moe, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
@@ -73,6 +74,38 @@ impl LayerLoad {
     }
 }
 
+/// Refuses a model whose parameters, gradients and AdamW state alone exceed the machine's
+/// physical memory (before libtorch would abort allocating them).
+fn check_memory(config: &JobConfig) -> Result<()> {
+    let per_param = match config.training.dtype {
+        // parameter + gradient + two moments
+        ParamDtype::Float32 => 4 + 4 + 8,
+        // bf16 parameter + gradient, f32 master + two moments
+        ParamDtype::Bfloat16 => 2 + 2 + 12,
+    };
+    let needed = config.model.parameter_count() * per_param;
+    // SAFETY: sysconf only reads system configuration values.
+    let (pages, page_size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && page_size > 0 {
+        let available = pages as u128 * page_size as u128;
+        let gib = |bytes: u128| bytes as f64 / (1u64 << 30) as f64;
+        ensure!(
+            needed <= available,
+            "the model has {} parameters: with gradients and AdamW state that is {:.1} GiB, \
+             more than this machine's {:.1} GiB of memory",
+            config.model.parameter_count(),
+            gib(needed),
+            gib(available)
+        );
+    }
+    Ok(())
+}
+
 /// A model, its optimizer, its data and its MoE implementation, ready to take steps.
 pub struct Trainer {
     config: JobConfig,
@@ -91,6 +124,7 @@ impl Trainer {
         if config.training.threads > 0 {
             tch::set_num_threads(config.training.threads as i32);
         }
+        check_memory(config)?;
         tch::manual_seed(config.job.seed as i64);
         let experts = config.kernels.moe.create(config.kernels.block_size)?;
         let mut vars = nn::VarStore::new(Device::Cpu);
@@ -111,8 +145,17 @@ impl Trainer {
             tokenizer.vocab_size(),
             config.model.vocab_size
         );
+        let tokens = source.tokens(&tokenizer)?;
+        if let Some(&max) = tokens.iter().max() {
+            ensure!(
+                (max as usize) < config.model.vocab_size,
+                "data.tokenizer {} produced token id {max}, outside model.vocab_size {}",
+                config.data.tokenizer,
+                config.model.vocab_size
+            );
+        }
         let batches = Batches::new(
-            source.tokens(&tokenizer)?,
+            tokens,
             config.training.seq_len,
             config.training.batch_size,
             config.job.seed,
@@ -176,6 +219,20 @@ impl Trainer {
             state.model == self.config.model,
             "the checkpoint was trained with a different [model] config"
         );
+        ensure!(
+            state.dtype == training.dtype,
+            "the checkpoint was trained with training.dtype = {:?}, the config says {:?}",
+            state.dtype,
+            training.dtype
+        );
+        let (tokens, hash) = self.batches.fingerprint();
+        ensure!(
+            (state.data_tokens, state.data_hash) == (tokens, hash),
+            "the checkpoint was trained on other data ({} tokens, hash {:016x}; now {tokens} \
+             tokens, hash {hash:016x}): check data.files and data.tokenizer",
+            state.data_tokens,
+            state.data_hash
+        );
         for (what, saved, now) in [
             ("job.seed", state.data_seed, self.config.job.seed),
             (
@@ -187,6 +244,11 @@ impl Trainer {
                 "training.seq_len",
                 state.seq_len as u64,
                 training.seq_len as u64,
+            ),
+            (
+                "training.gradient_accumulation_steps",
+                state.gradient_accumulation_steps as u64,
+                training.gradient_accumulation_steps as u64,
             ),
         ] {
             ensure!(
@@ -208,6 +270,7 @@ impl Trainer {
     /// the newest `checkpoint.keep_latest_k`.
     pub fn save(&self) -> Result<PathBuf> {
         let (data_epoch, data_cursor) = self.batches.position();
+        let (data_tokens, data_hash) = self.batches.fingerprint();
         let checkpoint = TrainingCheckpoint {
             state: TrainingState {
                 step: self.step,
@@ -215,8 +278,12 @@ impl Trainer {
                 data_seed: self.config.job.seed,
                 data_epoch,
                 data_cursor,
+                data_tokens,
+                data_hash,
                 batch_size: self.config.training.batch_size,
                 seq_len: self.config.training.seq_len,
+                gradient_accumulation_steps: self.config.training.gradient_accumulation_steps,
+                dtype: self.config.training.dtype,
             },
             params: self
                 .params()
@@ -253,9 +320,7 @@ impl Trainer {
         let coef = self.config.model.router_aux_loss_coef;
         let top_k = self.config.model.num_experts_per_tok as i64;
         let experts = self.config.model.num_experts as i64;
-        let moe_layers: Vec<usize> = (0..self.config.model.num_hidden_layers)
-            .filter(|&l| self.config.model.is_moe_layer(l))
-            .collect();
+        let moe_layers = self.config.model.moe_layers();
         let mut counts = vec![vec![0.0; experts as usize]; moe_layers.len()];
         let (mut loss_sum, mut aux_sum) = (0.0, 0.0);
 
@@ -334,6 +399,9 @@ pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
     let mut trainer = Trainer::new(config)?;
     let resumed = trainer.steps_taken();
     let metrics_path = folder.join("metrics.jsonl");
+    if resumed > 0 {
+        keep_metrics_through(&metrics_path, resumed)?;
+    }
     let mut metrics_file = BufWriter::new(
         File::options()
             .create(true)
@@ -393,6 +461,28 @@ pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
     Ok(history)
 }
 
+/// Rewrites metrics.jsonl (atomically) with only its well-formed lines of steps up to `step`:
+/// a run that crashed after its last checkpoint logged steps that the resumed run repeats.
+fn keep_metrics_through(path: &Path, step: usize) -> Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(err).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|m| m["step"].as_u64())
+                .is_some_and(|s| s as usize <= step)
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    write_atomically(path, kept.as_bytes())?;
+    Ok(())
+}
+
 /// `loss.png` from every step in metrics.jsonl (a resumed run's earlier steps included) and
 /// `expert_load.png` from the assignments of the steps taken by this process.
 fn plot(config: &JobConfig, metrics_path: &Path, history: &[StepMetrics]) -> Result<()> {
@@ -409,9 +499,7 @@ fn plot(config: &JobConfig, metrics_path: &Path, history: &[StepMetrics]) -> Res
     let folder = &config.job.dump_folder;
     let loss_png = folder.join("loss.png");
     plots::loss_curve(&loss_png, &points)?;
-    let layers: Vec<usize> = (0..config.model.num_hidden_layers)
-        .filter(|&l| config.model.is_moe_layer(l))
-        .collect();
+    let layers = config.model.moe_layers();
     let mut totals = vec![vec![0.0; config.model.num_experts]; layers.len()];
     for step in history {
         for (total, counts) in totals.iter_mut().zip(&step.expert_counts) {

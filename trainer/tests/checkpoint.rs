@@ -127,13 +127,22 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
     let step20 = a.join("checkpoints/step-00000020");
     assert!(step10.is_dir() && step20.is_dir());
 
-    // Interrupted after step 10: a fresh folder holding only that checkpoint resumes.
+    // Interrupted after step 16 (the last checkpoint at 10), with a torn metrics line: the
+    // folder holds that checkpoint and the metrics logged up to the crash.
     copy_dir(&step10, &b.join("checkpoints/step-00000010"));
+    let logged = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap();
+    let crashed: Vec<&str> = logged.lines().take(16).collect();
+    std::fs::write(
+        b.join("metrics.jsonl"),
+        format!("{}\n{{\"step\": 17, \"lo", crashed.join("\n")),
+    )
+    .unwrap();
     let stdout = succeed(&train_args(b_str, &config, &[]));
     assert!(stdout.contains("resumed after step 10"), "{stdout}");
     let whole = losses(&metrics(&a));
-    let resumed = losses(&metrics(&b));
-    assert_eq!(resumed, whole[10..], "steps 11-20 after resuming");
+    // Steps 11-16 are not logged twice and the torn line is gone; 11-20 equal the
+    // uninterrupted run's.
+    assert_eq!(losses(&metrics(&b)), whole, "steps 1-20 after resuming");
 
     // The resumed run's final checkpoint holds the same parameters as the uninterrupted one.
     let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
@@ -333,6 +342,28 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
         &train_args(dump, &config, &["--training.seq_len", "32"]),
         "training.seq_len = 64, the config says 32",
     );
+    fail(
+        &train_args(
+            dump,
+            &config,
+            &["--training.gradient_accumulation_steps", "2"],
+        ),
+        "training.gradient_accumulation_steps = 1, the config says 2",
+    );
+    fail(
+        &train_args(dump, &config, &["--training.dtype", "bfloat16"]),
+        "training.dtype = Float32, the config says Bfloat16",
+    );
+    let text = dir.join("other.txt");
+    std::fs::write(&text, "other training text. ".repeat(400)).unwrap();
+    fail(
+        &train_args(
+            dump,
+            &config,
+            &["--data.files", &format!("[\"{}\"]", text.display())],
+        ),
+        "the checkpoint was trained on other data",
+    );
     assert_eq!(snapshot(&ckpt), before);
 
     // A truncated tensor file.
@@ -385,6 +416,17 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
             tokens.to_str().unwrap(),
         ],
         "token id 300 outside the vocabulary [0, 256)",
+    );
+    write_tokens(&tokens, &[1], [1, 1]);
+    fail(
+        &[
+            "eval",
+            "--model",
+            hf.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ],
+        "at least one sequence of 2 or more tokens",
     );
     let floats = dir.join("floats.safetensors");
     let bytes: Vec<u8> = [1f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();

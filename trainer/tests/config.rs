@@ -260,6 +260,13 @@ fn hf_config_json_in_hub_and_transformers_v5_forms() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("rope_scaling is not supported"), "{err}");
+    let mut gelu = hub.clone();
+    gelu["hidden_act"] = "gelu".into();
+    let err = Qwen3MoeConfig::from_hf_json(&gelu).unwrap_err().to_string();
+    assert!(
+        err.contains("hidden_act \"gelu\" is not supported"),
+        "{err}"
+    );
     let mut other = hub;
     other["model_type"] = "llama".into();
     let err = Qwen3MoeConfig::from_hf_json(&other)

@@ -135,6 +135,14 @@ fn gradient_accumulation_of_equal_halves_matches_one_batch() {
 fn bad_command_lines_fail_with_a_message() {
     let config = debug_config();
     let config = config.to_str().unwrap();
+    let huge = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../configs/qwen3_moe_235b_a22b.toml")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let help = train(&["--config", config, "--help"]);
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).starts_with("usage: moekit-train"));
     for (args, expected) in [
         (vec![], "missing `--config FILE`"),
         (
@@ -153,6 +161,7 @@ fn bad_command_lines_fail_with_a_message() {
             vec!["--config", "missing.toml"],
             "cannot read job config missing.toml",
         ),
+        (vec!["--config", &huge], "GiB, more than this machine's"),
     ] {
         let out = train(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -73,11 +73,16 @@ impl Qwen3MoeConfig {
             && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
-    /// Number of MoE layers.
-    pub fn moe_layer_count(&self) -> usize {
+    /// The decoder layers that have an MoE block, ascending.
+    pub fn moe_layers(&self) -> Vec<usize> {
         (0..self.num_hidden_layers)
             .filter(|&l| self.is_moe_layer(l))
-            .count()
+            .collect()
+    }
+
+    /// Number of MoE layers.
+    pub fn moe_layer_count(&self) -> usize {
+        self.moe_layers().len()
     }
 
     /// Total parameter count (experts counted once each; the tied head counted once).
@@ -169,8 +174,8 @@ impl Qwen3MoeConfig {
     /// Reads a Hugging Face `config.json`, in either form found in the wild: the Hub
     /// checkpoints' (`num_experts`, top-level `rope_theta`) or transformers v5's
     /// (`num_local_experts`, `rope_parameters.rope_theta`). Keys this model does not use are
-    /// ignored; features it does not implement (attention bias, sliding windows, RoPE scaling)
-    /// are errors.
+    /// ignored; features it does not implement (attention bias or dropout, sliding windows,
+    /// RoPE scaling, activations other than SiLU) are errors.
     pub fn from_hf_config_json(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read model config {}", path.display()))?;
@@ -189,6 +194,16 @@ impl Qwen3MoeConfig {
                 model_type == "qwen3_moe",
                 "model_type is \"{model_type}\", expected \"qwen3_moe\""
             );
+        }
+        if let Some(act) = object.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+        {
+            bail!("hidden_act \"{act}\" is not supported (Qwen3-MoE uses \"silu\")");
+        }
+        if let Some(dropout) = object.get("attention_dropout").and_then(Value::as_f64)
+            && dropout != 0.0
+        {
+            bail!("attention_dropout = {dropout} is not supported (only 0)");
         }
         for flag in ["attention_bias", "use_sliding_window"] {
             if object.get(flag).and_then(Value::as_bool) == Some(true) {
@@ -294,7 +309,8 @@ impl Qwen3MoeConfig {
             moe_intermediate_size: required("moe_intermediate_size")?,
             num_hidden_layers: required("num_hidden_layers")?,
             num_attention_heads,
-            num_key_value_heads: usize_key("num_key_value_heads")?.unwrap_or(num_attention_heads),
+            // transformers' Qwen3MoeConfig default.
+            num_key_value_heads: usize_key("num_key_value_heads")?.unwrap_or(4),
             head_dim,
             num_experts,
             num_experts_per_tok: required("num_experts_per_tok")?,

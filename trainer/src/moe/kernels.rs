@@ -80,15 +80,21 @@ impl Experts for KernelExperts {
             down: from_tch("down_proj_weight", &down.detach())?,
             plan,
         };
+        // Without a gradient to compute (evaluation, no_grad) there is nothing to record.
+        let differentiable = [x, affinities, gate_up, down]
+            .iter()
+            .any(|t| t.requires_grad());
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
             saved.forward_inputs(),
             BlockwiseMmParams {
-                checkpoint_activations: true,
+                checkpoint_activations: differentiable,
             },
         )?)?;
-        let output = to_tch(&out.output)
-            .to_kind(x.kind())
-            .set_requires_grad(true);
+        let output = to_tch(&out.output).to_kind(x.kind());
+        if !differentiable {
+            return Ok(output);
+        }
+        let output = output.set_requires_grad(true);
         let (Some(gate_up_activations_t), Some(down_activations)) =
             (out.gate_up_activations_t, out.down_activations)
         else {
