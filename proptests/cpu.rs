@@ -193,6 +193,36 @@ proptest! {
     }
 
     #[test]
+    fn skipped_slots_match_the_reference(s in shape(40), seed in any::<u64>()) {
+        // An expert-parallel receiver's routing: some slots name experts of other ranks.
+        let mut layer = layer(s, seed);
+        let (t, k) = (s.t, s.k);
+        let mut index = layer.tensors["expert_index"].as_i32().unwrap().to_vec();
+        let mut affinities = layer.tensors["topk_affinities"].to_f64_vec();
+        skip_slots(&mut SeededRng::new(!seed), &mut index, &mut affinities);
+        let affinities = f32_tensor(&[t, k], &affinities);
+        let affinities = if s.bf16 { affinities.to_bf16() } else { affinities };
+        layer.tensors.insert("expert_index".to_owned(), i32_tensor(&[t, k], &index));
+        layer.tensors.insert("topk_affinities".to_owned(), affinities);
+        for kernel in [Kernel::Permute, Kernel::BlockwiseMm] {
+            for (name, tensor) in run(kernel, BackendKind::Reference, &layer) {
+                layer.tensors.insert(name.to_owned(), tensor);
+            }
+        }
+        for kernel in [Kernel::Permute, Kernel::PermuteBwd, Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
+            compare(kernel, &layer)?;
+        }
+        // A skipped slot receives no affinity gradient.
+        for kernel in [Kernel::PermuteBwd, Kernel::BlockwiseMmBwd] {
+            let outputs = run(kernel, BackendKind::Cpu, &layer);
+            let d = outputs.iter().find(|(n, _)| *n == "d_topk_affinities").unwrap().1.to_f64_vec();
+            for (pair, &id) in index.iter().enumerate() {
+                prop_assert!(id != moekit::contracts::SKIP || d[pair] == 0.0, "{}", kernel.name());
+            }
+        }
+    }
+
+    #[test]
     fn results_are_bit_identical_across_thread_counts(s in shape(300), seed in any::<u64>()) {
         let layer = layer(s, seed);
         let cpu = BackendKind::Cpu.create();

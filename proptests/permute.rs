@@ -1,5 +1,5 @@
 //! `permute` invariants on random routings (including zero-token experts, all tokens on one
-//! expert, B = 1 and B > T·K), tightness of the static block bound, `permute_bwd` as the exact
+//! expert, B = 1, B > T·K and skipped slots), tightness of the static block bound, `permute_bwd` as the exact
 //! adjoint of the affinity scatter, and error paths.
 
 #![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use moekit::contracts::{
     Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteOutputs,
-    PermuteParams, static_block_count,
+    PermuteParams, SKIP, static_block_count,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, Tensor};
@@ -26,17 +26,29 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..12, 1usize..9, routing(), any::<u64>())
-        .prop_flat_map(|(t, e, r, seed)| (Just((t, e, r, seed)), 1..=e, 1usize..20))
-        .prop_map(|((t, e, routing, seed), k, b)| {
+    (
+        1usize..12,
+        1usize..9,
+        routing(),
+        any::<u64>(),
+        any::<bool>(),
+    )
+        .prop_flat_map(|(t, e, r, seed, skips)| (Just((t, e, r, seed, skips)), 1..=e, 1usize..20))
+        .prop_map(|((t, e, routing, seed, skips), k, b)| {
             let mut rng = SeededRng::new(seed);
+            let mut index = expert_index(&mut rng, routing, t, e, k);
+            let mut affinities = rng.values(t * k, 1.0);
+            if skips {
+                // An expert-parallel receiver's view: some slots hold experts of other ranks.
+                skip_slots(&mut rng, &mut index, &mut affinities);
+            }
             Case {
                 t,
                 e,
                 k,
                 b,
-                index: expert_index(&mut rng, routing, t, e, k),
-                affinities: rng.values(t * k, 1.0),
+                index,
+                affinities,
             }
         })
 }
@@ -76,7 +88,8 @@ fn check_plan(c: &Case, out: &PermuteOutputs) -> Result<(), TestCaseError> {
 
     prop_assert_eq!(n, static_block_count(t * k, e, b));
     prop_assert_eq!(positions.len(), n * b);
-    prop_assert_eq!(counts.iter().sum::<i32>() as usize, t * k);
+    let assigned = c.index.iter().filter(|&&id| id != SKIP).count();
+    prop_assert_eq!(counts.iter().sum::<i32>() as usize, assigned);
     let expected_used: usize = counts.iter().map(|&c| (c as usize).div_ceil(b)).sum();
     prop_assert_eq!(used, expected_used);
     prop_assert!(used <= n, "static bound {} below used blocks {}", n, used);
@@ -119,7 +132,7 @@ fn check_plan(c: &Case, out: &PermuteOutputs) -> Result<(), TestCaseError> {
     let masked = f32s(&out.expert_affinities_masked);
     prop_assert_eq!(masked.len(), (t + 1) * e);
     let mut expected = vec![0.0; (t + 1) * e];
-    for (pair, &id) in c.index.iter().enumerate() {
+    for (pair, &id) in c.index.iter().enumerate().filter(|&(_, &id)| id != SKIP) {
         expected[(pair / k) * e + id as usize] = c.affinities[pair];
     }
     prop_assert_eq!(masked, expected);
@@ -206,13 +219,6 @@ fn bad_inputs_are_clear_errors() {
         &["expert_index", "expert id 3", "[1, 1]", "[0, 3)"],
     );
     check(
-        &i32_tensor(&[2, 2], &[0, -1, 2, 3]),
-        &aff,
-        4,
-        4,
-        &["expert id -1"],
-    );
-    check(
         &i32_tensor(&[2, 2], &[0, 1, 2, 2]),
         &aff,
         4,
@@ -224,8 +230,31 @@ fn bad_inputs_are_clear_errors() {
         &f32_tensor(&[1, 3], &[0.1; 3]),
         2,
         4,
-        &["K ≤ num_experts = 2"],
+        &["expert id 2", "outside [0, 2) (or -1 to skip the slot)"],
     );
+    check(
+        &i32_tensor(&[2, 2], &[0, -2, 2, 3]),
+        &aff,
+        4,
+        4,
+        &["expert id -2"],
+    );
+    check(
+        &i32_tensor(&[2, 2], &[0, -1, 2, 3]),
+        &aff,
+        4,
+        4,
+        &["topk_affinities", "slot [0, 1] is skipped", "must hold 0"],
+    );
+    // K may exceed E when the extra slots are skipped (an expert-parallel receiver).
+    let skipped = run(
+        &i32_tensor(&[1, 3], &[1, -1, 0]),
+        &f32_tensor(&[1, 3], &[0.25, 0.0, 0.5]),
+        2,
+        4,
+    )
+    .unwrap();
+    assert_eq!(skipped.expert_counts.as_i32().unwrap(), [1, 1]);
     check(
         &index,
         &f32_tensor(&[2, 3], &[0.5; 6]),

@@ -24,7 +24,7 @@
 //! The backward reads the f32 checkpoints, so its gradients match the exact f64 ones to about
 //! 1e-6 relative.
 
-use super::validate;
+use super::{SKIP, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -287,7 +287,8 @@ pub struct BlockwiseMmBwdInputs<'a> {
     pub down_activations: &'a Tensor,
     /// `[T, H]`.
     pub output_hidden_states_grad: &'a Tensor,
-    /// `[T, K]` i32; when given, the affinity gradient is also returned as `d_topk_affinities`.
+    /// `[T, K]` i32 (ids or [`SKIP`](super::SKIP)); when given, the affinity gradient is also
+    /// returned as `d_topk_affinities` (0 in skipped slots).
     pub expert_index: Option<&'a Tensor>,
 }
 
@@ -328,12 +329,12 @@ impl<'a> BlockwiseMmBwd<'a> {
             let (shape, ids) =
                 validate::index_tensor("expert_index", index, "[T, K]", &[Some(t), None])?;
             validate::non_empty("expert_index", "K (top_k)", shape[1])?;
-            validate::expert_ids("expert_index", ids, &shape, e)?;
+            validate::expert_ids_or_skip("expert_index", ids, &shape, e)?;
             let k = shape[1];
             if let Some(pair) = ids
                 .iter()
                 .enumerate()
-                .position(|(pair, &id)| !covered[(pair / k) * e + id as usize])
+                .position(|(pair, &id)| id != SKIP && !covered[(pair / k) * e + id as usize])
             {
                 return Err(Error::invalid(
                     "expert_index",

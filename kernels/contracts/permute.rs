@@ -2,7 +2,8 @@
 //! input preparation of the NKI blockwise matmul), and its backward.
 //!
 //! ```text
-//! expert_counts [E]                 i32  top-k assignments per expert (Σ = T·K)
+//! expert_counts [E]                 i32  top-k assignments per expert (Σ = T·K minus skipped
+//!                                        slots, whose expert_index is SKIP = −1)
 //! token_position_to_id [N·B]        i32  token id per block slot, −1 for padding; each expert's
 //!                                        tokens in ascending token order, each expert starts a
 //!                                        new block, blocks ordered by expert id, padding only at
@@ -41,12 +42,17 @@ pub struct PermuteParams {
     pub block_size: usize,
 }
 
+/// The `expert_index` value of a slot with no assignment (`permute`, `permute_bwd`,
+/// `blockwise_mm_bwd`): an expert-parallel receiver holds only the slots of its local experts.
+/// A skipped slot's affinity must be 0; it gets no block slot and a zero affinity gradient.
+pub const SKIP: i32 = -1;
+
 /// Inputs of [`Permute`].
 #[derive(Clone, Copy, Debug)]
 pub struct PermuteInputs<'a> {
-    /// `[T, K]` i32, distinct ids in `[0, E)` per row.
+    /// `[T, K]` i32, distinct ids in `[0, E)` per row, or [`SKIP`].
     pub expert_index: &'a Tensor,
-    /// `[T, K]` f32 or bf16.
+    /// `[T, K]` f32 or bf16; 0 in skipped slots.
     pub topk_affinities: &'a Tensor,
 }
 
@@ -94,8 +100,9 @@ fn check_num_experts(num_experts: usize, t: usize) -> Result<()> {
     Ok(())
 }
 
-/// Checks `expert_index [T, K]` against `num_experts`: i32, T and K at least 1, K ≤ E, distinct
-/// ids in `[0, E)` per row, and every masked-affinity index within i32. Returns `(T, K)`.
+/// Checks `expert_index [T, K]` against `num_experts`: i32, T and K at least 1, ids in
+/// `[0, E)` distinct per row or [`SKIP`], and every masked-affinity index within i32. Returns
+/// `(T, K)`. (K may exceed E when a row skips slots, as on an expert-parallel receiver.)
 fn check_expert_index(expert_index: &Tensor, e: usize) -> Result<(usize, usize)> {
     let (shape, ids) =
         validate::index_tensor("expert_index", expert_index, "[T, K]", &[None, None])?;
@@ -103,14 +110,7 @@ fn check_expert_index(expert_index: &Tensor, e: usize) -> Result<(usize, usize)>
     validate::non_empty("expert_index", "T (tokens)", t)?;
     validate::non_empty("expert_index", "K (top_k)", k)?;
     check_num_experts(e, t)?;
-    if k > e {
-        return Err(Error::shape(
-            "expert_index",
-            format!("[T, K] with K ≤ num_experts = {e}"),
-            &shape,
-        ));
-    }
-    validate::expert_ids("expert_index", ids, &shape, e)?;
+    validate::expert_ids_or_skip("expert_index", ids, &shape, e)?;
     Ok((t, k))
 }
 
@@ -128,6 +128,22 @@ impl<'a> Permute<'a> {
             "[T, K]",
             &[Some(t), Some(k)],
         )?;
+        let ids = inputs.expert_index.as_i32().expect("validated as i32");
+        if let Some(pair) = ids
+            .iter()
+            .enumerate()
+            .position(|(pair, &id)| id == SKIP && inputs.topk_affinities.get_f64(pair) != Some(0.0))
+        {
+            return Err(Error::invalid(
+                "topk_affinities",
+                format!(
+                    "slot {} is skipped (expert_index -1) but has affinity {}; skipped slots \
+                     must hold 0",
+                    validate::position(&[t, k], pair),
+                    inputs.topk_affinities.get_f64(pair).unwrap_or(f64::NAN)
+                ),
+            ));
+        }
         let n = static_block_count(t * k, e, b);
         if n.checked_mul(b)
             .is_none_or(|slots| i32::try_from(slots).is_err())

@@ -115,14 +115,37 @@ pub(crate) fn non_empty(tensor: &str, what: &str, extent: usize) -> Result<()> {
 
 /// Checks an `expert_index [rows, K]` buffer: every id in `[0, E)` and no id twice in a row.
 pub(crate) fn expert_ids(name: &str, ids: &[i32], shape: &[usize], experts: usize) -> Result<()> {
+    check_ids(name, ids, shape, experts, false)
+}
+
+/// [`expert_ids`], where [`SKIP`](crate::contracts::SKIP) (−1) also marks a slot with no
+/// assignment; the other ids are distinct per row.
+pub(crate) fn expert_ids_or_skip(
+    name: &str,
+    ids: &[i32],
+    shape: &[usize],
+    experts: usize,
+) -> Result<()> {
+    check_ids(name, ids, shape, experts, true)
+}
+
+fn check_ids(name: &str, ids: &[i32], shape: &[usize], experts: usize, skip: bool) -> Result<()> {
     let k = *shape.last().unwrap_or(&1);
     for (row, chunk) in ids.chunks(k.max(1)).enumerate() {
         for (slot, &id) in chunk.iter().enumerate() {
+            if skip && id == crate::contracts::SKIP {
+                continue;
+            }
             if id < 0 || id as usize >= experts {
+                let allowed = if skip {
+                    " (or -1 to skip the slot)"
+                } else {
+                    ""
+                };
                 return Err(Error::invalid(
                     name,
                     format!(
-                        "expert id {id} at {} is outside [0, {experts})",
+                        "expert id {id} at {} is outside [0, {experts}){allowed}",
                         position(shape, row * k + slot)
                     ),
                 ));

@@ -2,7 +2,7 @@
 //! written in ascending token order straight into their blocks. O(T·K + N·B).
 
 use super::f32_output;
-use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs};
+use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs, SKIP};
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, try_filled};
 
@@ -21,7 +21,7 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let affinities = inputs.topk_affinities.f32_values();
 
     let mut counts = filled("expert_counts", e, 0usize)?;
-    for &id in ids {
+    for &id in ids.iter().filter(|&&id| id != SKIP) {
         counts[id as usize] += 1;
     }
     // First slot of each expert: its blocks follow the previous experts' blocks.
@@ -37,6 +37,9 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let mut positions = filled("token_position_to_id", n * b, -1i32)?;
     let mut masked = filled("expert_affinities_masked", (t + 1) * e, 0.0f32)?;
     for (pair, (&id, &a)) in ids.iter().zip(affinities.iter()).enumerate() {
+        if id == SKIP {
+            continue;
+        }
         let (token, expert) = (pair / k, id as usize);
         positions[next_slot[expert]] = token as i32;
         next_slot[expert] += 1;
@@ -52,7 +55,7 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
 }
 
 /// `d_topk_affinities [T, K]` from a masked `[(T+1)·E]` affinity gradient and a validated
-/// `expert_index [T, K]`: entry `t·E + expert_index[t, k]`.
+/// `expert_index [T, K]`: entry `t·E + expert_index[t, k]`, 0 in skipped slots.
 pub(super) fn topk_gradient(
     expert_index: &Tensor,
     masked_grad: &[f32],
@@ -63,7 +66,10 @@ pub(super) fn topk_gradient(
     let d = ids
         .iter()
         .enumerate()
-        .map(|(pair, &id)| masked_grad[(pair / k) * e + id as usize])
+        .map(|(pair, &id)| match id {
+            SKIP => 0.0,
+            id => masked_grad[(pair / k) * e + id as usize],
+        })
         .collect();
     Tensor::from_f32([t, k], d)
 }

@@ -2,7 +2,7 @@
 
 use std::collections::TryReserveError;
 
-use crate::contracts::PermuteDims;
+use crate::contracts::{PermuteDims, SKIP};
 use crate::tensor::try_filled as filled;
 
 /// The block plan of `permute`, before conversion to tensors.
@@ -19,7 +19,7 @@ pub struct BlockPlan {
     pub num_used_blocks: usize,
 }
 
-/// Builds the plan for `expert_index [T, K]` (valid, distinct ids per row) and
+/// Builds the plan for `expert_index [T, K]` (valid, distinct ids per row, or SKIP) and
 /// `topk_affinities [T, K]`.
 pub fn permute(
     expert_index: &[i32],
@@ -28,7 +28,9 @@ pub fn permute(
 ) -> Result<BlockPlan, TryReserveError> {
     let mut masked = filled((t + 1) * e, 0.0)?;
     for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
-        masked[(pair / k) * e + id as usize] = a;
+        if id != SKIP {
+            masked[(pair / k) * e + id as usize] = a;
+        }
     }
     let mut plan = BlockPlan {
         expert_counts: vec![0; e],
@@ -54,11 +56,15 @@ pub fn permute(
     Ok(plan)
 }
 
-/// `d_topk_affinities [T, K]` from an affinity gradient in the masked `[(T+1)·E]` layout.
+/// `d_topk_affinities [T, K]` from an affinity gradient in the masked `[(T+1)·E]` layout (0 in
+/// skipped slots).
 pub fn permute_backward(expert_index: &[i32], d_masked: &[f64], k: usize, e: usize) -> Vec<f64> {
     expert_index
         .iter()
         .enumerate()
-        .map(|(pair, &id)| d_masked[(pair / k) * e + id as usize])
+        .map(|(pair, &id)| match id {
+            SKIP => 0.0,
+            id => d_masked[(pair / k) * e + id as usize],
+        })
         .collect()
 }

@@ -83,6 +83,18 @@ pub fn routing() -> impl Strategy<Value = Routing> {
     ]
 }
 
+/// Marks a random subset of slots (possibly all of a row, possibly none) as skipped
+/// ([`moekit::contracts::SKIP`], affinity 0), as an expert-parallel receiver sees the slots of
+/// other ranks' experts.
+pub fn skip_slots(rng: &mut SeededRng, index: &mut [i32], affinities: &mut [f64]) {
+    for (id, a) in index.iter_mut().zip(affinities.iter_mut()) {
+        if rng.uniform(0.0, 1.0) < 0.5 {
+            *id = moekit::contracts::SKIP;
+            *a = 0.0;
+        }
+    }
+}
+
 /// `expert_index [T, K]` with distinct ids per row.
 pub fn expert_index(
     rng: &mut SeededRng,
