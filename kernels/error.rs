@@ -74,6 +74,10 @@ pub enum Error {
     /// A file exists but its contents are not what the format requires.
     #[error("{path}: {message}")]
     Format { path: PathBuf, message: String },
+    /// A collective operation of a rank group failed: bad arguments, a rank that left or timed
+    /// out, or an error that another rank reported (`rank` is the rank at fault).
+    #[error("rank {rank}: {message}")]
+    Collective { rank: usize, message: String },
 }
 
 /// The item of `items` called `wanted`, or else the comma-separated names of all of them (for

@@ -11,6 +11,7 @@
 //! - [`backend`]: the [`Backend`] trait and run-time backend selection.
 //! - [`reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
+//! - [`ep`]: expert parallelism: rank groups and their collectives.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
 //! - [`bench`]: kernel benchmarks against the machine's measured limits.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
@@ -75,6 +76,7 @@ pub mod backend;
 pub mod bench;
 pub mod contracts;
 pub mod cpu;
+pub mod ep;
 pub mod error;
 pub mod golden;
 pub mod kernel;

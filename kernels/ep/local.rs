@@ -1,0 +1,202 @@
+//! R ranks as threads of one process, exchanging through shared memory.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::comm::{Communicator, check_counts};
+use crate::error::{Error, Result};
+
+/// How long a rank waits for the others at a collective before the group is declared broken.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// One rank of an in-process group made by [`LocalComm::group`]; move each into its own
+/// thread. A rank that is dropped, or that waits longer than the group's timeout, breaks the
+/// group: every rank's pending and later collectives return an error instead of hanging.
+pub struct LocalComm {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+struct State {
+    /// `mailbox[src · R + dst]`: the chunk `src` sent to `dst` in the current exchange.
+    mailbox: Vec<Vec<u8>>,
+    /// Ranks waiting at the barrier of the current generation.
+    waiting: usize,
+    generation: u64,
+    /// Why the group can no longer make progress, and the rank at fault.
+    broken: Option<(usize, String)>,
+}
+
+impl LocalComm {
+    /// A group of `size` ranks (at least 1) with the default timeout (120 s).
+    pub fn group(size: usize) -> Result<Vec<LocalComm>> {
+        Self::group_with_timeout(size, DEFAULT_TIMEOUT)
+    }
+
+    /// A group of `size` ranks whose collectives give up after waiting `timeout` for the
+    /// others.
+    pub fn group_with_timeout(size: usize, timeout: Duration) -> Result<Vec<LocalComm>> {
+        if size == 0 {
+            return Err(Error::param(
+                "ranks",
+                "a group needs at least 1 rank, got 0",
+            ));
+        }
+        let shared = Arc::new(Shared {
+            size,
+            timeout,
+            state: Mutex::new(State {
+                mailbox: vec![Vec::new(); size * size],
+                waiting: 0,
+                generation: 0,
+                broken: None,
+            }),
+            arrived: Condvar::new(),
+        });
+        Ok((0..size)
+            .map(|rank| LocalComm {
+                rank,
+                shared: Arc::clone(&shared),
+            })
+            .collect())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A rank that panicked while holding the lock cannot have left the mailbox half
+        // written in a way later collectives read: the group is marked broken on its drop.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Waits until every rank has arrived (taking `state` in and handing it back).
+    fn barrier_locked<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+    ) -> Result<MutexGuard<'a, State>> {
+        if let Some((rank, message)) = &state.broken {
+            return Err(Error::Collective {
+                rank: *rank,
+                message: message.clone(),
+            });
+        }
+        let generation = state.generation;
+        state.waiting += 1;
+        if state.waiting == self.shared.size {
+            state.waiting = 0;
+            state.generation += 1;
+            self.shared.arrived.notify_all();
+            return Ok(state);
+        }
+        let deadline = Instant::now() + self.shared.timeout;
+        loop {
+            let now = Instant::now();
+            if state.generation != generation {
+                return Ok(state);
+            }
+            if let Some((rank, message)) = &state.broken {
+                return Err(Error::Collective {
+                    rank: *rank,
+                    message: message.clone(),
+                });
+            }
+            if now >= deadline {
+                let message = format!(
+                    "waited {:?} at a collective for the other ranks of the group",
+                    self.shared.timeout
+                );
+                state.broken = Some((self.rank, message.clone()));
+                self.shared.arrived.notify_all();
+                return Err(Error::Collective {
+                    rank: self.rank,
+                    message,
+                });
+            }
+            state = self
+                .shared
+                .arrived
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
+        let size = self.shared.size;
+        check_counts(self.rank, size, send.len(), send_counts)?;
+        let mut state = self.lock();
+        let mut offset = 0;
+        for (dst, &count) in send_counts.iter().enumerate() {
+            state.mailbox[self.rank * size + dst] = send[offset..offset + count].to_vec();
+            offset += count;
+        }
+        let mut state = self.barrier_locked(state)?;
+        let mut received = Vec::new();
+        let mut counts = Vec::with_capacity(size);
+        for src in 0..size {
+            let chunk = std::mem::take(&mut state.mailbox[src * size + self.rank]);
+            counts.push(chunk.len());
+            received.extend_from_slice(&chunk);
+        }
+        // Nobody writes the next exchange before everybody has read this one.
+        drop(self.barrier_locked(state)?);
+        Ok((received, counts))
+    }
+
+    fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
+        let size = self.shared.size;
+        let bytes: Vec<u8> = buffer.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let send: Vec<u8> = (0..size).flat_map(|_| bytes.iter().copied()).collect();
+        let (received, counts) = self.all_to_all_v(&send, &vec![bytes.len(); size])?;
+        if counts.iter().any(|&c| c != bytes.len()) {
+            return Err(Error::Collective {
+                rank: self.rank,
+                message: format!(
+                    "all_reduce_sum of {} values met buffers of {:?} bytes on the other ranks",
+                    buffer.len(),
+                    counts
+                ),
+            });
+        }
+        buffer.fill(0.0);
+        for chunk in received.chunks_exact(bytes.len().max(1)).take(size) {
+            for (sum, b) in buffer.iter_mut().zip(chunk.chunks_exact(4)) {
+                *sum += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        drop(self.barrier_locked(self.lock())?);
+        Ok(())
+    }
+}
+
+impl Drop for LocalComm {
+    fn drop(&mut self) {
+        let mut state = self.lock();
+        if state.broken.is_none() && self.shared.size > 1 {
+            state.broken = Some((self.rank, "left the group".to_owned()));
+        }
+        self.shared.arrived.notify_all();
+    }
+}
