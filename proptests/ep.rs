@@ -1,6 +1,14 @@
-//! Rank groups: `LocalComm`'s collectives deliver exactly what was sent, reduce bit-identically
-//! on every rank, turn one rank's error into every rank's, and fail instead of hanging when a
-//! rank leaves or never arrives.
+//! Expert parallelism over `LocalComm` ranks.
+//!
+//! - The collectives deliver exactly what was sent, reduce bit-identically on every rank, turn
+//!   one rank's error into every rank's, and fail instead of hanging when a rank leaves or
+//!   never arrives.
+//! - The expert-parallel layer (router → dispatch → permute → blockwise_mm → combine) equals
+//!   the single-rank layer holding every expert, for R ∈ {1, 2, 4}, random routings (K spanning
+//!   several ranks, all tokens on one rank so the others receive nothing): outputs, input and
+//!   affinity gradients per rank, the router gradient summed over ranks, each rank's expert
+//!   gradients. Tolerance 1e-5 relative to the largest entry on the reference backend (the EP
+//!   path adds the ranks' partial outputs in f32), 1e-4 on cpu; runs are bit-identical.
 
 mod common;
 
@@ -8,8 +16,16 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use moekit::Error;
-use moekit::ep::{Communicator, LocalComm, agree, all_to_all_v_f32, all_to_all_v_i32};
+use moekit::contracts::{
+    Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
+    BlockwiseMmParams, Permute, PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd,
+    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+};
+use moekit::ep::{
+    Communicator, DispatchParams, EpGrads, EpInputs, EpParams, ExpertParallelMoe, LocalComm, agree,
+    all_to_all_v_f32, all_to_all_v_i32, dispatch,
+};
+use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
 
 /// Runs `f(rank, comm)` on every rank of a fresh group, each in its own thread.
@@ -172,4 +188,363 @@ fn bad_arguments_are_clear_errors() {
     assert!(err.contains("one send count per rank (1), got 2"), "{err}");
     let err = LocalComm::group(0).err().unwrap().to_string();
     assert!(err.contains("at least 1 rank"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The expert-parallel layer against the single-rank layer.
+
+#[derive(Clone, Debug)]
+struct EpCase {
+    r: usize,
+    /// Experts per rank.
+    local: usize,
+    k: usize,
+    h: usize,
+    i: usize,
+    b: usize,
+    /// Tokens on each rank.
+    tokens: Vec<usize>,
+    /// Steer every token to rank 0's experts (the other ranks receive nothing).
+    one_rank: bool,
+    norm_topk_prob: bool,
+    seed: u64,
+}
+
+fn ep_case() -> impl Strategy<Value = EpCase> {
+    (
+        prop_oneof![Just(1usize), Just(2), Just(4)],
+        1usize..4,
+        1usize..7,
+        1usize..5,
+        1usize..6,
+    )
+        .prop_flat_map(|(r, local, h, i, b)| {
+            (
+                Just((r, local, h, i, b)),
+                1..=(r * local).min(4),
+                proptest::collection::vec(1usize..7, r),
+                any::<(bool, bool, u64)>(),
+            )
+        })
+        .prop_map(
+            |((r, local, h, i, b), k, tokens, (one_rank, norm_topk_prob, seed))| EpCase {
+                r,
+                local,
+                k: if one_rank { k.min(local) } else { k },
+                h,
+                i,
+                b,
+                tokens,
+                one_rank,
+                norm_topk_prob,
+                seed,
+            },
+        )
+}
+
+/// Every rank's tokens and the full weights.
+struct EpData {
+    x: Vec<Tensor>,
+    w: Tensor,
+    /// `[E, H, 2, I]` and `[E, I, H]`, all experts.
+    gate_up: Vec<f64>,
+    down: Vec<f64>,
+    d_output: Vec<Tensor>,
+}
+
+fn ep_data(c: &EpCase) -> EpData {
+    let mut rng = SeededRng::new(c.seed);
+    let e = c.r * c.local;
+    let mut w = rng.values(c.h * e, 1.0);
+    if c.one_rank {
+        // Rank 0's experts win every top-k by a wide margin.
+        for row in w.chunks_mut(e) {
+            for (expert, v) in row.iter_mut().enumerate() {
+                *v = if expert < c.local {
+                    4.0 + *v
+                } else {
+                    -4.0 + *v
+                };
+            }
+        }
+    }
+    EpData {
+        x: c.tokens
+            .iter()
+            .map(|&t| f32_tensor(&[t, c.h], &rng.values(t * c.h, 1.0)))
+            .collect(),
+        w: f32_tensor(&[c.h, e], &w),
+        gate_up: rng.values(e * c.h * 2 * c.i, 0.5),
+        down: rng.values(e * c.i * c.h, 0.5),
+        d_output: c
+            .tokens
+            .iter()
+            .map(|&t| f32_tensor(&[t, c.h], &rng.values(t * c.h, 1.0)))
+            .collect(),
+    }
+}
+
+/// The layer on one rank holding every expert (the oracle): output, d_x, d_w, d_gate_up,
+/// d_down for one rank's tokens.
+fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
+    let backend = BackendKind::Reference.create();
+    let e = c.r * c.local;
+    let (t, h, i) = (c.tokens[rank], c.h, c.i);
+    let x = &data.x[rank];
+    let routed = backend
+        .router_topk(
+            &RouterTopk::new(
+                RouterTopkInputs {
+                    x,
+                    w: &data.w,
+                    bias: None,
+                    selection_bias: None,
+                },
+                RouterTopkParams {
+                    top_k: c.k,
+                    activation: Activation::Softmax,
+                    norm_topk_prob: c.norm_topk_prob,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let plan = backend
+        .permute(
+            &Permute::new(
+                PermuteInputs {
+                    expert_index: &routed.expert_index,
+                    topk_affinities: &routed.topk_affinities,
+                },
+                PermuteParams {
+                    num_experts: e,
+                    block_size: c.b,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let mut padded = x.to_f64_vec();
+    padded.extend(vec![0.0; h]);
+    let hidden_states = f32_tensor(&[t + 1, h], &padded);
+    let gate_up = f32_tensor(&[e, h, 2, i], &data.gate_up);
+    let down = f32_tensor(&[e, i, h], &data.down);
+    let inputs = BlockwiseMmInputs {
+        hidden_states: &hidden_states,
+        expert_affinities_masked: &plan.expert_affinities_masked,
+        gate_up_proj_weight: &gate_up,
+        down_proj_weight: &down,
+        token_position_to_id: &plan.token_position_to_id,
+        block_to_expert: &plan.block_to_expert,
+    };
+    let out = backend
+        .blockwise_mm(
+            &BlockwiseMm::new(
+                inputs,
+                BlockwiseMmParams {
+                    checkpoint_activations: true,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let grads = backend
+        .blockwise_mm_bwd(
+            &BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+                forward: inputs,
+                gate_up_activations_t: out.gate_up_activations_t.as_ref().unwrap(),
+                down_activations: out.down_activations.as_ref().unwrap(),
+                output_hidden_states_grad: &data.d_output[rank],
+                expert_index: Some(&routed.expert_index),
+            })
+            .unwrap(),
+        )
+        .unwrap();
+    let router = backend
+        .router_topk_bwd(
+            &RouterTopkBwd::new(
+                RouterTopkBwdInputs {
+                    x,
+                    w: &data.w,
+                    router_logits: &routed.router_logits,
+                    expert_index: &routed.expert_index,
+                    d_topk_affinities: grads.d_topk_affinities.as_ref().unwrap(),
+                    d_router_logits: None,
+                },
+                RouterTopkBwdParams {
+                    activation: Activation::Softmax,
+                    norm_topk_prob: c.norm_topk_prob,
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let d_x: Vec<f64> = router
+        .d_x
+        .to_f64_vec()
+        .iter()
+        .zip(grads.hidden_states_grad.to_f64_vec())
+        .map(|(a, b)| a + b)
+        .collect();
+    [
+        out.output.to_f64_vec(),
+        d_x,
+        router.d_w.to_f64_vec(),
+        grads.gate_up_proj_weight_grad.to_f64_vec(),
+        grads.down_proj_weight_grad.to_f64_vec(),
+    ]
+}
+
+type RankResult = moekit::Result<(Tensor, EpGrads)>;
+
+fn run_ep(c: &EpCase, data: &EpData, backend: BackendKind) -> Vec<RankResult> {
+    let e = c.r * c.local;
+    let (h, i) = (c.h, c.i);
+    let per_gate_up = c.local * h * 2 * i;
+    let per_down = c.local * i * h;
+    on_ranks(LocalComm::group(c.r).unwrap(), |rank, comm| {
+        let backend = backend.create();
+        let gate_up = f32_tensor(
+            &[c.local, h, 2, i],
+            &data.gate_up[rank * per_gate_up..(rank + 1) * per_gate_up],
+        );
+        let down = f32_tensor(
+            &[c.local, i, h],
+            &data.down[rank * per_down..(rank + 1) * per_down],
+        );
+        let layer = ExpertParallelMoe {
+            backend: backend.as_ref(),
+            comm,
+            params: EpParams {
+                num_experts: e,
+                top_k: c.k,
+                activation: Activation::Softmax,
+                norm_topk_prob: c.norm_topk_prob,
+                block_size: c.b,
+            },
+        };
+        let inputs = EpInputs {
+            x: &data.x[rank],
+            w: &data.w,
+            gate_up_proj_weight: &gate_up,
+            down_proj_weight: &down,
+        };
+        let (output, saved) = layer.forward(inputs)?;
+        let grads = layer.backward(inputs, &saved, &data.d_output[rank])?;
+        Ok((output, grads))
+    })
+}
+
+proptest! {
+    #![proptest_config(config(64))]
+
+    #[test]
+    fn expert_parallel_layer_equals_the_single_rank_layer(c in ep_case()) {
+        let data = ep_data(&c);
+        let oracle: Vec<[Vec<f64>; 5]> = (0..c.r).map(|rank| single_rank(&c, &data, rank)).collect();
+        let sum = |part: usize| -> Vec<f64> {
+            let mut total = vec![0.0; oracle[0][part].len()];
+            for o in &oracle {
+                for (t, v) in total.iter_mut().zip(&o[part]) {
+                    *t += v;
+                }
+            }
+            total
+        };
+        let (d_w, d_gate_up, d_down) = (sum(2), sum(3), sum(4));
+        let per_gate_up = c.local * c.h * 2 * c.i;
+        let per_down = c.local * c.i * c.h;
+        let results = run_ep(&c, &data, BackendKind::Reference);
+        let close = |what: &str, got: &Tensor, want: &[f64]| {
+            assert_close(what, &got.to_f64_vec(), want, 1e-5, 1e-5 * scale(want))
+        };
+        for (rank, result) in results.iter().enumerate() {
+            let (output, grads) = result.as_ref().unwrap();
+            close("output", output, &oracle[rank][0])?;
+            close("d_x", &grads.d_x, &oracle[rank][1])?;
+            close("d_w", &grads.d_w, &d_w)?;
+            close("d_gate_up", &grads.d_gate_up_proj_weight, &d_gate_up[rank * per_gate_up..(rank + 1) * per_gate_up])?;
+            close("d_down", &grads.d_down_proj_weight, &d_down[rank * per_down..(rank + 1) * per_down])?;
+        }
+        // Bit-identical on a second run, and on the cpu backend within the cpu tolerance.
+        let again = run_ep(&c, &data, BackendKind::Reference);
+        for (a, b) in results.iter().zip(&again) {
+            prop_assert!(a.as_ref().unwrap() == b.as_ref().unwrap(), "runs differ");
+        }
+        for (rank, result) in run_ep(&c, &data, BackendKind::Cpu).iter().enumerate() {
+            let (output, grads) = result.as_ref().unwrap();
+            assert_close("cpu output", &output.to_f64_vec(), &oracle[rank][0], 1e-4, 1e-4 * scale(&oracle[rank][0]))?;
+            assert_close("cpu d_x", &grads.d_x.to_f64_vec(), &oracle[rank][1], 1e-4, 1e-4 * scale(&oracle[rank][1]))?;
+        }
+    }
+}
+
+#[test]
+fn invalid_input_on_one_rank_is_every_ranks_error() {
+    let c = EpCase {
+        r: 2,
+        local: 2,
+        k: 2,
+        h: 3,
+        i: 2,
+        b: 2,
+        tokens: vec![3, 2],
+        one_rank: false,
+        norm_topk_prob: true,
+        seed: 5,
+    };
+    let mut data = ep_data(&c);
+    let mut bad = data.x[1].to_f64_vec();
+    bad[4] = f64::NAN;
+    data.x[1] = f32_tensor(&[2, 3], &bad);
+    for result in run_ep(&c, &data, BackendKind::Cpu) {
+        let message = result.unwrap_err().to_string();
+        assert!(
+            message.starts_with("rank 1: tensor `x`: non-finite value NaN"),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn ranks_started_with_different_sizes_are_detected() {
+    let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        let h = 3 + rank;
+        let x = f32_tensor(&[1, h], &vec![0.5; h]);
+        let index = i32_tensor(&[1, 1], &[0]);
+        let affinities = f32_tensor(&[1, 1], &[1.0]);
+        dispatch(
+            comm,
+            &x,
+            &index,
+            &affinities,
+            DispatchParams { num_experts: 4 },
+        )
+        .map(|_| ())
+    });
+    for result in results {
+        let message = result.unwrap_err().to_string();
+        assert!(
+            message.contains("H (hidden size) = 4, but rank"),
+            "{message}"
+        );
+    }
+    let results = on_ranks(LocalComm::group(2).unwrap(), |_, comm| {
+        let x = f32_tensor(&[1, 2], &[0.5; 2]);
+        dispatch(
+            comm,
+            &x,
+            &i32_tensor(&[1, 1], &[0]),
+            &f32_tensor(&[1, 1], &[1.0]),
+            DispatchParams { num_experts: 3 },
+        )
+        .map(|_| ())
+    });
+    for result in results {
+        let message = result.unwrap_err().to_string();
+        assert!(
+            message.contains("E = 3 experts cannot be sharded evenly over R = 2 ranks"),
+            "{message}"
+        );
+    }
 }

@@ -3,12 +3,22 @@
 //! - [`Communicator`]: the collective operations a rank group offers (variable all-to-all,
 //!   all-reduce, barrier) and [`agree`], which turns one rank's error into every rank's.
 //! - [`LocalComm`]: R ranks as threads of one process over shared memory.
+//! - [`dispatch`] / [`combine`] and their backward passes: token rows to the ranks that own
+//!   their experts and the expert outputs back (the NKI library's a2av permute/unpermute).
+//! - [`ExpertParallelMoe`]: router → dispatch → permute → blockwise_mm → combine, forward and
+//!   backward, on any backend and any communicator.
 //!
 //! On Trainium the same seam is where Neuron's collectives plug in (the all-to-all-v of the
 //! NKI a2av kernels runs inside the NEFF); over processes it is MPI's.
 
 mod comm;
+mod exchange;
+mod layer;
 mod local;
 
 pub use comm::{Communicator, agree, all_to_all_v_f32, all_to_all_v_i32};
+pub use exchange::{
+    DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
+};
+pub use layer::{EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe};
 pub use local::LocalComm;

@@ -1,0 +1,305 @@
+//! `ExpertParallelMoe`: an MoE layer whose experts are sharded over the ranks of a
+//! communicator, composed of the kernels on any backend.
+//!
+//! ```text
+//! forward:  router_topk (replicated router) → dispatch → permute → blockwise_mm → combine
+//! backward: combine_bwd → blockwise_mm_bwd → dispatch_bwd → router_topk_bwd, with the router
+//!           weight's gradient summed over the ranks (all-reduce)
+//! ```
+//! Each rank brings its own tokens `x [T, H]`, the replicated router `w [H, E]` and its local
+//! experts `gate_up_proj_weight [E/R, H, 2, I]` and `down_proj_weight [E/R, I, H]` (rank r holds
+//! experts `[r·E/R, (r+1)·E/R)`). A rank may receive no rows; its expert gradients are then 0.
+
+use super::comm::Communicator;
+use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch, dispatch_bwd};
+use crate::backend::Backend;
+use crate::contracts::{
+    Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
+    BlockwiseMmParams, Permute, PermuteInputs, PermuteOutputs, PermuteParams, RouterTopk,
+    RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs,
+    RouterTopkParams,
+};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Parameters of [`ExpertParallelMoe`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpParams {
+    /// E, experts over all ranks (a multiple of R).
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub activation: Activation,
+    pub norm_topk_prob: bool,
+    /// B of the local block plan.
+    pub block_size: usize,
+}
+
+/// One rank's inputs.
+#[derive(Clone, Copy, Debug)]
+pub struct EpInputs<'a> {
+    /// `[T, H]`.
+    pub x: &'a Tensor,
+    /// `[H, E]`, the same on every rank.
+    pub w: &'a Tensor,
+    /// `[E/R, H, 2, I]`, this rank's experts.
+    pub gate_up_proj_weight: &'a Tensor,
+    /// `[E/R, I, H]`.
+    pub down_proj_weight: &'a Tensor,
+}
+
+/// What the backward needs from the forward.
+#[derive(Clone, Debug)]
+pub struct EpSaved {
+    routed: RouterTopkOutputs,
+    dispatched: Dispatched,
+    /// The local plan and checkpoints, when this rank received rows.
+    local: Option<LocalExperts>,
+}
+
+#[derive(Clone, Debug)]
+struct LocalExperts {
+    /// `[M+1, H]`, the received rows plus the padding row.
+    hidden_states: Tensor,
+    plan: PermuteOutputs,
+    gate_up_activations_t: Tensor,
+    down_activations: Tensor,
+}
+
+/// One rank's gradients.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpGrads {
+    /// `[T, H]` f32.
+    pub d_x: Tensor,
+    /// `[H, E]` f32, summed over all ranks (identical on every rank).
+    pub d_w: Tensor,
+    /// `[E/R, H, 2, I]` f32, this rank's experts.
+    pub d_gate_up_proj_weight: Tensor,
+    /// `[E/R, I, H]` f32.
+    pub d_down_proj_weight: Tensor,
+}
+
+/// The layer on one rank: run `forward` then `backward` on every rank of `comm`.
+pub struct ExpertParallelMoe<'a> {
+    pub backend: &'a dyn Backend,
+    pub comm: &'a dyn Communicator,
+    pub params: EpParams,
+}
+
+impl ExpertParallelMoe<'_> {
+    /// `output [T, H]` f32 and what the backward needs.
+    pub fn forward(&self, inputs: EpInputs<'_>) -> Result<(Tensor, EpSaved)> {
+        let p = self.params;
+        let routed = RouterTopk::new(
+            RouterTopkInputs {
+                x: inputs.x,
+                w: inputs.w,
+                bias: None,
+                selection_bias: None,
+            },
+            RouterTopkParams {
+                top_k: p.top_k,
+                activation: p.activation,
+                norm_topk_prob: p.norm_topk_prob,
+            },
+        )
+        .and_then(|call| self.backend.router_topk(&call));
+        // A router error on one rank must stop every rank before the exchange.
+        let routed = super::comm::agree(self.comm, routed)?;
+        let dispatched = dispatch(
+            self.comm,
+            inputs.x,
+            &routed.expert_index,
+            &routed.topk_affinities,
+            DispatchParams {
+                num_experts: p.num_experts,
+            },
+        )?;
+        let local = super::comm::agree(self.comm, self.local_forward(inputs, &dispatched))?;
+        let h = inputs.x.shape()[1];
+        let m = dispatched.hidden_states.shape()[0];
+        let expert_output = match &local {
+            Some((output, _)) => output.clone(),
+            None => Tensor::from_f32([m, h], vec![0.0; m * h])?,
+        };
+        let output = combine(self.comm, &dispatched.route, &expert_output)?;
+        Ok((
+            output,
+            EpSaved {
+                routed,
+                dispatched,
+                local: local.map(|(_, experts)| experts),
+            },
+        ))
+    }
+
+    /// This rank's experts on the rows it received (none when it received none).
+    fn local_forward(
+        &self,
+        inputs: EpInputs<'_>,
+        dispatched: &Dispatched,
+    ) -> Result<Option<(Tensor, LocalExperts)>> {
+        let shape = dispatched.hidden_states.shape();
+        let (m, h) = (shape[0], shape[1]);
+        let local_experts = self.params.num_experts / self.comm.size();
+        if inputs.gate_up_proj_weight.shape().first() != Some(&local_experts) {
+            return Err(Error::shape(
+                "gate_up_proj_weight",
+                format!("[E/R, H, 2, I] = [{local_experts}, {h}, 2, _]"),
+                inputs.gate_up_proj_weight.shape(),
+            ));
+        }
+        if m == 0 {
+            return Ok(None);
+        }
+        let mut padded = dispatched.hidden_states.f32_values().into_owned();
+        padded.extend(std::iter::repeat_n(0.0, h));
+        let hidden_states = Tensor::from_f32([m + 1, h], padded)?;
+        let plan = self.backend.permute(&Permute::new(
+            PermuteInputs {
+                expert_index: &dispatched.expert_index,
+                topk_affinities: &dispatched.topk_affinities,
+            },
+            PermuteParams {
+                num_experts: local_experts,
+                block_size: self.params.block_size,
+            },
+        )?)?;
+        let out = self.backend.blockwise_mm(&BlockwiseMm::new(
+            forward_inputs(&hidden_states, &plan, inputs),
+            BlockwiseMmParams {
+                checkpoint_activations: true,
+            },
+        )?)?;
+        let (Some(gate_up_activations_t), Some(down_activations)) =
+            (out.gate_up_activations_t, out.down_activations)
+        else {
+            return Err(Error::invalid(
+                "blockwise_mm",
+                "the backend returned no checkpoints",
+            ));
+        };
+        Ok(Some((
+            out.output,
+            LocalExperts {
+                hidden_states,
+                plan,
+                gate_up_activations_t,
+                down_activations,
+            },
+        )))
+    }
+
+    /// Gradients of every input for `d_output [T, H]`.
+    pub fn backward(
+        &self,
+        inputs: EpInputs<'_>,
+        saved: &EpSaved,
+        d_output: &Tensor,
+    ) -> Result<EpGrads> {
+        let p = self.params;
+        let route = &saved.dispatched.route;
+        let d_expert_output = combine_bwd(self.comm, route, d_output)?;
+        let local = super::comm::agree(
+            self.comm,
+            self.local_backward(inputs, saved, &d_expert_output),
+        )?;
+        let (d_rows, d_row_affinities, d_gate_up, d_down) = local;
+        let (d_x_experts, d_topk_affinities) = dispatch_bwd(
+            self.comm,
+            route,
+            &saved.routed.expert_index,
+            DispatchParams {
+                num_experts: p.num_experts,
+            },
+            &d_rows,
+            &d_row_affinities,
+        )?;
+        let router = RouterTopkBwd::new(
+            RouterTopkBwdInputs {
+                x: inputs.x,
+                w: inputs.w,
+                router_logits: &saved.routed.router_logits,
+                expert_index: &saved.routed.expert_index,
+                d_topk_affinities: &d_topk_affinities,
+                d_router_logits: None,
+            },
+            RouterTopkBwdParams {
+                activation: p.activation,
+                norm_topk_prob: p.norm_topk_prob,
+            },
+        )
+        .and_then(|call| self.backend.router_topk_bwd(&call));
+        let router = super::comm::agree(self.comm, router)?;
+        let mut d_w = router.d_w.f32_values().into_owned();
+        self.comm.all_reduce_sum(&mut d_w)?;
+        let d_x: Vec<f32> = router
+            .d_x
+            .f32_values()
+            .iter()
+            .zip(d_x_experts.f32_values().iter())
+            .map(|(a, b)| a + b)
+            .collect();
+        Ok(EpGrads {
+            d_x: Tensor::from_f32(inputs.x.shape(), d_x)?,
+            d_w: Tensor::from_f32(inputs.w.shape(), d_w)?,
+            d_gate_up_proj_weight: d_gate_up,
+            d_down_proj_weight: d_down,
+        })
+    }
+
+    /// `blockwise_mm_bwd` on the received rows: `(d rows [M, H], d row affinities [M, K],
+    /// d gate_up, d down)`; zeros when this rank received no rows.
+    fn local_backward(
+        &self,
+        inputs: EpInputs<'_>,
+        saved: &EpSaved,
+        d_expert_output: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let dispatched = &saved.dispatched;
+        let zeros = |shape: &[usize]| Tensor::from_f32(shape, vec![0.0; shape.iter().product()]);
+        let Some(local) = &saved.local else {
+            return Ok((
+                zeros(dispatched.hidden_states.shape())?,
+                zeros(dispatched.expert_index.shape())?,
+                zeros(inputs.gate_up_proj_weight.shape())?,
+                zeros(inputs.down_proj_weight.shape())?,
+            ));
+        };
+        let grads = self
+            .backend
+            .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+                forward: forward_inputs(&local.hidden_states, &local.plan, inputs),
+                gate_up_activations_t: &local.gate_up_activations_t,
+                down_activations: &local.down_activations,
+                output_hidden_states_grad: d_expert_output,
+                expert_index: Some(&dispatched.expert_index),
+            })?)?;
+        let d_affinities = grads.d_topk_affinities.ok_or_else(|| {
+            Error::invalid(
+                "blockwise_mm_bwd",
+                "the backend returned no d_topk_affinities",
+            )
+        })?;
+        Ok((
+            grads.hidden_states_grad,
+            d_affinities,
+            grads.gate_up_proj_weight_grad,
+            grads.down_proj_weight_grad,
+        ))
+    }
+}
+
+fn forward_inputs<'a>(
+    hidden_states: &'a Tensor,
+    plan: &'a PermuteOutputs,
+    inputs: EpInputs<'a>,
+) -> BlockwiseMmInputs<'a> {
+    BlockwiseMmInputs {
+        hidden_states,
+        expert_affinities_masked: &plan.expert_affinities_masked,
+        gate_up_proj_weight: inputs.gate_up_proj_weight,
+        down_proj_weight: inputs.down_proj_weight,
+        token_position_to_id: &plan.token_position_to_id,
+        block_to_expert: &plan.block_to_expert,
+    }
+}
