@@ -4,14 +4,19 @@
 set -euo pipefail
 
 # System packages (Debian): command → package; g++ builds tch's C++ shim, python3-venv the
-# libtorch venv. apt-get update runs once, only if something is missing.
-declare -A APT_PACKAGES=([cc]=gcc [c++]=g++ [python3]=python3)
+# libtorch venv, Open MPI the expert-parallel MPI tests. apt-get update runs once, only if something is missing.
+declare -A APT_PACKAGES=([cc]=gcc [c++]=g++ [python3]=python3 [mpicc]=libopenmpi-dev [mpirun]=openmpi-bin)
 missing=()
 for command in "${!APT_PACKAGES[@]}"; do
     command -v "${command}" >/dev/null 2>&1 || missing+=("${APT_PACKAGES[${command}]}")
 done
 if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     missing+=(python3-venv)
+fi
+# libclang lets the `mpi` crate generate its MPI bindings (expert parallelism over MPI).
+if ! compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null \
+    && ! compgen -G '/usr/lib/*/libclang*.so*' >/dev/null; then
+    missing+=(libclang-dev)
 fi
 # DejaVu Sans labels the trainer's PNG plots.
 if [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 /// Every rank of the group must make the same sequence of collective calls; a rank whose
 /// input is invalid must still take part (see [`agree`]), or the others fail with a timeout or
 /// a "left the group" error rather than hang.
-pub trait Communicator: Send {
+pub trait Communicator {
     /// This rank, in `0..size()`.
     fn rank(&self) -> usize;
 

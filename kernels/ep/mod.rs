@@ -3,6 +3,7 @@
 //! - [`Communicator`]: the collective operations a rank group offers (variable all-to-all,
 //!   all-reduce, barrier) and [`agree`], which turns one rank's error into every rank's.
 //! - [`LocalComm`]: R ranks as threads of one process over shared memory.
+//! - `MpiComm` (feature `mpi`): R ranks as MPI processes, launched with `mpirun -n R`.
 //! - [`dispatch`] / [`combine`] and their backward passes: token rows to the ranks that own
 //!   their experts and the expert outputs back (the NKI library's a2av permute/unpermute).
 //! - [`ExpertParallelMoe`]: router → dispatch → permute → blockwise_mm → combine, forward and
@@ -15,6 +16,8 @@ mod comm;
 mod exchange;
 mod layer;
 mod local;
+#[cfg(feature = "mpi")]
+mod mpi;
 
 pub use comm::{Communicator, agree, all_to_all_v_f32, all_to_all_v_i32};
 pub use exchange::{
@@ -22,3 +25,5 @@ pub use exchange::{
 };
 pub use layer::{EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe};
 pub use local::LocalComm;
+#[cfg(feature = "mpi")]
+pub use mpi::MpiComm;

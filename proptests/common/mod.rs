@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod ep_layer;
+
 use moekit::Tensor;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;

@@ -1,0 +1,117 @@
+//! R ranks as MPI processes (feature `mpi`, Open MPI through the `mpi` crate), launched with
+//! `mpirun -n R ...`.
+
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator as _, CommunicatorCollectives};
+
+use super::comm::{Communicator, check_counts};
+use crate::error::{Error, Result};
+
+/// This process's rank of `MPI_COMM_WORLD`. MPI is initialised by [`MpiComm::init`] and
+/// finalised when the value is dropped; one per process.
+///
+/// MPI reports its own failures by aborting the job (`MPI_ERRORS_ARE_FATAL`), so `mpirun`
+/// exits non-zero with MPI's message; moekit's errors reach every rank through
+/// [`agree`](super::agree) before anything is exchanged.
+pub struct MpiComm {
+    world: SimpleCommunicator,
+    // Declared after `world`, so MPI is finalised after the communicator is released.
+    _universe: Universe,
+}
+
+impl MpiComm {
+    /// Initialises MPI; an error if it is already initialised in this process.
+    pub fn init() -> Result<Self> {
+        let universe = mpi::initialize().ok_or_else(|| Error::Collective {
+            rank: 0,
+            message: "MPI is already initialised in this process".to_owned(),
+        })?;
+        Ok(Self {
+            world: universe.world(),
+            _universe: universe,
+        })
+    }
+}
+
+/// Counts and displacements as MPI's `int`s.
+fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
+    let too_large = || Error::Collective {
+        rank,
+        message: "an all-to-all chunk exceeds MPI's 2 GiB count limit".to_owned(),
+    };
+    let counts = counts
+        .iter()
+        .map(|&c| i32::try_from(c).map_err(|_| too_large()))
+        .collect::<Result<Vec<i32>>>()?;
+    let mut displacements = Vec::with_capacity(counts.len());
+    let mut offset = 0i32;
+    for &c in &counts {
+        displacements.push(offset);
+        offset = offset.checked_add(c).ok_or_else(too_large)?;
+    }
+    Ok((counts, displacements))
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
+        let (rank, size) = (self.rank(), self.size());
+        check_counts(rank, size, send.len(), send_counts)?;
+        let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
+        let mut recv_counts = vec![0i32; size];
+        self.world
+            .all_to_all_into(&counts[..], &mut recv_counts[..]);
+        let recv_usize: Vec<usize> = recv_counts.iter().map(|&c| c as usize).collect();
+        let (recv_counts, recv_displacements) = counts_and_displacements(rank, &recv_usize)?;
+        let total: usize = recv_usize.iter().sum();
+        // Buffers of at least one byte: two empty slices can share a dangling address, which
+        // Open MPI rejects as an aliased (in-place) send and receive buffer.
+        let mut received = vec![0u8; total.max(1)];
+        let placeholder = [0u8];
+        let send = if send.is_empty() {
+            &placeholder[..]
+        } else {
+            send
+        };
+        {
+            let send = Partition::new(send, &counts[..], &displacements[..]);
+            let mut recv =
+                PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displacements[..]);
+            self.world.all_to_all_varcount_into(&send, &mut recv);
+        }
+        received.truncate(total);
+        Ok((received, recv_usize))
+    }
+
+    fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
+        // Gathered, then summed in rank order: bit-identical on every rank (MPI_Allreduce's
+        // order is the implementation's).
+        let size = self.size();
+        if buffer.is_empty() {
+            return self.barrier();
+        }
+        let mut all = vec![0f32; buffer.len() * size];
+        self.world.all_gather_into(&buffer[..], &mut all[..]);
+        buffer.fill(0.0);
+        for chunk in all.chunks_exact(buffer.len().max(1)).take(size) {
+            for (sum, v) in buffer.iter_mut().zip(chunk) {
+                *sum += v;
+            }
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.world.barrier();
+        Ok(())
+    }
+}

@@ -1,0 +1,201 @@
+//! Expert parallelism over MPI ranks (feature `mpi`). Run under `mpirun` (scripts/test.sh runs
+//! it with 2 and 4 ranks); every rank checks its own results and the process exits non-zero on
+//! any failure, so `mpirun` does too.
+//!
+//! - `MpiComm`'s all-to-all-v delivers every chunk in rank order; its all-reduce is
+//!   bit-identical on every rank and equals the rank-order sum.
+//! - The expert-parallel layer equals the single-rank layer (the same oracle and tolerances as
+//!   the `LocalComm` tests), for several routings including all tokens on rank 0.
+//! - With the argument `fault`, rank 1 gets a NaN in its tokens: every rank must report that
+//!   rank's error, and the binary exits non-zero (the test command checks both).
+
+mod common;
+
+use std::process::ExitCode;
+
+use common::ep_layer::{EpCase, ep_data, single_rank};
+use common::*;
+use moekit::BackendKind;
+use moekit::contracts::Activation;
+use moekit::ep::{Communicator, EpInputs, EpParams, ExpertParallelMoe, MpiComm};
+
+/// The layer on this rank: `(output, d_x, d_w, d_gate_up, d_down)`.
+fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Result<[Vec<f64>; 5]> {
+    let rank = comm.rank();
+    let mut data = ep_data(c);
+    if nan_on == Some(rank) {
+        let mut x = data.x[rank].to_f64_vec();
+        x[0] = f64::NAN;
+        data.x[rank] = f32_tensor(&[c.tokens[rank], c.h], &x);
+    }
+    let (h, i) = (c.h, c.i);
+    let (per_gate_up, per_down) = (c.local * h * 2 * i, c.local * i * h);
+    let gate_up = f32_tensor(
+        &[c.local, h, 2, i],
+        &data.gate_up[rank * per_gate_up..(rank + 1) * per_gate_up],
+    );
+    let down = f32_tensor(
+        &[c.local, i, h],
+        &data.down[rank * per_down..(rank + 1) * per_down],
+    );
+    let backend = BackendKind::Cpu.create();
+    let layer = ExpertParallelMoe {
+        backend: backend.as_ref(),
+        comm,
+        params: EpParams {
+            num_experts: c.r * c.local,
+            top_k: c.k,
+            activation: Activation::Softmax,
+            norm_topk_prob: c.norm_topk_prob,
+            block_size: c.b,
+        },
+    };
+    let inputs = EpInputs {
+        x: &data.x[rank],
+        w: &data.w,
+        gate_up_proj_weight: &gate_up,
+        down_proj_weight: &down,
+    };
+    let (output, saved) = layer.forward(inputs)?;
+    let grads = layer.backward(inputs, &saved, &data.d_output[rank])?;
+    Ok([
+        output.to_f64_vec(),
+        grads.d_x.to_f64_vec(),
+        grads.d_w.to_f64_vec(),
+        grads.d_gate_up_proj_weight.to_f64_vec(),
+        grads.d_down_proj_weight.to_f64_vec(),
+    ])
+}
+
+fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
+    let (rank, r) = (comm.rank(), comm.size());
+    let len = |src: usize, dst: usize| (src * 5 + dst * 3) % 7;
+    let chunk = |src: usize, dst: usize| -> Vec<u8> {
+        (0..len(src, dst))
+            .map(|i| (src * 31 + dst * 7 + i) as u8)
+            .collect()
+    };
+    let send: Vec<u8> = (0..r).flat_map(|dst| chunk(rank, dst)).collect();
+    let counts: Vec<usize> = (0..r).map(|dst| len(rank, dst)).collect();
+    let (received, recv_counts) = comm
+        .all_to_all_v(&send, &counts)
+        .map_err(|e| e.to_string())?;
+    let expected: Vec<u8> = (0..r).flat_map(|src| chunk(src, rank)).collect();
+    if received != expected || recv_counts != (0..r).map(|src| len(src, rank)).collect::<Vec<_>>() {
+        return Err(format!(
+            "all_to_all_v delivered {received:?}, expected {expected:?}"
+        ));
+    }
+    let value = |src: usize, j: usize| (src as f32 + 1.0) * 0.1 + j as f32 * 1e-3;
+    let mut buffer: Vec<f32> = (0..5).map(|j| value(rank, j)).collect();
+    comm.all_reduce_sum(&mut buffer)
+        .map_err(|e| e.to_string())?;
+    let expected: Vec<f32> = (0..5)
+        .map(|j| (0..r).fold(0f32, |sum, src| sum + value(src, j)))
+        .collect();
+    if buffer
+        .iter()
+        .map(|v| v.to_bits())
+        .ne(expected.iter().map(|v| v.to_bits()))
+    {
+        return Err(format!(
+            "all_reduce_sum gave {buffer:?}, expected {expected:?}"
+        ));
+    }
+    Ok(())
+}
+
+fn check_layer(comm: &MpiComm) -> Result<(), String> {
+    let (rank, r) = (comm.rank(), comm.size());
+    for seed in 0..6u64 {
+        let c = EpCase {
+            r,
+            local: 1 + seed as usize % 2,
+            k: 1 + seed as usize % 2,
+            h: 5,
+            i: 3,
+            b: 2,
+            tokens: (0..r).map(|rr| 1 + (rr + seed as usize) % 4).collect(),
+            one_rank: seed % 3 == 2,
+            norm_topk_prob: seed % 2 == 0,
+            seed,
+        };
+        let got = run_layer(comm, &c, None).map_err(|e| format!("seed {seed}: {e}"))?;
+        let data = ep_data(&c);
+        let oracle: Vec<_> = (0..r).map(|rr| single_rank(&c, &data, rr)).collect();
+        let sum = |part: usize| -> Vec<f64> {
+            let mut total = vec![0.0; oracle[0][part].len()];
+            for o in &oracle {
+                for (t, v) in total.iter_mut().zip(&o[part]) {
+                    *t += v;
+                }
+            }
+            total
+        };
+        let (per_gate_up, per_down) = (c.local * c.h * 2 * c.i, c.local * c.i * c.h);
+        let wanted = [
+            oracle[rank][0].clone(),
+            oracle[rank][1].clone(),
+            sum(2),
+            sum(3)[rank * per_gate_up..(rank + 1) * per_gate_up].to_vec(),
+            sum(4)[rank * per_down..(rank + 1) * per_down].to_vec(),
+        ];
+        for (name, (got, want)) in ["output", "d_x", "d_w", "d_gate_up", "d_down"]
+            .iter()
+            .zip(got.iter().zip(&wanted))
+        {
+            assert_close(name, got, want, 1e-4, 1e-4 * scale(want))
+                .map_err(|e| format!("seed {seed}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let comm = match MpiComm::init() {
+        Ok(comm) => comm,
+        Err(err) => {
+            eprintln!("{err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rank = comm.rank();
+    if std::env::args().any(|a| a == "fault") {
+        let c = EpCase {
+            r: comm.size(),
+            local: 1,
+            k: 1,
+            h: 3,
+            i: 2,
+            b: 2,
+            tokens: vec![2; comm.size()],
+            one_rank: false,
+            norm_topk_prob: true,
+            seed: 1,
+        };
+        return match run_layer(&comm, &c, Some(1)) {
+            Ok(_) => {
+                eprintln!("rank {rank}: invalid input on rank 1 was not reported");
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                eprintln!("rank {rank} stops: {err}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let result = check_exchanges(&comm).and_then(|()| check_layer(&comm));
+    match result {
+        Ok(()) => {
+            println!(
+                "rank {rank} of {}: expert parallelism over MPI ok",
+                comm.size()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("rank {rank}: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
