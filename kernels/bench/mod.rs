@@ -2,6 +2,7 @@
 //! shapes, each reported as time, throughput and share of the machine's measured limit
 //! ([`limits::MachineLimits`]). `moekit bench` prints these rows; `BENCHMARKS.md` records them.
 
+pub mod exchange;
 #[cfg(feature = "libtorch")]
 pub mod libtorch;
 pub mod limits;

@@ -10,8 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use moekit::bench::exchange::{self, ExchangeRow};
 use moekit::bench::limits::MachineLimits;
 use moekit::bench::{BenchConfig, MoeShape};
+use moekit::ep::{Communicator, LocalComm};
 use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_table};
 use moekit::{BackendKind, DType, Result};
@@ -81,6 +83,98 @@ enum Command {
         #[arg(long)]
         no_libtorch: bool,
     },
+    /// Time the expert-parallel exchange (dispatch + combine) against the raw all-to-all of
+    /// the same bytes. `--comm local` runs R ranks as threads; `--comm mpi` (builds with the
+    /// `mpi` feature) runs under `mpirun -n R`.
+    EpBench {
+        /// Communicator: local or mpi.
+        #[arg(long, default_value = "local")]
+        comm: String,
+        /// Ranks R (local only; under MPI, mpirun's -n).
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        /// Layer shape: tiny, qwen3-moe-small, qwen3-30b-a3b or qwen3-235b-a22b.
+        #[arg(long, default_value = "qwen3-30b-a3b")]
+        shape: String,
+        /// Tokens per rank (repeat for several).
+        #[arg(long = "tokens", default_values_t = [512])]
+        tokens: Vec<usize>,
+        /// Timed iterations (the median is reported).
+        #[arg(long, default_value_t = 20)]
+        iterations: usize,
+    },
+}
+
+/// `moekit ep-bench`: rank 0 prints the table.
+fn ep_bench(
+    comm: &str,
+    ranks: usize,
+    shape: &str,
+    tokens: &[usize],
+    iterations: usize,
+) -> Result<()> {
+    let shape: MoeShape = shape.parse()?;
+    let measure = |comm: &dyn Communicator| -> Result<Vec<ExchangeRow>> {
+        tokens
+            .iter()
+            .map(|&t| exchange::run(comm, shape, t, iterations.max(1)))
+            .collect()
+    };
+    match comm {
+        "local" => {
+            let comms = LocalComm::group(ranks)?;
+            let results: Vec<Result<Vec<ExchangeRow>>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .map(|comm| scope.spawn(move || measure(&comm)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a benchmark rank panicked"))
+                    .collect()
+            });
+            let mut results = results.into_iter();
+            let rows = results.next().expect("at least one rank")?;
+            results.try_for_each(|r| r.map(drop))?;
+            print!(
+                "{}",
+                exchange::table("LocalComm (threads, memcpy)", shape, &rows)
+            );
+        }
+        "mpi" => mpi_bench(&measure, shape)?,
+        other => {
+            return Err(moekit::Error::Param {
+                param: "comm".to_owned(),
+                message: format!("unknown communicator `{other}`; use local or mpi"),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_bench(
+    measure: &dyn Fn(&dyn Communicator) -> Result<Vec<ExchangeRow>>,
+    shape: MoeShape,
+) -> Result<()> {
+    let comm = moekit::ep::MpiComm::init()?;
+    let rows = measure(&comm)?;
+    if comm.rank() == 0 {
+        print!(
+            "{}",
+            exchange::table("MpiComm (Open MPI, MPI_Alltoallv)", shape, &rows)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_bench(_: &dyn Fn(&dyn Communicator) -> Result<Vec<ExchangeRow>>, _: MoeShape) -> Result<()> {
+    Err(moekit::Error::Param {
+        param: "comm".to_owned(),
+        message: "this moekit was built without the `mpi` feature (cargo build --features mpi)"
+            .to_owned(),
+    })
 }
 
 #[allow(clippy::too_many_arguments)] // one per command-line option
@@ -192,6 +286,19 @@ fn main() -> ExitCode {
                 println!("{kernel}: wrote {count} tensors to {}", output.display());
                 ExitCode::SUCCESS
             }
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::EpBench {
+            comm,
+            ranks,
+            shape,
+            tokens,
+            iterations,
+        } => match ep_bench(&comm, ranks, &shape, &tokens, iterations) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("error: {err}");
                 ExitCode::FAILURE
