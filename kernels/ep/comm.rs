@@ -19,6 +19,22 @@ pub trait Communicator {
     /// back in rank order, and `recv_counts` (counts travel first, then the payload).
     fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)>;
 
+    /// The same exchange with one owned buffer per destination in and one per source out, so
+    /// an engine that can hand buffers over (shared memory) need not copy them. The default
+    /// goes through [`Self::all_to_all_v`].
+    fn all_to_all_v_chunks(&self, chunks: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let counts: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        let (received, recv_counts) = self.all_to_all_v(&chunks.concat(), &counts)?;
+        let mut offset = 0;
+        Ok(recv_counts
+            .iter()
+            .map(|&count| {
+                offset += count;
+                received[offset - count..offset].to_vec()
+            })
+            .collect())
+    }
+
     /// Element-wise sum of `buffer` over all ranks, into `buffer` on every rank. The sum is
     /// taken in rank order, so every rank gets bit-identical results.
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()>;
@@ -52,25 +68,63 @@ pub(super) fn check_counts(rank: usize, size: usize, send: usize, counts: &[usiz
 /// exchanged: all ranks return the first failing rank's error (as [`Error::Collective`]
 /// naming that rank), or all return their own `Ok`.
 pub fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
+    let (local, _) = agree_with_values(comm, local.map(|value| (value, Vec::new())))?;
+    Ok(local)
+}
+
+/// [`agree`], also sharing a few integers from every rank (its sizes, say) in the same
+/// exchange: returns this rank's value and every rank's integers, in rank order.
+pub fn agree_with_values<T>(
+    comm: &dyn Communicator,
+    local: Result<(T, Vec<i64>)>,
+) -> Result<(T, Vec<Vec<i64>>)> {
     let size = comm.size();
-    let message = match &local {
-        Ok(_) => String::new(),
-        Err(err) => Some(err.to_string())
-            .filter(|m| !m.is_empty())
-            .unwrap_or_else(|| "an error without a message".to_owned()),
+    // One message per rank: `0` then its integers, or `1` then its error message.
+    let message: Vec<u8> = match &local {
+        Ok((_, values)) => std::iter::once(0u8)
+            .chain(bytemuck::cast_slice::<i64, u8>(values).iter().copied())
+            .collect(),
+        Err(err) => {
+            let text = err.to_string();
+            std::iter::once(1u8).chain(text.into_bytes()).collect()
+        }
     };
-    let bytes = message.as_bytes();
-    let send: Vec<u8> = (0..size).flat_map(|_| bytes.iter().copied()).collect();
-    let (received, counts) = comm.all_to_all_v(&send, &vec![bytes.len(); size])?;
+    let send: Vec<u8> = (0..size).flat_map(|_| message.iter().copied()).collect();
+    let (received, counts) = comm.all_to_all_v(&send, &vec![message.len(); size])?;
+    let mut values = Vec::with_capacity(size);
     let mut offset = 0;
     for (rank, &count) in counts.iter().enumerate() {
-        if count > 0 {
-            let message = String::from_utf8_lossy(&received[offset..offset + count]).into_owned();
-            return Err(Error::Collective { rank, message });
-        }
+        let message = &received[offset..offset + count];
         offset += count;
+        match message.split_first() {
+            Some((0, ints)) => values.push(
+                ints.chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .collect(),
+            ),
+            Some((_, text)) => {
+                return Err(Error::Collective {
+                    rank,
+                    message: String::from_utf8_lossy(text).into_owned(),
+                });
+            }
+            None => {
+                return Err(Error::Collective {
+                    rank,
+                    message: "sent no agreement message".to_owned(),
+                });
+            }
+        }
     }
-    local
+    local.map(|(value, _)| (value, values))
+}
+
+/// Appends the values whose little-endian bytes are `bytes` (a whole number of values) to
+/// `values`: one copy, whatever the alignment of `bytes`.
+pub(super) fn extend_from_bytes<T: bytemuck::Pod>(values: &mut Vec<T>, bytes: &[u8]) {
+    let start = values.len();
+    values.resize(start + bytes.len() / std::mem::size_of::<T>(), T::zeroed());
+    bytemuck::cast_slice_mut::<T, u8>(&mut values[start..]).copy_from_slice(bytes);
 }
 
 /// [`Communicator::all_to_all_v`] of f32 values (`send_counts` in elements).
@@ -79,16 +133,11 @@ pub fn all_to_all_v_f32(
     send: &[f32],
     send_counts: &[usize],
 ) -> Result<(Vec<f32>, Vec<usize>)> {
-    let bytes: Vec<u8> = send.iter().flat_map(|v| v.to_le_bytes()).collect();
     let counts: Vec<usize> = send_counts.iter().map(|c| c * 4).collect();
-    let (received, recv_counts) = comm.all_to_all_v(&bytes, &counts)?;
-    Ok((
-        received
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        recv_counts.iter().map(|c| c / 4).collect(),
-    ))
+    let (received, recv_counts) = comm.all_to_all_v(bytemuck::cast_slice(send), &counts)?;
+    let mut values = Vec::with_capacity(received.len() / 4);
+    extend_from_bytes(&mut values, &received);
+    Ok((values, recv_counts.iter().map(|c| c / 4).collect()))
 }
 
 /// [`Communicator::all_to_all_v`] of i32 values (`send_counts` in elements).
@@ -97,14 +146,9 @@ pub fn all_to_all_v_i32(
     send: &[i32],
     send_counts: &[usize],
 ) -> Result<(Vec<i32>, Vec<usize>)> {
-    let bytes: Vec<u8> = send.iter().flat_map(|v| v.to_le_bytes()).collect();
     let counts: Vec<usize> = send_counts.iter().map(|c| c * 4).collect();
-    let (received, recv_counts) = comm.all_to_all_v(&bytes, &counts)?;
-    Ok((
-        received
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        recv_counts.iter().map(|c| c / 4).collect(),
-    ))
+    let (received, recv_counts) = comm.all_to_all_v(bytemuck::cast_slice(send), &counts)?;
+    let mut values = Vec::with_capacity(received.len() / 4);
+    extend_from_bytes(&mut values, &received);
+    Ok((values, recv_counts.iter().map(|c| c / 4).collect()))
 }

@@ -19,7 +19,7 @@
 //! exchanging anything: invalid input on one rank is the same error on every rank, never a
 //! hang. Ranks started with different E, K or H are detected the same way.
 
-use super::comm::{Communicator, agree, all_to_all_v_f32, all_to_all_v_i32};
+use super::comm::{Communicator, agree, agree_with_values, all_to_all_v_f32, extend_from_bytes};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
@@ -56,26 +56,17 @@ pub struct Dispatched {
     pub topk_affinities: Tensor,
 }
 
-/// Checks that every rank runs with the same `(name, value)` sizes; every rank reports the
-/// first rank that differs from rank 0.
-fn agree_sizes(comm: &dyn Communicator, sizes: &[(&str, usize)]) -> Result<()> {
-    let mine: Vec<i32> = sizes
-        .iter()
-        .map(|&(_, v)| i32::try_from(v).unwrap_or(i32::MAX))
-        .collect();
-    let r = comm.size();
-    let send: Vec<i32> = (0..r).flat_map(|_| mine.iter().copied()).collect();
-    let (all, _) = all_to_all_v_i32(comm, &send, &vec![mine.len(); r])?;
-    let mut ranks = all.chunks(mine.len().max(1));
-    let first = ranks.next().unwrap_or(&[]);
-    for (rank, theirs) in ranks.enumerate() {
-        if let Some(((name, _), (a, b))) = sizes
+/// The first rank whose `(name, value)` sizes differ from rank 0's, as every rank reports it.
+fn check_same_sizes(names: &[&str], all: &[Vec<i64>]) -> Result<()> {
+    let first = &all[0];
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        if let Some((name, (a, b))) = names
             .iter()
             .zip(first.iter().zip(theirs))
             .find(|(_, (a, b))| a != b)
         {
             return Err(Error::Collective {
-                rank: rank + 1,
+                rank,
                 message: format!("runs with {name} = {b}, but rank 0 runs with {name} = {a}"),
             });
         }
@@ -128,50 +119,64 @@ pub fn dispatch(
         )?;
         Ok((t, h, k))
     })();
-    let (t, h, k) = agree(comm, local)?;
-    agree_sizes(
-        comm,
-        &[("num_experts", e), ("K (top_k)", k), ("H (hidden size)", h)],
-    )?;
+    let sizes = local.map(|(t, h, k)| ((t, h, k), vec![e as i64, k as i64, h as i64]));
+    let ((t, h, k), all) = agree_with_values(comm, sizes)?;
+    check_same_sizes(&["num_experts", "K (top_k)", "H (hidden size)"], &all)?;
 
+    // One chunk per destination: its rows' H values, then their K local ids, then their K
+    // affinities, in token order; handed over in one exchange.
     let local_experts = e / r;
     let ids = expert_index.as_i32().expect("validated as i32");
     let x = hidden_states.f32_values();
     let affinities = topk_affinities.f32_values();
     let mut send_indices = vec![t as i32; t * r];
     let mut send_counts = vec![0usize; r];
-    let (mut rows, mut row_ids, mut row_affinities) = (Vec::new(), Vec::new(), Vec::new());
+    let mut chunks = Vec::with_capacity(r);
     for (dst, count) in send_counts.iter_mut().enumerate() {
         let owned = dst * local_experts..(dst + 1) * local_experts;
-        for token in 0..t {
-            let slots = &ids[token * k..(token + 1) * k];
-            if !slots.iter().any(|&id| owned.contains(&(id as usize))) {
-                continue;
-            }
-            send_indices[token * r + dst] = *count as i32;
-            *count += 1;
-            rows.extend_from_slice(&x[token * h..(token + 1) * h]);
-            for (slot, &id) in slots.iter().enumerate() {
-                let mine = owned.contains(&(id as usize));
+        let tokens: Vec<usize> = (0..t)
+            .filter(|&token| {
+                ids[token * k..(token + 1) * k]
+                    .iter()
+                    .any(|&id| owned.contains(&(id as usize)))
+            })
+            .collect();
+        *count = tokens.len();
+        let mut chunk = Vec::with_capacity(tokens.len() * (h + 2 * k) * 4);
+        let (mut row_ids, mut row_affinities) = (Vec::new(), Vec::new());
+        for (row, &token) in tokens.iter().enumerate() {
+            send_indices[token * r + dst] = row as i32;
+            chunk.extend_from_slice(bytemuck::cast_slice(&x[token * h..(token + 1) * h]));
+            for slot in token * k..(token + 1) * k {
+                let mine = owned.contains(&(ids[slot] as usize));
                 row_ids.push(if mine {
-                    (id as usize - owned.start) as i32
+                    (ids[slot] as usize - owned.start) as i32
                 } else {
                     SKIP
                 });
-                row_affinities.push(if mine {
-                    affinities[token * k + slot]
-                } else {
-                    0.0
-                });
+                row_affinities.push(if mine { affinities[slot] } else { 0.0 });
             }
         }
+        chunk.extend_from_slice(bytemuck::cast_slice(&row_ids));
+        chunk.extend_from_slice(bytemuck::cast_slice(&row_affinities));
+        chunks.push(chunk);
     }
-    let scaled = |width: usize| send_counts.iter().map(|c| c * width).collect::<Vec<_>>();
-    let (hidden, recv) = all_to_all_v_f32(comm, &rows, &scaled(h))?;
-    let (recv_ids, _) = all_to_all_v_i32(comm, &row_ids, &scaled(k))?;
-    let (recv_affinities, _) = all_to_all_v_f32(comm, &row_affinities, &scaled(k))?;
-    let recv_counts: Vec<usize> = recv.iter().map(|c| c / h).collect();
+    let incoming = comm.all_to_all_v_chunks(chunks)?;
+    let row_bytes = (h + 2 * k) * 4;
+    let recv_counts: Vec<usize> = incoming.iter().map(|c| c.len() / row_bytes).collect();
     let m: usize = recv_counts.iter().sum();
+    let (mut hidden, mut recv_ids, mut recv_affinities) = (
+        Vec::with_capacity(m * h),
+        Vec::with_capacity(m * k),
+        Vec::with_capacity(m * k),
+    );
+    for (chunk, &rows) in incoming.iter().zip(&recv_counts) {
+        let (values, meta) = chunk.split_at(rows * h * 4);
+        let (row_ids, row_affinities) = meta.split_at(rows * k * 4);
+        extend_from_bytes(&mut hidden, values);
+        extend_from_bytes(&mut recv_ids, row_ids);
+        extend_from_bytes(&mut recv_affinities, row_affinities);
+    }
     Ok(Dispatched {
         route: Route {
             send_indices: Tensor::from_i32([t, r], send_indices)?,
@@ -252,22 +257,30 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
             validate::float_tensor("expert_output", expert_output, "[M, H]", &[Some(m), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let (t, indices, send_counts, recv_counts, h) = agree(comm, local)?;
-    let back: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
-    let (returned, _) = all_to_all_v_f32(comm, &expert_output.f32_values(), &back)?;
-    let mut output = vec![0f32; t * h];
+    let (t, indices, _, recv_counts, h) = agree(comm, local)?;
+    let values = expert_output.f32_values();
     let mut offset = 0;
-    for (dst, tokens) in sent_rows(t, r, indices).iter().enumerate() {
+    let chunks: Vec<Vec<u8>> = recv_counts
+        .iter()
+        .map(|&rows| {
+            offset += rows;
+            bytemuck::cast_slice(&values[(offset - rows) * h..offset * h]).to_vec()
+        })
+        .collect();
+    let returned = comm.all_to_all_v_chunks(chunks)?;
+    let mut output = vec![0f32; t * h];
+    let mut row_values = vec![0f32; h];
+    for (tokens, chunk) in sent_rows(t, comm.size(), indices).iter().zip(&returned) {
         for (row, &token) in tokens.iter().enumerate() {
-            let from = (offset + row) * h;
+            bytemuck::cast_slice_mut::<f32, u8>(&mut row_values)
+                .copy_from_slice(&chunk[row * h * 4..(row + 1) * h * 4]);
             for (o, v) in output[token * h..(token + 1) * h]
                 .iter_mut()
-                .zip(&returned[from..from + h])
+                .zip(&row_values)
             {
                 *o += v;
             }
         }
-        offset += send_counts[dst];
     }
     Tensor::from_f32([t, h], output)
 }

@@ -140,33 +140,52 @@ impl Communicator for LocalComm {
     }
 
     fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
-        let size = self.shared.size;
-        check_counts(self.rank, size, send.len(), send_counts)?;
-        let mut state = self.lock();
+        check_counts(self.rank, self.shared.size, send.len(), send_counts)?;
         let mut offset = 0;
-        for (dst, &count) in send_counts.iter().enumerate() {
-            state.mailbox[self.rank * size + dst] = send[offset..offset + count].to_vec();
-            offset += count;
+        let outgoing: Vec<Vec<u8>> = send_counts
+            .iter()
+            .map(|&count| {
+                offset += count;
+                send[offset - count..offset].to_vec()
+            })
+            .collect();
+        let incoming = self.all_to_all_v_chunks(outgoing)?;
+        let counts: Vec<usize> = incoming.iter().map(Vec::len).collect();
+        Ok((incoming.concat(), counts))
+    }
+
+    fn all_to_all_v_chunks(&self, chunks: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let size = self.shared.size;
+        if chunks.len() != size {
+            return Err(Error::Collective {
+                rank: self.rank,
+                message: format!(
+                    "all_to_all_v needs one chunk per rank ({size}), got {}",
+                    chunks.len()
+                ),
+            });
+        }
+        // Buffers change hands under the lock; nothing is copied.
+        let mut state = self.lock();
+        for (dst, chunk) in chunks.into_iter().enumerate() {
+            state.mailbox[self.rank * size + dst] = chunk;
         }
         let mut state = self.barrier_locked(state)?;
-        let mut received = Vec::new();
-        let mut counts = Vec::with_capacity(size);
-        for src in 0..size {
-            let chunk = std::mem::take(&mut state.mailbox[src * size + self.rank]);
-            counts.push(chunk.len());
-            received.extend_from_slice(&chunk);
-        }
-        // Nobody writes the next exchange before everybody has read this one.
+        let incoming: Vec<Vec<u8>> = (0..size)
+            .map(|src| std::mem::take(&mut state.mailbox[src * size + self.rank]))
+            .collect();
+        // Nobody writes the next exchange before everybody has taken this one.
         drop(self.barrier_locked(state)?);
-        Ok((received, counts))
+        Ok(incoming)
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
         let size = self.shared.size;
-        let bytes: Vec<u8> = buffer.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let send: Vec<u8> = (0..size).flat_map(|_| bytes.iter().copied()).collect();
-        let (received, counts) = self.all_to_all_v(&send, &vec![bytes.len(); size])?;
-        if counts.iter().any(|&c| c != bytes.len()) {
+        let bytes: &[u8] = bytemuck::cast_slice(buffer);
+        let send = bytes.repeat(size);
+        let expected = bytes.len();
+        let (received, counts) = self.all_to_all_v(&send, &vec![expected; size])?;
+        if counts.iter().any(|&c| c != expected) {
             return Err(Error::Collective {
                 rank: self.rank,
                 message: format!(
@@ -176,10 +195,12 @@ impl Communicator for LocalComm {
                 ),
             });
         }
+        let mut all = Vec::with_capacity(buffer.len() * size);
+        super::comm::extend_from_bytes(&mut all, &received);
         buffer.fill(0.0);
-        for chunk in received.chunks_exact(bytes.len().max(1)).take(size) {
-            for (sum, b) in buffer.iter_mut().zip(chunk.chunks_exact(4)) {
-                *sum += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        for chunk in all.chunks_exact(buffer.len().max(1)).take(size) {
+            for (sum, v) in buffer.iter_mut().zip(chunk) {
+                *sum += v;
             }
         }
         Ok(())
