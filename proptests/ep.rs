@@ -356,6 +356,22 @@ fn ranks_started_with_different_sizes_are_detected() {
             "{message}"
         );
     }
+    let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        let x = f32_tensor(&[1, 3], &[0.5; 3]);
+        let x = if rank == 1 { x.to_bf16() } else { x };
+        dispatch(
+            comm,
+            &x,
+            &i32_tensor(&[1, 1], &[0]),
+            &f32_tensor(&[1, 1], &[1.0]),
+            DispatchParams { num_experts: 4 },
+        )
+        .map(|_| ())
+    });
+    for result in results {
+        let message = result.unwrap_err().to_string();
+        assert!(message.contains("rank 1: runs with hidden_states bits (dtype) = 16, but rank 0 runs with hidden_states bits (dtype) = 32"), "{message}");
+    }
     let results = on_ranks(LocalComm::group(2).unwrap(), |_, comm| {
         let x = f32_tensor(&[1, 2], &[0.5; 2]);
         dispatch(

@@ -17,13 +17,13 @@
 //!
 //! Every function validates its inputs and then [`agree`]s with the other ranks before
 //! exchanging anything: invalid input on one rank is the same error on every rank, never a
-//! hang. Ranks started with different E, K or H are detected the same way.
+//! hang. Ranks started with different E, K, H or hidden-state dtypes are detected the same way.
 
 use super::comm::{Communicator, agree, agree_with_values, all_to_all_v_f32, extend_from_bytes};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Parameters of [`dispatch`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,9 +119,21 @@ pub fn dispatch(
         )?;
         Ok((t, h, k))
     })();
-    let sizes = local.map(|(t, h, k)| ((t, h, k), vec![e as i64, k as i64, h as i64]));
+    let dtype = match hidden_states.dtype() {
+        DType::BF16 => 16,
+        _ => 32,
+    };
+    let sizes = local.map(|(t, h, k)| ((t, h, k), vec![e as i64, k as i64, h as i64, dtype]));
     let ((t, h, k), all) = agree_with_values(comm, sizes)?;
-    check_same_sizes(&["num_experts", "K (top_k)", "H (hidden size)"], &all)?;
+    check_same_sizes(
+        &[
+            "num_experts",
+            "K (top_k)",
+            "H (hidden size)",
+            "hidden_states bits (dtype)",
+        ],
+        &all,
+    )?;
 
     // One chunk per destination: its rows' H values, then their K local ids, then their K
     // affinities, in token order; handed over in one exchange.
