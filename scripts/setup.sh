@@ -13,9 +13,8 @@ done
 if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     missing+=(python3-venv)
 fi
-# libclang lets the `mpi` crate generate its MPI bindings (expert parallelism over MPI).
-if ! compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null \
-    && ! compgen -G '/usr/lib/*/libclang*.so*' >/dev/null; then
+# libclang (with clang's headers) lets the `mpi` crate generate its MPI bindings.
+if ! dpkg -s libclang-dev >/dev/null 2>&1; then
     missing+=(libclang-dev)
 fi
 # DejaVu Sans labels the trainer's PNG plots.
