@@ -15,12 +15,11 @@ mod common;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::ep_layer::{EpCase, EpData, ep_data, single_rank};
+use common::ep_layer::{EpCase, EpData, ep_data, run_rank, single_rank};
 use common::*;
-use moekit::contracts::Activation;
 use moekit::ep::{
-    Communicator, DispatchParams, EpGrads, EpInputs, EpParams, ExpertParallelMoe, LocalComm, agree,
-    all_to_all_v_f32, all_to_all_v_i32, dispatch,
+    Communicator, DispatchParams, EpGrads, LocalComm, agree, all_to_all_v_f32, all_to_all_v_i32,
+    dispatch,
 };
 use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -225,40 +224,8 @@ fn ep_case() -> impl Strategy<Value = EpCase> {
 type RankResult = moekit::Result<(Tensor, EpGrads)>;
 
 fn run_ep(c: &EpCase, data: &EpData, backend: BackendKind) -> Vec<RankResult> {
-    let e = c.r * c.local;
-    let (h, i) = (c.h, c.i);
-    let per_gate_up = c.local * h * 2 * i;
-    let per_down = c.local * i * h;
-    on_ranks(LocalComm::group(c.r).unwrap(), |rank, comm| {
-        let backend = backend.create();
-        let gate_up = f32_tensor(
-            &[c.local, h, 2, i],
-            &data.gate_up[rank * per_gate_up..(rank + 1) * per_gate_up],
-        );
-        let down = f32_tensor(
-            &[c.local, i, h],
-            &data.down[rank * per_down..(rank + 1) * per_down],
-        );
-        let layer = ExpertParallelMoe {
-            backend: backend.as_ref(),
-            comm,
-            params: EpParams {
-                num_experts: e,
-                top_k: c.k,
-                activation: Activation::Softmax,
-                norm_topk_prob: c.norm_topk_prob,
-                block_size: c.b,
-            },
-        };
-        let inputs = EpInputs {
-            x: &data.x[rank],
-            w: &data.w,
-            gate_up_proj_weight: &gate_up,
-            down_proj_weight: &down,
-        };
-        let (output, saved) = layer.forward(inputs)?;
-        let grads = layer.backward(inputs, &saved, &data.d_output[rank])?;
-        Ok((output, grads))
+    on_ranks(LocalComm::group(c.r).unwrap(), |_, comm| {
+        run_rank(comm, c, data, backend)
     })
 }
 

@@ -13,11 +13,10 @@ mod common;
 
 use std::process::ExitCode;
 
-use common::ep_layer::{EpCase, ep_data, single_rank};
+use common::ep_layer::{EpCase, ep_data, run_rank, single_rank};
 use common::*;
 use moekit::BackendKind;
-use moekit::contracts::Activation;
-use moekit::ep::{Communicator, EpInputs, EpParams, ExpertParallelMoe, MpiComm};
+use moekit::ep::{Communicator, MpiComm};
 
 /// The layer on this rank: `(output, d_x, d_w, d_gate_up, d_down)`.
 fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Result<[Vec<f64>; 5]> {
@@ -28,36 +27,7 @@ fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Resul
         x[0] = f64::NAN;
         data.x[rank] = f32_tensor(&[c.tokens[rank], c.h], &x);
     }
-    let (h, i) = (c.h, c.i);
-    let (per_gate_up, per_down) = (c.local * h * 2 * i, c.local * i * h);
-    let gate_up = f32_tensor(
-        &[c.local, h, 2, i],
-        &data.gate_up[rank * per_gate_up..(rank + 1) * per_gate_up],
-    );
-    let down = f32_tensor(
-        &[c.local, i, h],
-        &data.down[rank * per_down..(rank + 1) * per_down],
-    );
-    let backend = BackendKind::Cpu.create();
-    let layer = ExpertParallelMoe {
-        backend: backend.as_ref(),
-        comm,
-        params: EpParams {
-            num_experts: c.r * c.local,
-            top_k: c.k,
-            activation: Activation::Softmax,
-            norm_topk_prob: c.norm_topk_prob,
-            block_size: c.b,
-        },
-    };
-    let inputs = EpInputs {
-        x: &data.x[rank],
-        w: &data.w,
-        gate_up_proj_weight: &gate_up,
-        down_proj_weight: &down,
-    };
-    let (output, saved) = layer.forward(inputs)?;
-    let grads = layer.backward(inputs, &saved, &data.d_output[rank])?;
+    let (output, grads) = run_rank(comm, c, &data, BackendKind::Cpu)?;
     Ok([
         output.to_f64_vec(),
         grads.d_x.to_f64_vec(),

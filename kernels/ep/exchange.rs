@@ -56,6 +56,17 @@ pub struct Dispatched {
     pub topk_affinities: Tensor,
 }
 
+/// E experts must split evenly over R ranks.
+fn check_sharding(e: usize, r: usize) -> Result<()> {
+    if e == 0 || !e.is_multiple_of(r) {
+        return Err(Error::param(
+            "num_experts",
+            format!("E = {e} experts cannot be sharded evenly over R = {r} ranks"),
+        ));
+    }
+    Ok(())
+}
+
 /// The first rank whose `(name, value)` sizes differ from rank 0's, as every rank reports it.
 fn check_same_sizes(names: &[&str], all: &[Vec<i64>]) -> Result<()> {
     let first = &all[0];
@@ -96,12 +107,7 @@ pub fn dispatch(
     let r = comm.size();
     let e = params.num_experts;
     let local = (|| {
-        if e == 0 || !e.is_multiple_of(r) {
-            return Err(Error::param(
-                "num_experts",
-                format!("E = {e} experts cannot be sharded evenly over R = {r} ranks"),
-            ));
-        }
+        check_sharding(e, r)?;
         let shape =
             validate::float_tensor("hidden_states", hidden_states, "[T, H]", &[None, None])?;
         let (t, h) = (shape[0], shape[1]);
@@ -336,12 +342,7 @@ pub fn dispatch_bwd(
     let r = comm.size();
     let e = params.num_experts;
     let local = (|| {
-        if e == 0 || !e.is_multiple_of(r) {
-            return Err(Error::param(
-                "num_experts",
-                format!("E = {e} experts cannot be sharded evenly over R = {r} ranks"),
-            ));
-        }
+        check_sharding(e, r)?;
         let (t, indices, send_counts, recv_counts) = check_route(route, r)?;
         let (index_shape, ids) =
             validate::index_tensor("expert_index", expert_index, "[T, K]", &[Some(t), None])?;

@@ -6,6 +6,7 @@ use moekit::contracts::{
     BlockwiseMmParams, Permute, PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd,
     RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
+use moekit::ep::{Communicator, EpGrads, EpInputs, EpParams, ExpertParallelMoe};
 use moekit::{BackendKind, Tensor};
 
 use super::{SeededRng, f32_tensor};
@@ -179,4 +180,46 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         grads.gate_up_proj_weight_grad.to_f64_vec(),
         grads.down_proj_weight_grad.to_f64_vec(),
     ]
+}
+
+/// The expert-parallel layer, forward then backward, on rank `comm.rank()` of `comm` (call on
+/// every rank), with that rank's slice of the experts.
+pub fn run_rank(
+    comm: &dyn Communicator,
+    c: &EpCase,
+    data: &EpData,
+    backend: BackendKind,
+) -> moekit::Result<(Tensor, EpGrads)> {
+    let rank = comm.rank();
+    let (h, i) = (c.h, c.i);
+    let (per_gate_up, per_down) = (c.local * h * 2 * i, c.local * i * h);
+    let gate_up = f32_tensor(
+        &[c.local, h, 2, i],
+        &data.gate_up[rank * per_gate_up..(rank + 1) * per_gate_up],
+    );
+    let down = f32_tensor(
+        &[c.local, i, h],
+        &data.down[rank * per_down..(rank + 1) * per_down],
+    );
+    let backend = backend.create();
+    let layer = ExpertParallelMoe {
+        backend: backend.as_ref(),
+        comm,
+        params: EpParams {
+            num_experts: c.r * c.local,
+            top_k: c.k,
+            activation: Activation::Softmax,
+            norm_topk_prob: c.norm_topk_prob,
+            block_size: c.b,
+        },
+    };
+    let inputs = EpInputs {
+        x: &data.x[rank],
+        w: &data.w,
+        gate_up_proj_weight: &gate_up,
+        down_proj_weight: &down,
+    };
+    let (output, saved) = layer.forward(inputs)?;
+    let grads = layer.backward(inputs, &saved, &data.d_output[rank])?;
+    Ok((output, grads))
 }
