@@ -46,20 +46,13 @@ pub struct BenchRow {
 /// parameters + 12 · layers · heads · head_dim · seq_len` (attention scores and values), with
 /// each MoE layer's experts counted `K / E` (only the chosen ones run).
 pub fn flops_per_token(model: &Qwen3MoeConfig, seq_len: usize) -> f64 {
-    let (h, d) = (model.hidden_size as f64, model.head_dim as f64);
-    let (heads, kv) = (
-        model.num_attention_heads as f64,
-        model.num_key_value_heads as f64,
-    );
-    let attention = h * heads * d * 2.0 + h * kv * d * 2.0;
-    let moe = h * model.num_experts as f64
-        + model.num_experts_per_tok as f64 * 3.0 * h * model.moe_intermediate_size as f64;
-    let dense = 3.0 * h * model.intermediate_size as f64;
-    let layers: f64 = (0..model.num_hidden_layers)
-        .map(|l| attention + if model.is_moe_layer(l) { moe } else { dense })
+    let layers: u128 = (0..model.num_hidden_layers)
+        .map(|l| model.layer_matrix_params(l, model.num_experts_per_tok))
         .sum();
-    let head = h * model.vocab_size as f64;
-    6.0 * (layers + head) + 12.0 * model.num_hidden_layers as f64 * heads * d * seq_len as f64
+    let head = (model.hidden_size * model.vocab_size) as u128;
+    let attention_scores = 12.0
+        * (model.num_hidden_layers * model.num_attention_heads * model.head_dim * seq_len) as f64;
+    6.0 * (layers + head) as f64 + attention_scores
 }
 
 /// Measures every implementation of `options` on `config` (checkpointing off).

@@ -90,13 +90,18 @@ impl Options {
     }
 }
 
-fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
+/// The job config named by `--config`, with every other pair as an override.
+fn load_job(pairs: Vec<(String, String)>) -> Result<JobConfig> {
     let (config, overrides): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(k, _)| k == "config");
     let (_, path) = config
         .into_iter()
         .last()
         .with_context(|| format!("missing `--config FILE`\n\n{USAGE}"))?;
-    train(&JobConfig::load(&PathBuf::from(path), &overrides)?)?;
+    JobConfig::load(&PathBuf::from(path), &overrides)
+}
+
+fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
+    train(&load_job(pairs)?)?;
     Ok(())
 }
 
@@ -136,12 +141,7 @@ fn run_bench(pairs: Vec<(String, String)>) -> Result<()> {
         warmup: count("bench.warmup", 3)?,
         steps: count("bench.steps", 10)?,
     };
-    let (config, overrides): (Vec<_>, Vec<_>) = rest.into_iter().partition(|(k, _)| k == "config");
-    let (_, path) = config
-        .into_iter()
-        .last()
-        .with_context(|| format!("missing `--config FILE`\n\n{USAGE}"))?;
-    let config = JobConfig::load(&PathBuf::from(path), &overrides)?;
+    let config = load_job(rest)?;
     let (limits, rows) = bench::bench(&config, &options)?;
     if json {
         for row in &rows {

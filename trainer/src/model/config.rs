@@ -88,21 +88,29 @@ impl Qwen3MoeConfig {
     /// Total parameter count (experts counted once each; the tied head counted once).
     pub fn parameter_count(&self) -> u128 {
         let (h, v) = (self.hidden_size as u128, self.vocab_size as u128);
-        let (heads, kv, d) = (
-            self.num_attention_heads as u128,
-            self.num_key_value_heads as u128,
-            self.head_dim as u128,
-        );
-        let attention = h * heads * d * 2 + h * kv * d * 2 + 2 * d;
-        let norms = 2 * h;
-        let moe = h * self.num_experts as u128
-            + self.num_experts as u128 * 3 * h * self.moe_intermediate_size as u128;
-        let dense = 3 * h * self.intermediate_size as u128;
+        // Per layer: q_norm, k_norm and the two layer norms besides the matrices.
+        let norms = 2 * self.head_dim as u128 + 2 * h;
         let layers: u128 = (0..self.num_hidden_layers)
-            .map(|l| attention + norms + if self.is_moe_layer(l) { moe } else { dense })
+            .map(|l| self.layer_matrix_params(l, self.num_experts) + norms)
             .sum();
         let head = if self.tie_word_embeddings { 0 } else { v * h };
         v * h + layers + h + head
+    }
+
+    /// Matrix parameters of decoder layer `layer` (attention projections, then the router and
+    /// `experts` experts, or the dense MLP): all of them with `experts = E`, those a token
+    /// multiplies with `experts = K`.
+    pub fn layer_matrix_params(&self, layer: usize, experts: usize) -> u128 {
+        let h = self.hidden_size as u128;
+        let d = self.head_dim as u128;
+        let attention = h * d * 2 * (self.num_attention_heads + self.num_key_value_heads) as u128;
+        let mlp = if self.is_moe_layer(layer) {
+            h * self.num_experts as u128
+                + experts as u128 * 3 * h * self.moe_intermediate_size as u128
+        } else {
+            3 * h * self.intermediate_size as u128
+        };
+        attention + mlp
     }
 
     /// Checks that the hyper-parameters describe a buildable model.
