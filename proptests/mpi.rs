@@ -121,11 +121,18 @@ fn check_layer(comm: &MpiComm) -> Result<(), String> {
     Ok(())
 }
 
+/// Writes one line to stderr in a single `write`, so that lines from different ranks, which
+/// `mpirun` forwards through one stream, are never interleaved mid-line.
+fn report(line: String) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 fn main() -> ExitCode {
     let comm = match MpiComm::init() {
         Ok(comm) => comm,
         Err(err) => {
-            eprintln!("{err}");
+            report(err.to_string());
             return ExitCode::FAILURE;
         }
     };
@@ -145,11 +152,17 @@ fn main() -> ExitCode {
         };
         return match run_layer(&comm, &c, Some(1)) {
             Ok(_) => {
-                eprintln!("rank {rank}: invalid input on rank 1 was not reported");
+                report(format!(
+                    "rank {rank}: invalid input on rank 1 was not reported"
+                ));
                 ExitCode::SUCCESS
             }
             Err(err) => {
-                eprintln!("rank {rank} stops: {err}");
+                report(format!("rank {rank} stops: {err}"));
+                // Every rank has seen the error (it was agreed collectively); wait until all
+                // have reported it before exiting, since mpirun kills the job at the first
+                // non-zero exit.
+                let _ = comm.barrier();
                 ExitCode::FAILURE
             }
         };
@@ -164,7 +177,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(message) => {
-            eprintln!("rank {rank}: {message}");
+            report(format!("rank {rank}: {message}"));
             ExitCode::FAILURE
         }
     }
