@@ -78,6 +78,21 @@ pub enum Error {
     /// out, or an error that another rank reported (`rank` is the rank at fault).
     #[error("rank {rank}: {message}")]
     Collective { rank: usize, message: String },
+    /// The Neuron runtime library cannot be opened, or lacks a function moekit calls.
+    #[error("Neuron runtime library: {0}")]
+    NeuronLibrary(String),
+    /// A Neuron runtime call returned a status other than `NRT_SUCCESS`, or was refused because
+    /// the runtime is closed. `status` is the documented name, e.g. `NRT_EXEC_OOB`.
+    #[error("{call} failed with {status}: {context}")]
+    NeuronStatus {
+        call: &'static str,
+        status: String,
+        context: String,
+    },
+    /// A NEFF (or the manifest naming it) does not fit the kernel call: a missing or extra
+    /// tensor, or a shape, dtype or size that differs from the contract's.
+    #[error("{neff}: {message}")]
+    Neff { neff: PathBuf, message: String },
 }
 
 /// The item of `items` called `wanted`, or else the comma-separated names of all of them (for

@@ -80,6 +80,7 @@ pub mod ep;
 pub mod error;
 pub mod golden;
 pub mod kernel;
+pub mod neuron;
 pub mod reference;
 pub mod tensor;
 #[cfg(feature = "libtorch")]

@@ -1,0 +1,682 @@
+/*
+ * A fake Neuron runtime: the `nrt_*` symbols of ffi/nrt.h emulated on the host, so that moekit's
+ * binding and its `neuron` backend can be tested through the real dynamic-loading path without
+ * Trainium hardware.
+ *
+ * It reproduces the runtime's observable behaviour, not its numerics or performance: tensors
+ * live in host memory, tensor sets bind them by name, sizes and bounds are checked and reported
+ * with the real status codes, and calls before nrt_init or after nrt_close fail. In place of a
+ * NEFF it loads a text stand-in of its own that declares the model's tensors and names the host
+ * computation to run:
+ *
+ *     moekit-fake-neff 1
+ *     kernel router_topk            (or blockwise_mm, or copy: each output = the same-index input)
+ *     param activation softmax      (router_topk: softmax | sigmoid)
+ *     param norm_topk_prob 1        (router_topk: 0 | 1)
+ *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions)
+ *     output router_logits f32 4 4
+ *
+ * router_topk and blockwise_mm follow moekit's contracts (kernels/contracts) with f32 inputs or
+ * bf16 inputs and f64 accumulation. blockwise_mm reports an out-of-range token id with
+ * NRT_EXEC_OOB, as the hardware's indirect DMA does.
+ *
+ * Built by build.rs as a shared library; with -DFAKE_NRT_OMIT_EXECUTE_REPEAT it lacks
+ * nrt_execute_repeat, to test a library with a missing symbol.
+ */
+#include "nrt.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FAKE_VNC_COUNT 2
+#define MAX_TENSORS 16
+#define MAX_DIMS 8
+#define MAX_MODELS 64
+
+typedef enum { STATE_UNINITIALIZED, STATE_RUNNING, STATE_CLOSED } runtime_state_t;
+
+static runtime_state_t state = STATE_UNINITIALIZED;
+
+struct nrt_tensor {
+    char name[NRT_TENSOR_NAME_MAX];
+    size_t size;
+    unsigned char *data;
+};
+
+typedef struct binding {
+    char name[NRT_TENSOR_NAME_MAX];
+    nrt_tensor_t *tensor;
+    struct binding *next;
+} binding_t;
+
+struct nrt_tensor_set {
+    binding_t *head;
+};
+
+typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM } kernel_t;
+
+typedef struct {
+    char name[NRT_TENSOR_NAME_MAX];
+    nrt_tensor_usage_t usage;
+    nrt_dtype_t dtype;
+    uint32_t ndim;
+    uint32_t shape[MAX_DIMS];
+    size_t size;
+} decl_t;
+
+struct nrt_model {
+    kernel_t kernel;
+    int sigmoid;
+    int norm_topk_prob;
+    int count;
+    decl_t decls[MAX_TENSORS];
+};
+
+static nrt_model_t *live_models[MAX_MODELS];
+
+static NRT_STATUS check_running(void) {
+    if (state == STATE_UNINITIALIZED) return NRT_UNINITIALIZED;
+    if (state == STATE_CLOSED) return NRT_CLOSED;
+    return NRT_SUCCESS;
+}
+
+static int model_is_live(const nrt_model_t *model) {
+    for (int i = 0; i < MAX_MODELS; i++)
+        if (model != NULL && live_models[i] == model) return 1;
+    return 0;
+}
+
+/* ---- lifecycle ---- */
+
+NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_version, const char *fal_version) {
+    if (framework == NRT_FRAMEWORK_TYPE_INVALID || fw_version == NULL || fal_version == NULL)
+        return NRT_INVALID;
+    if (state == STATE_RUNNING) return NRT_INVALID;
+    state = STATE_RUNNING;
+    return NRT_SUCCESS;
+}
+
+void nrt_close(void) {
+    if (state == STATE_RUNNING) state = STATE_CLOSED;
+}
+
+NRT_STATUS nrt_get_version(nrt_version_t *ver, size_t size) {
+    nrt_version_t v;
+    if (ver == NULL || size > sizeof v) return NRT_INVALID;
+    memset(&v, 0, sizeof v);
+    v.rt_major = 2;
+    v.rt_minor = 0;
+    v.rt_patch = 0;
+    v.rt_maintenance = 0;
+    snprintf(v.rt_detail, sizeof v.rt_detail, "moekit fake runtime");
+    snprintf(v.git_hash, sizeof v.git_hash, "fake");
+    memcpy(ver, &v, size);
+    return NRT_SUCCESS;
+}
+
+NRT_STATUS nrt_get_total_vnc_count(uint32_t *vnc_count) {
+    if (vnc_count == NULL) return NRT_INVALID;
+    *vnc_count = FAKE_VNC_COUNT;
+    return NRT_SUCCESS;
+}
+
+NRT_STATUS nrt_get_visible_vnc_count(uint32_t *vnc_count) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (vnc_count == NULL) return NRT_INVALID;
+    *vnc_count = FAKE_VNC_COUNT;
+    return NRT_SUCCESS;
+}
+
+/* ---- the NEFF stand-in ---- */
+
+static size_t dtype_size(nrt_dtype_t dtype) {
+    switch (dtype) {
+    case NRT_DTYPE_FLOAT32:
+    case NRT_DTYPE_INT32: return 4;
+    case NRT_DTYPE_BFLOAT16: return 2;
+    default: return 0;
+    }
+}
+
+static int parse_dtype(const char *s, nrt_dtype_t *dtype) {
+    if (strcmp(s, "f32") == 0) *dtype = NRT_DTYPE_FLOAT32;
+    else if (strcmp(s, "bf16") == 0) *dtype = NRT_DTYPE_BFLOAT16;
+    else if (strcmp(s, "i32") == 0) *dtype = NRT_DTYPE_INT32;
+    else return 0;
+    return 1;
+}
+
+static const decl_t *find_decl(const nrt_model_t *m, const char *name, nrt_tensor_usage_t usage) {
+    for (int i = 0; i < m->count; i++)
+        if (m->decls[i].usage == usage && strcmp(m->decls[i].name, name) == 0) return &m->decls[i];
+    return NULL;
+}
+
+static uint32_t dim(const nrt_model_t *m, const char *name, nrt_tensor_usage_t usage, uint32_t axis) {
+    const decl_t *d = find_decl(m, name, usage);
+    return (d != NULL && axis < d->ndim) ? d->shape[axis] : 0;
+}
+
+/* Whether tensor `name` is declared with exactly the given shape (ndim 0: must be absent). */
+static int has_shape(const nrt_model_t *m, const char *name, nrt_tensor_usage_t usage, uint32_t ndim,
+                     const uint32_t *shape) {
+    const decl_t *d = find_decl(m, name, usage);
+    if (d == NULL) return ndim == 0;
+    if (d->ndim != ndim) return 0;
+    for (uint32_t i = 0; i < ndim; i++)
+        if (d->shape[i] != shape[i]) return 0;
+    return 1;
+}
+
+/* Checks that a router_topk or blockwise_mm stand-in declares a consistent set of tensors. */
+static int kernel_tensors_consistent(const nrt_model_t *m) {
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    if (m->kernel == KERNEL_ROUTER_TOPK) {
+        uint32_t t = dim(m, "x", in, 0), h = dim(m, "x", in, 1), e = dim(m, "w", in, 1);
+        uint32_t k = dim(m, "expert_index", out, 1);
+        uint32_t te[2] = {t, e}, tk[2] = {t, k}, hw[2] = {h, e}, eb[1] = {e};
+        const decl_t *bias = find_decl(m, "bias", in);
+        return t > 0 && h > 0 && e > 0 && k > 0 && k <= e && has_shape(m, "w", in, 2, hw) &&
+               has_shape(m, "router_logits", out, 2, te) && has_shape(m, "expert_index", out, 2, tk) &&
+               has_shape(m, "expert_affinities", out, 2, te) &&
+               (find_decl(m, "topk_affinities", out) == NULL || has_shape(m, "topk_affinities", out, 2, tk)) &&
+               (bias == NULL || has_shape(m, "bias", in, 1, eb));
+    }
+    if (m->kernel == KERNEL_BLOCKWISE_MM) {
+        uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
+        uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
+        uint32_t n = dim(m, "block_to_expert", in, 0);
+        uint32_t nb = dim(m, "token_position_to_id", in, 0);
+        uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h}, aff[1] = {rows * e};
+        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
+               has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
+               has_shape(m, "expert_affinities_masked", in, 1, aff) && has_shape(m, "output", out, 2, th) &&
+               find_decl(m, "gate_up_activations_T", out) == NULL && find_decl(m, "down_activations", out) == NULL;
+    }
+    /* copy: output j has the size of input j. */
+    int inputs = 0, outputs = 0;
+    size_t in_sizes[MAX_TENSORS];
+    for (int j = 0; j < m->count; j++)
+        if (m->decls[j].usage == in) in_sizes[inputs++] = m->decls[j].size;
+    for (int j = 0; j < m->count; j++)
+        if (m->decls[j].usage == out && (outputs >= inputs || m->decls[j].size != in_sizes[outputs++])) return 0;
+    return outputs > 0;
+}
+
+/* Whether one of the first `count` declarations is called `name`. */
+static int name_taken(const nrt_model_t *m, const char *name, int count) {
+    for (int i = 0; i < count; i++)
+        if (strcmp(m->decls[i].name, name) == 0) return 1;
+    return 0;
+}
+
+/* Parses the stand-in; returns NRT_SUCCESS, NRT_INVALID or NRT_UNSUPPORTED_NEFF_VERSION. */
+static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
+    char *text = malloc(size + 1);
+    if (text == NULL) return NRT_FAIL_HOST_MEM_ALLOC;
+    memcpy(text, bytes, size);
+    text[size] = '\0';
+    NRT_STATUS status = NRT_SUCCESS;
+    int line_no = 0, have_kernel = 0;
+    char *save = NULL;
+    memset(m, 0, sizeof *m);
+    for (char *line = strtok_r(text, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save), line_no++) {
+        char word[64], name[NRT_TENSOR_NAME_MAX], value[64];
+        int version, used = 0;
+        if (line_no == 0) {
+            if (sscanf(line, "moekit-fake-neff %d%n", &version, &used) != 1 || line[used] != '\0') {
+                status = NRT_INVALID;
+                break;
+            }
+            if (version != 1) {
+                status = NRT_UNSUPPORTED_NEFF_VERSION;
+                break;
+            }
+            continue;
+        }
+        if (line[0] == '\0') continue;
+        if (sscanf(line, "%63s", word) != 1) {
+            status = NRT_INVALID;
+            break;
+        }
+        if (strcmp(word, "kernel") == 0 && sscanf(line, "kernel %63s", value) == 1 && !have_kernel) {
+            have_kernel = 1;
+            if (strcmp(value, "copy") == 0) m->kernel = KERNEL_COPY;
+            else if (strcmp(value, "router_topk") == 0) m->kernel = KERNEL_ROUTER_TOPK;
+            else if (strcmp(value, "blockwise_mm") == 0) m->kernel = KERNEL_BLOCKWISE_MM;
+            else status = NRT_INVALID;
+        } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
+            if (strcmp(name, "activation") == 0 && strcmp(value, "softmax") == 0) m->sigmoid = 0;
+            else if (strcmp(name, "activation") == 0 && strcmp(value, "sigmoid") == 0) m->sigmoid = 1;
+            else if (strcmp(name, "norm_topk_prob") == 0 && (strcmp(value, "0") == 0 || strcmp(value, "1") == 0))
+                m->norm_topk_prob = value[0] == '1';
+            else status = NRT_INVALID;
+        } else if ((strcmp(word, "input") == 0 || strcmp(word, "output") == 0) && m->count < MAX_TENSORS) {
+            decl_t *d = &m->decls[m->count++];
+            char dtype[16];
+            if (sscanf(line, "%*s %255s %15s%n", d->name, dtype, &used) != 2 || !parse_dtype(dtype, &d->dtype) ||
+                name_taken(m, d->name, m->count - 1)) {
+                status = NRT_INVALID;
+                break;
+            }
+            d->usage = word[0] == 'i' ? NRT_TENSOR_USAGE_INPUT : NRT_TENSOR_USAGE_OUTPUT;
+            d->size = dtype_size(d->dtype);
+            const char *rest = line + used;
+            unsigned long extent;
+            int n;
+            while (sscanf(rest, " %lu%n", &extent, &n) == 1) {
+                if (d->ndim == MAX_DIMS || extent == 0 || extent > UINT32_MAX) {
+                    status = NRT_INVALID;
+                    break;
+                }
+                d->shape[d->ndim++] = (uint32_t)extent;
+                d->size *= extent;
+                rest += n;
+            }
+            if (sscanf(rest, " %63s", value) == 1) status = NRT_INVALID;
+        } else {
+            status = NRT_INVALID;
+        }
+        if (status != NRT_SUCCESS) break;
+    }
+    free(text);
+    if (status == NRT_SUCCESS && line_no == 0) status = NRT_INVALID;
+    if (status == NRT_SUCCESS && (!have_kernel || !kernel_tensors_consistent(m))) status = NRT_INVALID;
+    return status;
+}
+
+/* ---- models ---- */
+
+NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t start_vnc, int32_t vnc_count, nrt_model_t **model) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (neff_bytes == NULL || model == NULL || size == 0) return NRT_INVALID;
+    int32_t first = start_vnc < 0 ? 0 : start_vnc, count = vnc_count < 0 ? 1 : vnc_count;
+    if (start_vnc < -1 || vnc_count == 0 || vnc_count < -1 || first + count > FAKE_VNC_COUNT)
+        return NRT_LOAD_NOT_ENOUGH_NC;
+    nrt_model_t *m = malloc(sizeof *m);
+    if (m == NULL) return NRT_FAIL_HOST_MEM_ALLOC;
+    s = parse_neff(neff_bytes, size, m);
+    if (s != NRT_SUCCESS) {
+        free(m);
+        return s;
+    }
+    for (int i = 0; i < MAX_MODELS; i++) {
+        if (live_models[i] == NULL) {
+            live_models[i] = m;
+            *model = m;
+            return NRT_SUCCESS;
+        }
+    }
+    free(m);
+    return NRT_RESOURCE;
+}
+
+NRT_STATUS nrt_unload(nrt_model_t *model) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    for (int i = 0; i < MAX_MODELS; i++) {
+        if (model != NULL && live_models[i] == model) {
+            live_models[i] = NULL;
+            free(model);
+            return NRT_SUCCESS;
+        }
+    }
+    return NRT_INVALID_HANDLE;
+}
+
+NRT_STATUS nrt_get_model_tensor_info(nrt_model_t *model, nrt_tensor_info_array_t **tensor_info) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (!model_is_live(model)) return NRT_INVALID_HANDLE;
+    if (tensor_info == NULL) return NRT_INVALID;
+    nrt_tensor_info_array_t *info = calloc(1, sizeof *info + (size_t)model->count * sizeof(nrt_tensor_info_t));
+    if (info == NULL) return NRT_FAIL_HOST_MEM_ALLOC;
+    info->tensor_count = (uint64_t)model->count;
+    for (int i = 0; i < model->count; i++) {
+        const decl_t *d = &model->decls[i];
+        nrt_tensor_info_t *t = &info->tensor_array[i];
+        snprintf(t->name, sizeof t->name, "%s", d->name);
+        t->usage = d->usage;
+        t->size = d->size;
+        t->dtype = d->dtype;
+        t->ndim = d->ndim;
+        t->shape = calloc(d->ndim > 0 ? d->ndim : 1, sizeof(uint32_t));
+        if (t->shape == NULL) {
+            info->tensor_count = (uint64_t)i;
+            nrt_free_model_tensor_info(info);
+            return NRT_FAIL_HOST_MEM_ALLOC;
+        }
+        memcpy(t->shape, d->shape, d->ndim * sizeof(uint32_t));
+    }
+    *tensor_info = info;
+    return NRT_SUCCESS;
+}
+
+NRT_STATUS nrt_free_model_tensor_info(nrt_tensor_info_array_t *tensor_info) {
+    if (tensor_info == NULL) return NRT_INVALID;
+    for (uint64_t i = 0; i < tensor_info->tensor_count; i++) free(tensor_info->tensor_array[i].shape);
+    free(tensor_info);
+    return NRT_SUCCESS;
+}
+
+/* ---- tensors and tensor sets ---- */
+
+NRT_STATUS nrt_tensor_allocate(nrt_tensor_placement_t placement, int vnc, size_t size, const char *name,
+                               nrt_tensor_t **tensor) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (tensor == NULL || placement > NRT_TENSOR_PLACEMENT_VIRTUAL) return NRT_INVALID;
+    if (placement == NRT_TENSOR_PLACEMENT_DEVICE && (vnc < 0 || vnc >= FAKE_VNC_COUNT)) return NRT_INVALID;
+    nrt_tensor_t *t = calloc(1, sizeof *t);
+    if (t == NULL) return NRT_FAIL_HOST_MEM_ALLOC;
+    t->data = calloc(size > 0 ? size : 1, 1);
+    if (t->data == NULL) {
+        free(t);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    t->size = size;
+    snprintf(t->name, sizeof t->name, "%s", name != NULL ? name : "");
+    *tensor = t;
+    return NRT_SUCCESS;
+}
+
+void nrt_tensor_free(nrt_tensor_t **tensor) {
+    if (tensor == NULL || *tensor == NULL) return;
+    free((*tensor)->data);
+    free(*tensor);
+    *tensor = NULL;
+}
+
+NRT_STATUS nrt_tensor_write(nrt_tensor_t *tensor, const void *buf, size_t offset, size_t size) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (tensor == NULL || (buf == NULL && size > 0)) return NRT_INVALID;
+    if (offset > tensor->size || size > tensor->size - offset) return NRT_INVALID;
+    if (size > 0) memcpy(tensor->data + offset, buf, size);
+    return NRT_SUCCESS;
+}
+
+NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t offset, size_t size) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (tensor == NULL || (buf == NULL && size > 0)) return NRT_INVALID;
+    if (offset > tensor->size || size > tensor->size - offset) return NRT_INVALID;
+    if (size > 0) memcpy(buf, tensor->data + offset, size);
+    return NRT_SUCCESS;
+}
+
+size_t nrt_tensor_get_size(const nrt_tensor_t *tensor) { return tensor == NULL ? 0 : tensor->size; }
+
+NRT_STATUS nrt_allocate_tensor_set(nrt_tensor_set_t **result) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (result == NULL) return NRT_INVALID;
+    *result = calloc(1, sizeof **result);
+    return *result == NULL ? NRT_FAIL_HOST_MEM_ALLOC : NRT_SUCCESS;
+}
+
+void nrt_destroy_tensor_set(nrt_tensor_set_t **tensor_set) {
+    if (tensor_set == NULL || *tensor_set == NULL) return;
+    for (binding_t *b = (*tensor_set)->head; b != NULL;) {
+        binding_t *next = b->next;
+        free(b);
+        b = next;
+    }
+    free(*tensor_set);
+    *tensor_set = NULL;
+}
+
+static binding_t *find_binding(const nrt_tensor_set_t *set, const char *name) {
+    for (binding_t *b = set->head; b != NULL; b = b->next)
+        if (strcmp(b->name, name) == 0) return b;
+    return NULL;
+}
+
+NRT_STATUS nrt_add_tensor_to_tensor_set(nrt_tensor_set_t *tensor_set, const char *tensor_name, nrt_tensor_t *tensor) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (tensor_set == NULL || tensor_name == NULL || tensor == NULL || strlen(tensor_name) >= NRT_TENSOR_NAME_MAX)
+        return NRT_INVALID;
+    binding_t *b = find_binding(tensor_set, tensor_name);
+    if (b == NULL) {
+        b = calloc(1, sizeof *b);
+        if (b == NULL) return NRT_FAIL_HOST_MEM_ALLOC;
+        snprintf(b->name, sizeof b->name, "%s", tensor_name);
+        b->next = tensor_set->head;
+        tensor_set->head = b;
+    }
+    b->tensor = tensor;
+    return NRT_SUCCESS;
+}
+
+NRT_STATUS nrt_get_tensor_from_tensor_set(nrt_tensor_set_t *tensor_set, const char *tensor_name, nrt_tensor_t **tensor) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (tensor_set == NULL || tensor_name == NULL || tensor == NULL) return NRT_INVALID;
+    binding_t *b = find_binding(tensor_set, tensor_name);
+    if (b == NULL) return NRT_INVALID;
+    *tensor = b->tensor;
+    return NRT_SUCCESS;
+}
+
+/* ---- host computations ---- */
+
+static double load(const nrt_tensor_t *t, nrt_dtype_t dtype, size_t i) {
+    if (dtype == NRT_DTYPE_BFLOAT16) {
+        uint16_t bits;
+        uint32_t wide;
+        float f;
+        memcpy(&bits, t->data + 2 * i, 2);
+        wide = (uint32_t)bits << 16;
+        memcpy(&f, &wide, 4);
+        return f;
+    }
+    if (dtype == NRT_DTYPE_INT32) {
+        int32_t v;
+        memcpy(&v, t->data + 4 * i, 4);
+        return v;
+    }
+    float f;
+    memcpy(&f, t->data + 4 * i, 4);
+    return f;
+}
+
+static void store(nrt_tensor_t *t, nrt_dtype_t dtype, size_t i, double value) {
+    if (dtype == NRT_DTYPE_INT32) {
+        int32_t v = (int32_t)value;
+        memcpy(t->data + 4 * i, &v, 4);
+        return;
+    }
+    float f = (float)value;
+    if (dtype == NRT_DTYPE_BFLOAT16) {
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
+        uint16_t half = (uint16_t)(bits >> 16);
+        memcpy(t->data + 2 * i, &half, 2);
+        return;
+    }
+    memcpy(t->data + 4 * i, &f, 4);
+}
+
+/* The bound tensors of one execution, in declaration order. */
+typedef struct {
+    const nrt_model_t *model;
+    nrt_tensor_t *tensors[MAX_TENSORS];
+} bound_t;
+
+static nrt_tensor_t *bound(const bound_t *b, const char *name, nrt_tensor_usage_t usage, nrt_dtype_t *dtype) {
+    const decl_t *d = find_decl(b->model, name, usage);
+    if (d == NULL) return NULL;
+    *dtype = d->dtype;
+    return b->tensors[d - b->model->decls];
+}
+
+static NRT_STATUS run_router_topk(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t t = dim(m, "x", in, 0), h = dim(m, "x", in, 1), e = dim(m, "w", in, 1);
+    size_t k = dim(m, "expert_index", out, 1);
+    nrt_dtype_t dx, dw, db = NRT_DTYPE_FLOAT32, dl, di, da, dt = NRT_DTYPE_FLOAT32;
+    nrt_tensor_t *x = bound(b, "x", in, &dx), *w = bound(b, "w", in, &dw), *bias = bound(b, "bias", in, &db);
+    nrt_tensor_t *logits = bound(b, "router_logits", out, &dl), *index = bound(b, "expert_index", out, &di);
+    nrt_tensor_t *aff = bound(b, "expert_affinities", out, &da), *topk = bound(b, "topk_affinities", out, &dt);
+    double *row = malloc(e * sizeof *row), *p = malloc(e * sizeof *p);
+    size_t *chosen = malloc(k * sizeof *chosen);
+    if (row == NULL || p == NULL || chosen == NULL) {
+        free(row), free(p), free(chosen);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    for (size_t tok = 0; tok < t; tok++) {
+        double max = -INFINITY, sum = 0.0, chosen_sum = 0.0;
+        for (size_t j = 0; j < e; j++) {
+            double dot = bias != NULL ? load(bias, db, j) : 0.0;
+            for (size_t c = 0; c < h; c++) dot += load(x, dx, tok * h + c) * load(w, dw, c * e + j);
+            row[j] = (float)dot;
+            if (row[j] > max) max = row[j];
+        }
+        for (size_t j = 0; j < e; j++) {
+            p[j] = m->sigmoid ? 1.0 / (1.0 + exp(-row[j])) : exp(row[j] - max);
+            sum += p[j];
+        }
+        if (!m->sigmoid)
+            for (size_t j = 0; j < e; j++) p[j] /= sum;
+        for (size_t slot = 0; slot < k; slot++) {
+            size_t best = e;
+            for (size_t j = 0; j < e; j++) {
+                int taken = 0;
+                for (size_t s = 0; s < slot; s++) taken |= chosen[s] == j;
+                if (!taken && (best == e || p[j] > p[best])) best = j;
+            }
+            chosen[slot] = best;
+            chosen_sum += p[best];
+        }
+        for (size_t j = 0; j < e; j++) {
+            store(logits, dl, tok * e + j, row[j]);
+            store(aff, da, tok * e + j, 0.0);
+        }
+        for (size_t slot = 0; slot < k; slot++) {
+            double a = m->norm_topk_prob ? p[chosen[slot]] / chosen_sum : p[chosen[slot]];
+            store(index, di, tok * k + slot, (double)chosen[slot]);
+            store(aff, da, tok * e + chosen[slot], a);
+            if (topk != NULL) store(topk, dt, tok * k + slot, a);
+        }
+    }
+    free(row), free(p), free(chosen);
+    return NRT_SUCCESS;
+}
+
+static NRT_STATUS run_blockwise_mm(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
+    size_t e = dim(m, "gate_up_proj_weight", in, 0), inter = dim(m, "gate_up_proj_weight", in, 3);
+    size_t n = dim(m, "block_to_expert", in, 0), bs = dim(m, "token_position_to_id", in, 0) / n, t = rows - 1;
+    nrt_dtype_t dx, da, dg, dd, dp, de, dout;
+    nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
+    nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
+    nrt_tensor_t *pos = bound(b, "token_position_to_id", in, &dp), *blk = bound(b, "block_to_expert", in, &de);
+    nrt_tensor_t *output = bound(b, "output", out, &dout);
+    double *acc = calloc(t * h, sizeof *acc), *act = malloc(inter * sizeof *act);
+    if (acc == NULL || act == NULL) {
+        free(acc), free(act);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    NRT_STATUS status = NRT_SUCCESS;
+    for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
+        double expert_id = load(blk, de, blockn);
+        if (expert_id < 0 || expert_id > (double)e) {
+            status = NRT_EXEC_OOB;
+            break;
+        }
+        size_t ex = (size_t)expert_id;
+        for (size_t slot = 0; slot < bs; slot++) {
+            double token_id = load(pos, dp, blockn * bs + slot);
+            if (token_id < -1 || token_id >= (double)t) {
+                status = NRT_EXEC_OOB;
+                break;
+            }
+            if (token_id < 0 || ex == e) continue;
+            size_t tok = (size_t)token_id;
+            for (size_t j = 0; j < inter; j++) {
+                double gate = 0.0, up = 0.0;
+                for (size_t c = 0; c < h; c++) {
+                    double xv = load(x, dx, tok * h + c);
+                    gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
+                    up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
+                }
+                act[j] = gate / (1.0 + exp(-gate)) * up;
+            }
+            double a = load(aff, da, tok * e + ex);
+            for (size_t c = 0; c < h; c++) {
+                double y = 0.0;
+                for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
+                acc[tok * h + c] += a * y;
+            }
+        }
+    }
+    if (status == NRT_SUCCESS)
+        for (size_t i = 0; i < t * h; i++) store(output, dout, i, acc[i]);
+    free(acc), free(act);
+    return status;
+}
+
+static NRT_STATUS run_copy(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    int next_input = 0;
+    for (int j = 0; j < m->count; j++) {
+        if (m->decls[j].usage != NRT_TENSOR_USAGE_OUTPUT) continue;
+        while (m->decls[next_input].usage != NRT_TENSOR_USAGE_INPUT) next_input++;
+        memcpy(b->tensors[j]->data, b->tensors[next_input]->data, m->decls[j].size);
+        next_input++;
+    }
+    return NRT_SUCCESS;
+}
+
+/* Binds every declared tensor from the two sets: a missing one is NRT_INVALID, one of the wrong
+ * size NRT_EXEC_BAD_INPUT. */
+static NRT_STATUS bind(const nrt_model_t *model, const nrt_tensor_set_t *inputs, const nrt_tensor_set_t *outputs,
+                       bound_t *b) {
+    b->model = model;
+    for (int j = 0; j < model->count; j++) {
+        const decl_t *d = &model->decls[j];
+        const binding_t *found = find_binding(d->usage == NRT_TENSOR_USAGE_INPUT ? inputs : outputs, d->name);
+        if (found == NULL) return NRT_INVALID;
+        if (found->tensor->size != d->size) return NRT_EXEC_BAD_INPUT;
+        b->tensors[j] = found->tensor;
+    }
+    return NRT_SUCCESS;
+}
+
+static NRT_STATUS execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nrt_tensor_set_t *output_set,
+                          int repeat_count) {
+    NRT_STATUS s = check_running();
+    if (s != NRT_SUCCESS) return s;
+    if (!model_is_live(model)) return NRT_INVALID_HANDLE;
+    if (input_set == NULL || output_set == NULL || repeat_count < 1) return NRT_INVALID;
+    bound_t b;
+    s = bind(model, input_set, output_set, &b);
+    for (int r = 0; r < repeat_count && s == NRT_SUCCESS; r++) {
+        switch (model->kernel) {
+        case KERNEL_ROUTER_TOPK: s = run_router_topk(&b); break;
+        case KERNEL_BLOCKWISE_MM: s = run_blockwise_mm(&b); break;
+        default: s = run_copy(&b); break;
+        }
+    }
+    return s;
+}
+
+NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nrt_tensor_set_t *output_set) {
+    return execute(model, input_set, output_set, 1);
+}
+
+#ifndef FAKE_NRT_OMIT_EXECUTE_REPEAT
+NRT_STATUS nrt_execute_repeat(nrt_model_t *model, const nrt_tensor_set_t *input_set, nrt_tensor_set_t *output_set,
+                              int repeat_count) {
+    return execute(model, input_set, output_set, repeat_count);
+}
+#endif
