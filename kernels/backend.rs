@@ -1,5 +1,5 @@
-//! The backend abstraction: every implementation of the kernel contracts (reference, and later
-//! cpu and neuron) implements [`Backend`] and is chosen at run time by name.
+//! The backend abstraction: every implementation of the kernel contracts (reference, cpu and
+//! neuron) implements [`Backend`] and is chosen at run time by name.
 //!
 //! Backends receive validated calls only (see [`crate::contracts`]), so input errors are
 //! reported identically whichever backend runs.
@@ -14,6 +14,7 @@ use crate::contracts::{
 };
 use crate::cpu::CpuBackend;
 use crate::error::{Error, Result, find_named};
+use crate::neuron::{NeuronBackend, NeuronConfig};
 use crate::reference::ReferenceBackend;
 
 /// One implementation of every kernel contract, forward and backward.
@@ -42,17 +43,25 @@ pub enum BackendKind {
     Reference,
     /// Tuned f32/bf16 kernels on the host CPU: packed GEMMs, SIMD, rayon.
     Cpu,
+    /// NEFFs on Trainium NeuronCores through libnrt, picked from a kernel manifest; see
+    /// [`crate::neuron::backend`] for where it finds the runtime and the manifest.
+    Neuron,
 }
 
 impl BackendKind {
     /// Every backend, in the order `moekit list` shows them.
-    pub const ALL: &'static [BackendKind] = &[BackendKind::Reference, BackendKind::Cpu];
+    pub const ALL: &'static [BackendKind] = &[
+        BackendKind::Reference,
+        BackendKind::Cpu,
+        BackendKind::Neuron,
+    ];
 
     /// Instantiates the backend.
     pub fn create(self) -> Box<dyn Backend> {
         match self {
             BackendKind::Reference => Box::new(ReferenceBackend),
             BackendKind::Cpu => Box::new(CpuBackend),
+            BackendKind::Neuron => Box::new(NeuronBackend::new(NeuronConfig::from_env())),
         }
     }
 
@@ -60,6 +69,7 @@ impl BackendKind {
         match self {
             BackendKind::Reference => "reference",
             BackendKind::Cpu => "cpu",
+            BackendKind::Neuron => "neuron",
         }
     }
 }

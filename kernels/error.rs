@@ -91,8 +91,15 @@ pub enum Error {
     },
     /// A NEFF (or the manifest naming it) does not fit the kernel call: a missing or extra
     /// tensor, or a shape, dtype or size that differs from the contract's.
-    #[error("{neff}: {message}")]
+    #[error("{}: {message}", neff.display())]
     Neff { neff: PathBuf, message: String },
+    /// A backend that does not run this kernel.
+    #[error("backend `{backend}` does not run `{kernel}`: {message}")]
+    Unsupported {
+        backend: &'static str,
+        kernel: &'static str,
+        message: String,
+    },
 }
 
 /// The item of `items` called `wanted`, or else the comma-separated names of all of them (for

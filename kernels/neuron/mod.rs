@@ -1,12 +1,17 @@
 //! The Neuron runtime (libnrt) and the `neuron` backend.
 //!
 //! - [`runtime`]: the runtime bound through bindgen and opened at run time, behind safe types.
+//! - [`backend`]: [`NeuronBackend`], the kernel contracts executed as NEFFs.
+//! - [`manifest`]: `kernels.toml`, which NEFF runs which kernel call.
 //! - [`status`]: `NRT_STATUS` codes by name.
 
+pub mod backend;
+pub mod manifest;
 pub mod runtime;
 pub mod status;
 mod sys;
 
+pub use backend::{NeuronBackend, NeuronConfig};
 pub use runtime::{
     Library, Model, NrtDType, Placement, Runtime, Tensor, TensorInfo, TensorSet, Usage, Version,
 };

@@ -1,0 +1,608 @@
+//! The `neuron` backend: kernel contracts executed as NEFFs on NeuronCores through libnrt.
+//!
+//! Each call picks its NEFF from the manifest (see [`super::manifest`]) by kernel name and
+//! shape, loads it once, and binds tensors **by contract name**: the NEFF's inputs must be the
+//! contract's input names (`x`, `w`, `hidden_states`, …) and its outputs the contract's output
+//! names. Before anything runs, every NEFF tensor is checked against the call: a name the
+//! contract does not have, an input the call provides that the NEFF ignores, an input the NEFF
+//! needs that the call lacks, a shape or a dtype that differs — each is an [`Error::Neff`]
+//! naming the NEFF and the tensor. Shapes compare with unit dimensions dropped (`[T·E, 1]` and
+//! `[T·E]` are the same bytes); dtypes compare exactly for inputs (f32, bf16, i32), and float
+//! outputs may be f32 or bf16 (returned widened to f32, as the contracts produce).
+//!
+//! `router_topk` NEFFs may leave out `topk_affinities` (the NKI kernel does): it is then gathered
+//! from `expert_affinities` at `expert_index`. Which kernels run is listed by
+//! [`super::manifest::supported_kernels`]; the others are an [`Error::Unsupported`].
+//!
+//! The runtime is opened on the first call (the library from `NEURON_RT_LIB` or the default
+//! paths, the manifest from `MOEKIT_NEURON_MANIFEST` or `./kernels.toml`), so creating the
+//! backend never fails; its errors arrive with the first call. The runtime is one per process:
+//! keep one `neuron` backend at a time.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+
+use super::manifest::{Manifest, Value, supported_kernels};
+use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, Usage};
+use crate::backend::Backend;
+use crate::contracts::{
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmOutputs, LoadBalancingLoss,
+    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
+    PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+};
+use crate::error::{Error, Result};
+use crate::kernel::Kernel;
+use crate::tensor::{DType, Tensor};
+
+/// Environment variable naming the manifest; `kernels.toml` in the working directory if unset.
+pub const MANIFEST_ENV: &str = "MOEKIT_NEURON_MANIFEST";
+
+/// Where the backend finds the runtime library and its manifest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NeuronConfig {
+    /// The libnrt to open; `None`: `NEURON_RT_LIB`, else the default paths.
+    pub library: Option<PathBuf>,
+    pub manifest: PathBuf,
+}
+
+impl NeuronConfig {
+    /// The default library search and `MOEKIT_NEURON_MANIFEST` (else `./kernels.toml`).
+    pub fn from_env() -> Self {
+        NeuronConfig {
+            library: None,
+            manifest: std::env::var_os(MANIFEST_ENV)
+                .map_or_else(|| PathBuf::from("kernels.toml"), PathBuf::from),
+        }
+    }
+}
+
+/// The open runtime, the manifest and every NEFF loaded so far.
+struct Session {
+    // Declared first so models unload before the runtime closes.
+    models: HashMap<PathBuf, Model>,
+    manifest: Manifest,
+    runtime: Runtime,
+}
+
+impl Session {
+    fn open(config: &NeuronConfig) -> Result<Session> {
+        let manifest = Manifest::read(&config.manifest)?;
+        let library = match &config.library {
+            Some(path) => Library::open(path)?,
+            None => Library::open_default()?,
+        };
+        Ok(Session {
+            models: HashMap::new(),
+            manifest,
+            runtime: Runtime::init(library)?,
+        })
+    }
+}
+
+/// How the backend executes a bound NEFF: once, or repeatedly for timing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Execution {
+    Once,
+    /// `nrt_execute_repeat` with this count; the elapsed time is returned.
+    Repeat(i32),
+}
+
+/// What one execution produced: the outputs by contract name, the NEFF that ran, and the time
+/// the execution call took.
+struct Ran {
+    outputs: BTreeMap<&'static str, Tensor>,
+    neff: PathBuf,
+    elapsed: Duration,
+}
+
+/// An output the contract defines, as the backend expects the NEFF to produce it.
+struct OutputSpec {
+    name: &'static str,
+    shape: Vec<usize>,
+    /// Index outputs are i32; value outputs f32 or bf16.
+    index: bool,
+    required: bool,
+}
+
+impl OutputSpec {
+    fn values(name: &'static str, shape: &[usize], required: bool) -> Self {
+        OutputSpec {
+            name,
+            shape: shape.to_vec(),
+            index: false,
+            required,
+        }
+    }
+
+    fn indices(name: &'static str, shape: &[usize]) -> Self {
+        OutputSpec {
+            name,
+            shape: shape.to_vec(),
+            index: true,
+            required: true,
+        }
+    }
+}
+
+/// One kernel call in the backend's terms: the manifest key, the contract's inputs (`None`:
+/// optional and not given) and outputs.
+struct Call<'a> {
+    kernel: Kernel,
+    key: Vec<(&'static str, Value)>,
+    inputs: Vec<(&'static str, Option<&'a Tensor>)>,
+    outputs: Vec<OutputSpec>,
+}
+
+/// The `neuron` backend. See the module docs.
+pub struct NeuronBackend {
+    config: NeuronConfig,
+    session: Mutex<Option<Session>>,
+}
+
+impl NeuronBackend {
+    pub fn new(config: NeuronConfig) -> Self {
+        NeuronBackend {
+            config,
+            session: Mutex::new(None),
+        }
+    }
+
+    pub fn config(&self) -> &NeuronConfig {
+        &self.config
+    }
+
+    /// Runs `call`'s NEFF: opens the runtime on first use, loads the NEFF once, checks and binds
+    /// the tensors, executes, and reads the outputs back by name.
+    fn run(&self, call: &Call<'_>, execution: Execution) -> Result<Ran> {
+        let mut guard = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let session = match guard.take() {
+            Some(session) => guard.insert(session),
+            None => guard.insert(Session::open(&self.config)?),
+        };
+        let neff = session.manifest.find(call.kernel, &call.key)?.neff.clone();
+        if !session.models.contains_key(&neff) {
+            let model = session.runtime.load_file(&neff, -1, -1)?;
+            session.models.insert(neff.clone(), model);
+        }
+        let model = &session.models[&neff];
+        let (outputs, elapsed) = execute(&session.runtime, model, &neff, call, execution)?;
+        Ok(Ran {
+            outputs,
+            neff,
+            elapsed,
+        })
+    }
+
+    /// Times `repeat` back-to-back executions of the NEFF that runs `kernel` on these inputs
+    /// (`nrt_execute_repeat`); returns the mean time per execution.
+    pub fn time_router_topk(&self, call: &RouterTopk<'_>, repeat: i32) -> Result<Duration> {
+        let ran = self.run(&router_topk_call(call), Execution::Repeat(repeat))?;
+        Ok(ran.elapsed / repeat.max(1) as u32)
+    }
+
+    /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm`.
+    pub fn time_blockwise_mm(&self, call: &BlockwiseMm<'_>, repeat: i32) -> Result<Duration> {
+        let ran = self.run(&blockwise_mm_call(call), Execution::Repeat(repeat))?;
+        Ok(ran.elapsed / repeat.max(1) as u32)
+    }
+}
+
+fn neff_error(neff: &std::path::Path, message: String) -> Error {
+    Error::Neff {
+        neff: neff.to_path_buf(),
+        message,
+    }
+}
+
+/// A shape without its unit dimensions: the byte layout it describes.
+fn squeezed(shape: &[usize]) -> Vec<usize> {
+    shape.iter().copied().filter(|&d| d != 1).collect()
+}
+
+fn nrt_dtype(dtype: DType) -> NrtDType {
+    match dtype {
+        DType::F32 => NrtDType::F32,
+        DType::BF16 => NrtDType::BF16,
+        DType::I32 => NrtDType::I32,
+    }
+}
+
+/// Checks the NEFF's tensors against the call (see the module docs).
+fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>) -> Result<()> {
+    let kernel = call.kernel.name();
+    for info in tensors {
+        let what = match info.usage {
+            Usage::Input => "input",
+            Usage::Output => "output",
+        };
+        let expected_bytes = info.shape.iter().product::<usize>()
+            * match info.dtype {
+                NrtDType::BF16 => 2,
+                _ => 4,
+            };
+        match info.usage {
+            Usage::Input => {
+                let Some((_, given)) = call.inputs.iter().find(|(name, _)| *name == info.name)
+                else {
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "declares input `{}`, which is not a {kernel} input",
+                            info.name
+                        ),
+                    ));
+                };
+                let Some(tensor) = given else {
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "needs input `{}`, which this {kernel} call does not provide",
+                            info.name
+                        ),
+                    ));
+                };
+                if squeezed(&info.shape) != squeezed(tensor.shape()) {
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "input `{}`: the NEFF has shape {:?}, the call {:?}",
+                            info.name,
+                            info.shape,
+                            tensor.shape()
+                        ),
+                    ));
+                }
+                if info.dtype != nrt_dtype(tensor.dtype()) {
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "input `{}`: the NEFF takes {}, the call gives {}",
+                            info.name,
+                            info.dtype.name(),
+                            tensor.dtype()
+                        ),
+                    ));
+                }
+            }
+            Usage::Output => {
+                let Some(spec) = call.outputs.iter().find(|spec| spec.name == info.name) else {
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "declares output `{}`, which is not a {kernel} output",
+                            info.name
+                        ),
+                    ));
+                };
+                if squeezed(&info.shape) != squeezed(&spec.shape) {
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "output `{}`: the NEFF has shape {:?}, the contract {:?}",
+                            info.name, info.shape, spec.shape
+                        ),
+                    ));
+                }
+                let dtype_ok = if spec.index {
+                    info.dtype == NrtDType::I32
+                } else {
+                    info.dtype == NrtDType::F32 || info.dtype == NrtDType::BF16
+                };
+                if !dtype_ok {
+                    let expected = if spec.index { "i32" } else { "f32 or bf16" };
+                    return Err(neff_error(
+                        neff,
+                        format!(
+                            "output `{}`: the NEFF produces {}, the contract needs {expected}",
+                            info.name,
+                            info.dtype.name()
+                        ),
+                    ));
+                }
+            }
+        }
+        if matches!(info.dtype, NrtDType::F32 | NrtDType::BF16 | NrtDType::I32)
+            && info.size != expected_bytes
+        {
+            return Err(neff_error(
+                neff,
+                format!(
+                    "{what} `{}`: declares {} bytes for shape {:?} {}",
+                    info.name,
+                    info.size,
+                    info.shape,
+                    info.dtype.name()
+                ),
+            ));
+        }
+    }
+    for (name, given) in &call.inputs {
+        let declared = tensors
+            .iter()
+            .any(|info| info.usage == Usage::Input && info.name == *name);
+        if given.is_some() && !declared {
+            return Err(neff_error(
+                neff,
+                format!(
+                    "the call provides input `{name}`, which the NEFF does not take (it would be ignored)"
+                ),
+            ));
+        }
+    }
+    for spec in call.outputs.iter().filter(|spec| spec.required) {
+        if !tensors
+            .iter()
+            .any(|info| info.usage == Usage::Output && info.name == spec.name)
+        {
+            return Err(neff_error(
+                neff,
+                format!("does not produce output `{}`", spec.name),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Decodes an output's bytes into a contract tensor (values as f32, indices as i32).
+fn decode(info: &TensorInfo, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
+    let shape = shape.to_vec();
+    if info.dtype == NrtDType::I32 {
+        let values = bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        return Tensor::from_i32(shape, values.collect());
+    }
+    let values: Vec<f32> = if info.dtype == NrtDType::BF16 {
+        bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect()
+    } else {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    Tensor::from_f32(shape, values)
+}
+
+/// Allocates, writes, executes and reads back one call of `model`.
+fn execute(
+    runtime: &Runtime,
+    model: &Model,
+    neff: &std::path::Path,
+    call: &Call<'_>,
+    execution: Execution,
+) -> Result<(BTreeMap<&'static str, Tensor>, Duration)> {
+    check_tensors(neff, model.tensors(), call)?;
+    let device: Vec<_> = model
+        .tensors()
+        .iter()
+        .map(|info| runtime.allocate(Placement::Device, 0, info.size, &info.name))
+        .collect::<Result<_>>()?;
+    let mut inputs = runtime.tensor_set()?;
+    let mut outputs = runtime.tensor_set()?;
+    for (info, tensor) in model.tensors().iter().zip(&device) {
+        match info.usage {
+            Usage::Input => {
+                let given = call
+                    .inputs
+                    .iter()
+                    .find_map(|(name, given)| (*name == info.name).then_some(*given).flatten())
+                    .ok_or_else(|| neff_error(neff, format!("input `{}` vanished", info.name)))?;
+                tensor.write(&given.to_le_bytes(), 0)?;
+                inputs.add(&info.name, tensor)?;
+            }
+            Usage::Output => outputs.add(&info.name, tensor)?,
+        }
+    }
+    let start = Instant::now();
+    match execution {
+        Execution::Once => model.execute(&inputs, &outputs)?,
+        Execution::Repeat(repeat) => model.execute_repeat(&inputs, &outputs, repeat)?,
+    }
+    let elapsed = start.elapsed();
+    let mut results = BTreeMap::new();
+    for (info, tensor) in model.tensors().iter().zip(&device) {
+        if info.usage != Usage::Output {
+            continue;
+        }
+        let Some(spec) = call.outputs.iter().find(|spec| spec.name == info.name) else {
+            continue;
+        };
+        let mut bytes = vec![0u8; info.size];
+        tensor.read(&mut bytes, 0)?;
+        results.insert(spec.name, decode(info, &spec.shape, &bytes)?);
+    }
+    Ok((results, elapsed))
+}
+
+fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
+    let (inputs, params, dims) = (call.inputs(), call.params(), call.dims());
+    let (t, e, k) = (dims.t, dims.e, dims.k);
+    Call {
+        kernel: Kernel::RouterTopk,
+        key: vec![
+            ("t", Value::Int(t)),
+            ("h", Value::Int(dims.h)),
+            ("e", Value::Int(e)),
+            ("top_k", Value::Int(k)),
+            ("activation", Value::Str(params.activation.to_string())),
+            ("norm_topk_prob", Value::Bool(params.norm_topk_prob)),
+        ],
+        inputs: vec![
+            ("x", Some(inputs.x)),
+            ("w", Some(inputs.w)),
+            ("bias", inputs.bias),
+            ("selection_bias", inputs.selection_bias),
+        ],
+        outputs: vec![
+            OutputSpec::values("router_logits", &[t, e], true),
+            OutputSpec::indices("expert_index", &[t, k]),
+            OutputSpec::values("topk_affinities", &[t, k], false),
+            OutputSpec::values("expert_affinities", &[t, e], true),
+        ],
+    }
+}
+
+fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
+    let (inputs, dims) = (call.inputs(), call.dims());
+    let checkpoint = call.params().checkpoint_activations;
+    let (t, h, i, b, n) = (dims.t, dims.h, dims.i, dims.b, dims.n);
+    Call {
+        kernel: Kernel::BlockwiseMm,
+        key: vec![
+            ("t", Value::Int(t)),
+            ("h", Value::Int(h)),
+            ("e", Value::Int(dims.e)),
+            ("i", Value::Int(i)),
+            ("block_size", Value::Int(b)),
+            ("num_blocks", Value::Int(n)),
+            ("checkpoint_activations", Value::Bool(checkpoint)),
+        ],
+        inputs: vec![
+            ("hidden_states", Some(inputs.hidden_states)),
+            (
+                "expert_affinities_masked",
+                Some(inputs.expert_affinities_masked),
+            ),
+            ("gate_up_proj_weight", Some(inputs.gate_up_proj_weight)),
+            ("down_proj_weight", Some(inputs.down_proj_weight)),
+            ("token_position_to_id", Some(inputs.token_position_to_id)),
+            ("block_to_expert", Some(inputs.block_to_expert)),
+        ],
+        outputs: vec![
+            OutputSpec::values("output", &[t, h], true),
+            OutputSpec::values("gate_up_activations_T", &[n, 2, i, b], checkpoint),
+            OutputSpec::values("down_activations", &[n, b, h], checkpoint),
+        ],
+    }
+}
+
+/// `expert_index` as produced by a NEFF, checked to hold expert ids in `[0, E)`.
+fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Result<Vec<usize>> {
+    let k = index.shape()[1];
+    index
+        .as_i32()
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(position, &id)| {
+            usize::try_from(id)
+                .ok()
+                .filter(|&id| id < e)
+                .ok_or_else(|| {
+                    neff_error(
+                        neff,
+                        format!(
+                            "output `expert_index` holds {id} at [{}, {}], outside [0, {e})",
+                            position / k,
+                            position % k
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+fn take(outputs: &mut BTreeMap<&'static str, Tensor>, name: &str) -> Result<Tensor> {
+    outputs
+        .remove(name)
+        .ok_or_else(|| Error::MissingTensor(name.to_owned()))
+}
+
+fn unsupported(kernel: Kernel) -> Error {
+    Error::Unsupported {
+        backend: "neuron",
+        kernel: kernel.name(),
+        message: format!("it runs {}", supported_kernels().join(", ")),
+    }
+}
+
+impl Backend for NeuronBackend {
+    fn name(&self) -> &'static str {
+        "neuron"
+    }
+
+    fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
+        let Ran {
+            outputs: mut out,
+            neff,
+            ..
+        } = self.run(&router_topk_call(call), Execution::Once)?;
+        let dims = call.dims();
+        let expert_index = take(&mut out, "expert_index")?;
+        let expert_affinities = take(&mut out, "expert_affinities")?;
+        let ids = checked_expert_index(&neff, &expert_index, dims.e)?;
+        let topk_affinities = match out.remove("topk_affinities") {
+            Some(topk) => topk,
+            None => {
+                let dense = expert_affinities.f32_values();
+                let gathered = ids
+                    .iter()
+                    .enumerate()
+                    .map(|(position, &expert)| dense[(position / dims.k) * dims.e + expert])
+                    .collect();
+                Tensor::from_f32([dims.t, dims.k], gathered)?
+            }
+        };
+        Ok(RouterTopkOutputs {
+            router_logits: take(&mut out, "router_logits")?,
+            expert_index,
+            topk_affinities,
+            expert_affinities,
+        })
+    }
+
+    fn router_topk_bwd(&self, _call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
+        Err(unsupported(Kernel::RouterTopkBwd))
+    }
+
+    fn load_balancing_loss(
+        &self,
+        _call: &LoadBalancingLoss<'_>,
+    ) -> Result<LoadBalancingLossOutputs> {
+        Err(unsupported(Kernel::LoadBalancingLoss))
+    }
+
+    fn load_balancing_loss_bwd(
+        &self,
+        _call: &LoadBalancingLossBwd<'_>,
+    ) -> Result<LoadBalancingLossGrads> {
+        Err(unsupported(Kernel::LoadBalancingLossBwd))
+    }
+
+    fn permute(&self, _call: &Permute<'_>) -> Result<PermuteOutputs> {
+        Err(unsupported(Kernel::Permute))
+    }
+
+    fn permute_bwd(&self, _call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+        Err(unsupported(Kernel::PermuteBwd))
+    }
+
+    fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
+        let checkpoint = call.params().checkpoint_activations;
+        Ok(BlockwiseMmOutputs {
+            output: take(&mut out, "output")?,
+            gate_up_activations_t: out.remove("gate_up_activations_T").filter(|_| checkpoint),
+            down_activations: out.remove("down_activations").filter(|_| checkpoint),
+        })
+    }
+
+    fn blockwise_mm_bwd(&self, _call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        Err(unsupported(Kernel::BlockwiseMmBwd))
+    }
+}
+
+impl std::fmt::Debug for NeuronBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NeuronBackend")
+            .field("config", &self.config)
+            .finish()
+    }
+}

@@ -1,0 +1,244 @@
+//! The `neuron` backend's kernel manifest: which NEFF runs which kernel call.
+//!
+//! A NEFF is compiled for fixed shapes, so the manifest (`kernels.toml`) registers each NEFF
+//! under its kernel name and the shape parameters it was compiled for:
+//!
+//! ```toml
+//! [[kernel]]
+//! name = "router_topk"
+//! neff = "neff/router_topk_t512.neff"   # relative to the manifest's folder
+//! t = 512
+//! h = 2048
+//! e = 128
+//! top_k = 8
+//! activation = "softmax"
+//! norm_topk_prob = true
+//! ```
+//!
+//! A call runs the first entry of its kernel whose every key equals the call's value (a key an
+//! entry leaves out matches any value). Keys per kernel are listed by [`keys`]; an unknown key,
+//! kernel or value type is an error when the manifest is read.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::kernel::Kernel;
+
+/// A parameter value in a manifest entry or a call's key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Value {
+    Int(usize),
+    Bool(bool),
+    Str(String),
+}
+
+impl fmt::Display for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Value::Int(v) => write!(f, "{v}"),
+            Value::Bool(v) => write!(f, "{v}"),
+            Value::Str(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// The kind of value a manifest key takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueKind {
+    Int,
+    Bool,
+    Str,
+}
+
+/// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does
+/// not run that kernel.
+pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
+    match kernel {
+        Kernel::RouterTopk => Some(&[
+            ("t", ValueKind::Int),
+            ("h", ValueKind::Int),
+            ("e", ValueKind::Int),
+            ("top_k", ValueKind::Int),
+            ("activation", ValueKind::Str),
+            ("norm_topk_prob", ValueKind::Bool),
+        ]),
+        Kernel::BlockwiseMm => Some(&[
+            ("t", ValueKind::Int),
+            ("h", ValueKind::Int),
+            ("e", ValueKind::Int),
+            ("i", ValueKind::Int),
+            ("block_size", ValueKind::Int),
+            ("num_blocks", ValueKind::Int),
+            ("checkpoint_activations", ValueKind::Bool),
+        ]),
+        _ => None,
+    }
+}
+
+/// The kernels the `neuron` backend runs.
+pub fn supported_kernels() -> Vec<&'static str> {
+    Kernel::ALL
+        .iter()
+        .filter(|k| keys(**k).is_some())
+        .map(|k| k.name())
+        .collect()
+}
+
+/// One registered NEFF.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub kernel: Kernel,
+    /// Absolute, or relative to the working directory (resolved against the manifest's folder).
+    pub neff: PathBuf,
+    pub params: BTreeMap<String, Value>,
+}
+
+impl Entry {
+    fn matches(&self, key: &[(&str, Value)]) -> bool {
+        self.params.iter().all(|(name, value)| {
+            key.iter()
+                .any(|(call_name, call_value)| call_name == name && call_value == value)
+        })
+    }
+}
+
+/// A parsed `kernels.toml`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Manifest {
+    pub path: PathBuf,
+    pub entries: Vec<Entry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileForm {
+    #[serde(default)]
+    kernel: Vec<EntryForm>,
+}
+
+#[derive(Deserialize)]
+struct EntryForm {
+    name: String,
+    neff: PathBuf,
+    #[serde(flatten)]
+    params: BTreeMap<String, toml::Value>,
+}
+
+impl Manifest {
+    /// Reads and checks the manifest at `path`.
+    pub fn read(path: &Path) -> Result<Manifest> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let format = |message: String| Error::Format {
+            path: path.to_path_buf(),
+            message,
+        };
+        let file: FileForm = toml::from_str(&text).map_err(|err| format(err.to_string()))?;
+        let folder = path.parent().unwrap_or(Path::new(""));
+        let entries = file
+            .kernel
+            .into_iter()
+            .enumerate()
+            .map(|(index, entry)| {
+                let at = format!("kernel entry {} (`{}`)", index + 1, entry.name);
+                let kernel: Kernel = entry
+                    .name
+                    .parse()
+                    .map_err(|err| format(format!("{at}: {err}")))?;
+                let keys = keys(kernel).ok_or_else(|| {
+                    format(format!(
+                        "{at}: the neuron backend does not run this kernel; it runs {}",
+                        supported_kernels().join(", ")
+                    ))
+                })?;
+                let params = entry
+                    .params
+                    .into_iter()
+                    .map(|(name, value)| {
+                        let (_, kind) =
+                            keys.iter().find(|(key, _)| *key == name).ok_or_else(|| {
+                                let known: Vec<&str> = keys.iter().map(|(key, _)| *key).collect();
+                                format(format!(
+                                    "{at}: unknown key `{name}`; known keys: {}",
+                                    known.join(", ")
+                                ))
+                            })?;
+                        let value = match (*kind, &value) {
+                            (ValueKind::Int, toml::Value::Integer(v)) if *v > 0 => {
+                                Value::Int(*v as usize)
+                            }
+                            (ValueKind::Bool, toml::Value::Boolean(v)) => Value::Bool(*v),
+                            (ValueKind::Str, toml::Value::String(v)) => Value::Str(v.clone()),
+                            (kind, _) => {
+                                let expected = match kind {
+                                    ValueKind::Int => "a positive integer",
+                                    ValueKind::Bool => "true or false",
+                                    ValueKind::Str => "a string",
+                                };
+                                return Err(format(format!(
+                                    "{at}: `{name}` must be {expected}, got {value}"
+                                )));
+                            }
+                        };
+                        Ok((name, value))
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(Entry {
+                    kernel,
+                    neff: folder.join(entry.neff),
+                    params,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Manifest {
+            path: path.to_path_buf(),
+            entries,
+        })
+    }
+
+    /// The first entry of `kernel` matching every key of the call, or an error that shows the
+    /// call's key and what the manifest registers for that kernel.
+    pub fn find(&self, kernel: Kernel, key: &[(&str, Value)]) -> Result<&Entry> {
+        let mut registered = self
+            .entries
+            .iter()
+            .filter(|entry| entry.kernel == kernel)
+            .peekable();
+        if let Some(entry) = registered.clone().find(|entry| entry.matches(key)) {
+            return Ok(entry);
+        }
+        let call: Vec<String> = key
+            .iter()
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
+        let known = if registered.peek().is_none() {
+            format!("it registers no {} NEFF", kernel.name())
+        } else {
+            let listed: Vec<String> = registered
+                .map(|entry| {
+                    let params: Vec<String> = entry
+                        .params
+                        .iter()
+                        .map(|(name, value)| format!("{name}={value}"))
+                        .collect();
+                    format!("{} ({})", entry.neff.display(), params.join(" "))
+                })
+                .collect();
+            format!("it registers: {}", listed.join("; "))
+        };
+        Err(Error::Neff {
+            neff: self.path.clone(),
+            message: format!(
+                "no NEFF for {} with {}; {known}",
+                kernel.name(),
+                call.join(" ")
+            ),
+        })
+    }
+}

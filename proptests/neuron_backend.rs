@@ -1,0 +1,486 @@
+//! The `neuron` backend end to end on the fake runtime (`ffi/fake_nrt.c`): manifest lookup,
+//! NEFF loading, binding by contract name, execution and read-back for `router_topk` and
+//! `blockwise_mm`, compared with the reference backend; and every mismatch between a call and a
+//! NEFF reported as a clear error before anything runs.
+//!
+//! The fake computes in f64 from the stored inputs and rounds router logits to f32 before the
+//! activation, as hardware does; values agree with the reference within `1e-5` relative to the
+//! tensor's scale, and expert choices exactly (random inputs make near-ties vanishingly rare).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use common::*;
+use moekit::contracts::*;
+use moekit::neuron::{NeuronBackend, NeuronConfig};
+use moekit::{Backend, BackendKind, Error, Tensor};
+use proptest::prelude::*;
+
+const FAKE: &str = env!("MOEKIT_FAKE_NRT");
+
+/// One runtime per process: every test that runs the backend takes this lock.
+fn exclusive() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A fresh folder for one test's manifest and NEFFs.
+fn workdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moekit-neuron-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes `neffs` (file name, stand-in text) and a manifest registering them with `entries`
+/// (the TOML of each `[[kernel]]` table after its `neff` line); returns a backend on the fake.
+fn backend_with(dir: &Path, neffs: &[(&str, String, String)]) -> NeuronBackend {
+    let mut manifest = String::new();
+    for (file, neff, entry) in neffs {
+        std::fs::write(dir.join(file), neff).unwrap();
+        manifest.push_str(&format!("[[kernel]]\nneff = \"{file}\"\n{entry}\n"));
+    }
+    std::fs::write(dir.join("kernels.toml"), manifest).unwrap();
+    NeuronBackend::new(NeuronConfig {
+        library: Some(PathBuf::from(FAKE)),
+        manifest: dir.join("kernels.toml"),
+    })
+}
+
+fn dtype_name(tensor: &Tensor) -> &'static str {
+    match tensor.dtype() {
+        moekit::DType::F32 => "f32",
+        moekit::DType::BF16 => "bf16",
+        moekit::DType::I32 => "i32",
+    }
+}
+
+fn decl(usage: &str, name: &str, dtype: &str, shape: &[usize]) -> String {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    format!("{usage} {name} {dtype} {}\n", dims.join(" "))
+}
+
+/// The stand-in NEFF of a router_topk call with these inputs.
+fn router_neff(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    k: usize,
+    params: RouterTopkParams,
+    with_topk: bool,
+) -> String {
+    let (t, e) = (x.shape()[0], w.shape()[1]);
+    let mut neff = format!(
+        "moekit-fake-neff 1\nkernel router_topk\nparam activation {}\nparam norm_topk_prob {}\n",
+        params.activation,
+        u8::from(params.norm_topk_prob)
+    );
+    neff += &decl("input", "x", dtype_name(x), x.shape());
+    neff += &decl("input", "w", dtype_name(w), w.shape());
+    if let Some(bias) = bias {
+        neff += &decl("input", "bias", dtype_name(bias), bias.shape());
+    }
+    neff += &decl("output", "router_logits", "f32", &[t, e]);
+    neff += &decl("output", "expert_index", "i32", &[t, k]);
+    neff += &decl("output", "expert_affinities", "f32", &[t, e]);
+    if with_topk {
+        neff += &decl("output", "topk_affinities", "f32", &[t, k]);
+    }
+    neff
+}
+
+fn router_entry(t: usize, h: usize, e: usize, params: RouterTopkParams) -> String {
+    format!(
+        "name = \"router_topk\"\nt = {t}\nh = {h}\ne = {e}\ntop_k = {}\nactivation = \"{}\"\nnorm_topk_prob = {}\n",
+        params.top_k, params.activation, params.norm_topk_prob
+    )
+}
+
+#[derive(Clone, Debug)]
+struct RouterCase {
+    t: usize,
+    h: usize,
+    e: usize,
+    k: usize,
+    activation: Activation,
+    norm_topk_prob: bool,
+    bias: bool,
+    bf16: bool,
+    with_topk: bool,
+    seed: u64,
+}
+
+fn router_case() -> impl Strategy<Value = RouterCase> {
+    (
+        1usize..12,
+        1usize..20,
+        1usize..10,
+        any::<(bool, bool, bool, bool, bool)>(),
+        any::<u64>(),
+    )
+        .prop_flat_map(|(t, h, e, flags, seed)| (Just((t, h, e, flags, seed)), 1..=e))
+        .prop_map(
+            |((t, h, e, (sigmoid, norm_topk_prob, bias, bf16, with_topk), seed), k)| RouterCase {
+                t,
+                h,
+                e,
+                k,
+                activation: if sigmoid {
+                    Activation::Sigmoid
+                } else {
+                    Activation::Softmax
+                },
+                norm_topk_prob,
+                bias,
+                bf16,
+                with_topk,
+                seed,
+            },
+        )
+}
+
+fn maybe_bf16(tensor: Tensor, bf16: bool) -> Tensor {
+    if bf16 { tensor.to_bf16() } else { tensor }
+}
+
+proptest! {
+    #![proptest_config(config(24))]
+
+    #[test]
+    fn router_topk_on_the_fake_runtime_matches_the_reference(case in router_case()) {
+        let _guard = exclusive();
+        let mut rng = SeededRng::new(case.seed);
+        let (t, h, e, k) = (case.t, case.h, case.e, case.k);
+        let x = maybe_bf16(f32_tensor(&[t, h], &rng.values(t * h, 1.0)), case.bf16);
+        let w = maybe_bf16(f32_tensor(&[h, e], &rng.values(h * e, 1.0)), case.bf16);
+        let bias = case.bias.then(|| f32_tensor(&[e], &rng.values(e, 0.5)));
+        let params = RouterTopkParams { top_k: k, activation: case.activation, norm_topk_prob: case.norm_topk_prob };
+        let dir = workdir("router");
+        let backend = backend_with(&dir, &[(
+            "router.neff",
+            router_neff(&x, &w, bias.as_ref(), k, params, case.with_topk),
+            router_entry(t, h, e, params),
+        )]);
+        let call = RouterTopk::new(RouterTopkInputs { x: &x, w: &w, bias: bias.as_ref(), selection_bias: None }, params).unwrap();
+        let got = backend.router_topk(&call).unwrap();
+        let want = BackendKind::Reference.create().router_topk(&call).unwrap();
+        prop_assert_eq!(got.expert_index.as_i32(), want.expert_index.as_i32());
+        for (name, g, w) in [
+            ("router_logits", &got.router_logits, &want.router_logits),
+            ("topk_affinities", &got.topk_affinities, &want.topk_affinities),
+            ("expert_affinities", &got.expert_affinities, &want.expert_affinities),
+        ] {
+            prop_assert_eq!(g.shape(), w.shape(), "{}", name);
+            let expected = f32s(w);
+            assert_close(name, &f32s(g), &expected, 1e-5, 1e-5 * scale(&expected))?;
+        }
+    }
+
+    #[test]
+    fn blockwise_mm_on_the_fake_runtime_matches_the_reference(
+        (t, h, e, i, k, b) in (1usize..10, 1usize..12, 1usize..6, 1usize..10, 1usize..4, 1usize..6),
+        seed in any::<u64>(),
+    ) {
+        let _guard = exclusive();
+        let k = k.min(e);
+        let mut rng = SeededRng::new(seed);
+        let reference = BackendKind::Reference.create();
+        let x = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+        let w = f32_tensor(&[h, e], &rng.values(h * e, 1.0));
+        let routed = reference.router_topk(&RouterTopk::new(
+            RouterTopkInputs { x: &x, w: &w, bias: None, selection_bias: None },
+            RouterTopkParams { top_k: k, activation: Activation::Softmax, norm_topk_prob: true },
+        ).unwrap()).unwrap();
+        let plan = reference.permute(&Permute::new(
+            PermuteInputs { expert_index: &routed.expert_index, topk_affinities: &routed.topk_affinities },
+            PermuteParams { num_experts: e, block_size: b },
+        ).unwrap()).unwrap();
+        let mut padded = f32s(&x);
+        padded.extend(vec![0.0; h]);
+        let hidden_states = f32_tensor(&[t + 1, h], &padded);
+        let gate_up = f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 0.5));
+        let down = f32_tensor(&[e, i, h], &rng.values(e * i * h, 0.5));
+        let inputs = BlockwiseMmInputs {
+            hidden_states: &hidden_states,
+            expert_affinities_masked: &plan.expert_affinities_masked,
+            gate_up_proj_weight: &gate_up,
+            down_proj_weight: &down,
+            token_position_to_id: &plan.token_position_to_id,
+            block_to_expert: &plan.block_to_expert,
+        };
+        let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
+        let n = call.dims().n;
+        let mut neff = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n");
+        for (name, tensor) in [
+            ("hidden_states", &hidden_states),
+            ("expert_affinities_masked", &plan.expert_affinities_masked),
+            ("gate_up_proj_weight", &gate_up),
+            ("down_proj_weight", &down),
+            ("token_position_to_id", &plan.token_position_to_id),
+            ("block_to_expert", &plan.block_to_expert),
+        ] {
+            neff += &decl("input", name, dtype_name(tensor), tensor.shape());
+        }
+        neff += &decl("output", "output", "f32", &[t, h]);
+        let entry = format!(
+            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activations = false\n"
+        );
+        let dir = workdir("blockwise");
+        let backend = backend_with(&dir, &[("blockwise.neff", neff, entry)]);
+        let got = backend.blockwise_mm(&call).unwrap();
+        let want = reference.blockwise_mm(&call).unwrap();
+        let expected = f32s(&want.output);
+        assert_close("output", &f32s(&got.output), &expected, 1e-5, 1e-5 * scale(&expected))?;
+        prop_assert!(got.gate_up_activations_t.is_none() && got.down_activations.is_none());
+    }
+}
+
+/// A small router call, its params and the NEFF text the fake runs for it.
+struct SmallRouter {
+    x: Tensor,
+    w: Tensor,
+    bias: Tensor,
+    params: RouterTopkParams,
+}
+
+fn small_router() -> SmallRouter {
+    let mut rng = SeededRng::new(7);
+    SmallRouter {
+        x: f32_tensor(&[4, 6], &rng.values(24, 1.0)),
+        w: f32_tensor(&[6, 5], &rng.values(30, 1.0)),
+        bias: f32_tensor(&[5], &rng.values(5, 0.5)),
+        params: RouterTopkParams {
+            top_k: 2,
+            activation: Activation::Softmax,
+            norm_topk_prob: true,
+        },
+    }
+}
+
+/// Runs the small router call (with `bias` if asked) on a backend whose only NEFF is `neff`.
+fn run_small(
+    name: &str,
+    neff: String,
+    entry: Option<String>,
+    with_bias: bool,
+) -> Result<RouterTopkOutputs, Error> {
+    let r = small_router();
+    let dir = workdir(name);
+    let entry = entry.unwrap_or_else(|| router_entry(4, 6, 5, r.params));
+    let backend = backend_with(&dir, &[("router.neff", neff, entry)]);
+    let bias = with_bias.then_some(&r.bias);
+    let call = RouterTopk::new(
+        RouterTopkInputs {
+            x: &r.x,
+            w: &r.w,
+            bias,
+            selection_bias: None,
+        },
+        r.params,
+    )?;
+    backend.router_topk(&call)
+}
+
+fn expect_neff_error(result: Result<RouterTopkOutputs, Error>, needles: &[&str]) {
+    let err = result.expect_err("the call is refused");
+    let message = err.to_string();
+    assert!(matches!(err, Error::Neff { .. }), "{message}");
+    for needle in needles {
+        assert!(message.contains(needle), "`{needle}` not in: {message}");
+    }
+}
+
+#[test]
+fn a_neff_whose_dtype_differs_from_the_call_is_refused_before_running() {
+    let _guard = exclusive();
+    let r = small_router();
+    let neff = router_neff(&r.x.to_bf16(), &r.w, None, 2, r.params, true);
+    expect_neff_error(
+        run_small("dtype", neff, None, false),
+        &["router.neff", "input `x`", "bf16", "f32"],
+    );
+}
+
+#[test]
+fn a_neff_whose_shape_differs_from_the_call_is_refused_before_running() {
+    let _guard = exclusive();
+    let r = small_router();
+    let x3 = f32_tensor(&[3, 6], &[0.0; 18]);
+    let neff = router_neff(&x3, &r.w, None, 2, r.params, true);
+    // An entry without `t` matches any token count, so the NEFF's own shapes must catch it.
+    let entry = "name = \"router_topk\"\nh = 6\ne = 5\n".to_owned();
+    expect_neff_error(
+        run_small("shape", neff, Some(entry), false),
+        &["input `x`", "[3, 6]", "[4, 6]"],
+    );
+}
+
+#[test]
+fn inputs_and_outputs_outside_the_contract_or_missing_are_refused() {
+    let _guard = exclusive();
+    let r = small_router();
+    let base = router_neff(&r.x, &r.w, None, 2, r.params, true);
+    let extra_input = base.replace("input w f32 6 5\n", "input w f32 6 5\ninput scale f32 5\n");
+    expect_neff_error(
+        run_small("extra-input", extra_input, None, false),
+        &["input `scale`", "not a router_topk input"],
+    );
+    // The call gives a bias the NEFF does not take: it would silently be ignored.
+    expect_neff_error(
+        run_small("ignored-bias", base.clone(), None, true),
+        &["`bias`", "does not take"],
+    );
+    // The NEFF takes a bias the call does not give.
+    let with_bias = router_neff(&r.x, &r.w, Some(&r.bias), 2, r.params, true);
+    expect_neff_error(
+        run_small("missing-bias", with_bias, None, false),
+        &["needs input `bias`"],
+    );
+    let no_logits = base.replace("output router_logits f32 4 5\n", "");
+    let err = run_small("no-logits", no_logits, None, false)
+        .err()
+        .unwrap();
+    // The fake itself refuses a router_topk NEFF without router_logits at load time.
+    assert!(err.to_string().contains("NRT_INVALID"), "{err}");
+    let wrong_index = base.replace("output expert_index i32 4 2", "output expert_index f32 4 2");
+    expect_neff_error(
+        run_small("index-dtype", wrong_index, None, false),
+        &["output `expert_index`", "i32"],
+    );
+}
+
+#[test]
+fn a_bias_run_and_a_run_without_topk_affinities_match_the_reference() {
+    let _guard = exclusive();
+    let r = small_router();
+    let neff = router_neff(&r.x, &r.w, Some(&r.bias), 2, r.params, false);
+    let got = run_small("bias", neff, None, true).unwrap();
+    let call = RouterTopk::new(
+        RouterTopkInputs {
+            x: &r.x,
+            w: &r.w,
+            bias: Some(&r.bias),
+            selection_bias: None,
+        },
+        r.params,
+    )
+    .unwrap();
+    let want = BackendKind::Reference.create().router_topk(&call).unwrap();
+    assert_eq!(got.expert_index.as_i32(), want.expert_index.as_i32());
+    let expected = f32s(&want.topk_affinities);
+    assert_close(
+        "topk_affinities",
+        &f32s(&got.topk_affinities),
+        &expected,
+        1e-5,
+        1e-6,
+    )
+    .unwrap();
+}
+
+#[test]
+fn manifest_lookup_failures_name_the_manifest_and_what_it_registers() {
+    let _guard = exclusive();
+    let r = small_router();
+    let neff = router_neff(&r.x, &r.w, None, 2, r.params, true);
+    let other = RouterTopkParams {
+        top_k: 3,
+        ..r.params
+    };
+    let err = run_small(
+        "no-entry",
+        neff.clone(),
+        Some(router_entry(4, 6, 5, other)),
+        false,
+    )
+    .err()
+    .unwrap();
+    let message = err.to_string();
+    assert!(message.contains("kernels.toml"), "{message}");
+    assert!(
+        message.contains("no NEFF for router_topk with t=4 h=6 e=5 top_k=2"),
+        "{message}"
+    );
+    assert!(message.contains("top_k=3"), "{message}");
+
+    let bad_key = format!("{}\nheads = 4\n", router_entry(4, 6, 5, r.params));
+    let err = run_small("bad-key", neff.clone(), Some(bad_key), false)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("unknown key `heads`"), "{err}");
+    let bad_kernel = "name = \"permute\"\n".to_owned();
+    let err = run_small("bad-kernel", neff, Some(bad_kernel), false)
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("does not run this kernel"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors() {
+    let _guard = exclusive();
+    let r = small_router();
+    let call = RouterTopk::new(
+        RouterTopkInputs {
+            x: &r.x,
+            w: &r.w,
+            bias: None,
+            selection_bias: None,
+        },
+        r.params,
+    )
+    .unwrap();
+    let dir = workdir("missing");
+    let no_manifest = NeuronBackend::new(NeuronConfig {
+        library: Some(PathBuf::from(FAKE)),
+        manifest: dir.join("absent.toml"),
+    });
+    let err = no_manifest.router_topk(&call).unwrap_err();
+    assert!(err.to_string().contains("absent.toml"), "{err}");
+
+    std::fs::write(
+        dir.join("kernels.toml"),
+        format!(
+            "[[kernel]]\nneff = \"gone.neff\"\n{}",
+            router_entry(4, 6, 5, r.params)
+        ),
+    )
+    .unwrap();
+    let no_library = NeuronBackend::new(NeuronConfig {
+        library: Some(dir.join("libnrt.so.1")),
+        manifest: dir.join("kernels.toml"),
+    });
+    let err = no_library.router_topk(&call).unwrap_err();
+    assert!(matches!(err, Error::NeuronLibrary(_)), "{err}");
+    assert!(err.to_string().contains("libnrt.so.1"), "{err}");
+
+    let no_neff = NeuronBackend::new(NeuronConfig {
+        library: Some(PathBuf::from(FAKE)),
+        manifest: dir.join("kernels.toml"),
+    });
+    let err = no_neff.router_topk(&call).unwrap_err();
+    assert!(err.to_string().contains("gone.neff"), "{err}");
+
+    let (index, affinities) = (i32_tensor(&[1, 1], &[0]), f32_tensor(&[1, 1], &[1.0]));
+    let permute = Permute::new(
+        PermuteInputs {
+            expert_index: &index,
+            topk_affinities: &affinities,
+        },
+        PermuteParams {
+            num_experts: 2,
+            block_size: 1,
+        },
+    )
+    .unwrap();
+    let err = no_neff.permute(&permute).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    assert!(
+        err.to_string().contains("router_topk, blockwise_mm"),
+        "{err}"
+    );
+}
