@@ -190,10 +190,13 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
         uint32_t n = dim(m, "block_to_expert", in, 0);
         uint32_t nb = dim(m, "token_position_to_id", in, 0);
-        uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h}, aff[1] = {rows * e};
+        uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
+        uint32_t aff[2] = {rows * e, 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
         return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
-               has_shape(m, "expert_affinities_masked", in, 1, aff) && has_shape(m, "output", out, 2, th) &&
+               (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
+                has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
+               has_shape(m, "output", out, 2, th) &&
                find_decl(m, "gate_up_activations_T", out) == NULL && find_decl(m, "down_activations", out) == NULL;
     }
     /* copy: output j has the size of input j. */

@@ -74,6 +74,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod check;
 pub mod contracts;
 pub mod cpu;
 pub mod ep;

@@ -547,3 +547,166 @@ fn bench_rejects_unknown_shapes_backends_and_dtypes() {
         &["tokens", "at least 1"],
     );
 }
+
+#[test]
+fn check_reports_every_output_and_fails_outside_the_tolerance() {
+    let out = moekit(&["check", "--backend", "cpu", "--cases", "2", "--seed", "3"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for kernel in Kernel::ALL {
+        assert!(
+            stdout.contains(kernel.name()),
+            "{} missing:\n{stdout}",
+            kernel.name()
+        );
+    }
+    assert!(stdout.contains("gate_up_proj_weight_grad"), "{stdout}");
+    assert!(
+        stdout.lines().last().unwrap().starts_with("PASS: "),
+        "{stdout}"
+    );
+
+    // f32 accumulation cannot match the f64 reference to the last bit: zero tolerance fails.
+    let out = moekit(&[
+        "check",
+        "--backend",
+        "cpu",
+        "--kernel",
+        "blockwise_mm",
+        "--cases",
+        "1",
+        "--rtol",
+        "0",
+        "--atol",
+        "0",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(stdout.contains("FAIL ("), "{stdout}");
+    assert!(
+        stdout.lines().last().unwrap().starts_with("FAIL: "),
+        "{stdout}"
+    );
+
+    let out = moekit(&["check", "--backend", "cpu", "--kernel", "nope"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown kernel `nope`"));
+}
+
+const FAKE_NRT: &str = env!("MOEKIT_FAKE_NRT");
+
+#[test]
+fn neuron_info_reports_the_runtime_or_why_it_cannot() {
+    let out = moekit(&["neuron", "info", "--library", FAKE_NRT]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(&format!("library: {FAKE_NRT}")), "{stdout}");
+    assert!(
+        stdout.contains("runtime version: 2.0.0.0 (moekit fake runtime"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("NeuronCores (virtual): 2 visible of 2"),
+        "{stdout}"
+    );
+
+    let out = Command::new(env!("CARGO_BIN_EXE_moekit"))
+        .args(["neuron", "info"])
+        .env("NEURON_RT_LIB", "/nonexistent/libnrt.so.1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("NEURON_RT_LIB") && stderr.contains("/nonexistent/libnrt.so.1"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_runs_the_neuron_backend_on_every_manifest_entry() {
+    let dir = scratch("neuron-check");
+    // router_topk at T=6, H=5, E=4, K=2; blockwise_mm at T=6, H=5, E=4, I=3, B=2 (K=2: N=8).
+    let router = "moekit-fake-neff 1\nkernel router_topk\nparam activation softmax\nparam norm_topk_prob 1\n\
+        input x f32 6 5\ninput w f32 5 4\noutput router_logits f32 6 4\noutput expert_index i32 6 2\n\
+        output expert_affinities f32 6 4\n";
+    let blockwise = "moekit-fake-neff 1\nkernel blockwise_mm\ninput hidden_states f32 7 5\n\
+        input expert_affinities_masked f32 28 1\ninput gate_up_proj_weight f32 4 5 2 3\n\
+        input down_proj_weight f32 4 3 5\ninput token_position_to_id i32 16\ninput block_to_expert i32 8\n\
+        output output f32 6 5\n";
+    std::fs::write(dir.join("router.neff"), router).unwrap();
+    std::fs::write(dir.join("blockwise.neff"), blockwise).unwrap();
+    let manifest = dir.join("kernels.toml");
+    std::fs::write(
+        &manifest,
+        "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 6\nh = 5\ne = 4\ntop_k = 2\n\
+         activation = \"softmax\"\nnorm_topk_prob = true\n\n\
+         [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 6\nh = 5\ne = 4\ni = 3\n\
+         block_size = 2\nnum_blocks = 8\n",
+    )
+    .unwrap();
+    let manifest = manifest.to_str().unwrap();
+    let out = moekit(&[
+        "check",
+        "--backend",
+        "neuron",
+        "--manifest",
+        manifest,
+        "--library",
+        FAKE_NRT,
+        "--cases",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("neuron vs reference"), "{stdout}");
+    for needle in [
+        "router_topk",
+        "topk_affinities",
+        "blockwise_mm",
+        "output",
+        "t=6 h=5 e=4 k=2 i=3 b=2",
+    ] {
+        assert!(stdout.contains(needle), "{needle} missing:\n{stdout}");
+    }
+    assert!(
+        stdout.lines().last().unwrap().starts_with("PASS: 10 of 10"),
+        "{stdout}"
+    );
+
+    // A NEFF compiled for bf16 inputs, checked with f32 ones: the mismatch is named.
+    std::fs::write(
+        dir.join("router.neff"),
+        router.replace("input x f32", "input x bf16"),
+    )
+    .unwrap();
+    let out = moekit(&[
+        "check",
+        "--backend",
+        "neuron",
+        "--manifest",
+        manifest,
+        "--library",
+        FAKE_NRT,
+        "--kernel",
+        "router_topk",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("router.neff: input `x`: the NEFF takes bf16, the call gives f32"),
+        "{stderr}"
+    );
+}

@@ -28,7 +28,9 @@ fn exclusive() -> MutexGuard<'static, ()> {
 
 /// A fresh folder for one test's manifest and NEFFs.
 fn workdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moekit-neuron-{}-{name}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("neuron_backend")
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir

@@ -246,7 +246,19 @@ pub struct LayerInputs {
 
 impl LayerInputs {
     pub fn new(shape: MoeShape, tokens: usize, dtype: DType, block_size: usize) -> Result<Self> {
+        Self::seeded(shape, tokens, dtype, block_size, 0)
+    }
+
+    /// As [`LayerInputs::new`], with values drawn from stream `seed` (`new` is seed 0).
+    pub fn seeded(
+        shape: MoeShape,
+        tokens: usize,
+        dtype: DType,
+        block_size: usize,
+        seed: u64,
+    ) -> Result<Self> {
         let MoeShape { h, i, e, k, .. } = shape;
+        let uniform = |len, scale, stream: u64| uniform(len, scale, seed.wrapping_mul(16) + stream);
         let t = tokens;
         if t == 0 {
             return Err(Error::param("tokens", "must be at least 1, got 0"));

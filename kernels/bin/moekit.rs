@@ -5,6 +5,9 @@
 //!   times every kernel of one MoE layer against the machine's measured limits.
 //! - `moekit run <kernel> --inputs in.safetensors --output out.safetensors [--backend NAME]
 //!   [--param name=value ...]`: runs one kernel on named golden tensors.
+//! - `moekit check --backend cpu|neuron [--kernel K] [--cases N] [--seed S]`: random inputs
+//!   through the backend and the reference, max abs/rel error per output, PASS/FAIL.
+//! - `moekit neuron info`: the Neuron runtime's version and NeuronCores, or why it is unusable.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -13,10 +16,13 @@ use clap::{Parser, Subcommand};
 use moekit::bench::exchange::{self, ExchangeRow};
 use moekit::bench::limits::MachineLimits;
 use moekit::bench::{BenchConfig, MoeShape};
+use moekit::check::{self, CheckRow, Tolerance};
 use moekit::ep::{Communicator, LocalComm};
 use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_table};
-use moekit::{BackendKind, DType, Result};
+use moekit::neuron::manifest::Manifest;
+use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime};
+use moekit::{Backend, BackendKind, DType, Result};
 use std::time::Duration;
 
 /// Metadata keys that are known not to be parameters: PyTorch's `format`, and the `kernel` and
@@ -83,6 +89,39 @@ enum Command {
         #[arg(long)]
         no_libtorch: bool,
     },
+    /// Check a backend against the reference on random inputs: max abs and rel error per
+    /// output tensor, PASS/FAIL against the backend's documented tolerance; exits non-zero on
+    /// any FAIL. On neuron the cases are the shapes of the manifest's entries.
+    Check {
+        /// Backend to check: cpu or neuron.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Check one kernel only (default: every kernel the backend runs).
+        #[arg(long)]
+        kernel: Option<String>,
+        /// Random cases (per manifest entry on neuron).
+        #[arg(long, default_value_t = 8)]
+        cases: usize,
+        /// Seed of the random sizes and values.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Storage of float inputs: f32 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Relative tolerance (default: the backend's documented one).
+        #[arg(long)]
+        rtol: Option<f64>,
+        /// Absolute tolerance, times max(1, max |reference|) (default: the backend's).
+        #[arg(long)]
+        atol: Option<f64>,
+        #[command(flatten)]
+        neuron: NeuronArgs,
+    },
+    /// The Neuron runtime.
+    Neuron {
+        #[command(subcommand)]
+        command: NeuronCommand,
+    },
     /// Time the expert-parallel exchange (dispatch + combine) against the raw all-to-all of
     /// the same bytes. `--comm local` runs R ranks as threads; `--comm mpi` (builds with the
     /// `mpi` feature) runs under `mpirun -n R`.
@@ -103,6 +142,99 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         iterations: usize,
     },
+}
+
+/// Where the `neuron` backend finds libnrt and its kernel manifest.
+#[derive(clap::Args)]
+struct NeuronArgs {
+    /// neuron: the kernel manifest (default: $MOEKIT_NEURON_MANIFEST, else ./kernels.toml).
+    #[arg(long)]
+    manifest: Option<PathBuf>,
+    /// neuron: the libnrt to open (default: $NEURON_RT_LIB, else
+    /// /opt/aws/neuron/lib/libnrt.so.1, else the loader's search path).
+    #[arg(long)]
+    library: Option<PathBuf>,
+}
+
+impl NeuronArgs {
+    fn config(&self) -> NeuronConfig {
+        let defaults = NeuronConfig::from_env();
+        NeuronConfig {
+            library: self.library.clone().or(defaults.library),
+            manifest: self.manifest.clone().unwrap_or(defaults.manifest),
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum NeuronCommand {
+    /// Print the runtime library, its version and the NeuronCores, or why it cannot be used.
+    Info {
+        /// The libnrt to open (default: $NEURON_RT_LIB, else the SDK's path, else the loader's).
+        #[arg(long)]
+        library: Option<PathBuf>,
+    },
+}
+
+/// `moekit neuron info`.
+fn neuron_info(library: Option<&Path>) -> Result<()> {
+    let library = match library {
+        Some(path) => Library::open(path)?,
+        None => Library::open_default()?,
+    };
+    println!("library: {}", library.path().display());
+    println!(
+        "bindings: generated from {}",
+        env!("MOEKIT_NRT_BINDINGS_SOURCE")
+    );
+    let total = library.total_vnc_count()?;
+    let runtime = Runtime::init(library)?;
+    println!("runtime version: {}", runtime.version()?);
+    println!(
+        "NeuronCores (virtual): {} visible of {total}",
+        runtime.visible_vnc_count()?
+    );
+    Ok(())
+}
+
+/// The options of `moekit check`.
+struct CheckArgs<'a> {
+    backend: &'a str,
+    kernel: Option<&'a str>,
+    cases: usize,
+    seed: u64,
+    dtype: &'a str,
+    rtol: Option<f64>,
+    atol: Option<f64>,
+    neuron: &'a NeuronArgs,
+}
+
+/// `moekit check`: prints the report; `Ok(false)` if any output is outside the tolerance.
+fn check(args: &CheckArgs<'_>) -> Result<bool> {
+    let kind: BackendKind = args.backend.parse()?;
+    let kernel = args.kernel.map(str::parse::<Kernel>).transpose()?;
+    let dtype = parse_dtype(args.dtype)?;
+    let defaults = Tolerance::of(kind);
+    let tolerance = Tolerance {
+        rtol: args.rtol.unwrap_or(defaults.rtol),
+        atol: args.atol.unwrap_or(defaults.atol),
+    };
+    let (backend, cases): (Box<dyn Backend>, _) = match kind {
+        BackendKind::Neuron => {
+            let config = args.neuron.config();
+            let manifest = Manifest::read(&config.manifest)?;
+            let cases = check::manifest_cases(&manifest, kernel, args.cases, args.seed, dtype)?;
+            (Box::new(NeuronBackend::new(config)), cases)
+        }
+        _ => {
+            let kernels = kernel.map_or_else(|| Kernel::ALL.to_vec(), |k| vec![k]);
+            let cases = check::random_cases(args.cases, args.seed, dtype, &kernels)?;
+            (kind.create(), cases)
+        }
+    };
+    let rows = check::check(backend.as_ref(), &cases, tolerance)?;
+    print!("{}", check::table(backend.name(), &rows, tolerance));
+    Ok(rows.iter().all(CheckRow::pass))
 }
 
 /// `moekit ep-bench`: rank 0 prints the table.
@@ -177,6 +309,18 @@ fn mpi_bench(_: &dyn Fn(&dyn Communicator) -> Result<Vec<ExchangeRow>>, _: MoeSh
     })
 }
 
+/// A `--dtype` value: the storage of float inputs.
+fn parse_dtype(dtype: &str) -> Result<DType> {
+    match dtype {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        other => Err(moekit::Error::Param {
+            param: "dtype".to_owned(),
+            message: format!("expected f32 or bf16, got `{other}`"),
+        }),
+    }
+}
+
 #[allow(clippy::too_many_arguments)] // one per command-line option
 fn bench(
     backend: &str,
@@ -188,16 +332,7 @@ fn bench(
     json: bool,
     libtorch: bool,
 ) -> Result<()> {
-    let dtype = match dtype {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        other => {
-            return Err(moekit::Error::Param {
-                param: "dtype".to_owned(),
-                message: format!("expected f32 or bf16, got `{other}`"),
-            });
-        }
-    };
+    let dtype = parse_dtype(dtype)?;
     let backend: BackendKind = backend.parse()?;
     let shape: MoeShape = shape.parse()?;
     let limits = MachineLimits::measure();
@@ -286,6 +421,44 @@ fn main() -> ExitCode {
                 println!("{kernel}: wrote {count} tensors to {}", output.display());
                 ExitCode::SUCCESS
             }
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Check {
+            backend,
+            kernel,
+            cases,
+            seed,
+            dtype,
+            rtol,
+            atol,
+            neuron,
+        } => {
+            let args = CheckArgs {
+                backend: &backend,
+                kernel: kernel.as_deref(),
+                cases,
+                seed,
+                dtype: &dtype,
+                rtol,
+                atol,
+                neuron: &neuron,
+            };
+            match check(&args) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(err) => {
+                    eprintln!("error: {err}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Neuron {
+            command: NeuronCommand::Info { library },
+        } => match neuron_info(library.as_deref()) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("error: {err}");
                 ExitCode::FAILURE

@@ -1,0 +1,435 @@
+//! Checking a backend against the reference (what `moekit check` runs): random MoE layers go
+//! through both backends kernel by kernel, and every output tensor is compared.
+//!
+//! A case is one routed layer: the reference routes it and builds its block plan and
+//! checkpoints, so every kernel of both backends receives identical inputs. For the `cpu`
+//! backend the layer sizes are random (seeded); for `neuron` they are those of each manifest
+//! entry, since a NEFF runs one shape only.
+//!
+//! An element passes when `|got − want| ≤ atol · max(1, max |want|) + rtol · |want|` (i32
+//! outputs, indices and counts, only when equal). The default tolerances are the backends' documented error bounds:
+//! [`Tolerance::CPU`] and [`Tolerance::NEURON`].
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::backend::{Backend, BackendKind};
+use crate::bench::{Layer, LayerInputs, MoeShape};
+use crate::contracts::{Activation, static_block_count};
+use crate::error::{Error, Result};
+use crate::kernel::{Kernel, Params};
+use crate::neuron::manifest::{Manifest, Value};
+use crate::tensor::{DType, Tensor};
+
+/// The agreement `check` demands of a backend.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    pub rtol: f64,
+    pub atol: f64,
+}
+
+impl Tolerance {
+    /// The cpu backend accumulates in f32 where the reference uses f64.
+    pub const CPU: Tolerance = Tolerance {
+        rtol: 1e-4,
+        atol: 1e-4,
+    };
+    /// NeuronCores multiply bf16 (or fp32 as bf16 passes) and accumulate in fp32 PSUM.
+    pub const NEURON: Tolerance = Tolerance {
+        rtol: 2e-2,
+        atol: 2e-2,
+    };
+
+    /// The documented tolerance of `backend` (the reference against itself: exact).
+    pub fn of(backend: BackendKind) -> Tolerance {
+        match backend {
+            BackendKind::Reference => Tolerance {
+                rtol: 0.0,
+                atol: 0.0,
+            },
+            BackendKind::Cpu => Tolerance::CPU,
+            BackendKind::Neuron => Tolerance::NEURON,
+        }
+    }
+}
+
+/// One routed layer and the kernels to check on it.
+pub struct CheckCase {
+    /// The layer's sizes, e.g. `t=17 h=9 e=5 k=2 i=4 b=3 f32`.
+    pub label: String,
+    pub kernels: Vec<Kernel>,
+    /// Every kernel input, by contract name.
+    pub tensors: BTreeMap<String, Tensor>,
+    pub params: Params,
+}
+
+/// The sizes of one case's layer.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    t: usize,
+    h: usize,
+    e: usize,
+    k: usize,
+    i: usize,
+    b: usize,
+}
+
+impl CheckCase {
+    fn new(
+        sizes: Sizes,
+        dtype: DType,
+        seed: u64,
+        kernels: Vec<Kernel>,
+        params: Params,
+    ) -> Result<CheckCase> {
+        let Sizes { t, h, e, k, i, b } = sizes;
+        let shape = MoeShape {
+            name: "check",
+            h,
+            i,
+            e,
+            k,
+        };
+        let reference = BackendKind::Reference.create();
+        let layer = Layer::new(
+            reference.as_ref(),
+            LayerInputs::seeded(shape, t, dtype, b, seed)?,
+        )?;
+        Ok(CheckCase {
+            label: format!("t={t} h={h} e={e} k={k} i={i} b={b} {dtype}"),
+            kernels,
+            tensors: layer_tensors(layer),
+            params,
+        })
+    }
+}
+
+/// Every tensor a kernel of the layer may read, by contract name.
+fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
+    let Layer {
+        inputs,
+        routed,
+        plan,
+        checkpoints,
+    } = layer;
+    let mut tensors: BTreeMap<String, Tensor> = [
+        ("x", inputs.x),
+        ("w", inputs.w),
+        ("hidden_states", inputs.hidden_states),
+        ("gate_up_proj_weight", inputs.gate_up_proj_weight),
+        ("down_proj_weight", inputs.down_proj_weight),
+        ("d_topk_affinities", inputs.d_topk_affinities),
+        ("d_aux_loss", inputs.d_aux_loss),
+        (
+            "output_hidden_states_grad",
+            inputs.output_hidden_states_grad,
+        ),
+        ("router_logits", routed.router_logits),
+        ("expert_index", routed.expert_index),
+        ("topk_affinities", routed.topk_affinities),
+        ("token_position_to_id", plan.token_position_to_id),
+        ("block_to_expert", plan.block_to_expert),
+        (
+            "expert_affinities_masked_grad",
+            plan.expert_affinities_masked.clone(),
+        ),
+        ("expert_affinities_masked", plan.expert_affinities_masked),
+    ]
+    .into_iter()
+    .map(|(name, tensor)| (name.to_owned(), tensor))
+    .collect();
+    if let Some(t) = checkpoints.gate_up_activations_t {
+        tensors.insert("gate_up_activations_T".to_owned(), t);
+    }
+    if let Some(t) = checkpoints.down_activations {
+        tensors.insert("down_activations".to_owned(), t);
+    }
+    tensors
+}
+
+/// SplitMix64 step: the case generator's randomness.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `cases` layers of random sizes (T ≤ 64, H ≤ 48, E ≤ 12, I ≤ 32, B ≤ 16, with odd sizes and
+/// B > T·K among them), each checking `kernels` with random router parameters.
+pub fn random_cases(
+    cases: usize,
+    seed: u64,
+    dtype: DType,
+    kernels: &[Kernel],
+) -> Result<Vec<CheckCase>> {
+    let mut state = seed;
+    (0..cases)
+        .map(|case| {
+            let mut draw =
+                |lo: usize, hi: usize| lo + (next(&mut state) % (hi - lo + 1) as u64) as usize;
+            let e = draw(1, 12);
+            let sizes = Sizes {
+                t: draw(1, 64),
+                h: draw(1, 48),
+                e,
+                k: draw(1, e.min(8)),
+                i: draw(1, 32),
+                b: draw(1, 16),
+            };
+            let params = Params {
+                top_k: Some(sizes.k),
+                activation: Some(if draw(0, 1) == 0 {
+                    Activation::Softmax
+                } else {
+                    Activation::Sigmoid
+                }),
+                norm_topk_prob: Some(draw(0, 1) == 1),
+                num_experts: Some(sizes.e),
+                block_size: Some(sizes.b),
+                checkpoint_activations: Some(true),
+            };
+            CheckCase::new(
+                sizes,
+                dtype,
+                seed.wrapping_add(case as u64),
+                kernels.to_vec(),
+                params,
+            )
+        })
+        .collect()
+}
+
+/// `cases` layers per manifest entry (of `kernel`, if given), at the entry's shape. Entries
+/// must name every size: `t`, `h`, `e`, `top_k` (router_topk) or `t`, `h`, `e`, `i`,
+/// `block_size`, `num_blocks` (blockwise_mm; K is the smallest top-k whose static block count
+/// is `num_blocks`).
+pub fn manifest_cases(
+    manifest: &Manifest,
+    kernel: Option<Kernel>,
+    cases: usize,
+    seed: u64,
+    dtype: DType,
+) -> Result<Vec<CheckCase>> {
+    let mut out = Vec::new();
+    for (index, entry) in manifest.entries.iter().enumerate() {
+        if kernel.is_some_and(|k| k != entry.kernel) {
+            continue;
+        }
+        let int = |key: &str| match entry.params.get(key) {
+            Some(Value::Int(v)) => Ok(*v),
+            _ => Err(Error::Format {
+                path: manifest.path.clone(),
+                message: format!(
+                    "kernel entry {} ({}): `check` needs `{key}`, the size the NEFF was compiled for",
+                    index + 1,
+                    entry.neff.display()
+                ),
+            }),
+        };
+        let flag = |key: &str| matches!(entry.params.get(key), Some(Value::Bool(true)));
+        let (sizes, params) = match entry.kernel {
+            Kernel::RouterTopk => {
+                let activation = match entry.params.get("activation") {
+                    Some(Value::Str(name)) => name.parse()?,
+                    _ => Activation::Softmax,
+                };
+                let k = int("top_k")?;
+                let sizes = Sizes {
+                    t: int("t")?,
+                    h: int("h")?,
+                    e: int("e")?,
+                    k,
+                    i: 1,
+                    b: 1,
+                };
+                let params = Params {
+                    top_k: Some(k),
+                    activation: Some(activation),
+                    norm_topk_prob: Some(flag("norm_topk_prob")),
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+            _ => {
+                let (t, e, b, n) = (int("t")?, int("e")?, int("block_size")?, int("num_blocks")?);
+                let k = top_k_for_blocks(t, e, b, n).ok_or_else(|| Error::Format {
+                    path: manifest.path.clone(),
+                    message: format!(
+                        "kernel entry {} ({}): no top-k gives num_blocks = {n} for t={t} e={e} block_size={b}",
+                        index + 1,
+                        entry.neff.display()
+                    ),
+                })?;
+                let sizes = Sizes {
+                    t,
+                    h: int("h")?,
+                    e,
+                    k,
+                    i: int("i")?,
+                    b,
+                };
+                let params = Params {
+                    checkpoint_activations: Some(flag("checkpoint_activations")),
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+        };
+        for case in 0..cases {
+            out.push(CheckCase::new(
+                sizes,
+                dtype,
+                seed.wrapping_add(case as u64),
+                vec![entry.kernel],
+                params.clone(),
+            )?);
+        }
+    }
+    Ok(out)
+}
+
+/// The smallest K ≤ E whose static block count for T tokens over E experts in blocks of B is N.
+fn top_k_for_blocks(t: usize, e: usize, b: usize, n: usize) -> Option<usize> {
+    (1..=e.min(8)).find(|&k| static_block_count(t * k, e, b) == n)
+}
+
+/// One output tensor of one kernel of one case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckRow {
+    pub case: usize,
+    pub label: String,
+    pub kernel: &'static str,
+    pub tensor: &'static str,
+    pub elements: usize,
+    pub max_abs: f64,
+    pub max_rel: f64,
+    /// Elements outside the tolerance.
+    pub failures: usize,
+}
+
+impl CheckRow {
+    pub fn pass(&self) -> bool {
+        self.failures == 0
+    }
+}
+
+/// Runs every case's kernels on `backend` and on the reference and compares each output.
+pub fn check(
+    backend: &dyn Backend,
+    cases: &[CheckCase],
+    tolerance: Tolerance,
+) -> Result<Vec<CheckRow>> {
+    let reference = BackendKind::Reference.create();
+    let mut rows = Vec::new();
+    for (index, case) in cases.iter().enumerate() {
+        for &kernel in &case.kernels {
+            let want = kernel.run(reference.as_ref(), &case.tensors, &case.params)?;
+            let got = kernel.run(backend, &case.tensors, &case.params)?;
+            for (name, want) in &want {
+                let got = got
+                    .iter()
+                    .find_map(|(got_name, got)| (got_name == name).then_some(got))
+                    .ok_or_else(|| Error::MissingTensor((*name).to_owned()))?;
+                rows.push(compare(
+                    index,
+                    &case.label,
+                    kernel,
+                    name,
+                    got,
+                    want,
+                    tolerance,
+                )?);
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn compare(
+    case: usize,
+    label: &str,
+    kernel: Kernel,
+    tensor: &'static str,
+    got: &Tensor,
+    want: &Tensor,
+    tolerance: Tolerance,
+) -> Result<CheckRow> {
+    if got.shape() != want.shape() {
+        return Err(Error::shape(
+            tensor,
+            format!("{:?} (the reference's)", want.shape()),
+            got.shape(),
+        ));
+    }
+    let exact = want.dtype() == DType::I32;
+    let (got, want) = (got.to_f64_vec(), want.to_f64_vec());
+    let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    let mut row = CheckRow {
+        case,
+        label: label.to_owned(),
+        kernel: kernel.name(),
+        tensor,
+        elements: want.len(),
+        max_abs: 0.0,
+        max_rel: 0.0,
+        failures: 0,
+    };
+    for (&g, &w) in got.iter().zip(&want) {
+        let diff = (g - w).abs();
+        row.max_abs = row.max_abs.max(diff);
+        if w != 0.0 {
+            row.max_rel = row.max_rel.max(diff / w.abs());
+        }
+        let allowed = if exact {
+            0.0
+        } else {
+            tolerance.atol * scale + tolerance.rtol * w.abs()
+        };
+        if diff > allowed || !g.is_finite() {
+            row.failures += 1;
+        }
+    }
+    Ok(row)
+}
+
+/// The report `moekit check` prints: one line per output tensor, then a summary.
+pub fn table(backend: &str, rows: &[CheckRow], tolerance: Tolerance) -> String {
+    let mut out = format!(
+        "{backend} vs reference (pass: |got - want| <= {:e} * max(1, max|want|) + {:e} * |want|)\n",
+        tolerance.atol, tolerance.rtol
+    );
+    let _ = writeln!(
+        out,
+        "{:<5} {:<36} {:<25} {:<30} {:>9} {:>11} {:>11}  result",
+        "case", "layer", "kernel", "tensor", "elements", "max abs", "max rel"
+    );
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "{:<5} {:<36} {:<25} {:<30} {:>9} {:>11.3e} {:>11.3e}  {}",
+            row.case,
+            row.label,
+            row.kernel,
+            row.tensor,
+            row.elements,
+            row.max_abs,
+            row.max_rel,
+            if row.pass() {
+                "PASS".to_owned()
+            } else {
+                format!("FAIL ({} of {} elements)", row.failures, row.elements)
+            }
+        );
+    }
+    let failed = rows.iter().filter(|row| !row.pass()).count();
+    let _ = writeln!(
+        out,
+        "{}: {} of {} output tensors within tolerance",
+        if failed == 0 { "PASS" } else { "FAIL" },
+        rows.len() - failed,
+        rows.len()
+    );
+    out
+}
