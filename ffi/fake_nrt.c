@@ -16,8 +16,8 @@
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions)
  *     output router_logits f32 4 4
  *
- * router_topk and blockwise_mm follow moekit's contracts (kernels/contracts) with f32 inputs or
- * bf16 inputs and f64 accumulation. blockwise_mm reports an out-of-range token id with
+ * router_topk and blockwise_mm (with or without its checkpoint outputs) follow moekit's contracts
+ * (kernels/contracts) with f32 or bf16 inputs and f64 accumulation. blockwise_mm reports an out-of-range token id with
  * NRT_EXEC_OOB, as the hardware's indirect DMA does.
  *
  * Built by build.rs as a shared library; with -DFAKE_NRT_OMIT_EXECUTE_REPEAT it lacks
@@ -192,12 +192,16 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t nb = dim(m, "token_position_to_id", in, 0);
         uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
         uint32_t aff[2] = {rows * e, 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
+        uint32_t b = n > 0 ? nb / n : 0, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
         return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
                 has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
                has_shape(m, "output", out, 2, th) &&
-               find_decl(m, "gate_up_activations_T", out) == NULL && find_decl(m, "down_activations", out) == NULL;
+               /* the checkpoints: both or neither */
+               (find_decl(m, "gate_up_activations_T", out) == NULL) == (find_decl(m, "down_activations", out) == NULL) &&
+               (find_decl(m, "gate_up_activations_T", out) == NULL || has_shape(m, "gate_up_activations_T", out, 4, gut)) &&
+               (find_decl(m, "down_activations", out) == NULL || has_shape(m, "down_activations", out, 3, dna));
     }
     /* copy: output j has the size of input j. */
     int inputs = 0, outputs = 0;
@@ -583,7 +587,14 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
     nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
     nrt_tensor_t *pos = bound(b, "token_position_to_id", in, &dp), *blk = bound(b, "block_to_expert", in, &de);
+    nrt_dtype_t dgt = NRT_DTYPE_FLOAT32, ddn = NRT_DTYPE_FLOAT32;
     nrt_tensor_t *output = bound(b, "output", out, &dout);
+    /* Optional checkpoints: gate/up before the activation [N, 2, I, B], the down projection
+     * before affinity scaling [N, B, H]; zeros in padding slots and unused blocks. */
+    nrt_tensor_t *gate_up_t = bound(b, "gate_up_activations_T", out, &dgt);
+    nrt_tensor_t *down_act = bound(b, "down_activations", out, &ddn);
+    if (gate_up_t != NULL) memset(gate_up_t->data, 0, gate_up_t->size);
+    if (down_act != NULL) memset(down_act->data, 0, down_act->size);
     double *acc = calloc(t * h, sizeof *acc), *act = malloc(inter * sizeof *act);
     if (acc == NULL || act == NULL) {
         free(acc), free(act);
@@ -613,12 +624,17 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
                     up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
                 }
                 act[j] = gate / (1.0 + exp(-gate)) * up;
+                if (gate_up_t != NULL) {
+                    store(gate_up_t, dgt, ((blockn * 2 + 0) * inter + j) * bs + slot, gate);
+                    store(gate_up_t, dgt, ((blockn * 2 + 1) * inter + j) * bs + slot, up);
+                }
             }
             double a = load(aff, da, tok * e + ex);
             for (size_t c = 0; c < h; c++) {
                 double y = 0.0;
                 for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
                 acc[tok * h + c] += a * y;
+                if (down_act != NULL) store(down_act, ddn, (blockn * bs + slot) * h + c, y);
             }
         }
     }

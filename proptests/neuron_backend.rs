@@ -184,6 +184,7 @@ proptest! {
     fn blockwise_mm_on_the_fake_runtime_matches_the_reference(
         (t, h, e, i, k, b) in (1usize..10, 1usize..12, 1usize..6, 1usize..10, 1usize..4, 1usize..6),
         seed in any::<u64>(),
+        checkpoint in any::<bool>(),
     ) {
         let _guard = exclusive();
         let k = k.min(e);
@@ -212,7 +213,7 @@ proptest! {
             token_position_to_id: &plan.token_position_to_id,
             block_to_expert: &plan.block_to_expert,
         };
-        let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
+        let call = BlockwiseMm::new(inputs, BlockwiseMmParams { checkpoint_activations: checkpoint }).unwrap();
         let n = call.dims().n;
         let mut neff = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n");
         for (name, tensor) in [
@@ -226,8 +227,12 @@ proptest! {
             neff += &decl("input", name, dtype_name(tensor), tensor.shape());
         }
         neff += &decl("output", "output", "f32", &[t, h]);
+        if checkpoint {
+            neff += &decl("output", "gate_up_activations_T", "f32", &[n, 2, i, b]);
+            neff += &decl("output", "down_activations", "bf16", &[n, b, h]);
+        }
         let entry = format!(
-            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activations = false\n"
+            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activations = {checkpoint}\n"
         );
         let dir = workdir("blockwise");
         let backend = backend_with(&dir, &[("blockwise.neff", neff, entry)]);
@@ -235,7 +240,20 @@ proptest! {
         let want = reference.blockwise_mm(&call).unwrap();
         let expected = f32s(&want.output);
         assert_close("output", &f32s(&got.output), &expected, 1e-5, 1e-5 * scale(&expected))?;
-        prop_assert!(got.gate_up_activations_t.is_none() && got.down_activations.is_none());
+        if checkpoint {
+            // down_activations come back from a bf16 NEFF output: bf16 rounding (2⁻⁸ relative).
+            for (name, got, want, rtol) in [
+                ("gate_up_activations_T", &got.gate_up_activations_t, &want.gate_up_activations_t, 1e-5),
+                ("down_activations", &got.down_activations, &want.down_activations, 4e-3),
+            ] {
+                let (got, want) = (got.as_ref().unwrap(), want.as_ref().unwrap());
+                prop_assert_eq!(got.shape(), want.shape(), "{}", name);
+                let expected = f32s(want);
+                assert_close(name, &f32s(got), &expected, rtol, rtol * scale(&expected))?;
+            }
+        } else {
+            prop_assert!(got.gate_up_activations_t.is_none() && got.down_activations.is_none());
+        }
     }
 }
 
