@@ -710,3 +710,85 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() {
+    let dir = scratch("neuron-bench");
+    // The `tiny` shape (H=64, I=32, E=8, K=2) at T=8, B=4: N = 10 blocks.
+    let decls = |lines: &[(&str, &str, &str)]| -> String {
+        lines
+            .iter()
+            .map(|(usage, name, rest)| format!("{usage} {name} {rest}\n"))
+            .collect()
+    };
+    let router = String::from(
+        "moekit-fake-neff 1\nkernel router_topk\nparam activation softmax\nparam norm_topk_prob 1\n",
+    ) + &decls(&[
+        ("input", "x", "f32 8 64"),
+        ("input", "w", "f32 64 8"),
+        ("output", "router_logits", "f32 8 8"),
+        ("output", "expert_index", "i32 8 2"),
+        ("output", "expert_affinities", "f32 8 8"),
+    ]);
+    let blockwise = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n")
+        + &decls(&[
+            ("input", "hidden_states", "f32 9 64"),
+            ("input", "expert_affinities_masked", "f32 72"),
+            ("input", "gate_up_proj_weight", "f32 8 64 2 32"),
+            ("input", "down_proj_weight", "f32 8 32 64"),
+            ("input", "token_position_to_id", "i32 40"),
+            ("input", "block_to_expert", "i32 10"),
+            ("output", "output", "f32 8 64"),
+            ("output", "gate_up_activations_T", "f32 10 2 32 4"),
+            ("output", "down_activations", "f32 10 4 64"),
+        ]);
+    std::fs::write(dir.join("router.neff"), router).unwrap();
+    std::fs::write(dir.join("blockwise.neff"), blockwise).unwrap();
+    let manifest = dir.join("kernels.toml");
+    std::fs::write(
+        &manifest,
+        "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 8\n\n\
+         [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 8\ncheckpoint_activations = true\n",
+    )
+    .unwrap();
+    let out = moekit(&[
+        "bench",
+        "--backend",
+        "neuron",
+        "--shape",
+        "tiny",
+        "--tokens",
+        "8",
+        "--block-size",
+        "4",
+        "--min-time-ms",
+        "20",
+        "--no-libtorch",
+        "--manifest",
+        manifest.to_str().unwrap(),
+        "--library",
+        FAKE_NRT,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.starts_with("device: one Trainium2 NeuronCore-v3, bf16 peak 79000 GFLOP/s"),
+        "{stdout}"
+    );
+    let rows: Vec<&str> = stdout.lines().skip(2).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (row, kernel) in rows.iter().zip(["router_topk", "blockwise_mm"]) {
+        let fields: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(
+            &fields[..5],
+            &[kernel, "neuron", "tiny", "8", "f32"],
+            "{row}"
+        );
+        let ms: f64 = fields[5].parse().unwrap();
+        assert!(ms > 0.0 && ms.is_finite(), "{row}");
+    }
+}

@@ -6,7 +6,17 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-/// Measured limits of this machine.
+/// The device a benchmark's limits describe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// This machine's CPU: limits measured by [`MachineLimits::measure`].
+    Host,
+    /// One Trainium2 NeuronCore-v3: documented limits, see
+    /// [`MachineLimits::TRAINIUM2_NEURONCORE`].
+    NeuronCore,
+}
+
+/// Limits of the device a benchmark runs on.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MachineLimits {
     /// f32 FMA peak of all threads of the current rayon pool, GFLOP/s (one FMA = 2 FLOP).
@@ -15,15 +25,27 @@ pub struct MachineLimits {
     pub stream_gbps: f64,
     /// Threads both were measured with.
     pub threads: usize,
+    pub device: Device,
 }
 
 impl MachineLimits {
+    /// One Trainium2 NeuronCore-v3 as the Neuron documentation states it, not measured from the
+    /// host: 79 dense bf16 TFLOP/s (the 128×128 TensorEngine at 2.4 GHz) and an eighth of the
+    /// chip's 2.9 TB/s HBM bandwidth. `fma_gflops` holds the bf16 peak.
+    pub const TRAINIUM2_NEURONCORE: MachineLimits = MachineLimits {
+        fma_gflops: 79_000.0,
+        stream_gbps: 2_900.0 / 8.0,
+        threads: 1,
+        device: Device::NeuronCore,
+    };
+
     /// Measures both limits (about a second).
     pub fn measure() -> Self {
         Self {
             fma_gflops: fma_peak_gflops(),
             stream_gbps: stream_triad_gbps(),
             threads: rayon::current_num_threads(),
+            device: Device::Host,
         }
     }
 
@@ -34,6 +56,7 @@ impl MachineLimits {
             fma_gflops: self.fma_gflops.max(other.fma_gflops),
             stream_gbps: self.stream_gbps.max(other.stream_gbps),
             threads: self.threads.max(other.threads),
+            device: self.device,
         }
     }
 }

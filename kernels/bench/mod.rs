@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use crate::backend::BackendKind;
 use crate::contracts::*;
 use crate::error::{Error, Result, find_named};
+use crate::neuron::{NeuronBackend, NeuronConfig};
 use crate::tensor::{DType, Tensor};
-use limits::MachineLimits;
+use limits::{Device, MachineLimits};
 
 /// An MoE layer's sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,7 +73,7 @@ impl FromStr for MoeShape {
 }
 
 /// What to benchmark.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct BenchConfig {
     pub backend: BackendKind,
     pub shape: MoeShape,
@@ -86,6 +87,8 @@ pub struct BenchConfig {
     pub min_time: Duration,
     /// Also time the libtorch paths (only in builds with the `libtorch` feature).
     pub libtorch: bool,
+    /// Where the `neuron` backend finds libnrt and its manifest.
+    pub neuron: NeuronConfig,
 }
 
 /// How a row's throughput is counted.
@@ -441,8 +444,12 @@ impl Layer {
     }
 }
 
-/// Runs every kernel of one MoE layer, forward and backward, and measures each.
+/// Runs every kernel of one MoE layer, forward and backward, and measures each. On `neuron`,
+/// the kernels it runs are timed on the device (see [`run_on_neuron`]).
 pub fn run(config: &BenchConfig) -> Result<BenchResult> {
+    if config.backend == BackendKind::Neuron {
+        return run_on_neuron(config);
+    }
     let backend = config.backend.create();
     let backend = backend.as_ref();
     let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
@@ -539,6 +546,51 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     Ok(BenchResult { rows, peers })
 }
 
+/// The `neuron` rows: the layer is routed by the reference, then each kernel the backend runs
+/// (`router_topk`, `blockwise_mm` with checkpoints, as training calls it) is timed with
+/// `nrt_execute_repeat` on device-resident inputs: enough repeats to fill `min_time` after a
+/// first execution that loads the NEFF. The mean device time per execution is reported.
+fn run_on_neuron(config: &BenchConfig) -> Result<BenchResult> {
+    let neuron = NeuronBackend::new(config.neuron.clone());
+    let reference = BackendKind::Reference.create();
+    let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
+    let layer = Layer::new(reference.as_ref(), inputs)?;
+    let MoeShape { h, i, e, k, .. } = config.shape;
+    let (tf, hf, ef, kf, if_) = (config.tokens as f64, h as f64, e as f64, k as f64, i as f64);
+    let repeats = |first: Duration| {
+        (config.min_time.as_secs_f64() / first.as_secs_f64().max(1e-9)).clamp(3.0, 10_000.0) as i32
+    };
+    let row = |kernel: &str, ms: f64, flop: f64| BenchRow {
+        kernel: kernel.to_owned(),
+        backend: BackendKind::Neuron,
+        shape: config.shape.name,
+        tokens: config.tokens,
+        dtype: config.dtype,
+        ms,
+        throughput: Throughput::Gflops(flop / ms / 1e6),
+        libtorch_ms: None,
+    };
+    let mut rows = Vec::new();
+    let call = layer.inputs.router_topk()?;
+    let first = neuron.time_router_topk(&call, 1)?;
+    let ms = neuron
+        .time_router_topk(&call, repeats(first))?
+        .as_secs_f64()
+        * 1e3;
+    rows.push(row("router_topk", ms, 2.0 * tf * hf * ef));
+    let call = layer.blockwise_mm()?;
+    let first = neuron.time_blockwise_mm(&call, 1)?;
+    let ms = neuron
+        .time_blockwise_mm(&call, repeats(first))?
+        .as_secs_f64()
+        * 1e3;
+    rows.push(row("blockwise_mm", ms, 6.0 * tf * kf * hf * if_));
+    Ok(BenchResult {
+        rows,
+        peers: Vec::new(),
+    })
+}
+
 /// The libtorch paths for the same layer, timed in this run.
 #[cfg(feature = "libtorch")]
 fn peers(layer: &Layer, min_time: Duration) -> Result<Vec<PeerPath>> {
@@ -553,10 +605,17 @@ fn peers(_layer: &Layer, _min_time: Duration) -> Result<Vec<PeerPath>> {
 
 /// The results as the table `moekit bench` prints: moekit's rows, then the libtorch paths.
 pub fn table(results: &[BenchResult], limits: &MachineLimits) -> String {
-    let mut out = format!(
-        "machine: {} threads, f32 FMA peak {:.1} GFLOP/s, stream triad {:.1} GB/s\n",
-        limits.threads, limits.fma_gflops, limits.stream_gbps
-    );
+    let mut out = match limits.device {
+        Device::Host => format!(
+            "machine: {} threads, f32 FMA peak {:.1} GFLOP/s, stream triad {:.1} GB/s\n",
+            limits.threads, limits.fma_gflops, limits.stream_gbps
+        ),
+        Device::NeuronCore => format!(
+            "device: one Trainium2 NeuronCore-v3, bf16 peak {:.0} GFLOP/s, HBM share {:.0} GB/s \
+             (documented, not measured); times are nrt_execute_repeat means\n",
+            limits.fma_gflops, limits.stream_gbps
+        ),
+    };
     let _ = writeln!(
         out,
         "{:<24} {:<9} {:<16} {:>6} {:<5} {:>10} {:>14} {:>7} {:>11} {:>8}",

@@ -62,7 +62,8 @@ enum Command {
         params: Vec<String>,
     },
     /// Time every kernel of one MoE layer, forward and backward, against the machine's
-    /// measured FMA peak and stream bandwidth.
+    /// measured FMA peak and stream bandwidth (on neuron: the kernels it runs, timed on the
+    /// device with nrt_execute_repeat, against a NeuronCore's documented limits).
     Bench {
         /// Backend to measure.
         #[arg(long, default_value = "cpu")]
@@ -88,6 +89,8 @@ enum Command {
         /// Skip the libtorch paths (in builds with the `libtorch` feature).
         #[arg(long)]
         no_libtorch: bool,
+        #[command(flatten)]
+        neuron: NeuronArgs,
     },
     /// Check a backend against the reference on random inputs: max abs and rel error per
     /// output tensor, PASS/FAIL against the backend's documented tolerance; exits non-zero on
@@ -331,11 +334,18 @@ fn bench(
     min_time_ms: u64,
     json: bool,
     libtorch: bool,
+    neuron: &NeuronArgs,
 ) -> Result<()> {
     let dtype = parse_dtype(dtype)?;
     let backend: BackendKind = backend.parse()?;
     let shape: MoeShape = shape.parse()?;
-    let limits = MachineLimits::measure();
+    // Kernels on a NeuronCore are set against its documented limits, the rest against the
+    // host's, measured before and after the kernels (the higher reading of each counts).
+    let measure = || match backend {
+        BackendKind::Neuron => MachineLimits::TRAINIUM2_NEURONCORE,
+        _ => MachineLimits::measure(),
+    };
+    let limits = measure();
     let mut results = Vec::new();
     for &tokens in tokens {
         let config = BenchConfig {
@@ -346,11 +356,11 @@ fn bench(
             block_size,
             min_time: Duration::from_millis(min_time_ms),
             libtorch,
+            neuron: neuron.config(),
         };
         results.push(moekit::bench::run(&config)?);
     }
-    // Measured before and after the kernels: the higher reading of each limit counts.
-    let limits = limits.max(MachineLimits::measure());
+    let limits = limits.max(measure());
     if json {
         for row in results.iter().flat_map(|r| &r.rows) {
             println!("{}", row.to_json(&limits));
@@ -486,6 +496,7 @@ fn main() -> ExitCode {
             min_time_ms,
             json,
             no_libtorch,
+            neuron,
         } => match bench(
             &backend,
             &shape,
@@ -495,6 +506,7 @@ fn main() -> ExitCode {
             min_time_ms,
             json,
             !no_libtorch,
+            &neuron,
         ) {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
