@@ -9,11 +9,14 @@
 //!
 //! - [`contracts`]: names, shapes, semantics and validation of every kernel.
 //! - [`backend`]: the [`Backend`] trait and run-time backend selection.
-//! - [`reference`]: the f64 oracle backend.
+//! - [`mod@reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
+//! - [`neuron`]: the Neuron runtime (libnrt) bound at run time, and the `neuron` backend that
+//!   runs NEFFs named in a kernel manifest.
 //! - [`bench`]: kernel benchmarks against the machine's measured limits.
+//! - [`check`]: a backend against the reference on random inputs, per output tensor.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
 //! - `torch` (feature `libtorch`): conversions to and from libtorch tensors.
 //!

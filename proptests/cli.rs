@@ -686,6 +686,52 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         "{stdout}"
     );
 
+    let out = moekit(&[
+        "neuron",
+        "tensors",
+        dir.join("blockwise.neff").to_str().unwrap(),
+        "--library",
+        FAKE_NRT,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 7, "{stdout}");
+    assert_eq!(
+        rows[1],
+        [
+            "input",
+            "expert_affinities_masked",
+            "f32",
+            "[28,",
+            "1]",
+            "112"
+        ],
+        "{stdout}"
+    );
+    assert_eq!(
+        rows[6],
+        ["output", "output", "f32", "[6,", "5]", "120"],
+        "{stdout}"
+    );
+    let out = moekit(&[
+        "neuron",
+        "tensors",
+        dir.join("absent.neff").to_str().unwrap(),
+        "--library",
+        FAKE_NRT,
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("absent.neff"));
+
     // A NEFF compiled for bf16 inputs, checked with f32 ones: the mismatch is named.
     std::fs::write(
         dir.join("router.neff"),

@@ -445,7 +445,7 @@ impl Layer {
 }
 
 /// Runs every kernel of one MoE layer, forward and backward, and measures each. On `neuron`,
-/// the kernels it runs are timed on the device (see [`run_on_neuron`]).
+/// the kernels it runs are timed on the device with `nrt_execute_repeat`.
 pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     if config.backend == BackendKind::Neuron {
         return run_on_neuron(config);

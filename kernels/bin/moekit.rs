@@ -8,6 +8,7 @@
 //! - `moekit check --backend cpu|neuron [--kernel K] [--cases N] [--seed S]`: random inputs
 //!   through the backend and the reference, max abs/rel error per output, PASS/FAIL.
 //! - `moekit neuron info`: the Neuron runtime's version and NeuronCores, or why it is unusable.
+//! - `moekit neuron tensors <neff>`: a NEFF's input and output tensors.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -21,7 +22,7 @@ use moekit::ep::{Communicator, LocalComm};
 use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_table};
 use moekit::neuron::manifest::Manifest;
-use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime};
+use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime, Usage};
 use moekit::{Backend, BackendKind, DType, Result};
 use std::time::Duration;
 
@@ -177,14 +178,52 @@ enum NeuronCommand {
         #[arg(long)]
         library: Option<PathBuf>,
     },
+    /// Load a NEFF and print its input and output tensors (name, dtype, shape, bytes): the
+    /// names the neuron backend binds by contract name.
+    Tensors {
+        /// The NEFF file.
+        neff: PathBuf,
+        /// The libnrt to open (default: $NEURON_RT_LIB, else the SDK's path, else the loader's).
+        #[arg(long)]
+        library: Option<PathBuf>,
+    },
+}
+
+/// Opens the libnrt at `path`, or the default one.
+fn open_library(path: Option<&Path>) -> Result<std::sync::Arc<Library>> {
+    match path {
+        Some(path) => Library::open(path),
+        None => Library::open_default(),
+    }
+}
+
+/// `moekit neuron tensors`.
+fn neuron_tensors(neff: &Path, library: Option<&Path>) -> Result<()> {
+    let runtime = Runtime::init(open_library(library)?)?;
+    let model = runtime.load_file(neff, -1, -1)?;
+    println!(
+        "{:<6} {:<32} {:<6} {:<20} {:>12}",
+        "usage", "name", "dtype", "shape", "bytes"
+    );
+    for info in model.tensors() {
+        let usage = match info.usage {
+            Usage::Input => "input",
+            Usage::Output => "output",
+        };
+        println!(
+            "{usage:<6} {:<32} {:<6} {:<20} {:>12}",
+            info.name,
+            info.dtype.name(),
+            format!("{:?}", info.shape),
+            info.size
+        );
+    }
+    Ok(())
 }
 
 /// `moekit neuron info`.
 fn neuron_info(library: Option<&Path>) -> Result<()> {
-    let library = match library {
-        Some(path) => Library::open(path)?,
-        None => Library::open_default()?,
-    };
+    let library = open_library(library)?;
     println!("library: {}", library.path().display());
     println!(
         "bindings: generated from {}",
@@ -465,15 +504,21 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Neuron {
-            command: NeuronCommand::Info { library },
-        } => match neuron_info(library.as_deref()) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("error: {err}");
-                ExitCode::FAILURE
+        Command::Neuron { command } => {
+            let result = match command {
+                NeuronCommand::Info { library } => neuron_info(library.as_deref()),
+                NeuronCommand::Tensors { neff, library } => {
+                    neuron_tensors(&neff, library.as_deref())
+                }
+            };
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(err) => {
+                    eprintln!("error: {err}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         Command::EpBench {
             comm,
             ranks,

@@ -69,7 +69,8 @@ impl MoeImpl {
             )),
             MoeImpl::Cpu => Box::new(KernelExperts::new(moekit::BackendKind::Cpu, block_size)),
             MoeImpl::Neuron => bail!(
-                "kernels.moe = \"neuron\": this build of moekit has no neuron backend; \
+                "kernels.moe = \"neuron\": moekit's neuron backend runs forward NEFFs only \
+                 (router_topk, blockwise_mm), and training needs every kernel's backward; \
                  choose one of torch, grouped_mm, reference, cpu"
             ),
         })
