@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone: installs what it needs, then runs formatting,
 # lint and every test (unit, property, CLI and documentation tests, the libtorch peer tests
 # against torch 2.11 from the project's venv, the trainer's tests, including parity with
-# Hugging Face transformers, and the expert-parallel tests under mpirun).
+# Hugging Face transformers, the expert-parallel tests under mpirun, and the Neuron bindings
+# generated from headers laid out as the SDK installs them).
 #
 #   bash scripts/test.sh
 #
@@ -47,3 +48,12 @@ for rank in 0 1; do
     }
 done
 rm -f "${fault_log}"
+
+# build.rs binds the Neuron SDK's headers where NEURON_RUNTIME_INCLUDE_DIR holds nrt/nrt.h:
+# exercise that path with the project's declarations laid out as the SDK installs them.
+sdk_include=$(mktemp -d)
+mkdir -p "${sdk_include}/nrt"
+cp ffi/nrt.h "${sdk_include}/nrt/nrt.h"
+touch "${sdk_include}/nrt/nrt_experimental.h" "${sdk_include}/nrt/nrt_version.h"
+NEURON_RUNTIME_INCLUDE_DIR="${sdk_include}" cargo check --locked --lib
+rm -rf "${sdk_include}"
