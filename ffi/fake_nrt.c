@@ -10,14 +10,15 @@
  * computation to run:
  *
  *     moekit-fake-neff 1
- *     kernel router_topk            (or blockwise_mm, or copy: each output = the same-index input)
+ *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, or copy: each output = the
+ *                                    same-index input)
  *     param activation softmax      (router_topk: softmax | sigmoid)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions)
  *     output router_logits f32 4 4
  *
- * router_topk and blockwise_mm (with or without its checkpoint outputs) follow moekit's contracts
- * (kernels/contracts) with f32 or bf16 inputs and f64 accumulation. blockwise_mm reports an out-of-range token id with
+ * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
+ * moekit's contracts (kernels/contracts) with f32 or bf16 inputs and f64 accumulation. blockwise_mm reports an out-of-range token id with
  * NRT_EXEC_OOB, as the hardware's indirect DMA does.
  *
  * Built by build.rs as a shared library; with -DFAKE_NRT_OMIT_EXECUTE_REPEAT it lacks
@@ -55,7 +56,7 @@ struct nrt_tensor_set {
     binding_t *head;
 };
 
-typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM } kernel_t;
+typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM, KERNEL_BLOCKWISE_MM_BWD } kernel_t;
 
 typedef struct {
     char name[NRT_TENSOR_NAME_MAX];
@@ -185,6 +186,22 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                (find_decl(m, "topk_affinities", out) == NULL || has_shape(m, "topk_affinities", out, 2, tk)) &&
                (bias == NULL || has_shape(m, "bias", in, 1, eb));
     }
+    if (m->kernel == KERNEL_BLOCKWISE_MM_BWD) {
+        uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
+        uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
+        uint32_t n = dim(m, "block_to_expert", in, 0), nb = dim(m, "token_position_to_id", in, 0);
+        uint32_t b = n > 0 ? nb / n : 0, gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
+        uint32_t aff[2] = {rows * e, 1}, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
+        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
+               has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
+               (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
+                has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
+               has_shape(m, "gate_up_activations_T", in, 4, gut) && has_shape(m, "down_activations", in, 3, dna) &&
+               has_shape(m, "output_hidden_states_grad", in, 2, th) && has_shape(m, "hidden_states_grad", out, 2, th) &&
+               (has_shape(m, "expert_affinities_masked_grad", out, 1, aff) ||
+                has_shape(m, "expert_affinities_masked_grad", out, 2, aff)) &&
+               has_shape(m, "gate_up_proj_weight_grad", out, 4, gu) && has_shape(m, "down_proj_weight_grad", out, 3, dn);
+    }
     if (m->kernel == KERNEL_BLOCKWISE_MM) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
@@ -254,6 +271,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             if (strcmp(value, "copy") == 0) m->kernel = KERNEL_COPY;
             else if (strcmp(value, "router_topk") == 0) m->kernel = KERNEL_ROUTER_TOPK;
             else if (strcmp(value, "blockwise_mm") == 0) m->kernel = KERNEL_BLOCKWISE_MM;
+            else if (strcmp(value, "blockwise_mm_bwd") == 0) m->kernel = KERNEL_BLOCKWISE_MM_BWD;
             else status = NRT_INVALID;
         } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
             if (strcmp(name, "activation") == 0 && strcmp(value, "softmax") == 0) m->sigmoid = 0;
@@ -644,6 +662,85 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     return status;
 }
 
+/* blockwise_mm's backward from the forward's checkpoints: per slot of token t on expert e with
+ * affinity a and output gradient g, d_affinity += g·down, then through the down projection
+ * (scaled by a) and SwiGLU back to the weights and to hidden_states. */
+static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
+    size_t e = dim(m, "gate_up_proj_weight", in, 0), inter = dim(m, "gate_up_proj_weight", in, 3);
+    size_t n = dim(m, "block_to_expert", in, 0), bs = dim(m, "token_position_to_id", in, 0) / n, t = rows - 1;
+    nrt_dtype_t dx, da, dg, dd, dp, de, dgt, ddn, dy, o1, o2, o3, o4;
+    nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
+    nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
+    nrt_tensor_t *pos = bound(b, "token_position_to_id", in, &dp), *blk = bound(b, "block_to_expert", in, &de);
+    nrt_tensor_t *gate_up_t = bound(b, "gate_up_activations_T", in, &dgt);
+    nrt_tensor_t *down_act = bound(b, "down_activations", in, &ddn);
+    nrt_tensor_t *grad = bound(b, "output_hidden_states_grad", in, &dy);
+    nrt_tensor_t *dx_out = bound(b, "hidden_states_grad", out, &o1);
+    nrt_tensor_t *daff_out = bound(b, "expert_affinities_masked_grad", out, &o2);
+    nrt_tensor_t *dgu_out = bound(b, "gate_up_proj_weight_grad", out, &o3);
+    nrt_tensor_t *ddown_out = bound(b, "down_proj_weight_grad", out, &o4);
+    double *dxs = calloc(t * h, sizeof *dxs), *daff = calloc(rows * e, sizeof *daff);
+    double *dgu = calloc(e * h * 2 * inter, sizeof *dgu), *ddown = calloc(e * inter * h, sizeof *ddown);
+    double *dgate = malloc(inter * sizeof *dgate), *dup = malloc(inter * sizeof *dup);
+    NRT_STATUS status = NRT_SUCCESS;
+    if (dxs == NULL || daff == NULL || dgu == NULL || ddown == NULL || dgate == NULL || dup == NULL)
+        status = NRT_FAIL_HOST_MEM_ALLOC;
+    for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
+        double expert_id = load(blk, de, blockn);
+        if (expert_id < 0 || expert_id > (double)e) {
+            status = NRT_EXEC_OOB;
+            break;
+        }
+        size_t ex = (size_t)expert_id;
+        for (size_t slot = 0; slot < bs; slot++) {
+            double token_id = load(pos, dp, blockn * bs + slot);
+            if (token_id < -1 || token_id >= (double)t) {
+                status = NRT_EXEC_OOB;
+                break;
+            }
+            if (token_id < 0 || ex == e) continue;
+            size_t tok = (size_t)token_id;
+            double a = load(aff, da, tok * e + ex), d_a = 0.0;
+            for (size_t c = 0; c < h; c++)
+                d_a += load(grad, dy, tok * h + c) * load(down_act, ddn, (blockn * bs + slot) * h + c);
+            daff[tok * e + ex] += d_a;
+            for (size_t j = 0; j < inter; j++) {
+                double gate = load(gate_up_t, dgt, ((blockn * 2 + 0) * inter + j) * bs + slot);
+                double up = load(gate_up_t, dgt, ((blockn * 2 + 1) * inter + j) * bs + slot);
+                double sig = 1.0 / (1.0 + exp(-gate)), d_act = 0.0;
+                for (size_t c = 0; c < h; c++) {
+                    double g = a * load(grad, dy, tok * h + c);
+                    d_act += load(down, dd, (ex * inter + j) * h + c) * g;
+                    ddown[(ex * inter + j) * h + c] += gate * sig * up * g;
+                }
+                dgate[j] = d_act * up * sig * (1.0 + gate * (1.0 - sig));
+                dup[j] = d_act * gate * sig;
+            }
+            for (size_t c = 0; c < h; c++) {
+                double xv = load(x, dx, tok * h + c), acc = 0.0;
+                for (size_t j = 0; j < inter; j++) {
+                    dgu[((ex * h + c) * 2 + 0) * inter + j] += xv * dgate[j];
+                    dgu[((ex * h + c) * 2 + 1) * inter + j] += xv * dup[j];
+                    acc += load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j) * dgate[j] +
+                           load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j) * dup[j];
+                }
+                dxs[tok * h + c] += acc;
+            }
+        }
+    }
+    if (status == NRT_SUCCESS) {
+        for (size_t i = 0; i < t * h; i++) store(dx_out, o1, i, dxs[i]);
+        for (size_t i = 0; i < rows * e; i++) store(daff_out, o2, i, daff[i]);
+        for (size_t i = 0; i < e * h * 2 * inter; i++) store(dgu_out, o3, i, dgu[i]);
+        for (size_t i = 0; i < e * inter * h; i++) store(ddown_out, o4, i, ddown[i]);
+    }
+    free(dxs), free(daff), free(dgu), free(ddown), free(dgate), free(dup);
+    return status;
+}
+
 static NRT_STATUS run_copy(const bound_t *b) {
     const nrt_model_t *m = b->model;
     int next_input = 0;
@@ -683,6 +780,7 @@ static NRT_STATUS execute(nrt_model_t *model, const nrt_tensor_set_t *input_set,
         switch (model->kernel) {
         case KERNEL_ROUTER_TOPK: s = run_router_topk(&b); break;
         case KERNEL_BLOCKWISE_MM: s = run_blockwise_mm(&b); break;
+        case KERNEL_BLOCKWISE_MM_BWD: s = run_blockwise_mm_bwd(&b); break;
         default: s = run_copy(&b); break;
         }
     }

@@ -642,15 +642,25 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         input expert_affinities_masked f32 28 1\ninput gate_up_proj_weight f32 4 5 2 3\n\
         input down_proj_weight f32 4 3 5\ninput token_position_to_id i32 16\ninput block_to_expert i32 8\n\
         output output f32 6 5\n";
+    let blockwise_bwd = "moekit-fake-neff 1\nkernel blockwise_mm_bwd\ninput hidden_states f32 7 5\n\
+        input expert_affinities_masked f32 28\ninput gate_up_proj_weight f32 4 5 2 3\n\
+        input down_proj_weight f32 4 3 5\ninput token_position_to_id i32 16\ninput block_to_expert i32 8\n\
+        input gate_up_activations_T f32 8 2 3 2\ninput down_activations f32 8 2 5\n\
+        input output_hidden_states_grad f32 6 5\noutput hidden_states_grad f32 6 5\n\
+        output expert_affinities_masked_grad f32 28\noutput gate_up_proj_weight_grad f32 4 5 2 3\n\
+        output down_proj_weight_grad f32 4 3 5\n";
     std::fs::write(dir.join("router.neff"), router).unwrap();
     std::fs::write(dir.join("blockwise.neff"), blockwise).unwrap();
+    std::fs::write(dir.join("blockwise_bwd.neff"), blockwise_bwd).unwrap();
     let manifest = dir.join("kernels.toml");
     std::fs::write(
         &manifest,
         "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 6\nh = 5\ne = 4\ntop_k = 2\n\
          activation = \"softmax\"\nnorm_topk_prob = true\n\n\
          [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 6\nh = 5\ne = 4\ni = 3\n\
-         block_size = 2\nnum_blocks = 8\n",
+         block_size = 2\nnum_blocks = 8\n\n\
+         [[kernel]]\nname = \"blockwise_mm_bwd\"\nneff = \"blockwise_bwd.neff\"\nt = 6\nh = 5\ne = 4\n\
+         i = 3\nblock_size = 2\nnum_blocks = 8\n",
     )
     .unwrap();
     let manifest = manifest.to_str().unwrap();
@@ -677,12 +687,14 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         "topk_affinities",
         "blockwise_mm",
         "output",
+        "blockwise_mm_bwd",
+        "gate_up_proj_weight_grad",
         "t=6 h=5 e=4 k=2 i=3 b=2",
     ] {
         assert!(stdout.contains(needle), "{needle} missing:\n{stdout}");
     }
     assert!(
-        stdout.lines().last().unwrap().starts_with("PASS: 10 of 10"),
+        stdout.lines().last().unwrap().starts_with("PASS: 20 of 20"),
         "{stdout}"
     );
 
@@ -788,13 +800,31 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
             ("output", "gate_up_activations_T", "f32 10 2 32 4"),
             ("output", "down_activations", "f32 10 4 64"),
         ]);
+    let blockwise_bwd = String::from("moekit-fake-neff 1\nkernel blockwise_mm_bwd\n")
+        + &decls(&[
+            ("input", "hidden_states", "f32 9 64"),
+            ("input", "expert_affinities_masked", "f32 72"),
+            ("input", "gate_up_proj_weight", "f32 8 64 2 32"),
+            ("input", "down_proj_weight", "f32 8 32 64"),
+            ("input", "token_position_to_id", "i32 40"),
+            ("input", "block_to_expert", "i32 10"),
+            ("input", "gate_up_activations_T", "f32 10 2 32 4"),
+            ("input", "down_activations", "f32 10 4 64"),
+            ("input", "output_hidden_states_grad", "f32 8 64"),
+            ("output", "hidden_states_grad", "f32 8 64"),
+            ("output", "expert_affinities_masked_grad", "f32 72"),
+            ("output", "gate_up_proj_weight_grad", "f32 8 64 2 32"),
+            ("output", "down_proj_weight_grad", "f32 8 32 64"),
+        ]);
     std::fs::write(dir.join("router.neff"), router).unwrap();
     std::fs::write(dir.join("blockwise.neff"), blockwise).unwrap();
+    std::fs::write(dir.join("blockwise_bwd.neff"), blockwise_bwd).unwrap();
     let manifest = dir.join("kernels.toml");
     std::fs::write(
         &manifest,
         "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 8\n\n\
-         [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 8\ncheckpoint_activations = true\n",
+         [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 8\ncheckpoint_activations = true\n\n\
+         [[kernel]]\nname = \"blockwise_mm_bwd\"\nneff = \"blockwise_bwd.neff\"\nt = 8\n",
     )
     .unwrap();
     let out = moekit(&[
@@ -826,8 +856,11 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
         "{stdout}"
     );
     let rows: Vec<&str> = stdout.lines().skip(2).collect();
-    assert_eq!(rows.len(), 2, "{stdout}");
-    for (row, kernel) in rows.iter().zip(["router_topk", "blockwise_mm"]) {
+    assert_eq!(rows.len(), 3, "{stdout}");
+    for (row, kernel) in rows
+        .iter()
+        .zip(["router_topk", "blockwise_mm", "blockwise_mm_bwd"])
+    {
         let fields: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(
             &fields[..5],

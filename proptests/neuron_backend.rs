@@ -1,6 +1,6 @@
 //! The `neuron` backend end to end on the fake runtime (`ffi/fake_nrt.c`): manifest lookup,
-//! NEFF loading, binding by contract name, execution and read-back for `router_topk` and
-//! `blockwise_mm`, compared with the reference backend; and every mismatch between a call and a
+//! NEFF loading, binding by contract name, execution and read-back for `router_topk`,
+//! `blockwise_mm` and `blockwise_mm_bwd`, compared with the reference backend; and every mismatch between a call and a
 //! NEFF reported as a clear error before anything runs.
 //!
 //! The fake computes in f64 from the stored inputs and rounds router logits to f32 before the
@@ -234,8 +234,22 @@ proptest! {
         let entry = format!(
             "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activations = {checkpoint}\n"
         );
+        // The backward's NEFF: the forward's inputs, its checkpoints and the output gradient.
+        let mut bwd_neff = neff.replace("kernel blockwise_mm\n", "kernel blockwise_mm_bwd\n");
+        bwd_neff.truncate(bwd_neff.find("output output").unwrap());
+        bwd_neff += &decl("input", "gate_up_activations_T", "f32", &[n, 2, i, b]);
+        bwd_neff += &decl("input", "down_activations", "f32", &[n, b, h]);
+        bwd_neff += &decl("input", "output_hidden_states_grad", "f32", &[t, h]);
+        bwd_neff += &decl("output", "hidden_states_grad", "f32", &[t, h]);
+        bwd_neff += &decl("output", "expert_affinities_masked_grad", "f32", &[(t + 1) * e, 1]);
+        bwd_neff += &decl("output", "gate_up_proj_weight_grad", "f32", &[e, h, 2, i]);
+        bwd_neff += &decl("output", "down_proj_weight_grad", "f32", &[e, i, h]);
+        let bwd_entry = format!("name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\n");
         let dir = workdir("blockwise");
-        let backend = backend_with(&dir, &[("blockwise.neff", neff, entry)]);
+        let backend = backend_with(
+            &dir,
+            &[("blockwise.neff", neff, entry), ("blockwise_bwd.neff", bwd_neff, bwd_entry)],
+        );
         let got = backend.blockwise_mm(&call).unwrap();
         let want = reference.blockwise_mm(&call).unwrap();
         let expected = f32s(&want.output);
@@ -250,6 +264,27 @@ proptest! {
                 prop_assert_eq!(got.shape(), want.shape(), "{}", name);
                 let expected = f32s(want);
                 assert_close(name, &f32s(got), &expected, rtol, rtol * scale(&expected))?;
+            }
+            let d_output = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+            let bwd = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+                forward: inputs,
+                gate_up_activations_t: want.gate_up_activations_t.as_ref().unwrap(),
+                down_activations: want.down_activations.as_ref().unwrap(),
+                output_hidden_states_grad: &d_output,
+                expert_index: Some(&routed.expert_index),
+            }).unwrap();
+            let got = backend.blockwise_mm_bwd(&bwd).unwrap();
+            let want = reference.blockwise_mm_bwd(&bwd).unwrap();
+            for (name, got, want) in [
+                ("hidden_states_grad", &got.hidden_states_grad, &want.hidden_states_grad),
+                ("expert_affinities_masked_grad", &got.expert_affinities_masked_grad, &want.expert_affinities_masked_grad),
+                ("gate_up_proj_weight_grad", &got.gate_up_proj_weight_grad, &want.gate_up_proj_weight_grad),
+                ("down_proj_weight_grad", &got.down_proj_weight_grad, &want.down_proj_weight_grad),
+                ("d_topk_affinities", got.d_topk_affinities.as_ref().unwrap(), want.d_topk_affinities.as_ref().unwrap()),
+            ] {
+                prop_assert_eq!(got.shape(), want.shape(), "{}", name);
+                let expected = f32s(want);
+                assert_close(name, &f32s(got), &expected, 1e-5, 1e-5 * scale(&expected))?;
             }
         } else {
             prop_assert!(got.gate_up_activations_t.is_none() && got.down_activations.is_none());

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use crate::backend::BackendKind;
 use crate::contracts::*;
 use crate::error::{Error, Result, find_named};
+use crate::kernel::Kernel;
+use crate::neuron::manifest::Manifest;
 use crate::neuron::{NeuronBackend, NeuronConfig};
 use crate::tensor::{DType, Tensor};
 use limits::{Device, MachineLimits};
@@ -546,11 +548,14 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     Ok(BenchResult { rows, peers })
 }
 
-/// The `neuron` rows: the layer is routed by the reference, then each kernel the backend runs
-/// (`router_topk`, `blockwise_mm` with checkpoints, as training calls it) is timed with
-/// `nrt_execute_repeat` on device-resident inputs: enough repeats to fill `min_time` after a
-/// first execution that loads the NEFF. The mean device time per execution is reported.
+/// The `neuron` rows: the layer is routed by the reference, then each kernel the manifest
+/// registers (`router_topk`, `blockwise_mm` with checkpoints as training calls it,
+/// `blockwise_mm_bwd`) is timed with `nrt_execute_repeat` on device-resident inputs: enough
+/// repeats to fill `min_time` after a first execution that loads the NEFF. The mean device time
+/// per execution is reported.
 fn run_on_neuron(config: &BenchConfig) -> Result<BenchResult> {
+    let manifest = Manifest::read(&config.neuron.manifest)?;
+    let registered = |kernel: Kernel| manifest.entries.iter().any(|entry| entry.kernel == kernel);
     let neuron = NeuronBackend::new(config.neuron.clone());
     let reference = BackendKind::Reference.create();
     let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
@@ -570,21 +575,28 @@ fn run_on_neuron(config: &BenchConfig) -> Result<BenchResult> {
         throughput: Throughput::Gflops(flop / ms / 1e6),
         libtorch_ms: None,
     };
+    // Mean time of one execution, ms, timing enough repeats after a first (loading) run.
+    let device_ms = |time: &dyn Fn(i32) -> Result<Duration>| -> Result<f64> {
+        let first = time(1)?;
+        Ok(time(repeats(first))?.as_secs_f64() * 1e3)
+    };
+    let expert_flop = 6.0 * tf * kf * hf * if_;
     let mut rows = Vec::new();
-    let call = layer.inputs.router_topk()?;
-    let first = neuron.time_router_topk(&call, 1)?;
-    let ms = neuron
-        .time_router_topk(&call, repeats(first))?
-        .as_secs_f64()
-        * 1e3;
-    rows.push(row("router_topk", ms, 2.0 * tf * hf * ef));
-    let call = layer.blockwise_mm()?;
-    let first = neuron.time_blockwise_mm(&call, 1)?;
-    let ms = neuron
-        .time_blockwise_mm(&call, repeats(first))?
-        .as_secs_f64()
-        * 1e3;
-    rows.push(row("blockwise_mm", ms, 6.0 * tf * kf * hf * if_));
+    if registered(Kernel::RouterTopk) {
+        let call = layer.inputs.router_topk()?;
+        let ms = device_ms(&|repeat| neuron.time_router_topk(&call, repeat))?;
+        rows.push(row("router_topk", ms, 2.0 * tf * hf * ef));
+    }
+    if registered(Kernel::BlockwiseMm) {
+        let call = layer.blockwise_mm()?;
+        let ms = device_ms(&|repeat| neuron.time_blockwise_mm(&call, repeat))?;
+        rows.push(row("blockwise_mm", ms, expert_flop));
+    }
+    if registered(Kernel::BlockwiseMmBwd) {
+        let call = layer.blockwise_mm_bwd()?;
+        let ms = device_ms(&|repeat| neuron.time_blockwise_mm_bwd(&call, repeat))?;
+        rows.push(row("blockwise_mm_bwd", ms, 2.0 * expert_flop));
+    }
     Ok(BenchResult {
         rows,
         peers: Vec::new(),

@@ -11,7 +11,8 @@
 //! outputs may be f32 or bf16 (returned widened to f32, as the contracts produce).
 //!
 //! `router_topk` NEFFs may leave out `topk_affinities` (the NKI kernel does): it is then gathered
-//! from `expert_affinities` at `expert_index`. Which kernels run is listed by
+//! from `expert_affinities` at `expert_index`. Likewise `blockwise_mm_bwd`'s `d_topk_affinities`
+//! is gathered on the host from the NEFF's `expert_affinities_masked_grad`. Which kernels run is listed by
 //! [`super::manifest::supported_kernels`]; the others are an [`Error::Unsupported`].
 //!
 //! The runtime is opened on the first call (the library from `NEURON_RT_LIB` or the default
@@ -187,6 +188,16 @@ impl NeuronBackend {
     /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm`.
     pub fn time_blockwise_mm(&self, call: &BlockwiseMm<'_>, repeat: i32) -> Result<Duration> {
         let ran = self.run(&blockwise_mm_call(call), Execution::Repeat(repeat))?;
+        Ok(ran.elapsed / repeat.max(1) as u32)
+    }
+
+    /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm_bwd`.
+    pub fn time_blockwise_mm_bwd(
+        &self,
+        call: &BlockwiseMmBwd<'_>,
+        repeat: i32,
+    ) -> Result<Duration> {
+        let ran = self.run(&blockwise_mm_bwd_call(call), Execution::Repeat(repeat))?;
         Ok(ran.elapsed / repeat.max(1) as u32)
     }
 }
@@ -483,6 +494,46 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
     }
 }
 
+fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
+    let (inputs, dims) = (call.inputs(), call.dims());
+    let forward = inputs.forward;
+    let (t, h, e, i) = (dims.t, dims.h, dims.e, dims.i);
+    Call {
+        kernel: Kernel::BlockwiseMmBwd,
+        key: vec![
+            ("t", Value::Int(t)),
+            ("h", Value::Int(h)),
+            ("e", Value::Int(e)),
+            ("i", Value::Int(i)),
+            ("block_size", Value::Int(dims.b)),
+            ("num_blocks", Value::Int(dims.n)),
+        ],
+        inputs: vec![
+            ("hidden_states", Some(forward.hidden_states)),
+            (
+                "expert_affinities_masked",
+                Some(forward.expert_affinities_masked),
+            ),
+            ("gate_up_proj_weight", Some(forward.gate_up_proj_weight)),
+            ("down_proj_weight", Some(forward.down_proj_weight)),
+            ("token_position_to_id", Some(forward.token_position_to_id)),
+            ("block_to_expert", Some(forward.block_to_expert)),
+            ("gate_up_activations_T", Some(inputs.gate_up_activations_t)),
+            ("down_activations", Some(inputs.down_activations)),
+            (
+                "output_hidden_states_grad",
+                Some(inputs.output_hidden_states_grad),
+            ),
+        ],
+        outputs: vec![
+            OutputSpec::values("hidden_states_grad", &[t, h], true),
+            OutputSpec::values("expert_affinities_masked_grad", &[(t + 1) * e], true),
+            OutputSpec::values("gate_up_proj_weight_grad", &[e, h, 2, i], true),
+            OutputSpec::values("down_proj_weight_grad", &[e, i, h], true),
+        ],
+    }
+}
+
 /// `expert_index` as produced by a NEFF, checked to hold expert ids in `[0, E)`.
 fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Result<Vec<usize>> {
     let k = index.shape()[1];
@@ -594,8 +645,39 @@ impl Backend for NeuronBackend {
         })
     }
 
-    fn blockwise_mm_bwd(&self, _call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-        Err(unsupported(Kernel::BlockwiseMmBwd))
+    fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        let mut out = self
+            .run(&blockwise_mm_bwd_call(call), Execution::Once)?
+            .outputs;
+        let expert_affinities_masked_grad = take(&mut out, "expert_affinities_masked_grad")?;
+        // As `permute_bwd` maps it: slot (t, k) reads the gradient of (t, expert_index[t, k]),
+        // 0 for a skipped slot. The contract has validated the ids against E.
+        let e = call.dims().e;
+        let d_topk_affinities = call
+            .inputs()
+            .expert_index
+            .map(|index| {
+                let grad = expert_affinities_masked_grad.f32_values();
+                let k = index.shape()[1];
+                let values = index
+                    .as_i32()
+                    .unwrap_or_default()
+                    .iter()
+                    .enumerate()
+                    .map(|(slot, &id)| {
+                        usize::try_from(id).map_or(0.0, |id| grad[(slot / k) * e + id])
+                    })
+                    .collect();
+                Tensor::from_f32(index.shape().to_vec(), values)
+            })
+            .transpose()?;
+        Ok(BlockwiseMmGrads {
+            hidden_states_grad: take(&mut out, "hidden_states_grad")?,
+            expert_affinities_masked_grad,
+            gate_up_proj_weight_grad: take(&mut out, "gate_up_proj_weight_grad")?,
+            down_proj_weight_grad: take(&mut out, "down_proj_weight_grad")?,
+            d_topk_affinities,
+        })
     }
 }
 

@@ -75,6 +75,14 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
             ("num_blocks", ValueKind::Int),
             ("checkpoint_activations", ValueKind::Bool),
         ]),
+        Kernel::BlockwiseMmBwd => Some(&[
+            ("t", ValueKind::Int),
+            ("h", ValueKind::Int),
+            ("e", ValueKind::Int),
+            ("i", ValueKind::Int),
+            ("block_size", ValueKind::Int),
+            ("num_blocks", ValueKind::Int),
+        ]),
         _ => None,
     }
 }

@@ -69,8 +69,9 @@ impl MoeImpl {
             )),
             MoeImpl::Cpu => Box::new(KernelExperts::new(moekit::BackendKind::Cpu, block_size)),
             MoeImpl::Neuron => bail!(
-                "kernels.moe = \"neuron\": moekit's neuron backend runs forward NEFFs only \
-                 (router_topk, blockwise_mm), and training needs every kernel's backward; \
+                "kernels.moe = \"neuron\": moekit's neuron backend runs only the kernels \
+                 the NKI library provides (router_topk, blockwise_mm, blockwise_mm_bwd), and \
+                 training also needs router_topk_bwd, permute and the aux loss; \
                  choose one of torch, grouped_mm, reference, cpu"
             ),
         })
