@@ -26,28 +26,41 @@ cargo test --locked --features libtorch --test libtorch
 cargo test --locked
 cargo test --locked -p moekit-trainer
 
-# Expert parallelism over MPI: the test binary runs as 2 and 4 ranks (4 oversubscribed on
-# small machines); with `fault`, invalid input on rank 1 must stop every rank and mpirun.
+# Expert parallelism over MPI: the test binaries run as 2 and 4 ranks (4 oversubscribed on
+# small machines). With `fault` (kernels) or `mismatch` (trainer), every rank must stop with
+# the same error and mpirun must exit non-zero.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 host=$(rustc -vV | sed -n 's/^host: //p' | tr 'a-z-' 'A-Z_')
+runner="CARGO_TARGET_${host}_RUNNER"
 for ranks in 2 4; do
-    env "CARGO_TARGET_${host}_RUNNER=mpirun -n ${ranks} --oversubscribe" \
+    env "${runner}=mpirun -n ${ranks} --oversubscribe" \
         cargo test --locked --features mpi --test mpi
+    env "${runner}=mpirun -n ${ranks} --oversubscribe" \
+        cargo test --locked -p moekit-trainer --test expert_parallel
 done
-fault_log=$(mktemp)
-if env "CARGO_TARGET_${host}_RUNNER=mpirun -n 2" \
-    cargo test --locked --features mpi --test mpi -- fault 2>"${fault_log}"; then
-    echo "mpi fault test: mpirun succeeded although rank 1 had invalid input" >&2
-    exit 1
-fi
-for rank in 0 1; do
-    grep -q "rank ${rank} stops: rank 1: tensor \`x\`: non-finite" "${fault_log}" || {
-        cat "${fault_log}" >&2
-        echo "mpi fault test: rank ${rank} did not report rank 1's error" >&2
+
+# every_rank_stops PATTERN CARGO-TEST-ARGS...: runs them as 2 ranks; both must report PATTERN.
+every_rank_stops() {
+    local pattern=$1 log
+    shift
+    log=$(mktemp)
+    if env "${runner}=mpirun -n 2" cargo test --locked "$@" 2>"${log}"; then
+        cat "${log}" >&2
+        echo "mpirun succeeded although the ranks should have stopped: $*" >&2
         exit 1
-    }
-done
-rm -f "${fault_log}"
+    fi
+    for rank in 0 1; do
+        grep -qF "rank ${rank} stops: ${pattern}" "${log}" || {
+            cat "${log}" >&2
+            echo "rank ${rank} did not report \`${pattern}\`: $*" >&2
+            exit 1
+        }
+    done
+    rm -f "${log}"
+}
+every_rank_stops 'rank 1: tensor `x`: non-finite' --features mpi --test mpi -- fault
+every_rank_stops 'rank(s) 1 loaded a different job config than rank 0' \
+    -p moekit-trainer --test expert_parallel -- mismatch
 
 # build.rs binds the Neuron SDK's headers where NEURON_RUNTIME_INCLUDE_DIR holds nrt/nrt.h:
 # exercise that path with the project's declarations laid out as the SDK installs them.

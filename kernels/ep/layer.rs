@@ -9,6 +9,9 @@
 //! Each rank brings its own tokens `x [T, H]`, the replicated router `w [H, E]` and its local
 //! experts `gate_up_proj_weight [E/R, H, 2, I]` and `down_proj_weight [E/R, I, H]` (rank r holds
 //! experts `[r·E/R, (r+1)·E/R)`). A rank may receive no rows; its expert gradients are then 0.
+//!
+//! [`ShardedExperts`] is the expert half alone (dispatch … combine and back), for callers that
+//! route the tokens themselves.
 
 use super::comm::Communicator;
 use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch, dispatch_bwd};
@@ -51,18 +54,7 @@ pub struct EpInputs<'a> {
 #[derive(Clone, Debug)]
 pub struct EpSaved {
     routed: RouterTopkOutputs,
-    dispatched: Dispatched,
-    /// The local plan and checkpoints, when this rank received rows.
-    local: Option<LocalExperts>,
-}
-
-#[derive(Clone, Debug)]
-struct LocalExperts {
-    /// `[M+1, H]`, the received rows plus the padding row.
-    hidden_states: Tensor,
-    plan: PermuteOutputs,
-    gate_up_activations_t: Tensor,
-    down_activations: Tensor,
+    experts: ExpertsSaved,
 }
 
 /// One rank's gradients.
@@ -86,6 +78,15 @@ pub struct ExpertParallelMoe<'a> {
 }
 
 impl ExpertParallelMoe<'_> {
+    fn experts(&self) -> ShardedExperts<'_> {
+        ShardedExperts {
+            backend: self.backend,
+            comm: self.comm,
+            num_experts: self.params.num_experts,
+            block_size: self.params.block_size,
+        }
+    }
+
     /// `output [T, H]` f32 and what the backward needs.
     pub fn forward(&self, inputs: EpInputs<'_>) -> Result<(Tensor, EpSaved)> {
         let p = self.params;
@@ -105,13 +106,134 @@ impl ExpertParallelMoe<'_> {
         .and_then(|call| self.backend.router_topk(&call));
         // A router error on one rank must stop every rank before the exchange.
         let routed = super::comm::agree(self.comm, routed)?;
+        let (output, experts) = self.experts().forward(experts_inputs(inputs, &routed))?;
+        Ok((output, EpSaved { routed, experts }))
+    }
+
+    /// Gradients of every input for `d_output [T, H]`.
+    pub fn backward(
+        &self,
+        inputs: EpInputs<'_>,
+        saved: &EpSaved,
+        d_output: &Tensor,
+    ) -> Result<EpGrads> {
+        let p = self.params;
+        let experts = self.experts().backward(
+            experts_inputs(inputs, &saved.routed),
+            &saved.experts,
+            d_output,
+        )?;
+        let router = RouterTopkBwd::new(
+            RouterTopkBwdInputs {
+                x: inputs.x,
+                w: inputs.w,
+                router_logits: &saved.routed.router_logits,
+                expert_index: &saved.routed.expert_index,
+                d_topk_affinities: &experts.d_topk_affinities,
+                d_router_logits: None,
+            },
+            RouterTopkBwdParams {
+                activation: p.activation,
+                norm_topk_prob: p.norm_topk_prob,
+            },
+        )
+        .and_then(|call| self.backend.router_topk_bwd(&call));
+        let router = super::comm::agree(self.comm, router)?;
+        let mut d_w = router.d_w.f32_values().into_owned();
+        self.comm.all_reduce_sum(&mut d_w)?;
+        let d_x: Vec<f32> = router
+            .d_x
+            .f32_values()
+            .iter()
+            .zip(experts.d_x.f32_values().iter())
+            .map(|(a, b)| a + b)
+            .collect();
+        Ok(EpGrads {
+            d_x: Tensor::from_f32(inputs.x.shape(), d_x)?,
+            d_w: Tensor::from_f32(inputs.w.shape(), d_w)?,
+            d_gate_up_proj_weight: experts.d_gate_up_proj_weight,
+            d_down_proj_weight: experts.d_down_proj_weight,
+        })
+    }
+}
+
+fn experts_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> ExpertsInputs<'a> {
+    ExpertsInputs {
+        x: inputs.x,
+        expert_index: &routed.expert_index,
+        topk_affinities: &routed.topk_affinities,
+        gate_up_proj_weight: inputs.gate_up_proj_weight,
+        down_proj_weight: inputs.down_proj_weight,
+    }
+}
+
+/// The expert half of the layer, for callers that route themselves (a trainer whose router
+/// lives in its own autograd): dispatch → permute → blockwise_mm → combine, and back.
+pub struct ShardedExperts<'a> {
+    pub backend: &'a dyn Backend,
+    pub comm: &'a dyn Communicator,
+    /// E, experts over all ranks (a multiple of R).
+    pub num_experts: usize,
+    /// B of the local block plan.
+    pub block_size: usize,
+}
+
+/// One rank's inputs to [`ShardedExperts`].
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertsInputs<'a> {
+    /// `[T, H]`.
+    pub x: &'a Tensor,
+    /// `[T, K]` i32, global expert ids.
+    pub expert_index: &'a Tensor,
+    /// `[T, K]`.
+    pub topk_affinities: &'a Tensor,
+    /// `[E/R, H, 2, I]`, this rank's experts.
+    pub gate_up_proj_weight: &'a Tensor,
+    /// `[E/R, I, H]`.
+    pub down_proj_weight: &'a Tensor,
+}
+
+/// What [`ShardedExperts::backward`] needs from the forward.
+#[derive(Clone, Debug)]
+pub struct ExpertsSaved {
+    dispatched: Dispatched,
+    /// The local plan and checkpoints, when this rank received rows.
+    local: Option<LocalExperts>,
+}
+
+#[derive(Clone, Debug)]
+struct LocalExperts {
+    /// `[M+1, H]`, the received rows plus the padding row.
+    hidden_states: Tensor,
+    plan: PermuteOutputs,
+    gate_up_activations_t: Tensor,
+    down_activations: Tensor,
+}
+
+/// One rank's gradients of [`ShardedExperts`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertsGrads {
+    /// `[T, H]` f32, through the experts only.
+    pub d_x: Tensor,
+    /// `[T, K]` f32.
+    pub d_topk_affinities: Tensor,
+    /// `[E/R, H, 2, I]` f32, this rank's experts, from every rank's tokens.
+    pub d_gate_up_proj_weight: Tensor,
+    /// `[E/R, I, H]` f32.
+    pub d_down_proj_weight: Tensor,
+}
+
+impl ShardedExperts<'_> {
+    /// `output [T, H]` f32: each token's rows through the experts of whichever ranks own them,
+    /// weighted and summed back on this rank.
+    pub fn forward(&self, inputs: ExpertsInputs<'_>) -> Result<(Tensor, ExpertsSaved)> {
         let dispatched = dispatch(
             self.comm,
             inputs.x,
-            &routed.expert_index,
-            &routed.topk_affinities,
+            inputs.expert_index,
+            inputs.topk_affinities,
             DispatchParams {
-                num_experts: p.num_experts,
+                num_experts: self.num_experts,
             },
         )?;
         let local = super::comm::agree(self.comm, self.local_forward(inputs, &dispatched))?;
@@ -124,8 +246,7 @@ impl ExpertParallelMoe<'_> {
         let output = combine(self.comm, &dispatched.route, &expert_output)?;
         Ok((
             output,
-            EpSaved {
-                routed,
+            ExpertsSaved {
                 dispatched,
                 local: local.map(|(_, experts)| experts),
             },
@@ -135,12 +256,12 @@ impl ExpertParallelMoe<'_> {
     /// This rank's experts on the rows it received (none when it received none).
     fn local_forward(
         &self,
-        inputs: EpInputs<'_>,
+        inputs: ExpertsInputs<'_>,
         dispatched: &Dispatched,
     ) -> Result<Option<(Tensor, LocalExperts)>> {
         let shape = dispatched.hidden_states.shape();
         let (m, h) = (shape[0], shape[1]);
-        let local_experts = self.params.num_experts / self.comm.size();
+        let local_experts = self.num_experts / self.comm.size();
         if inputs.gate_up_proj_weight.shape().first() != Some(&local_experts) {
             return Err(Error::shape(
                 "gate_up_proj_weight",
@@ -161,7 +282,7 @@ impl ExpertParallelMoe<'_> {
             },
             PermuteParams {
                 num_experts: local_experts,
-                block_size: self.params.block_size,
+                block_size: self.block_size,
             },
         )?)?;
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
@@ -189,14 +310,13 @@ impl ExpertParallelMoe<'_> {
         )))
     }
 
-    /// Gradients of every input for `d_output [T, H]`.
+    /// Gradients of `x`, the affinities and this rank's experts for `d_output [T, H]`.
     pub fn backward(
         &self,
-        inputs: EpInputs<'_>,
-        saved: &EpSaved,
+        inputs: ExpertsInputs<'_>,
+        saved: &ExpertsSaved,
         d_output: &Tensor,
-    ) -> Result<EpGrads> {
-        let p = self.params;
+    ) -> Result<ExpertsGrads> {
         let route = &saved.dispatched.route;
         let d_expert_output = combine_bwd(self.comm, route, d_output)?;
         let local = super::comm::agree(
@@ -204,44 +324,19 @@ impl ExpertParallelMoe<'_> {
             self.local_backward(inputs, saved, &d_expert_output),
         )?;
         let (d_rows, d_row_affinities, d_gate_up, d_down) = local;
-        let (d_x_experts, d_topk_affinities) = dispatch_bwd(
+        let (d_x, d_topk_affinities) = dispatch_bwd(
             self.comm,
             route,
-            &saved.routed.expert_index,
+            inputs.expert_index,
             DispatchParams {
-                num_experts: p.num_experts,
+                num_experts: self.num_experts,
             },
             &d_rows,
             &d_row_affinities,
         )?;
-        let router = RouterTopkBwd::new(
-            RouterTopkBwdInputs {
-                x: inputs.x,
-                w: inputs.w,
-                router_logits: &saved.routed.router_logits,
-                expert_index: &saved.routed.expert_index,
-                d_topk_affinities: &d_topk_affinities,
-                d_router_logits: None,
-            },
-            RouterTopkBwdParams {
-                activation: p.activation,
-                norm_topk_prob: p.norm_topk_prob,
-            },
-        )
-        .and_then(|call| self.backend.router_topk_bwd(&call));
-        let router = super::comm::agree(self.comm, router)?;
-        let mut d_w = router.d_w.f32_values().into_owned();
-        self.comm.all_reduce_sum(&mut d_w)?;
-        let d_x: Vec<f32> = router
-            .d_x
-            .f32_values()
-            .iter()
-            .zip(d_x_experts.f32_values().iter())
-            .map(|(a, b)| a + b)
-            .collect();
-        Ok(EpGrads {
-            d_x: Tensor::from_f32(inputs.x.shape(), d_x)?,
-            d_w: Tensor::from_f32(inputs.w.shape(), d_w)?,
+        Ok(ExpertsGrads {
+            d_x,
+            d_topk_affinities,
             d_gate_up_proj_weight: d_gate_up,
             d_down_proj_weight: d_down,
         })
@@ -251,8 +346,8 @@ impl ExpertParallelMoe<'_> {
     /// d gate_up, d down)`; zeros when this rank received no rows.
     fn local_backward(
         &self,
-        inputs: EpInputs<'_>,
-        saved: &EpSaved,
+        inputs: ExpertsInputs<'_>,
+        saved: &ExpertsSaved,
         d_expert_output: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let dispatched = &saved.dispatched;
@@ -292,7 +387,7 @@ impl ExpertParallelMoe<'_> {
 fn forward_inputs<'a>(
     hidden_states: &'a Tensor,
     plan: &'a PermuteOutputs,
-    inputs: EpInputs<'a>,
+    inputs: ExpertsInputs<'a>,
 ) -> BlockwiseMmInputs<'a> {
     BlockwiseMmInputs {
         hidden_states,

@@ -23,7 +23,10 @@ pub use comm::{Communicator, agree, agree_with_values, all_to_all_v_f32, all_to_
 pub use exchange::{
     DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
 };
-pub use layer::{EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe};
+pub use layer::{
+    EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe, ExpertsGrads, ExpertsInputs,
+    ExpertsSaved, ShardedExperts,
+};
 pub use local::LocalComm;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;

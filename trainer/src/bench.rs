@@ -73,7 +73,7 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
             config.checkpoint.enable = false;
             config.training.steps = total;
             config.lr_scheduler.warmup_steps = config.lr_scheduler.warmup_steps.min(total);
-            Trainer::new(&config)
+            Trainer::new(&config, None)
         })
         .collect::<Result<Vec<_>>>()?;
     let mut times = vec![Vec::with_capacity(options.steps); trainers.len()];

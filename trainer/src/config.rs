@@ -1,6 +1,6 @@
 //! The job config: a TOML file laid out like torchtitan's (`[job]`, `[model]`, `[kernels]`,
-//! `[training]`, `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[data]`, `[metrics]`), where any key can be
-//! overridden on the command line as `--section.key VALUE`.
+//! `[training]`, `[parallelism]`, `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[data]`,
+//! `[metrics]`), where any key can be overridden on the command line as `--section.key VALUE`.
 //!
 //! Every unknown key, bad value and impossible combination is an error from [`JobConfig::load`],
 //! before any work starts.
@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
+use crate::device::TrainDevice;
 use crate::model::Qwen3MoeConfig;
 use crate::moe::{MoeImpl, check_grouped_mm_alignment};
 
@@ -22,6 +23,7 @@ pub struct JobConfig {
     pub model: Qwen3MoeConfig,
     pub kernels: Kernels,
     pub training: Training,
+    pub parallelism: Parallelism,
     pub optimizer: Optimizer,
     pub lr_scheduler: LrScheduler,
     pub checkpoint: Checkpoint,
@@ -85,6 +87,9 @@ pub struct Training {
     /// norms, softmaxes and losses still compute in f32.
     #[serde(default)]
     pub dtype: ParamDtype,
+    /// Where the model, optimizer state and batches live: `cpu` or `cuda` (the first GPU).
+    #[serde(default)]
+    pub device: TrainDevice,
 }
 
 /// `training.dtype`.
@@ -107,6 +112,17 @@ impl ParamDtype {
 
 fn one() -> usize {
     1
+}
+
+/// `[parallelism]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Parallelism {
+    /// R, the ranks the experts of every MoE layer are sharded over (each holds E/R of them,
+    /// and its own slice of every batch). 1 trains in one process; R > 1 runs under
+    /// `mpirun -n R`.
+    #[serde(default = "one")]
+    pub expert_parallel_degree: usize,
 }
 
 /// `[optimizer]`: AdamW with decoupled weight decay (PyTorch's `torch.optim.AdamW`).
@@ -228,6 +244,7 @@ const SECTIONS: &[&str] = &[
     "model",
     "kernels",
     "training",
+    "parallelism",
     "optimizer",
     "lr_scheduler",
     "checkpoint",
@@ -236,7 +253,13 @@ const SECTIONS: &[&str] = &[
 ];
 
 /// Sections that may be left out entirely (every key has a default).
-const OPTIONAL_SECTIONS: &[&str] = &["lr_scheduler", "checkpoint", "data", "metrics"];
+const OPTIONAL_SECTIONS: &[&str] = &[
+    "parallelism",
+    "lr_scheduler",
+    "checkpoint",
+    "data",
+    "metrics",
+];
 
 impl JobConfig {
     /// Reads `path`, applies `overrides` (`("training.steps", "20")`: the value is parsed as a
@@ -275,6 +298,7 @@ impl JobConfig {
         let model = model_section(take("model")?, base)?;
         let kernels: Kernels = section("kernels", take("kernels")?)?;
         let training: Training = section("training", take("training")?)?;
+        let parallelism: Parallelism = section("parallelism", take("parallelism")?)?;
         let optimizer: Optimizer = section("optimizer", take("optimizer")?)?;
         let lr_scheduler: LrScheduler = section("lr_scheduler", take("lr_scheduler")?)?;
         let checkpoint: Checkpoint = section("checkpoint", take("checkpoint")?)?;
@@ -293,6 +317,7 @@ impl JobConfig {
             model,
             kernels,
             training,
+            parallelism,
             optimizer,
             lr_scheduler,
             checkpoint,
@@ -301,6 +326,37 @@ impl JobConfig {
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// Expert parallelism needs E divisible by R and moekit's kernels (which run the
+    /// exchange) on the host.
+    fn validate_parallelism(&self) -> Result<()> {
+        let ranks = self.parallelism.expert_parallel_degree;
+        ensure!(
+            ranks >= 1,
+            "parallelism.expert_parallel_degree must be at least 1, got 0"
+        );
+        if ranks == 1 {
+            return Ok(());
+        }
+        ensure!(
+            self.model.num_experts.is_multiple_of(ranks),
+            "parallelism.expert_parallel_degree = {ranks} must divide model.num_experts = {}",
+            self.model.num_experts
+        );
+        ensure!(
+            matches!(self.kernels.moe, MoeImpl::Reference | MoeImpl::Cpu),
+            "parallelism.expert_parallel_degree = {ranks} exchanges tokens with moekit's \
+             dispatch and combine: kernels.moe must be reference or cpu, got {}",
+            self.kernels.moe.name()
+        );
+        ensure!(
+            !self.checkpoint.enable && self.checkpoint.initial_load_path.is_none(),
+            "parallelism.expert_parallel_degree = {ranks}: rank-sharded checkpoints and loading \
+             a Hugging Face directory across ranks are not supported yet; set \
+             checkpoint.enable = false and leave checkpoint.initial_load_path unset"
+        );
+        Ok(())
     }
 
     fn validate(&self) -> Result<()> {
@@ -314,6 +370,15 @@ impl JobConfig {
             metrics,
             ..
         } = self;
+        self.validate_parallelism()?;
+        if training.device == TrainDevice::Cuda {
+            ensure!(
+                kernels.moe.runs_on_cuda(),
+                "kernels.moe = \"{}\" runs on the host CPU; with training.device = \"cuda\" \
+                 choose torch or grouped_mm",
+                kernels.moe.name()
+            );
+        }
         if kernels.moe == MoeImpl::GroupedMm {
             check_grouped_mm_alignment(
                 self.model.hidden_size,

@@ -7,6 +7,7 @@
 //!
 //! - [`bench`]: training throughput of each MoE implementation.
 //! - [`config`]: the TOML job config and its command-line overrides.
+//! - [`device`]: `cpu` or `cuda`, and loading libtorch's CUDA library.
 //! - [`checkpoint`]: Hugging Face directories and training checkpoints.
 //! - [`model`]: Qwen3-MoE and its losses.
 //! - [`moe`]: the experts' implementations.
@@ -14,6 +15,7 @@
 //! - [`eval`]: loading, evaluating and exporting trained models.
 //! - [`data`]: tokenization, the built-in corpus and batching.
 //! - [`optim`]: AdamW, clipping, the learning-rate schedule.
+//! - [`parallel`]: expert parallelism across MPI ranks.
 //! - [`plots`]: PNG plots of the loss and the expert load.
 //! - [`train`]: the training loop and its metrics.
 
@@ -21,10 +23,12 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod eval;
 pub mod model;
 pub mod moe;
 pub mod optim;
+pub mod parallel;
 pub mod plots;
 pub mod tape;
 pub mod train;

@@ -17,6 +17,7 @@ use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::eval::{LoadDtype, evaluate, export, load_model, read_input_ids};
 use moekit_trainer::moe::MoeImpl;
+use moekit_trainer::parallel::init_mpi;
 use moekit_trainer::train::train;
 
 const USAGE: &str = "\
@@ -101,7 +102,10 @@ fn load_job(pairs: Vec<(String, String)>) -> Result<JobConfig> {
 }
 
 fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
-    train(&load_job(pairs)?)?;
+    let config = load_job(pairs)?;
+    // MPI lives as long as training: it is finalised when `comm` is dropped here.
+    let comm = init_mpi(&config)?;
+    train(&config, comm)?;
     Ok(())
 }
 

@@ -134,31 +134,50 @@ impl AdamW {
     /// The global L2 norm of all gradients; when `max_norm > 0` and the norm exceeds it, every
     /// gradient is scaled by `max_norm / (norm + 1e-6)` (PyTorch's `clip_grad_norm_`).
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
-        let grads: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(Tensor::defined)
-            .collect();
-        let squares: f64 = grads
-            .iter()
-            .map(|g| {
-                g.to_kind(Kind::Float)
-                    .square()
-                    .sum(Kind::Double)
-                    .double_value(&[])
-            })
-            .sum();
+        let (squares, _) = self.grad_squares(|_| false);
         let norm = squares.sqrt();
+        self.clip_to(norm, max_norm);
+        norm
+    }
+
+    /// The sums of squared gradient entries of the parameters for which `sharded(name)` is
+    /// false and true: `(replicated, sharded)`. With sharded parameters the global norm is
+    /// `√(replicated + Σ_ranks sharded)`.
+    pub fn grad_squares(&self, sharded: impl Fn(&str) -> bool) -> (f64, f64) {
+        let mut squares = (0.0, 0.0);
+        for (name, p) in &self.params {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let square = grad
+                .to_kind(Kind::Float)
+                .square()
+                .sum(Kind::Double)
+                .double_value(&[]);
+            if sharded(name) {
+                squares.1 += square;
+            } else {
+                squares.0 += square;
+            }
+        }
+        squares
+    }
+
+    /// Scales every gradient by `max_norm / (norm + 1e-6)` when `max_norm > 0` and `norm`
+    /// (the global gradient norm) exceeds it.
+    pub fn clip_to(&mut self, norm: f64, max_norm: f64) {
         if max_norm > 0.0 && norm > max_norm {
             let scale = max_norm / (norm + 1e-6);
             tch::no_grad(|| {
-                for mut g in grads {
-                    let _ = g.g_mul_scalar_(scale);
+                for (_, p) in &self.params {
+                    let mut grad = p.grad();
+                    if grad.defined() {
+                        let _ = grad.g_mul_scalar_(scale);
+                    }
                 }
             });
         }
-        norm
     }
 
     /// One update at learning rate `lr`; parameters without a gradient are left alone.

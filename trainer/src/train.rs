@@ -4,9 +4,11 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
+use moekit::ep::Communicator;
 use moekit::golden::write_atomically;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
@@ -17,9 +19,10 @@ use crate::checkpoint::{
 };
 use crate::config::{JobConfig, ParamDtype};
 use crate::data::{Batches, Source, TextTokenizer};
-use crate::model::{Qwen3Moe, causal_lm_loss, load_balancing_loss};
+use crate::model::{ExpertShard, Qwen3Moe, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
+use crate::parallel::{RankGroup, is_expert_parameter};
 use crate::plots;
 use crate::tape::Tape;
 
@@ -109,6 +112,10 @@ fn check_memory(config: &JobConfig) -> Result<()> {
 /// A model, its optimizer, its data and its MoE implementation, ready to take steps.
 pub struct Trainer {
     config: JobConfig,
+    /// Where the parameters, optimizer state and batches live.
+    device: Device,
+    /// The other ranks of an expert-parallel run.
+    group: Option<RankGroup>,
     // Owns the parameters the model and optimizer hold handles to.
     _vars: nn::VarStore,
     model: Qwen3Moe,
@@ -119,16 +126,41 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Seeds libtorch with `job.seed`, initialises the model and loads the data.
-    pub fn new(config: &JobConfig) -> Result<Self> {
+    /// Seeds libtorch with `job.seed`, initialises the model and loads the data. With
+    /// `parallelism.expert_parallel_degree` R > 1, `comm` must hold the R ranks (see
+    /// [`crate::parallel::init_mpi`]).
+    pub fn new(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<Self> {
         if config.training.threads > 0 {
             tch::set_num_threads(config.training.threads as i32);
         }
-        check_memory(config)?;
+        let group = match (config.parallelism.expert_parallel_degree, comm) {
+            (1, _) => None,
+            (_, Some(comm)) => Some(RankGroup::new(comm, config)?),
+            (ranks, None) => bail!(
+                "parallelism.expert_parallel_degree = {ranks} needs MPI: launch with \
+                 `mpirun -n {ranks} moekit-train ...`"
+            ),
+        };
+        let device = config.training.device.resolve()?;
+        if device == Device::Cpu {
+            // On CUDA the GPU's memory is libtorch's to report.
+            check_memory(config)?;
+        }
         tch::manual_seed(config.job.seed as i64);
-        let experts = config.kernels.moe.create(config.kernels.block_size)?;
-        let mut vars = nn::VarStore::new(Device::Cpu);
-        let model = Qwen3Moe::new(&vars.root(), &config.model);
+        let block_size = config.kernels.block_size;
+        let (experts, shard) = match &group {
+            Some(group) => (
+                config.kernels.moe.create_expert_parallel(
+                    group.comm(),
+                    config.model.num_experts,
+                    block_size,
+                )?,
+                group.shard(),
+            ),
+            None => (config.kernels.moe.create(block_size)?, ExpertShard::ALL),
+        };
+        let mut vars = nn::VarStore::new(device);
+        let model = Qwen3Moe::new_sharded(&vars.root(), &config.model, shard);
         // Initialised in f32 (the same values whatever the dtype), then cast.
         vars.set_kind(config.training.dtype.kind());
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
@@ -154,14 +186,18 @@ impl Trainer {
                 config.model.vocab_size
             );
         }
+        // Every rank draws the same global batches of R × batch_size sequences and trains on
+        // its own slice of each.
         let batches = Batches::new(
             tokens,
             config.training.seq_len,
-            config.training.batch_size,
+            config.training.batch_size * shard.ranks,
             config.job.seed,
         )?;
         let mut trainer = Self {
             config: config.clone(),
+            device,
+            group,
             _vars: vars,
             model,
             experts,
@@ -200,6 +236,52 @@ impl Trainer {
     /// Steps taken (including those of a resumed checkpoint).
     pub fn steps_taken(&self) -> usize {
         self.step
+    }
+
+    /// Whether this process reports progress and writes metrics and plots: the single
+    /// process, or rank 0 of an expert-parallel run.
+    pub fn is_main_rank(&self) -> bool {
+        self.group.as_ref().is_none_or(|group| group.rank() == 0)
+    }
+
+    /// This rank's sequences of the next global micro-batch `[batch_size, seq_len]`.
+    fn next_batch(&mut self) -> Tensor {
+        let batch = self.batches.next_batch();
+        let rows = self.config.training.batch_size as i64;
+        let batch = match &self.group {
+            Some(group) => batch.narrow(0, group.rank() as i64 * rows, rows),
+            None => batch,
+        };
+        batch.to_device(self.device)
+    }
+
+    /// `values` averaged over the ranks (the values themselves on a single process).
+    fn mean_over_ranks(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let Some(group) = &self.group else {
+            return Ok(values.to_vec());
+        };
+        let mut sums: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+        group.sum(&mut sums)?;
+        Ok(sums
+            .iter()
+            .map(|&v| f64::from(v) / group.ranks() as f64)
+            .collect())
+    }
+
+    /// The global gradient norm after the ranks' gradients are reduced, clipped to
+    /// `training.max_norm`.
+    fn reduce_and_clip_gradients(&mut self) -> Result<f64> {
+        let max_norm = self.config.training.max_norm;
+        let Some(group) = &self.group else {
+            return Ok(self.optimizer.clip_grad_norm(max_norm));
+        };
+        group.reduce_gradients(self.optimizer.params())?;
+        let (replicated, sharded) = self.optimizer.grad_squares(is_expert_parameter);
+        let mut sharded = [sharded as f32];
+        group.sum(&mut sharded)?;
+        let norm = (replicated + f64::from(sharded[0])).sqrt();
+        self.optimizer.clip_to(norm, max_norm);
+        Ok(norm)
     }
 
     /// `<dump_folder>/<checkpoint.folder>`.
@@ -315,7 +397,7 @@ impl Trainer {
 
     fn try_step(&mut self) -> Result<StepMetrics> {
         let start = Instant::now();
-        let training = &self.config.training;
+        let training = self.config.training.clone();
         let accumulation = training.gradient_accumulation_steps;
         let coef = self.config.model.router_aux_loss_coef;
         let top_k = self.config.model.num_experts_per_tok as i64;
@@ -326,14 +408,16 @@ impl Trainer {
 
         self.optimizer.zero_grad();
         for _ in 0..accumulation {
-            let input_ids = self.batches.next_batch();
+            let input_ids = self.next_batch();
             let mut tape = Tape::new(self.experts.needs_graph_cuts());
             let out = self
                 .model
                 .forward(&input_ids, self.experts.as_ref(), &mut tape)?;
             let loss = causal_lm_loss(&out.logits, &input_ids);
             let aux = load_balancing_loss(&out.router_logits, top_k);
-            let (loss_value, aux_value) = (loss.double_value(&[]), aux.double_value(&[]));
+            // Averaged over the ranks first, so that all of them stop together.
+            let means = self.mean_over_ranks(&[loss.double_value(&[]), aux.double_value(&[])])?;
+            let (loss_value, aux_value) = (means[0], means[1]);
             if !loss_value.is_finite() || !aux_value.is_finite() {
                 bail!(
                     "the loss is not finite (loss {loss_value}, aux_loss {aux_value}); \
@@ -348,14 +432,22 @@ impl Trainer {
                     index
                         .flatten(0, 1)
                         .bincount(None::<Tensor>, experts)
-                        .to_kind(Kind::Double),
+                        .to_kind(Kind::Double)
+                        .to_device(Device::Cpu),
                 )?;
                 for (count, bin) in layer_counts.iter_mut().zip(bins) {
                     *count += bin;
                 }
             }
         }
-        let grad_norm = self.optimizer.clip_grad_norm(training.max_norm);
+        if let Some(group) = &self.group {
+            for layer_counts in &mut counts {
+                let mut sums: Vec<f32> = layer_counts.iter().map(|&c| c as f32).collect();
+                group.sum(&mut sums)?;
+                *layer_counts = sums.into_iter().map(f64::from).collect();
+            }
+        }
+        let grad_norm = self.reduce_and_clip_gradients()?;
         if !grad_norm.is_finite() {
             bail!("the gradient norm is not finite ({grad_norm}); stopping before the update");
         }
@@ -370,7 +462,8 @@ impl Trainer {
             self.update_expert_biases(&counts);
         }
 
-        let tokens = (accumulation * training.batch_size * training.seq_len) as f64;
+        let ranks = self.group.as_ref().map_or(1, RankGroup::ranks);
+        let tokens = (accumulation * training.batch_size * training.seq_len * ranks) as f64;
         Ok(StepMetrics {
             step: self.step,
             loss: loss_sum / accumulation as f64,
@@ -392,12 +485,20 @@ impl Trainer {
 /// `metrics.log_freq` steps and writing every step's metrics to `<dump_folder>/metrics.jsonl`
 /// (appended to when a checkpoint is resumed, replaced otherwise), with a checkpoint every
 /// `checkpoint.interval` steps when enabled. Returns the metrics of the steps taken.
-pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
+///
+/// With expert parallelism every rank calls this with the same config and `comm`; rank 0
+/// reports and writes, and every rank returns the same (rank-averaged) metrics.
+pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<Vec<StepMetrics>> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
         .with_context(|| format!("cannot create dump folder {}", folder.display()))?;
-    let mut trainer = Trainer::new(config)?;
+    let mut trainer = Trainer::new(config, comm)?;
     let resumed = trainer.steps_taken();
+    let total = config.training.steps;
+    if !trainer.is_main_rank() {
+        // The other ranks of an expert-parallel run take the same steps; rank 0 reports them.
+        return (resumed + 1..=total).map(|_| trainer.step()).collect();
+    }
     let metrics_path = folder.join("metrics.jsonl");
     if resumed > 0 {
         keep_metrics_through(&metrics_path, resumed)?;
@@ -411,20 +512,25 @@ pub fn train(config: &JobConfig) -> Result<Vec<StepMetrics>> {
             .open(&metrics_path)
             .with_context(|| format!("cannot open {}", metrics_path.display()))?,
     );
-    let total = config.training.steps;
     if resumed > 0 {
         println!(
             "resumed after step {resumed} from {}",
             trainer.checkpoint_folder().display()
         );
     }
+    let ranks = config.parallelism.expert_parallel_degree;
     println!(
-        "training {} parameters ({} MoE layers of {} experts, top-{}) with kernels.moe = {} for {total} steps",
+        "training {} parameters ({} MoE layers of {} experts, top-{}) with kernels.moe = {} for {total} steps{}",
         config.model.parameter_count(),
         config.model.moe_layer_count(),
         config.model.num_experts,
         config.model.num_experts_per_tok,
         config.kernels.moe.name(),
+        if ranks > 1 {
+            format!(", experts sharded over {ranks} ranks")
+        } else {
+            String::new()
+        },
     );
     let start = Instant::now();
     let mut history = Vec::with_capacity(total);

@@ -297,3 +297,103 @@ fn a_job_config_can_take_its_model_from_config_json() {
     assert_eq!(config.model, Qwen3MoeConfig::from_hf_json(&hub).unwrap());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn cuda_training_needs_a_libtorch_moe_implementation() {
+    for moe in ["cpu", "reference"] {
+        let err = JobConfig::load(
+            &shipped("qwen3_moe_debug.toml"),
+            &overrides(&[("training.device", "cuda"), ("kernels.moe", moe)]),
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains(&format!(
+                "kernels.moe = \"{moe}\" runs on the host CPU; with training.device = \"cuda\" choose torch or grouped_mm"
+            )),
+            "{err:#}"
+        );
+    }
+    for moe in ["torch", "grouped_mm"] {
+        let config = JobConfig::load(
+            &shipped("qwen3_moe_debug.toml"),
+            &overrides(&[("training.device", "cuda"), ("kernels.moe", moe)]),
+        )
+        .unwrap();
+        assert_eq!(config.training.device.name(), "cuda");
+    }
+    let err = JobConfig::load(
+        &shipped("qwen3_moe_debug.toml"),
+        &overrides(&[("training.device", "tpu")]),
+    )
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("tpu"), "{err:#}");
+}
+
+#[test]
+fn training_on_cuda_without_a_usable_gpu_says_what_is_missing() {
+    if moekit_trainer::device::TrainDevice::Cuda.resolve().is_ok() {
+        return; // a machine with a GPU trains on it instead
+    }
+    let config = JobConfig::load(
+        &shipped("qwen3_moe_debug.toml"),
+        &overrides(&[("training.device", "cuda"), ("kernels.moe", "torch")]),
+    )
+    .unwrap();
+    let err = moekit_trainer::train::Trainer::new(&config, None)
+        .err()
+        .expect("no CUDA device here");
+    let message = format!("{err:#}");
+    assert!(
+        message.starts_with("training.device = \"cuda\": "),
+        "{message}"
+    );
+    assert!(
+        message.contains("sees no CUDA device") || message.contains("cannot load"),
+        "{message}"
+    );
+    assert!(message.contains("libtorch_cuda.so"), "{message}");
+}
+
+#[test]
+fn expert_parallelism_needs_divisible_experts_moekit_kernels_and_mpi() {
+    let load = |pairs: &[(&str, &str)]| {
+        JobConfig::load(&shipped("qwen3_moe_debug.toml"), &overrides(pairs))
+    };
+    let err = load(&[("parallelism.expert_parallel_degree", "3")]).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("expert_parallel_degree = 3 must divide model.num_experts = 8"),
+        "{err:#}"
+    );
+    let err = load(&[
+        ("parallelism.expert_parallel_degree", "2"),
+        ("kernels.moe", "grouped_mm"),
+    ])
+    .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("kernels.moe must be reference or cpu, got grouped_mm"),
+        "{err:#}"
+    );
+    let err = load(&[
+        ("parallelism.expert_parallel_degree", "2"),
+        ("checkpoint.enable", "true"),
+    ])
+    .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("rank-sharded checkpoints"),
+        "{err:#}"
+    );
+    let err = load(&[("parallelism.expert_parallel_degree", "0")]).unwrap_err();
+    assert!(format!("{err:#}").contains("at least 1"), "{err:#}");
+    let err = load(&[("parallelism.ranks", "2")]).unwrap_err();
+    assert!(format!("{err:#}").contains("ranks"), "{err:#}");
+
+    let config = load(&[("parallelism.expert_parallel_degree", "2")]).unwrap();
+    assert_eq!(config.parallelism.expert_parallel_degree, 2);
+    let err = moekit_trainer::train::Trainer::new(&config, None)
+        .err()
+        .expect("two ranks need MPI");
+    assert!(
+        format!("{err:#}").contains("needs MPI: launch with `mpirun -n 2 moekit-train ...`"),
+        "{err:#}"
+    );
+}

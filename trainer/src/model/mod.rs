@@ -7,4 +7,4 @@ mod qwen3_moe;
 
 pub use config::Qwen3MoeConfig;
 pub use loss::{causal_lm_loss, load_balancing_loss};
-pub use qwen3_moe::{ForwardOutput, Qwen3Moe};
+pub use qwen3_moe::{ExpertShard, ForwardOutput, Qwen3Moe};

@@ -4,7 +4,8 @@
 //! (`model.layers.{l}.self_attn.q_proj.weight`, `model.layers.{l}.mlp.gate.weight`, ...), except
 //! the experts, which stay fused in the kernels' layout:
 //! `model.layers.{l}.mlp.experts.gate_up_proj [E, H, 2, I]` and
-//! `model.layers.{l}.mlp.experts.down_proj [E, I, H]`.
+//! `model.layers.{l}.mlp.experts.down_proj [E, I, H]`. With expert parallelism a rank holds
+//! only its shard of each (see [`ExpertShard`]): `[E/R, H, 2, I]` and `[E/R, I, H]`.
 
 use anyhow::{Result, ensure};
 use tch::{Kind, Tensor, nn};
@@ -35,15 +36,41 @@ pub struct ForwardOutput {
     pub expert_index: Vec<Tensor>,
 }
 
+/// The experts of every MoE layer that one rank holds: rank `rank` of `ranks` holds experts
+/// `[rank·E/R, (rank+1)·E/R)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl ExpertShard {
+    /// Every expert, on a single process.
+    pub const ALL: ExpertShard = ExpertShard { rank: 0, ranks: 1 };
+
+    /// `(first expert, experts held)` of `num_experts`.
+    pub fn range(self, num_experts: usize) -> (usize, usize) {
+        let local = num_experts / self.ranks;
+        (self.rank * local, local)
+    }
+}
+
 impl Qwen3Moe {
     /// Creates the parameters under `vs` with Hugging Face's initialisation: linear, embedding
     /// and expert weights ~ N(0, `initializer_range`), norm weights 1.
     pub fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+        Self::new_sharded(vs, config, ExpertShard::ALL)
+    }
+
+    /// As [`Qwen3Moe::new`], holding only `shard`'s experts. Every rank draws the whole
+    /// model's initial values in the same order, so each shard holds exactly the values of the
+    /// single-process model's experts (E/R must divide E; the config checks it).
+    pub fn new_sharded(vs: &nn::Path, config: &Qwen3MoeConfig, shard: ExpertShard) -> Self {
         let model = vs.sub("model");
         let std = config.initializer_range;
         let (v, h) = (config.vocab_size as i64, config.hidden_size as i64);
         let layers = (0..config.num_hidden_layers)
-            .map(|l| DecoderLayer::new(&model.sub("layers").sub(l), config, l))
+            .map(|l| DecoderLayer::new(&model.sub("layers").sub(l), config, l, shard))
             .collect();
         Self {
             config: config.clone(),
@@ -159,12 +186,12 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(vs: &nn::Path, config: &Qwen3MoeConfig, layer: usize) -> Self {
+    fn new(vs: &nn::Path, config: &Qwen3MoeConfig, layer: usize, shard: ExpertShard) -> Self {
         let h = config.hidden_size as i64;
         let std = config.initializer_range;
         let mlp_path = vs.sub("mlp");
         let mlp = if config.is_moe_layer(layer) {
-            Mlp::Moe(MoeBlock::new(&mlp_path, config))
+            Mlp::Moe(MoeBlock::new(&mlp_path, config, shard))
         } else {
             Mlp::Dense(DenseMlp::new(
                 &mlp_path,
@@ -287,7 +314,7 @@ struct Routed {
 }
 
 impl MoeBlock {
-    fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+    fn new(vs: &nn::Path, config: &Qwen3MoeConfig, shard: ExpertShard) -> Self {
         let (e, h, i) = (
             config.num_experts as i64,
             config.hidden_size as i64,
@@ -295,11 +322,21 @@ impl MoeBlock {
         );
         let std = config.initializer_range;
         let experts = vs.sub("experts");
+        let (first, local) = shard.range(config.num_experts);
+        // The whole tensor is drawn (as `nn::Path::randn` draws it) and this shard's experts
+        // kept, so the random stream and the values match the single-process model's.
+        let sharded = |name: &str, dims: &[i64]| {
+            if shard == ExpertShard::ALL {
+                return experts.randn(name, dims, 0.0, std);
+            }
+            let full = Tensor::randn(dims, (Kind::Float, vs.device())) * std + 0.0;
+            experts.var_copy(name, &full.narrow(0, first as i64, local as i64))
+        };
         Self {
             gate: linear_weight(vs, "gate", e, h, std),
             expert_bias: Tensor::zeros([e], (Kind::Float, vs.device())),
-            gate_up_proj: experts.randn("gate_up_proj", &[e, h, 2, i], 0.0, std),
-            down_proj: experts.randn("down_proj", &[e, i, h], 0.0, std),
+            gate_up_proj: sharded("gate_up_proj", &[e, h, 2, i]),
+            down_proj: sharded("down_proj", &[e, i, h]),
             top_k: config.num_experts_per_tok as i64,
             norm_topk_prob: config.norm_topk_prob,
         }

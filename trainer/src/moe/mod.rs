@@ -5,18 +5,24 @@
 //! `y[t] = Σ_k affinities[t, k] · down_e(silu(x_t · W[e, :, 0, :]) ⊙ (x_t · W[e, :, 1, :]))`
 //! with `e = expert_index[t, k]`, on weights in the kernels' layout: `gate_up [E, H, 2, I]`
 //! and `down [E, I, H]`. They differ only in how, so the trainer switches between them by
-//! configuration alone.
+//! configuration alone. With expert parallelism, [`ExpertParallelExperts`] runs moekit's
+//! kernels on this rank's `E/R` experts and exchanges tokens with the other ranks.
 
+mod expert_parallel;
 mod grouped_mm;
 mod kernels;
 mod torch_loop;
 
+use std::rc::Rc;
+
 use anyhow::{Result, bail};
+use moekit::ep::Communicator;
 use serde::Deserialize;
 use tch::Tensor;
 
 use crate::tape::Tape;
 
+pub use expert_parallel::ExpertParallelExperts;
 pub use grouped_mm::{GroupedMmExperts, check_alignment as check_grouped_mm_alignment};
 pub use kernels::KernelExperts;
 pub use torch_loop::TorchLoopExperts;
@@ -59,6 +65,37 @@ impl MoeImpl {
     }
 
     /// Instantiates the implementation; `block_size` is the moekit block plan's B.
+    /// Whether the implementation runs on a CUDA device (libtorch's own ops); moekit's
+    /// kernels run on the host.
+    pub fn runs_on_cuda(self) -> bool {
+        matches!(self, MoeImpl::Torch | MoeImpl::GroupedMm)
+    }
+
+    /// This rank's experts of an expert-parallel run over `comm` (moekit's kernels only; the
+    /// config checks it).
+    pub fn create_expert_parallel(
+        self,
+        comm: Rc<dyn Communicator>,
+        num_experts: usize,
+        block_size: usize,
+    ) -> Result<Box<dyn Experts>> {
+        let backend = match self {
+            MoeImpl::Reference => moekit::BackendKind::Reference,
+            MoeImpl::Cpu => moekit::BackendKind::Cpu,
+            other => bail!(
+                "expert parallelism runs moekit's kernels: kernels.moe must be reference or cpu, \
+                 got {}",
+                other.name()
+            ),
+        };
+        Ok(Box::new(ExpertParallelExperts::new(
+            backend,
+            comm,
+            num_experts,
+            block_size,
+        )))
+    }
+
     pub fn create(self, block_size: usize) -> Result<Box<dyn Experts>> {
         Ok(match self {
             MoeImpl::Torch => Box::new(TorchLoopExperts),

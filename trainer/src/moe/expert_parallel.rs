@@ -1,0 +1,177 @@
+//! Experts sharded over the ranks of a communicator (expert parallelism): each rank holds
+//! `E/R` experts of every MoE layer, and tokens travel to the ranks that own their experts
+//! through moekit's dispatch and combine ([`ShardedExperts`]), with the backward stitched into
+//! autograd through the [`Tape`] as for [`super::kernels::KernelExperts`].
+//!
+//! Every rank runs the same layers in the same order, so the collectives of the forward and of
+//! the tape's backward line up across ranks. An error of one rank's kernels reaches every rank
+//! (moekit agrees on errors before each exchange).
+
+use std::rc::Rc;
+
+use anyhow::Result;
+use moekit::ep::{Communicator, ExpertsInputs, ExpertsSaved, ShardedExperts};
+use moekit::torch::{from_tch, to_tch};
+use moekit::{Backend, BackendKind};
+use tch::{Device, Tensor};
+
+use super::Experts;
+use crate::tape::{ExternalBackward, Tape};
+
+/// The experts of this rank on moekit's kernels; the other ranks' experts are reached through
+/// the communicator.
+pub struct ExpertParallelExperts {
+    group: Rc<ExpertGroup>,
+}
+
+/// What the forward and every recorded backward share.
+struct ExpertGroup {
+    backend: Box<dyn Backend>,
+    comm: Rc<dyn Communicator>,
+    /// E, experts over all ranks.
+    num_experts: usize,
+    block_size: usize,
+}
+
+impl ExpertGroup {
+    fn sharded(&self) -> ShardedExperts<'_> {
+        ShardedExperts {
+            backend: self.backend.as_ref(),
+            comm: self.comm.as_ref(),
+            num_experts: self.num_experts,
+            block_size: self.block_size,
+        }
+    }
+}
+
+impl ExpertParallelExperts {
+    pub fn new(
+        backend: BackendKind,
+        comm: Rc<dyn Communicator>,
+        num_experts: usize,
+        block_size: usize,
+    ) -> Self {
+        Self {
+            group: Rc::new(ExpertGroup {
+                backend: backend.create(),
+                comm,
+                num_experts,
+                block_size,
+            }),
+        }
+    }
+}
+
+/// The forward's inputs in moekit's layout.
+struct Saved {
+    /// `[T, H]`.
+    x: moekit::Tensor,
+    /// `[T, K]` i32, global expert ids.
+    expert_index: moekit::Tensor,
+    /// `[T, K]`.
+    topk_affinities: moekit::Tensor,
+    /// `[E/R, H, 2, I]`.
+    gate_up: moekit::Tensor,
+    /// `[E/R, I, H]`.
+    down: moekit::Tensor,
+}
+
+impl Saved {
+    fn inputs(&self) -> ExpertsInputs<'_> {
+        ExpertsInputs {
+            x: &self.x,
+            expert_index: &self.expert_index,
+            topk_affinities: &self.topk_affinities,
+            gate_up_proj_weight: &self.gate_up,
+            down_proj_weight: &self.down,
+        }
+    }
+}
+
+impl Experts for ExpertParallelExperts {
+    fn needs_graph_cuts(&self) -> bool {
+        true
+    }
+
+    /// `x [T, H]` (this rank's tokens), `expert_index [T, K]` (global ids), `affinities
+    /// [T, K]`, and this rank's `gate_up [E/R, H, 2, I]` and `down [E/R, I, H]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        expert_index: &Tensor,
+        affinities: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        tape: &mut Tape,
+    ) -> Result<Tensor> {
+        anyhow::ensure!(
+            x.device() == Device::Cpu,
+            "expert parallelism runs moekit's kernels on the CPU, but the activations are on {:?}",
+            x.device()
+        );
+        let saved = Saved {
+            x: from_tch("x", &x.detach())?,
+            expert_index: from_tch("expert_index", expert_index)?,
+            topk_affinities: from_tch("topk_affinities", &affinities.detach())?,
+            gate_up: from_tch("gate_up_proj_weight", &gate_up.detach())?,
+            down: from_tch("down_proj_weight", &down.detach())?,
+        };
+        let (output, experts) = self.group.sharded().forward(saved.inputs())?;
+        let output = to_tch(&output).to_kind(x.kind());
+        let differentiable = [x, affinities, gate_up, down]
+            .iter()
+            .any(|t| t.requires_grad());
+        if !differentiable {
+            return Ok(output);
+        }
+        let output = output.set_requires_grad(true);
+        tape.record(Box::new(ExpertParallelBackward {
+            group: Rc::clone(&self.group),
+            saved,
+            experts,
+            inputs: [x, affinities, gate_up, down].map(Tensor::shallow_clone),
+            output: output.shallow_clone(),
+        }));
+        Ok(output)
+    }
+}
+
+/// The backward of one [`ExpertParallelExperts::forward`]: a collective, run by every rank for
+/// the same layer at the same point of the tape.
+struct ExpertParallelBackward {
+    group: Rc<ExpertGroup>,
+    saved: Saved,
+    experts: ExpertsSaved,
+    /// `x`, `affinities`, `gate_up`, `down` as the forward received them (with their graphs).
+    inputs: [Tensor; 4],
+    output: Tensor,
+}
+
+impl ExternalBackward for ExpertParallelBackward {
+    fn output(&self) -> &Tensor {
+        &self.output
+    }
+
+    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let d_output = from_tch("output_hidden_states_grad", output_grad)?;
+        let grads = self
+            .group
+            .sharded()
+            .backward(self.saved.inputs(), &self.experts, &d_output)?;
+        let [x, affinities, gate_up, down] = &self.inputs;
+        Ok([
+            (x, &grads.d_x),
+            (affinities, &grads.d_topk_affinities),
+            (gate_up, &grads.d_gate_up_proj_weight),
+            (down, &grads.d_down_proj_weight),
+        ]
+        .into_iter()
+        .map(|(input, grad)| {
+            (
+                input.shallow_clone(),
+                to_tch(grad).to_kind(input.kind()).to_device(input.device()),
+            )
+        })
+        .collect())
+    }
+}
