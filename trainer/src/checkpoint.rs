@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::config::ParamDtype;
-use crate::model::Qwen3MoeConfig;
+use crate::model::{ExpertShard, Qwen3MoeConfig};
 
 /// Suffix of the kernels' fused expert weights in the trainer's parameter names.
 const GATE_UP: &str = "mlp.experts.gate_up_proj";
@@ -59,14 +59,17 @@ fn from_hf_tensor(
     name: &str,
     shape: &[i64],
     hf: &BTreeMap<String, Tensor>,
+    shard: ExpertShard,
     source: &Path,
 ) -> Result<Tensor> {
+    // A fused expert tensor holds `shape[0]` experts, from this shard's first.
+    let first = shard.rank as i64 * shape[0];
     let get = |key: &str| {
         hf.get(key)
             .with_context(|| format!("{}: missing tensor `{key}`", source.display()))
     };
     let tensor = if let Some(prefix) = name.strip_suffix(GATE_UP) {
-        let experts = (0..shape[0])
+        let experts = (first..first + shape[0])
             .map(|e| {
                 let gate = get(&format!("{prefix}mlp.experts.{e}.gate_proj.weight"))?;
                 let up = get(&format!("{prefix}mlp.experts.{e}.up_proj.weight"))?;
@@ -83,7 +86,7 @@ fn from_hf_tensor(
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&experts, 0)
     } else if let Some(prefix) = name.strip_suffix(DOWN) {
-        let experts = (0..shape[0])
+        let experts = (first..first + shape[0])
             .map(|e| Ok(get(&format!("{prefix}mlp.experts.{e}.down_proj.weight"))?.transpose(0, 1)))
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&experts, 0)
@@ -175,8 +178,14 @@ fn read_hf_tensors(dir: &Path) -> Result<BTreeMap<String, Tensor>> {
 }
 
 /// Loads a Hugging Face model directory (`config.json` + safetensors) into `params`, after
-/// checking that its architecture is `config`'s.
-pub fn load_hf(dir: &Path, config: &Qwen3MoeConfig, params: &[(String, Tensor)]) -> Result<()> {
+/// checking that its architecture is `config`'s. The fused expert parameters take `shard`'s
+/// experts ([`ExpertShard::ALL`] for every expert).
+pub fn load_hf(
+    dir: &Path,
+    config: &Qwen3MoeConfig,
+    params: &[(String, Tensor)],
+    shard: ExpertShard,
+) -> Result<()> {
     let found = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
     if let Some(field) = architecture_difference(&found, config) {
         bail!(
@@ -185,7 +194,9 @@ pub fn load_hf(dir: &Path, config: &Qwen3MoeConfig, params: &[(String, Tensor)])
         );
     }
     let hf = read_hf_tensors(dir)?;
-    assign(params, |name, shape| from_hf_tensor(name, shape, &hf, dir))
+    assign(params, |name, shape| {
+        from_hf_tensor(name, shape, &hf, shard, dir)
+    })
 }
 
 /// The first architecture field (anything that changes the function the weights compute)
@@ -359,6 +370,14 @@ pub struct TrainingState {
     pub gradient_accumulation_steps: usize,
     /// Parameter dtype (bf16 checkpoints hold f32 master weights in the optimizer state).
     pub dtype: ParamDtype,
+    /// R, the ranks the experts were sharded over; with R > 1 each rank's parameters and
+    /// optimizer state are in their own files.
+    #[serde(default = "one_rank")]
+    pub expert_parallel_degree: usize,
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 /// A training checkpoint's contents.
@@ -372,7 +391,7 @@ pub struct TrainingCheckpoint {
 }
 
 /// Folder name of the checkpoint after `step` steps.
-fn step_folder(step: usize) -> String {
+pub fn step_folder(step: usize) -> String {
     format!("step-{step:08}")
 }
 
@@ -399,25 +418,88 @@ pub fn list_checkpoints(folder: &Path) -> Result<Vec<(usize, PathBuf)>> {
     Ok(found)
 }
 
+/// The files holding rank `rank` of `ranks`' parameters and optimizer state:
+/// `model.safetensors` and `optimizer.safetensors` on a single process,
+/// `model-rank{r}-of-{R}.safetensors` and `optimizer-rank{r}-of-{R}.safetensors` otherwise.
+fn shard_files(rank: usize, ranks: usize) -> (String, String) {
+    if ranks == 1 {
+        return (
+            "model.safetensors".to_owned(),
+            "optimizer.safetensors".to_owned(),
+        );
+    }
+    (
+        format!("model-rank{rank}-of-{ranks}.safetensors"),
+        format!("optimizer-rank{rank}-of-{ranks}.safetensors"),
+    )
+}
+
 /// Writes a training checkpoint into `folder/step-NNNNNNNN` (plus `config.json`, so the
 /// folder also names its architecture), then deletes all but the newest `keep_latest_k`
-/// checkpoints (0 keeps all).
+/// checkpoints (0 keeps all). A single process's checkpoint; expert-parallel runs write theirs
+/// in the stages below, one shard per rank.
 pub fn save_training(
     folder: &Path,
     keep_latest_k: usize,
     checkpoint: &TrainingCheckpoint,
 ) -> Result<PathBuf> {
-    let dir = folder.join(step_folder(checkpoint.state.step));
-    let dtype = checkpoint.state.dtype.kind();
-    write_folder(&dir, |tmp| {
-        write_tensors(&tmp.join("model.safetensors"), &checkpoint.params)?;
-        write_tensors(&tmp.join("optimizer.safetensors"), &checkpoint.optimizer)?;
-        write_json(
-            &tmp.join("config.json"),
-            &hf_config_json(&checkpoint.state.model, dtype),
-        )?;
-        write_json(&tmp.join("state.json"), &checkpoint.state)
-    })?;
+    let tmp = begin_training(folder, checkpoint.state.step)?;
+    let result = write_training_shard(&tmp, 0, 1, checkpoint)
+        .and_then(|()| finish_training(&tmp, folder, keep_latest_k, &checkpoint.state));
+    if result.is_err() {
+        abandon_training(&tmp);
+    }
+    result
+}
+
+/// Stage 1 (one process): the temporary folder, beside the final one, that the checkpoint of
+/// `step` is written into. The final folder must not exist yet.
+pub fn begin_training(folder: &Path, step: usize) -> Result<PathBuf> {
+    let dir = folder.join(step_folder(step));
+    ensure!(
+        !dir.exists(),
+        "{} already exists; choose another path or remove it first",
+        dir.display()
+    );
+    let tmp = staging_folder(folder, step);
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// Where the checkpoint of `step` is written before it is renamed into place.
+pub fn staging_folder(folder: &Path, step: usize) -> PathBuf {
+    folder.join(format!("{}.tmp", step_folder(step)))
+}
+
+/// Stage 2 (every rank): rank `rank` of `ranks`' parameters and optimizer state into `tmp`.
+pub fn write_training_shard(
+    tmp: &Path,
+    rank: usize,
+    ranks: usize,
+    checkpoint: &TrainingCheckpoint,
+) -> Result<()> {
+    let (model, optimizer) = shard_files(rank, ranks);
+    write_tensors(&tmp.join(model), &checkpoint.params)?;
+    write_tensors(&tmp.join(optimizer), &checkpoint.optimizer)
+}
+
+/// Stage 3 (one process, after every shard is written): `state.json` and `config.json`, the
+/// rename into place, and the rotation to the newest `keep_latest_k`. Returns the folder.
+pub fn finish_training(
+    tmp: &Path,
+    folder: &Path,
+    keep_latest_k: usize,
+    state: &TrainingState,
+) -> Result<PathBuf> {
+    write_json(
+        &tmp.join("config.json"),
+        &hf_config_json(&state.model, state.dtype.kind()),
+    )?;
+    write_json(&tmp.join("state.json"), state)?;
+    let dir = folder.join(step_folder(state.step));
+    std::fs::rename(tmp, &dir)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
     if keep_latest_k > 0 {
         let all = list_checkpoints(folder)?;
         for (_, old) in &all[..all.len().saturating_sub(keep_latest_k)] {
@@ -428,13 +510,17 @@ pub fn save_training(
     Ok(dir)
 }
 
+/// Removes a checkpoint's temporary folder after a failed save.
+pub fn abandon_training(tmp: &Path) {
+    let _ = std::fs::remove_dir_all(tmp);
+}
+
 /// Whether `dir` is a training checkpoint (rather than a Hugging Face directory).
 pub fn is_training_checkpoint(dir: &Path) -> bool {
     dir.join("state.json").is_file()
 }
 
-/// Reads a training checkpoint folder.
-pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
+fn read_state(dir: &Path) -> Result<TrainingState> {
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path)
         .with_context(|| format!("cannot read {}", state_path.display()))?;
@@ -444,11 +530,96 @@ pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
         .model
         .validate()
         .with_context(|| format!("in {}", state_path.display()))?;
+    ensure!(
+        state.expert_parallel_degree >= 1
+            && state
+                .model
+                .num_experts
+                .is_multiple_of(state.expert_parallel_degree),
+        "{}: expert_parallel_degree {} does not divide num_experts {}",
+        state_path.display(),
+        state.expert_parallel_degree,
+        state.model.num_experts
+    );
+    Ok(state)
+}
+
+/// Reads a training checkpoint folder as one model: an expert-parallel checkpoint's shards
+/// are merged (replicated tensors from rank 0, expert tensors and their optimizer state
+/// concatenated in rank order), for evaluation and export.
+pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
+    let state = read_state(dir)?;
+    let ranks = state.expert_parallel_degree;
+    let mut shards = (0..ranks)
+        .map(|rank| read_shard(dir, rank, ranks))
+        .collect::<Result<Vec<_>>>()?;
+    if ranks == 1 {
+        let (params, optimizer) = shards.remove(0);
+        return Ok(TrainingCheckpoint {
+            state,
+            params,
+            optimizer,
+        });
+    }
+    let (params, optimizer): (Vec<_>, Vec<_>) = shards.into_iter().unzip();
     Ok(TrainingCheckpoint {
         state,
-        params: read_tensors(&dir.join("model.safetensors"))?,
-        optimizer: read_tensors(&dir.join("optimizer.safetensors"))?,
+        params: merge_shards(params),
+        optimizer: merge_shards(optimizer),
     })
+}
+
+/// Reads rank `rank`'s part of an expert-parallel training checkpoint (the whole checkpoint
+/// for a single process's), to resume that rank; the checkpoint must have been saved by `ranks`
+/// ranks.
+pub fn load_training_shard(dir: &Path, rank: usize, ranks: usize) -> Result<TrainingCheckpoint> {
+    let state = read_state(dir)?;
+    ensure!(
+        state.expert_parallel_degree == ranks,
+        "{} was saved by {} rank(s); resume it with parallelism.expert_parallel_degree = {} \
+         (this run has {ranks})",
+        dir.display(),
+        state.expert_parallel_degree,
+        state.expert_parallel_degree
+    );
+    let (params, optimizer) = read_shard(dir, rank, ranks)?;
+    Ok(TrainingCheckpoint {
+        state,
+        params,
+        optimizer,
+    })
+}
+
+type Tensors = BTreeMap<String, Tensor>;
+
+fn read_shard(dir: &Path, rank: usize, ranks: usize) -> Result<(Tensors, Tensors)> {
+    let (model, optimizer) = shard_files(rank, ranks);
+    Ok((
+        read_tensors(&dir.join(model))?,
+        read_tensors(&dir.join(optimizer))?,
+    ))
+}
+
+/// One map from every rank's: tensors whose names end in a fused expert weight's suffix are
+/// concatenated along the expert dimension in rank order; the others are rank 0's.
+fn merge_shards(shards: Vec<Tensors>) -> Tensors {
+    let mut shards = shards.into_iter();
+    let Some(mut merged) = shards.next() else {
+        return Tensors::new();
+    };
+    let rest: Vec<Tensors> = shards.collect();
+    for (name, tensor) in &mut merged {
+        if name.ends_with(GATE_UP) || name.ends_with(DOWN) {
+            let mut parts = vec![tensor.shallow_clone()];
+            parts.extend(
+                rest.iter()
+                    .filter_map(|shard| shard.get(name))
+                    .map(Tensor::shallow_clone),
+            );
+            *tensor = Tensor::cat(&parts, 0);
+        }
+    }
+    merged
 }
 
 /// Copies a checkpoint's tensors into `params` (same names and shapes).

@@ -350,12 +350,6 @@ impl JobConfig {
              dispatch and combine: kernels.moe must be reference or cpu, got {}",
             self.kernels.moe.name()
         );
-        ensure!(
-            !self.checkpoint.enable && self.checkpoint.initial_load_path.is_none(),
-            "parallelism.expert_parallel_degree = {ranks}: rank-sharded checkpoints and loading \
-             a Hugging Face directory across ranks are not supported yet; set \
-             checkpoint.enable = false and leave checkpoint.initial_load_path unset"
-        );
         Ok(())
     }
 

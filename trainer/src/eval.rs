@@ -10,7 +10,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{assign_params, export_hf, is_training_checkpoint, load_hf, load_training};
-use crate::model::{Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
+use crate::model::{ExpertShard, Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
 use crate::moe::MoeImpl;
 use crate::tape::Tape;
 
@@ -44,7 +44,7 @@ pub fn load_model(dir: &Path, dtype: LoadDtype) -> Result<LoadedModel> {
     } else {
         let config = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
         let model = Qwen3Moe::new(&vars.root(), &config);
-        load_hf(dir, &config, &sorted_variables(&vars))?;
+        load_hf(dir, &config, &sorted_variables(&vars), ExpertShard::ALL)?;
         model
     };
     Ok(LoadedModel { vars, model })

@@ -12,7 +12,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::rc::Rc;
 
 use anyhow::{Context, Result, bail};
-use moekit::ep::{Communicator, MpiComm, agree_with_values};
+use moekit::ep::{Communicator, MpiComm, agree, agree_with_values};
 use tch::{Kind, Tensor};
 
 use crate::config::JobConfig;
@@ -81,6 +81,31 @@ impl RankGroup {
             rank: self.rank(),
             ranks: self.ranks(),
         }
+    }
+
+    /// `result` where every rank succeeded; otherwise the first failing rank's error, on every
+    /// rank (so no rank goes on to a collective the others have left).
+    pub fn all_ok<T>(&self, result: Result<T>) -> Result<T> {
+        let rank = self.rank();
+        let local = result.map_err(|err| moekit::Error::Collective {
+            rank,
+            message: format!("{err:#}"),
+        });
+        Ok(agree(self.comm.as_ref(), local)?)
+    }
+
+    /// Checks that `value` (what `what` names) is the same on every rank.
+    pub fn same_everywhere(&self, what: &str, value: i64) -> Result<()> {
+        let ((), values) = agree_with_values(self.comm.as_ref(), Ok(((), vec![value])))?;
+        if let Some(rank) = values.iter().position(|v| v.first() != Some(&value)) {
+            bail!(
+                "{what} differs between the ranks (rank {rank} sees {:?}, rank {} sees {value}): \
+                 every rank must see the same dump folder",
+                values[rank].first(),
+                self.rank()
+            );
+        }
+        Ok(())
     }
 
     /// `values` summed over the ranks, in rank order (bit-identical on every rank).

@@ -14,8 +14,9 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{
-    TrainingCheckpoint, TrainingState, assign_params, list_checkpoints, load_hf, load_training,
-    save_training,
+    TrainingCheckpoint, TrainingState, abandon_training, assign_params, begin_training,
+    finish_training, list_checkpoints, load_hf, load_training_shard, save_training, staging_folder,
+    step_folder, write_training_shard,
 };
 use crate::config::{JobConfig, ParamDtype};
 use crate::data::{Batches, Source, TextTokenizer};
@@ -209,13 +210,24 @@ impl Trainer {
             true => list_checkpoints(&trainer.checkpoint_folder())?.pop(),
             false => None,
         };
-        if let Some((_, dir)) = latest {
+        if let Some(group) = &trainer.group {
+            let step = latest.as_ref().map_or(-1, |(step, _)| *step as i64);
+            group.same_everywhere("the newest checkpoint's step", step)?;
+        }
+        let loaded = if let Some((_, dir)) = latest {
             trainer
                 .resume(&dir)
-                .with_context(|| format!("cannot resume from {}", dir.display()))?;
+                .with_context(|| format!("cannot resume from {}", dir.display()))
         } else if let Some(path) = &config.checkpoint.initial_load_path {
-            load_hf(path, &config.model, trainer.params())?;
-            trainer.optimizer.reset_master_weights();
+            load_hf(path, &config.model, trainer.params(), shard).map(|()| {
+                trainer.optimizer.reset_master_weights();
+            })
+        } else {
+            Ok(())
+        };
+        match &trainer.group {
+            Some(group) => group.all_ok(loaded)?,
+            None => loaded?,
         }
         Ok(trainer)
     }
@@ -294,7 +306,10 @@ impl Trainer {
 
     /// Continues from a training checkpoint of the same model, seed and batch shape.
     fn resume(&mut self, dir: &Path) -> Result<()> {
-        let checkpoint = load_training(dir)?;
+        let checkpoint = match &self.group {
+            Some(group) => load_training_shard(dir, group.rank(), group.ranks())?,
+            None => load_training_shard(dir, 0, 1)?,
+        };
         let state = &checkpoint.state;
         let training = &self.config.training;
         ensure!(
@@ -366,6 +381,7 @@ impl Trainer {
                 seq_len: self.config.training.seq_len,
                 gradient_accumulation_steps: self.config.training.gradient_accumulation_steps,
                 dtype: self.config.training.dtype,
+                expert_parallel_degree: self.config.parallelism.expert_parallel_degree,
             },
             params: self
                 .params()
@@ -375,11 +391,34 @@ impl Trainer {
                 .collect(),
             optimizer: self.optimizer.state(),
         };
-        save_training(
-            &self.checkpoint_folder(),
-            self.config.checkpoint.keep_latest_k,
-            &checkpoint,
-        )
+        let folder = self.checkpoint_folder();
+        let keep = self.config.checkpoint.keep_latest_k;
+        let Some(group) = &self.group else {
+            return save_training(&folder, keep, &checkpoint);
+        };
+        // Rank 0 stages the folder, every rank writes its shard, rank 0 completes it; each
+        // stage's outcome reaches every rank before the next.
+        let (rank, ranks, step) = (group.rank(), group.ranks(), self.step);
+        let staged = if rank == 0 {
+            begin_training(&folder, step).map(drop)
+        } else {
+            Ok(())
+        };
+        group.all_ok(staged)?;
+        let tmp = staging_folder(&folder, step);
+        let written = group.all_ok(write_training_shard(&tmp, rank, ranks, &checkpoint));
+        let finished = written.and_then(|()| {
+            let finished = if rank == 0 {
+                finish_training(&tmp, &folder, keep, &checkpoint.state).map(drop)
+            } else {
+                Ok(())
+            };
+            group.all_ok(finished)
+        });
+        if finished.is_err() && rank == 0 {
+            abandon_training(&tmp);
+        }
+        finished.map(|()| folder.join(step_folder(step)))
     }
 
     /// The parameters by name (sorted), as the optimizer updates them.
@@ -496,8 +535,18 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<V
     let resumed = trainer.steps_taken();
     let total = config.training.steps;
     if !trainer.is_main_rank() {
-        // The other ranks of an expert-parallel run take the same steps; rank 0 reports them.
-        return (resumed + 1..=total).map(|_| trainer.step()).collect();
+        // The other ranks of an expert-parallel run take the same steps and write their
+        // checkpoint shards at the same steps; rank 0 reports.
+        let checkpoint = &config.checkpoint;
+        return (resumed + 1..=total)
+            .map(|step| {
+                let metrics = trainer.step()?;
+                if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
+                    trainer.save()?;
+                }
+                Ok(metrics)
+            })
+            .collect();
     }
     let metrics_path = folder.join("metrics.jsonl");
     if resumed > 0 {

@@ -373,15 +373,6 @@ fn expert_parallelism_needs_divisible_experts_moekit_kernels_and_mpi() {
         format!("{err:#}").contains("kernels.moe must be reference or cpu, got grouped_mm"),
         "{err:#}"
     );
-    let err = load(&[
-        ("parallelism.expert_parallel_degree", "2"),
-        ("checkpoint.enable", "true"),
-    ])
-    .unwrap_err();
-    assert!(
-        format!("{err:#}").contains("rank-sharded checkpoints"),
-        "{err:#}"
-    );
     let err = load(&[("parallelism.expert_parallel_degree", "0")]).unwrap_err();
     assert!(format!("{err:#}").contains("at least 1"), "{err:#}");
     let err = load(&[("parallelism.ranks", "2")]).unwrap_err();

@@ -120,6 +120,163 @@ fn parity(comm: &Rc<dyn Communicator>) -> Result<(), String> {
     Ok(())
 }
 
+fn max_abs_difference(a: &Path, b: &Path) -> Result<(f64, usize), String> {
+    let read = |dir: &Path| {
+        moekit::golden::TensorFile::read(&dir.join("model.safetensors"))
+            .map_err(|err| err.to_string())
+    };
+    let (a, b) = (read(a)?, read(b)?);
+    if a.tensors.keys().ne(b.tensors.keys()) {
+        return Err("the exports hold different tensor names".to_owned());
+    }
+    let mut largest: f64 = 0.0;
+    for (name, ta) in &a.tensors {
+        let tb = &b.tensors[name];
+        if ta.shape() != tb.shape() {
+            return Err(format!(
+                "`{name}`: shapes {:?} and {:?}",
+                ta.shape(),
+                tb.shape()
+            ));
+        }
+        for (x, y) in ta.to_f64_vec().iter().zip(tb.to_f64_vec()) {
+            largest = largest.max((x - y).abs());
+        }
+    }
+    Ok((largest, a.tensors.len()))
+}
+
+/// Rank-sharded checkpoints: a run resumed from its step-3 checkpoint repeats steps 4–6 of the
+/// uninterrupted run bit for bit; the export of the sharded checkpoint is a standard Hugging
+/// Face directory with every expert, matching the single process's export; and starting R
+/// ranks from that directory gives the single process's first loss.
+fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let batch = 2;
+    let sharded = |dump: &Path, extra: &[(&str, String)]| {
+        let mut pairs = vec![
+            ("training.batch_size", batch.to_string()),
+            ("parallelism.expert_parallel_degree", ranks.to_string()),
+            ("checkpoint.enable", "true".into()),
+            ("checkpoint.interval", "3".into()),
+        ];
+        pairs.extend(extra.iter().cloned());
+        config(dump, &pairs)
+    };
+    let single = |dump: &Path, extra: &[(&str, String)]| {
+        let mut pairs = vec![
+            ("training.batch_size", (batch * ranks).to_string()),
+            ("checkpoint.enable", "true".into()),
+            ("checkpoint.interval", "3".into()),
+        ];
+        pairs.extend(extra.iter().cloned());
+        config(dump, &pairs)
+    };
+    let barrier = || comm.barrier().map_err(|err| err.to_string());
+    let dump = scratch(&format!("ckpt-R{ranks}"));
+    if rank == 0 {
+        let _ = std::fs::remove_dir_all(&dump);
+    }
+    barrier()?;
+    let full = train(&sharded(&dump, &[]), Some(Rc::clone(comm))).map_err(|e| format!("{e:#}"))?;
+    let checkpoints = dump.join("checkpoints");
+    barrier()?;
+    if rank == 0 {
+        let step6 = checkpoints.join("step-00000006");
+        for file in ["state.json", "config.json", "model-rank0-of-2.safetensors"] {
+            let file = file.replace("of-2", &format!("of-{ranks}"));
+            if !step6.join(&file).is_file() {
+                return Err(format!("{} has no {file}", step6.display()));
+            }
+        }
+        std::fs::remove_dir_all(&step6).map_err(|e| e.to_string())?;
+    }
+    barrier()?;
+    let resumed =
+        train(&sharded(&dump, &[]), Some(Rc::clone(comm))).map_err(|e| format!("{e:#}"))?;
+    if resumed.len() != 3 {
+        return Err(format!(
+            "the resumed run took {} steps, not 3",
+            resumed.len()
+        ));
+    }
+    for (a, b) in full[3..].iter().zip(&resumed) {
+        if (a.step, a.loss, a.grad_norm) != (b.step, b.loss, b.grad_norm) {
+            return Err(format!(
+                "step {}: loss {} grad norm {} uninterrupted, {} {} resumed",
+                a.step, a.loss, a.grad_norm, b.loss, b.grad_norm
+            ));
+        }
+    }
+    barrier()?;
+    let exported = scratch(&format!("export-R{ranks}"));
+    let single_dump = scratch(&format!("ckpt-R1-for-{ranks}"));
+    let single_export = scratch(&format!("export-R1-for-{ranks}"));
+    if rank == 0 {
+        for dir in [&exported, &single_dump, &single_export] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        moekit_trainer::eval::export(&checkpoints.join("step-00000006"), &exported)
+            .map_err(|e| format!("export: {e:#}"))?;
+        train(&single(&single_dump, &[]), None).map_err(|e| format!("R=1: {e:#}"))?;
+        moekit_trainer::eval::export(
+            &single_dump.join("checkpoints/step-00000006"),
+            &single_export,
+        )
+        .map_err(|e| format!("R=1 export: {e:#}"))?;
+        let (largest, tensors) = max_abs_difference(&exported, &single_export)?;
+        if largest > 1e-4 {
+            return Err(format!("the exports differ by up to {largest:.2e}"));
+        }
+        // A sharded checkpoint resumes on the same R only.
+        let err = train(&single(&dump, &[]), None).expect_err("R=1 cannot resume R ranks' shards");
+        let expected = format!(
+            "was saved by {ranks} rank(s); resume it with parallelism.expert_parallel_degree = {ranks}"
+        );
+        if !format!("{err:#}").contains(&expected) {
+            return Err(format!("resuming on R=1: {err:#}"));
+        }
+        report(format!(
+            "rank 0 of {ranks}: resume repeats steps 4-6 exactly; the sharded export's {tensors} \
+             tensors equal the single process's within {largest:.1e}"
+        ));
+    }
+    barrier()?;
+    // Every rank loads its experts of the single process's export.
+    let start = [
+        (
+            "checkpoint.initial_load_path",
+            single_export.display().to_string(),
+        ),
+        ("training.steps", "1".into()),
+        ("lr_scheduler.warmup_steps", "0".into()),
+        ("checkpoint.enable", "false".into()),
+    ];
+    let from_hf = train(
+        &sharded(&scratch(&format!("from-hf-R{ranks}")), &start),
+        Some(Rc::clone(comm)),
+    )
+    .map_err(|e| format!("from HF: {e:#}"))?;
+    if rank == 0 {
+        let one = train(
+            &single(&scratch(&format!("from-hf-R1-for-{ranks}")), &start),
+            None,
+        )
+        .map_err(|e| format!("R=1 from HF: {e:#}"))?;
+        let relative = (from_hf[0].loss - one[0].loss).abs() / one[0].loss;
+        if relative > 1e-5 {
+            return Err(format!(
+                "from the export: first loss {} with R={ranks}, {} with R=1",
+                from_hf[0].loss, one[0].loss
+            ));
+        }
+        report(format!(
+            "rank 0 of {ranks}: started from a Hugging Face directory, the first loss equals R=1's within {relative:.1e}"
+        ));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let comm: Rc<dyn Communicator> = match MpiComm::init() {
         Ok(comm) => Rc::new(comm),
@@ -156,7 +313,7 @@ fn main() -> ExitCode {
         report("run under `mpirun -n R` with R ≥ 2 (see scripts/test.sh)".to_owned());
         return ExitCode::FAILURE;
     }
-    match parity(&comm) {
+    match parity(&comm).and_then(|()| checkpoints(&comm)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             report(format!("rank {rank}: {message}"));
