@@ -13,6 +13,8 @@
 //! [`ShardedExperts`] is the expert half alone (dispatch … combine and back), for callers that
 //! route the tokens themselves.
 
+use std::time::{Duration, Instant};
+
 use super::comm::Communicator;
 use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch, dispatch_bwd};
 use crate::backend::Backend;
@@ -199,6 +201,15 @@ pub struct ExpertsSaved {
     dispatched: Dispatched,
     /// The local plan and checkpoints, when this rank received rows.
     local: Option<LocalExperts>,
+    /// Wall time of the forward's dispatch and combine (waiting for other ranks included).
+    exchange_time: Duration,
+}
+
+impl ExpertsSaved {
+    /// Wall time the forward spent in dispatch and combine, waiting for other ranks included.
+    pub fn exchange_time(&self) -> Duration {
+        self.exchange_time
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -221,12 +232,16 @@ pub struct ExpertsGrads {
     pub d_gate_up_proj_weight: Tensor,
     /// `[E/R, I, H]` f32.
     pub d_down_proj_weight: Tensor,
+    /// Wall time of the backward's exchanges (combine's and dispatch's backward), waiting for
+    /// other ranks included.
+    pub exchange_time: Duration,
 }
 
 impl ShardedExperts<'_> {
     /// `output [T, H]` f32: each token's rows through the experts of whichever ranks own them,
     /// weighted and summed back on this rank.
     pub fn forward(&self, inputs: ExpertsInputs<'_>) -> Result<(Tensor, ExpertsSaved)> {
+        let start = Instant::now();
         let dispatched = dispatch(
             self.comm,
             inputs.x,
@@ -236,6 +251,7 @@ impl ShardedExperts<'_> {
                 num_experts: self.num_experts,
             },
         )?;
+        let mut exchange_time = start.elapsed();
         let local = super::comm::agree(self.comm, self.local_forward(inputs, &dispatched))?;
         let h = inputs.x.shape()[1];
         let m = dispatched.hidden_states.shape()[0];
@@ -243,12 +259,15 @@ impl ShardedExperts<'_> {
             Some((output, _)) => output.clone(),
             None => Tensor::from_f32([m, h], vec![0.0; m * h])?,
         };
+        let start = Instant::now();
         let output = combine(self.comm, &dispatched.route, &expert_output)?;
+        exchange_time += start.elapsed();
         Ok((
             output,
             ExpertsSaved {
                 dispatched,
                 local: local.map(|(_, experts)| experts),
+                exchange_time,
             },
         ))
     }
@@ -318,12 +337,15 @@ impl ShardedExperts<'_> {
         d_output: &Tensor,
     ) -> Result<ExpertsGrads> {
         let route = &saved.dispatched.route;
+        let start = Instant::now();
         let d_expert_output = combine_bwd(self.comm, route, d_output)?;
+        let mut exchange_time = start.elapsed();
         let local = super::comm::agree(
             self.comm,
             self.local_backward(inputs, saved, &d_expert_output),
         )?;
         let (d_rows, d_row_affinities, d_gate_up, d_down) = local;
+        let start = Instant::now();
         let (d_x, d_topk_affinities) = dispatch_bwd(
             self.comm,
             route,
@@ -334,11 +356,13 @@ impl ShardedExperts<'_> {
             &d_rows,
             &d_row_affinities,
         )?;
+        exchange_time += start.elapsed();
         Ok(ExpertsGrads {
             d_x,
             d_topk_affinities,
             d_gate_up_proj_weight: d_gate_up,
             d_down_proj_weight: d_down,
+            exchange_time,
         })
     }
 

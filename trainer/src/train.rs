@@ -42,6 +42,10 @@ pub struct StepMetrics {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub tokens_per_second: f64,
+    /// With expert parallelism: the share of the step's wall time this rank spent in
+    /// dispatch and combine (forward and backward, waiting for other ranks included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exchange_share: Option<f64>,
     /// Token-to-expert assignments of each MoE layer over the step.
     pub expert_load: Vec<LayerLoad>,
     /// The assignments themselves, `[MoE layers][E]` (not written to metrics.jsonl).
@@ -501,6 +505,7 @@ impl Trainer {
             self.update_expert_biases(&counts);
         }
 
+        let elapsed = start.elapsed().as_secs_f64();
         let ranks = self.group.as_ref().map_or(1, RankGroup::ranks);
         let tokens = (accumulation * training.batch_size * training.seq_len * ranks) as f64;
         Ok(StepMetrics {
@@ -509,7 +514,11 @@ impl Trainer {
             aux_loss: aux_sum / accumulation as f64,
             lr,
             grad_norm,
-            tokens_per_second: tokens / start.elapsed().as_secs_f64(),
+            tokens_per_second: tokens / elapsed,
+            exchange_share: self
+                .experts
+                .take_exchange_time()
+                .map(|time| time.as_secs_f64() / elapsed),
             expert_load: moe_layers
                 .iter()
                 .zip(&counts)
@@ -591,8 +600,11 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<V
             metrics_file.flush()?;
             let elapsed = start.elapsed().as_secs_f64();
             let eta = elapsed / (step - resumed) as f64 * (total - step) as f64;
+            let exchange = metrics.exchange_share.map_or_else(String::new, |share| {
+                format!("  exchange {:.0}%", 100.0 * share)
+            });
             println!(
-                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}  aux {:.4}  lr {:.2e}  {:.0} tok/s  eta {eta:.0}s",
+                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}  aux {:.4}  lr {:.2e}  {:.0} tok/s{exchange}  eta {eta:.0}s",
                 metrics.loss,
                 metrics.aux_loss,
                 metrics.lr,

@@ -7,7 +7,9 @@
 //! the tape's backward line up across ranks. An error of one rank's kernels reaches every rank
 //! (moekit agrees on errors before each exchange).
 
+use std::cell::Cell;
 use std::rc::Rc;
+use std::time::Duration;
 
 use anyhow::Result;
 use moekit::ep::{Communicator, ExpertsInputs, ExpertsSaved, ShardedExperts};
@@ -31,9 +33,15 @@ struct ExpertGroup {
     /// E, experts over all ranks.
     num_experts: usize,
     block_size: usize,
+    /// Exchange time accumulated since [`Experts::take_exchange_time`] last read it.
+    exchange_time: Cell<Duration>,
 }
 
 impl ExpertGroup {
+    fn add_exchange_time(&self, time: Duration) {
+        self.exchange_time.set(self.exchange_time.get() + time);
+    }
+
     fn sharded(&self) -> ShardedExperts<'_> {
         ShardedExperts {
             backend: self.backend.as_ref(),
@@ -57,6 +65,7 @@ impl ExpertParallelExperts {
                 comm,
                 num_experts,
                 block_size,
+                exchange_time: Cell::new(Duration::ZERO),
             }),
         }
     }
@@ -117,6 +126,7 @@ impl Experts for ExpertParallelExperts {
             down: from_tch("down_proj_weight", &down.detach())?,
         };
         let (output, experts) = self.group.sharded().forward(saved.inputs())?;
+        self.group.add_exchange_time(experts.exchange_time());
         let output = to_tch(&output).to_kind(x.kind());
         let differentiable = [x, affinities, gate_up, down]
             .iter()
@@ -133,6 +143,10 @@ impl Experts for ExpertParallelExperts {
             output: output.shallow_clone(),
         }));
         Ok(output)
+    }
+
+    fn take_exchange_time(&self) -> Option<Duration> {
+        Some(self.group.exchange_time.replace(Duration::ZERO))
     }
 }
 
@@ -158,6 +172,7 @@ impl ExternalBackward for ExpertParallelBackward {
             .group
             .sharded()
             .backward(self.saved.inputs(), &self.experts, &d_output)?;
+        self.group.add_exchange_time(grads.exchange_time);
         let [x, affinities, gate_up, down] = &self.inputs;
         Ok([
             (x, &grads.d_x),

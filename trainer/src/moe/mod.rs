@@ -14,6 +14,7 @@ mod kernels;
 mod torch_loop;
 
 use std::rc::Rc;
+use std::time::Duration;
 
 use anyhow::{Result, bail};
 use moekit::ep::Communicator;
@@ -133,4 +134,11 @@ pub trait Experts {
         down: &Tensor,
         tape: &mut Tape,
     ) -> Result<Tensor>;
+
+    /// Wall time spent exchanging tokens with other ranks since the last call (expert
+    /// parallelism's dispatch and combine, forward and backward); `None` for implementations
+    /// that exchange nothing.
+    fn take_exchange_time(&self) -> Option<Duration> {
+        None
+    }
 }
