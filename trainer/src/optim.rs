@@ -106,7 +106,7 @@ impl AdamW {
                     value.size(),
                     p.size()
                 );
-                *moment = value.to_kind(Kind::Float).copy();
+                *moment = value.to_kind(Kind::Float).to_device(p.device()).copy();
             }
         }
         self.step = steps_taken;

@@ -242,7 +242,9 @@ impl Trainer {
         let coeff = self.config.training.load_balance_coeff;
         tch::no_grad(|| {
             for ((_, mut bias), counts) in self.model.expert_biases().into_iter().zip(counts) {
-                let counts = Tensor::from_slice(counts).to_kind(Kind::Float);
+                let counts = Tensor::from_slice(counts)
+                    .to_kind(Kind::Float)
+                    .to_device(bias.device());
                 let delta = (counts.mean(Kind::Float) - counts).sign() * coeff;
                 let _ = bias.g_add_(&(&delta - delta.mean(Kind::Float)));
             }
