@@ -14,7 +14,9 @@
  *                                    same-index input)
  *     param activation softmax      (router_topk: softmax | sigmoid)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
- *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions)
+ *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
+ *                                    computation ignores names it does not know, which moekit's
+ *                                    backend must catch)
  *     output router_logits f32 4 4
  *
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
@@ -100,7 +102,13 @@ NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_version, cons
 }
 
 void nrt_close(void) {
-    if (state == STATE_RUNNING) state = STATE_CLOSED;
+    if (state != STATE_RUNNING) return;
+    /* Closing releases every loaded model, as the runtime does. */
+    for (int i = 0; i < MAX_MODELS; i++) {
+        free(live_models[i]);
+        live_models[i] = NULL;
+    }
+    state = STATE_CLOSED;
 }
 
 NRT_STATUS nrt_get_version(nrt_version_t *ver, size_t size) {
@@ -172,6 +180,12 @@ static int has_shape(const nrt_model_t *m, const char *name, nrt_tensor_usage_t 
     return 1;
 }
 
+/* (T+1)·E as a dimension, or 0 when it does not fit one. */
+static uint32_t masked_rows(uint32_t rows, uint32_t e) {
+    uint64_t product = (uint64_t)rows * e;
+    return product > UINT32_MAX ? 0 : (uint32_t)product;
+}
+
 /* Checks that a router_topk or blockwise_mm stand-in declares a consistent set of tensors. */
 static int kernel_tensors_consistent(const nrt_model_t *m) {
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
@@ -179,20 +193,21 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t t = dim(m, "x", in, 0), h = dim(m, "x", in, 1), e = dim(m, "w", in, 1);
         uint32_t k = dim(m, "expert_index", out, 1);
         uint32_t te[2] = {t, e}, tk[2] = {t, k}, hw[2] = {h, e}, eb[1] = {e};
-        const decl_t *bias = find_decl(m, "bias", in);
+        const decl_t *bias = find_decl(m, "bias", in), *selection = find_decl(m, "selection_bias", in);
         return t > 0 && h > 0 && e > 0 && k > 0 && k <= e && has_shape(m, "w", in, 2, hw) &&
                has_shape(m, "router_logits", out, 2, te) && has_shape(m, "expert_index", out, 2, tk) &&
                has_shape(m, "expert_affinities", out, 2, te) &&
                (find_decl(m, "topk_affinities", out) == NULL || has_shape(m, "topk_affinities", out, 2, tk)) &&
-               (bias == NULL || has_shape(m, "bias", in, 1, eb));
+               (bias == NULL || has_shape(m, "bias", in, 1, eb)) &&
+               (selection == NULL || has_shape(m, "selection_bias", in, 1, eb));
     }
     if (m->kernel == KERNEL_BLOCKWISE_MM_BWD) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
         uint32_t n = dim(m, "block_to_expert", in, 0), nb = dim(m, "token_position_to_id", in, 0);
         uint32_t b = n > 0 ? nb / n : 0, gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
-        uint32_t aff[2] = {rows * e, 1}, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
-        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
+        uint32_t aff[2] = {masked_rows(rows, e), 1}, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
+        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
                 has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
@@ -208,9 +223,9 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t n = dim(m, "block_to_expert", in, 0);
         uint32_t nb = dim(m, "token_position_to_id", in, 0);
         uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
-        uint32_t aff[2] = {rows * e, 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
+        uint32_t aff[2] = {masked_rows(rows, e), 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
         uint32_t b = n > 0 ? nb / n : 0, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
-        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
+        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
                 has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
@@ -293,7 +308,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             unsigned long extent;
             int n;
             while (sscanf(rest, " %lu%n", &extent, &n) == 1) {
-                if (d->ndim == MAX_DIMS || extent == 0 || extent > UINT32_MAX) {
+                if (d->ndim == MAX_DIMS || extent == 0 || extent > UINT32_MAX || extent > SIZE_MAX / d->size) {
                     status = NRT_INVALID;
                     break;
                 }
@@ -319,7 +334,7 @@ NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t start_vnc, int3
     NRT_STATUS s = check_running();
     if (s != NRT_SUCCESS) return s;
     if (neff_bytes == NULL || model == NULL || size == 0) return NRT_INVALID;
-    int32_t first = start_vnc < 0 ? 0 : start_vnc, count = vnc_count < 0 ? 1 : vnc_count;
+    int64_t first = start_vnc < 0 ? 0 : start_vnc, count = vnc_count < 0 ? 1 : vnc_count;
     if (start_vnc < -1 || vnc_count == 0 || vnc_count < -1 || first + count > FAKE_VNC_COUNT)
         return NRT_LOAD_NOT_ENOUGH_NC;
     nrt_model_t *m = malloc(sizeof *m);
@@ -520,7 +535,8 @@ static void store(nrt_tensor_t *t, nrt_dtype_t dtype, size_t i, double value) {
     if (dtype == NRT_DTYPE_BFLOAT16) {
         uint32_t bits;
         memcpy(&bits, &f, 4);
-        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
+        if (f != f) bits = 0x7FC00000; /* a quiet NaN stays NaN */
+        else bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
         uint16_t half = (uint16_t)(bits >> 16);
         memcpy(t->data + 2 * i, &half, 2);
         return;
@@ -546,8 +562,9 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
     size_t t = dim(m, "x", in, 0), h = dim(m, "x", in, 1), e = dim(m, "w", in, 1);
     size_t k = dim(m, "expert_index", out, 1);
-    nrt_dtype_t dx, dw, db = NRT_DTYPE_FLOAT32, dl, di, da, dt = NRT_DTYPE_FLOAT32;
+    nrt_dtype_t dx, dw, db = NRT_DTYPE_FLOAT32, ds = NRT_DTYPE_FLOAT32, dl, di, da, dt = NRT_DTYPE_FLOAT32;
     nrt_tensor_t *x = bound(b, "x", in, &dx), *w = bound(b, "w", in, &dw), *bias = bound(b, "bias", in, &db);
+    nrt_tensor_t *selection = bound(b, "selection_bias", in, &ds);
     nrt_tensor_t *logits = bound(b, "router_logits", out, &dl), *index = bound(b, "expert_index", out, &di);
     nrt_tensor_t *aff = bound(b, "expert_affinities", out, &da), *topk = bound(b, "topk_affinities", out, &dt);
     double *row = malloc(e * sizeof *row), *p = malloc(e * sizeof *p);
@@ -575,7 +592,10 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
             for (size_t j = 0; j < e; j++) {
                 int taken = 0;
                 for (size_t s = 0; s < slot; s++) taken |= chosen[s] == j;
-                if (!taken && (best == e || p[j] > p[best])) best = j;
+                /* The selection bias moves the choice, never the affinities. */
+                double score = p[j] + (selection != NULL ? load(selection, ds, j) : 0.0);
+                double best_score = best == e ? 0.0 : p[best] + (selection != NULL ? load(selection, ds, best) : 0.0);
+                if (!taken && (best == e || score > best_score)) best = j;
             }
             chosen[slot] = best;
             chosen_sum += p[best];
@@ -621,14 +641,14 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     NRT_STATUS status = NRT_SUCCESS;
     for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
         double expert_id = load(blk, de, blockn);
-        if (expert_id < 0 || expert_id > (double)e) {
+        if (!(expert_id >= 0 && expert_id <= (double)e)) { /* NaN too */
             status = NRT_EXEC_OOB;
             break;
         }
         size_t ex = (size_t)expert_id;
         for (size_t slot = 0; slot < bs; slot++) {
             double token_id = load(pos, dp, blockn * bs + slot);
-            if (token_id < -1 || token_id >= (double)t) {
+            if (!(token_id >= -1 && token_id < (double)t)) { /* NaN too */
                 status = NRT_EXEC_OOB;
                 break;
             }
@@ -690,14 +710,14 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
         status = NRT_FAIL_HOST_MEM_ALLOC;
     for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
         double expert_id = load(blk, de, blockn);
-        if (expert_id < 0 || expert_id > (double)e) {
+        if (!(expert_id >= 0 && expert_id <= (double)e)) { /* NaN too */
             status = NRT_EXEC_OOB;
             break;
         }
         size_t ex = (size_t)expert_id;
         for (size_t slot = 0; slot < bs; slot++) {
             double token_id = load(pos, dp, blockn * bs + slot);
-            if (token_id < -1 || token_id >= (double)t) {
+            if (!(token_id >= -1 && token_id < (double)t)) { /* NaN too */
                 status = NRT_EXEC_OOB;
                 break;
             }

@@ -4,7 +4,7 @@
 //! NEFF reported as a clear error before anything runs.
 //!
 //! The fake computes in f64 from the stored inputs and rounds router logits to f32 before the
-//! activation, as hardware does; values agree with the reference within `1e-5` relative to the
+//! activation, as hardware does (router cases cover bias and selection-bias inputs); values agree with the reference within `1e-5` relative to the
 //! tensor's scale, and expert choices exactly (random inputs make near-ties vanishingly rare).
 
 mod common;
@@ -111,6 +111,7 @@ struct RouterCase {
     bias: bool,
     bf16: bool,
     with_topk: bool,
+    selection: bool,
     seed: u64,
 }
 
@@ -119,26 +120,29 @@ fn router_case() -> impl Strategy<Value = RouterCase> {
         1usize..12,
         1usize..20,
         1usize..10,
-        any::<(bool, bool, bool, bool, bool)>(),
+        any::<(bool, bool, bool, bool, bool, bool)>(),
         any::<u64>(),
     )
         .prop_flat_map(|(t, h, e, flags, seed)| (Just((t, h, e, flags, seed)), 1..=e))
         .prop_map(
-            |((t, h, e, (sigmoid, norm_topk_prob, bias, bf16, with_topk), seed), k)| RouterCase {
-                t,
-                h,
-                e,
-                k,
-                activation: if sigmoid {
-                    Activation::Sigmoid
-                } else {
-                    Activation::Softmax
-                },
-                norm_topk_prob,
-                bias,
-                bf16,
-                with_topk,
-                seed,
+            |((t, h, e, (sigmoid, norm_topk_prob, bias, bf16, with_topk, selection), seed), k)| {
+                RouterCase {
+                    t,
+                    h,
+                    e,
+                    k,
+                    activation: if sigmoid {
+                        Activation::Sigmoid
+                    } else {
+                        Activation::Softmax
+                    },
+                    norm_topk_prob,
+                    bias,
+                    bf16,
+                    with_topk,
+                    selection,
+                    seed,
+                }
             },
         )
 }
@@ -158,14 +162,17 @@ proptest! {
         let x = maybe_bf16(f32_tensor(&[t, h], &rng.values(t * h, 1.0)), case.bf16);
         let w = maybe_bf16(f32_tensor(&[h, e], &rng.values(h * e, 1.0)), case.bf16);
         let bias = case.bias.then(|| f32_tensor(&[e], &rng.values(e, 0.5)));
+        // Aux-loss-free balancing's bias: it moves the choice only.
+        let selection = case.selection.then(|| f32_tensor(&[e], &rng.values(e, 0.2)));
         let params = RouterTopkParams { top_k: k, activation: case.activation, norm_topk_prob: case.norm_topk_prob };
+        let mut neff = router_neff(&x, &w, bias.as_ref(), k, params, case.with_topk);
+        if selection.is_some() {
+            neff += &decl("input", "selection_bias", "f32", &[e]);
+        }
         let dir = workdir("router");
-        let backend = backend_with(&dir, &[(
-            "router.neff",
-            router_neff(&x, &w, bias.as_ref(), k, params, case.with_topk),
-            router_entry(t, h, e, params),
-        )]);
-        let call = RouterTopk::new(RouterTopkInputs { x: &x, w: &w, bias: bias.as_ref(), selection_bias: None }, params).unwrap();
+        let backend = backend_with(&dir, &[("router.neff", neff, router_entry(t, h, e, params))]);
+        let inputs = RouterTopkInputs { x: &x, w: &w, bias: bias.as_ref(), selection_bias: selection.as_ref() };
+        let call = RouterTopk::new(inputs, params).unwrap();
         let got = backend.router_topk(&call).unwrap();
         let want = BackendKind::Reference.create().router_topk(&call).unwrap();
         prop_assert_eq!(got.expert_index.as_i32(), want.expert_index.as_i32());
@@ -538,4 +545,42 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         err.to_string().contains("router_topk, blockwise_mm"),
         "{err}"
     );
+}
+
+#[test]
+fn a_bias_key_picks_the_neff_that_takes_the_bias() {
+    let _guard = exclusive();
+    let r = small_router();
+    let dir = workdir("bias-key");
+    let plain = router_neff(&r.x, &r.w, None, 2, r.params, true);
+    let with_bias = router_neff(&r.x, &r.w, Some(&r.bias), 2, r.params, true);
+    let entry = router_entry(4, 6, 5, r.params);
+    let backend = backend_with(
+        &dir,
+        &[
+            ("plain.neff", plain, format!("{entry}bias = false\n")),
+            ("biased.neff", with_bias, format!("{entry}bias = true\n")),
+        ],
+    );
+    let reference = BackendKind::Reference.create();
+    for bias in [None, Some(&r.bias)] {
+        let inputs = RouterTopkInputs {
+            x: &r.x,
+            w: &r.w,
+            bias,
+            selection_bias: None,
+        };
+        let call = RouterTopk::new(inputs, r.params).unwrap();
+        let got = backend.router_topk(&call).unwrap();
+        let want = reference.router_topk(&call).unwrap();
+        let expected = f32s(&want.router_logits);
+        assert_close(
+            "router_logits",
+            &f32s(&got.router_logits),
+            &expected,
+            1e-5,
+            1e-6,
+        )
+        .unwrap();
+    }
 }

@@ -35,6 +35,14 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// Aborts every process of the job with `code` (`MPI_Abort`): for a rank that fails
+    /// outside a collective while the others may be waiting in one.
+    pub fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+}
+
 /// Counts and displacements as MPI's `int`s.
 fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
     let too_large = || Error::Collective {

@@ -166,7 +166,8 @@ impl NeuronBackend {
         };
         let neff = session.manifest.find(call.kernel, &call.key)?.neff.clone();
         if !session.models.contains_key(&neff) {
-            let model = session.runtime.load_file(&neff, -1, -1)?;
+            // On core 0, where the tensors are allocated; the runtime picks how many cores.
+            let model = session.runtime.load_file(&neff, 0, -1)?;
             session.models.insert(neff.clone(), model);
         }
         let model = &session.models[&neff];
@@ -230,11 +231,23 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
             Usage::Input => "input",
             Usage::Output => "output",
         };
-        let expected_bytes = info.shape.iter().product::<usize>()
-            * match info.dtype {
-                NrtDType::BF16 => 2,
-                _ => 4,
-            };
+        let element_bytes = match info.dtype {
+            NrtDType::BF16 => 2,
+            _ => 4,
+        };
+        let expected_bytes = info
+            .shape
+            .iter()
+            .try_fold(element_bytes, |bytes: usize, &d| bytes.checked_mul(d))
+            .ok_or_else(|| {
+                neff_error(
+                    neff,
+                    format!(
+                        "{what} `{}`: shape {:?} overflows the address space",
+                        info.name, info.shape
+                    ),
+                )
+            })?;
         match info.usage {
             Usage::Input => {
                 let Some((_, given)) = call.inputs.iter().find(|(name, _)| *name == info.name)
@@ -444,6 +457,11 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
             ("top_k", Value::Int(k)),
             ("activation", Value::Str(params.activation.to_string())),
             ("norm_topk_prob", Value::Bool(params.norm_topk_prob)),
+            ("bias", Value::Bool(inputs.bias.is_some())),
+            (
+                "selection_bias",
+                Value::Bool(inputs.selection_bias.is_some()),
+            ),
         ],
         inputs: vec![
             ("x", Some(inputs.x)),

@@ -65,6 +65,9 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
             ("top_k", ValueKind::Int),
             ("activation", ValueKind::Str),
             ("norm_topk_prob", ValueKind::Bool),
+            // Whether the NEFF takes a `bias` / `selection_bias` input.
+            ("bias", ValueKind::Bool),
+            ("selection_bias", ValueKind::Bool),
         ]),
         Kernel::BlockwiseMm => Some(&[
             ("t", ValueKind::Int),

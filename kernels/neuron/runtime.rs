@@ -11,7 +11,8 @@
 //!
 //! Every failed call is an [`Error::NeuronStatus`] carrying the call, the status name and what
 //! was being done. After [`Runtime::close`], objects that outlive it refuse every call with
-//! `NRT_CLOSED` instead of calling into a closed runtime.
+//! `NRT_CLOSED` instead of calling into a closed runtime (each call holds the runtime's read
+//! lock, closing takes the write lock), and handles of different runtimes are never mixed.
 
 // The C enums' integer types come from whichever header bindgen read (the SDK's or
 // `ffi/nrt.h`), so conversions to `u32` are written as casts that may be no-ops for one of them.
@@ -19,8 +20,8 @@
 
 use std::ffi::{CStr, CString, c_char};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
 use super::status::Status;
 use super::sys;
@@ -127,30 +128,60 @@ static RUNTIME_OPEN: AtomicBool = AtomicBool::new(false);
 /// State shared by a runtime and every object made from it.
 struct Shared {
     library: Arc<Library>,
-    closed: AtomicBool,
+    /// `true` once closed. Every runtime call holds the read lock for its whole duration and
+    /// closing takes the write lock, so no call overlaps `nrt_close` or follows it.
+    closed: RwLock<bool>,
 }
 
 impl Shared {
-    /// Refuses a call on a closed runtime with `NRT_CLOSED`.
-    fn ensure_open(&self, call: &'static str, context: impl FnOnce() -> String) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
+    /// The read lock of an open runtime, to hold across one runtime call; `NRT_CLOSED` when
+    /// the runtime was closed.
+    fn open(
+        &self,
+        call: &'static str,
+        context: impl FnOnce() -> String,
+    ) -> Result<RwLockReadGuard<'_, bool>> {
+        let closed = self.closed.read().unwrap_or_else(PoisonError::into_inner);
+        if *closed {
             return Err(Error::NeuronStatus {
                 call,
                 status: Status::CLOSED.name(),
                 context: format!("{} (the runtime was closed)", context()),
             });
         }
-        Ok(())
+        Ok(closed)
+    }
+
+    /// As [`Shared::open`] for releasing a handle in `Drop`: `None` once closed (closing
+    /// released everything).
+    fn open_for_release(&self) -> Option<RwLockReadGuard<'_, bool>> {
+        let closed = self.closed.read().unwrap_or_else(PoisonError::into_inner);
+        (!*closed).then_some(closed)
+    }
+
+    /// `Ok` when `other` belongs to this runtime, else the error for `call`.
+    fn same_runtime(&self, other: &Shared, call: &'static str, what: &str) -> Result<()> {
+        if std::ptr::eq(self, other) {
+            return Ok(());
+        }
+        Err(Error::NeuronStatus {
+            call,
+            status: Status::INVALID_HANDLE.name(),
+            context: format!("{what} belongs to another runtime"),
+        })
     }
 
     fn close(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            if let Ok(close) = self.library.raw.nrt_close.as_ref() {
-                // SAFETY: nrt_close takes no arguments; it runs once per initialisation.
-                unsafe { close() };
-            }
-            RUNTIME_OPEN.store(false, Ordering::Release);
+        let mut closed = self.closed.write().unwrap_or_else(PoisonError::into_inner);
+        if *closed {
+            return;
         }
+        if let Ok(close) = self.library.raw.nrt_close.as_ref() {
+            // SAFETY: nrt_close takes no arguments; no other call is in flight (write lock).
+            unsafe { close() };
+        }
+        *closed = true;
+        RUNTIME_OPEN.store(false, Ordering::Release);
     }
 }
 
@@ -210,7 +241,7 @@ impl Runtime {
         Ok(Runtime {
             shared: Arc::new(Shared {
                 library,
-                closed: AtomicBool::new(false),
+                closed: RwLock::new(false),
             }),
         })
     }
@@ -223,7 +254,7 @@ impl Runtime {
     pub fn version(&self) -> Result<Version> {
         let library = &self.shared.library;
         let get = function!(library, nrt_get_version);
-        self.shared.ensure_open("nrt_get_version", String::new)?;
+        let _open = self.shared.open("nrt_get_version", String::new)?;
         // SAFETY: nrt_version_t is plain data; all-zero bytes are a valid value.
         let mut raw: sys::nrt_version_t = unsafe { std::mem::zeroed() };
         // SAFETY: `raw` is a valid out-pointer of the size passed.
@@ -243,8 +274,7 @@ impl Runtime {
     pub fn visible_vnc_count(&self) -> Result<u32> {
         let library = &self.shared.library;
         let f = function!(library, nrt_get_visible_vnc_count);
-        self.shared
-            .ensure_open("nrt_get_visible_vnc_count", String::new)?;
+        let _open = self.shared.open("nrt_get_visible_vnc_count", String::new)?;
         let mut count = 0u32;
         // SAFETY: `count` is a valid out-pointer for the call's duration.
         check(
@@ -261,7 +291,7 @@ impl Runtime {
         let library = &self.shared.library;
         let load = function!(library, nrt_load);
         let context = || format!("loading NEFF {label} ({} bytes)", neff.len());
-        self.shared.ensure_open("nrt_load", context)?;
+        let _open = self.shared.open("nrt_load", context)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `neff` is valid for `neff.len()` bytes and `raw` is a valid out-pointer.
         let status = unsafe {
@@ -307,7 +337,7 @@ impl Runtime {
                 "allocating tensor `{name}` of {size} bytes ({placement:?} placement, vnc {vnc})"
             )
         };
-        self.shared.ensure_open("nrt_tensor_allocate", context)?;
+        let _open = self.shared.open("nrt_tensor_allocate", context)?;
         let c_name = c_string(name, "tensor name")?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `c_name` is a valid C string and `raw` a valid out-pointer.
@@ -324,8 +354,7 @@ impl Runtime {
     pub fn tensor_set<'t>(&self) -> Result<TensorSet<'t>> {
         let library = &self.shared.library;
         let allocate = function!(library, nrt_allocate_tensor_set);
-        self.shared
-            .ensure_open("nrt_allocate_tensor_set", String::new)?;
+        let _open = self.shared.open("nrt_allocate_tensor_set", String::new)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer.
         check(
@@ -435,10 +464,9 @@ pub struct Model {
     tensors: Vec<TensorInfo>,
 }
 
-// SAFETY: the runtime's model handles may be used from any thread; `Model` has no interior
-// mutability of its own.
+// SAFETY: a model handle may be used from any thread (one at a time: `Model` is not `Sync`);
+// every call holds the runtime's read lock, so none overlaps `nrt_close`.
 unsafe impl Send for Model {}
-unsafe impl Sync for Model {}
 
 impl Model {
     /// The NEFF's label (its path, usually).
@@ -503,7 +531,11 @@ impl Model {
         let library = &self.shared.library;
         let execute = function!(library, nrt_execute);
         let context = || format!("executing NEFF {}", self.label);
-        self.shared.ensure_open("nrt_execute", context)?;
+        let _open = self.shared.open("nrt_execute", context)?;
+        self.shared
+            .same_runtime(&inputs.shared, "nrt_execute", "the input set")?;
+        self.shared
+            .same_runtime(&outputs.shared, "nrt_execute", "the output set")?;
         // SAFETY: the model and both sets are live; the sets' tensors outlive the call.
         check(
             "nrt_execute",
@@ -522,7 +554,11 @@ impl Model {
         let library = &self.shared.library;
         let execute = function!(library, nrt_execute_repeat);
         let context = || format!("executing NEFF {} {repeat} times", self.label);
-        self.shared.ensure_open("nrt_execute_repeat", context)?;
+        let _open = self.shared.open("nrt_execute_repeat", context)?;
+        self.shared
+            .same_runtime(&inputs.shared, "nrt_execute_repeat", "the input set")?;
+        self.shared
+            .same_runtime(&outputs.shared, "nrt_execute_repeat", "the output set")?;
         // SAFETY: as in `execute`.
         let status = unsafe { execute(self.raw, inputs.raw, outputs.raw, repeat) };
         check("nrt_execute_repeat", status, context)
@@ -531,9 +567,9 @@ impl Model {
 
 impl Drop for Model {
     fn drop(&mut self) {
-        if self.shared.closed.load(Ordering::Acquire) {
+        let Some(_open) = self.shared.open_for_release() else {
             return;
-        }
+        };
         if let Ok(unload) = self.shared.library.raw.nrt_unload.as_ref() {
             // SAFETY: the model is live and unloaded once; a failure leaves nothing to undo.
             unsafe { unload(self.raw) };
@@ -548,9 +584,9 @@ pub struct Tensor {
     name: String,
 }
 
-// SAFETY: tensor handles may be used from any thread; reads and writes go through the runtime.
+// SAFETY: a tensor handle may be used from any thread (one at a time: `Tensor` is not `Sync`);
+// every call holds the runtime's read lock, so none overlaps `nrt_close`.
 unsafe impl Send for Tensor {}
-unsafe impl Sync for Tensor {}
 
 impl Tensor {
     pub fn name(&self) -> &str {
@@ -561,8 +597,9 @@ impl Tensor {
     pub fn size(&self) -> Result<usize> {
         let library = &self.shared.library;
         let size = function!(library, nrt_tensor_get_size);
-        self.shared
-            .ensure_open("nrt_tensor_get_size", || format!("tensor `{}`", self.name))?;
+        let _open = self
+            .shared
+            .open("nrt_tensor_get_size", || format!("tensor `{}`", self.name))?;
         // SAFETY: the tensor is live.
         Ok(unsafe { size(self.raw) })
     }
@@ -578,7 +615,7 @@ impl Tensor {
                 self.name
             )
         };
-        self.shared.ensure_open("nrt_tensor_write", context)?;
+        let _open = self.shared.open("nrt_tensor_write", context)?;
         // SAFETY: `bytes` is valid for its length; the runtime checks the tensor's bounds.
         let status = unsafe { write(self.raw, bytes.as_ptr().cast(), offset, bytes.len()) };
         check("nrt_tensor_write", status, context)
@@ -595,7 +632,7 @@ impl Tensor {
                 self.name
             )
         };
-        self.shared.ensure_open("nrt_tensor_read", context)?;
+        let _open = self.shared.open("nrt_tensor_read", context)?;
         // SAFETY: `buf` is valid for writes of its length; the runtime checks the bounds.
         let status = unsafe { read(self.raw, buf.as_mut_ptr().cast(), offset, len) };
         check("nrt_tensor_read", status, context)
@@ -604,9 +641,9 @@ impl Tensor {
 
 impl Drop for Tensor {
     fn drop(&mut self) {
-        if self.shared.closed.load(Ordering::Acquire) {
+        let Some(_open) = self.shared.open_for_release() else {
             return;
-        }
+        };
         if let Ok(free) = self.shared.library.raw.nrt_tensor_free.as_ref() {
             // SAFETY: the tensor is live and freed once; nrt_tensor_free nulls the handle.
             unsafe { free(&mut self.raw) };
@@ -628,8 +665,12 @@ impl<'t> TensorSet<'t> {
         let library = &self.shared.library;
         let add = function!(library, nrt_add_tensor_to_tensor_set);
         let context = || format!("binding tensor `{}` as `{name}`", tensor.name);
-        self.shared
-            .ensure_open("nrt_add_tensor_to_tensor_set", context)?;
+        let _open = self.shared.open("nrt_add_tensor_to_tensor_set", context)?;
+        self.shared.same_runtime(
+            &tensor.shared,
+            "nrt_add_tensor_to_tensor_set",
+            &format!("tensor `{}`", tensor.name),
+        )?;
         let c_name = c_string(name, "tensor name")?;
         // SAFETY: the set and the tensor are live; the set keeps a borrow of the tensor.
         let status = unsafe { add(self.raw, c_name.as_ptr(), tensor.raw) };
@@ -644,8 +685,9 @@ impl<'t> TensorSet<'t> {
         let library = &self.shared.library;
         let get = function!(library, nrt_get_tensor_from_tensor_set);
         let context = || format!("looking up `{name}`");
-        self.shared
-            .ensure_open("nrt_get_tensor_from_tensor_set", context)?;
+        let _open = self
+            .shared
+            .open("nrt_get_tensor_from_tensor_set", context)?;
         let c_name = c_string(name, "tensor name")?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the set is live and `raw` a valid out-pointer.
@@ -665,9 +707,9 @@ impl<'t> TensorSet<'t> {
 
 impl Drop for TensorSet<'_> {
     fn drop(&mut self) {
-        if self.shared.closed.load(Ordering::Acquire) {
+        let Some(_open) = self.shared.open_for_release() else {
             return;
-        }
+        };
         if let Ok(destroy) = self.shared.library.raw.nrt_destroy_tensor_set.as_ref() {
             // SAFETY: the set is live and destroyed once; its tensors stay owned by their
             // `Tensor`s.

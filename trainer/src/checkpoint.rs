@@ -500,11 +500,16 @@ pub fn finish_training(
     let dir = folder.join(step_folder(state.step));
     std::fs::rename(tmp, &dir)
         .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
+    // The new checkpoint is in place: failing to remove an old one is only worth a warning.
     if keep_latest_k > 0 {
-        let all = list_checkpoints(folder)?;
+        let all = list_checkpoints(folder).unwrap_or_default();
         for (_, old) in &all[..all.len().saturating_sub(keep_latest_k)] {
-            std::fs::remove_dir_all(old)
-                .with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+            if let Err(err) = std::fs::remove_dir_all(old) {
+                eprintln!(
+                    "warning: cannot remove old checkpoint {}: {err}",
+                    old.display()
+                );
+            }
         }
     }
     Ok(dir)
@@ -563,9 +568,9 @@ pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
     }
     let (params, optimizer): (Vec<_>, Vec<_>) = shards.into_iter().unzip();
     Ok(TrainingCheckpoint {
+        params: merge_shards(params, dir)?,
+        optimizer: merge_shards(optimizer, dir)?,
         state,
-        params: merge_shards(params),
-        optimizer: merge_shards(optimizer),
     })
 }
 
@@ -601,25 +606,31 @@ fn read_shard(dir: &Path, rank: usize, ranks: usize) -> Result<(Tensors, Tensors
 }
 
 /// One map from every rank's: tensors whose names end in a fused expert weight's suffix are
-/// concatenated along the expert dimension in rank order; the others are rank 0's.
-fn merge_shards(shards: Vec<Tensors>) -> Tensors {
+/// concatenated along the expert dimension in rank order (every rank must hold them); the
+/// others are rank 0's.
+fn merge_shards(shards: Vec<Tensors>, dir: &Path) -> Result<Tensors> {
     let mut shards = shards.into_iter();
     let Some(mut merged) = shards.next() else {
-        return Tensors::new();
+        return Ok(Tensors::new());
     };
     let rest: Vec<Tensors> = shards.collect();
     for (name, tensor) in &mut merged {
         if name.ends_with(GATE_UP) || name.ends_with(DOWN) {
             let mut parts = vec![tensor.shallow_clone()];
-            parts.extend(
-                rest.iter()
-                    .filter_map(|shard| shard.get(name))
-                    .map(Tensor::shallow_clone),
-            );
+            for (index, shard) in rest.iter().enumerate() {
+                let part = shard.get(name).with_context(|| {
+                    format!(
+                        "{}: rank {}'s shard has no `{name}`",
+                        dir.display(),
+                        index + 1
+                    )
+                })?;
+                parts.push(part.shallow_clone());
+            }
             *tensor = Tensor::cat(&parts, 0);
         }
     }
-    merged
+    Ok(merged)
 }
 
 /// Copies a checkpoint's tensors into `params` (same names and shapes).

@@ -54,9 +54,11 @@ impl TrainDevice {
 /// The folder of the `libtorch_cpu.so` mapped into this process, from `/proc/self/maps`.
 fn libtorch_folder() -> Result<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").context("cannot read /proc/self/maps")?;
+    // Each line: address, permissions, offset, device, inode, then the path (which may hold
+    // spaces) to the end of the line.
     maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .map(Path::new)
+        .filter_map(|line| line.splitn(6, char::is_whitespace).nth(5))
+        .map(|path| Path::new(path.trim_start()))
         .find(|path| {
             path.file_name()
                 .is_some_and(|name| name == "libtorch_cpu.so")

@@ -9,8 +9,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::rc::Rc;
 
 use anyhow::{Context, Result, bail};
+use moekit::ep::Communicator;
 use moekit::golden::TensorFile;
 use moekit::torch::from_tch;
 use moekit_trainer::bench::{self, BenchOptions};
@@ -104,8 +106,16 @@ fn load_job(pairs: Vec<(String, String)>) -> Result<JobConfig> {
 fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
     let config = load_job(pairs)?;
     // MPI lives as long as training: it is finalised when `comm` is dropped here.
-    let comm = init_mpi(&config)?;
-    train(&config, comm)?;
+    let Some(comm) = init_mpi(&config)? else {
+        train(&config, None)?;
+        return Ok(());
+    };
+    if let Err(err) = train(&config, Some(comm.clone() as Rc<dyn Communicator>)) {
+        // The other ranks may be waiting in a collective this rank will never join: abort the
+        // job (mpirun then stops every rank) rather than finalise MPI and leave them hanging.
+        eprintln!("error on rank {}: {err:#}", comm.rank());
+        comm.abort(1);
+    }
     Ok(())
 }
 

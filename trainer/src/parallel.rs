@@ -115,9 +115,12 @@ impl RankGroup {
     }
 
     /// Divides every gradient by R after summing the replicated parameters' gradients over
-    /// the ranks (see the module docs). `params` are in the same order on every rank.
+    /// the ranks (see the module docs). `params` are in the same order on every rank, and a
+    /// replicated parameter must have a gradient on all ranks or on none (else the replicas
+    /// would drift apart): anything else is an error on every rank.
     pub fn reduce_gradients(&self, params: &[(String, Tensor)]) -> Result<()> {
-        let scale = 1.0 / self.ranks() as f64;
+        let ranks = self.ranks();
+        let scale = 1.0 / ranks as f64;
         for (name, p) in params {
             let mut grad = p.grad();
             if is_expert_parameter(name) {
@@ -128,14 +131,22 @@ impl RankGroup {
                 }
                 continue;
             }
-            // A rank without a gradient for this parameter contributes zeros, so every rank
-            // takes part in the same collectives.
+            // The last entry counts the ranks that have a gradient; a rank without one
+            // contributes zeros, so every rank takes part in the same collectives.
             let mut values = if grad.defined() {
                 Vec::<f32>::try_from(grad.to_kind(Kind::Float).flatten(0, -1))?
             } else {
                 vec![0.0; p.numel()]
             };
+            values.push(if grad.defined() { 1.0 } else { 0.0 });
             self.sum(&mut values)?;
+            let with_gradient = values.pop().unwrap_or_default() as usize;
+            if with_gradient != 0 && with_gradient != ranks {
+                bail!(
+                    "`{name}` has a gradient on {with_gradient} of {ranks} ranks: the \
+                     replicas would drift apart"
+                );
+            }
             if grad.defined() {
                 for value in &mut values {
                     *value *= scale as f32;
@@ -150,7 +161,7 @@ impl RankGroup {
 
 /// MPI's world when `config` asks for expert parallelism (`None` otherwise): initialised once
 /// per process by its `main`, and finalised when the last handle is dropped.
-pub fn init_mpi(config: &JobConfig) -> Result<Option<Rc<dyn Communicator>>> {
+pub fn init_mpi(config: &JobConfig) -> Result<Option<Rc<MpiComm>>> {
     if config.parallelism.expert_parallel_degree == 1 {
         return Ok(None);
     }

@@ -83,15 +83,20 @@ impl LayerLoad {
 }
 
 /// Refuses a model whose parameters, gradients and AdamW state alone exceed the machine's
-/// physical memory (before libtorch would abort allocating them).
-fn check_memory(config: &JobConfig) -> Result<()> {
+/// physical memory (before libtorch would abort allocating them). With expert parallelism a
+/// process holds its `1/ranks` of the experts and everything else.
+fn check_memory(config: &JobConfig, ranks: usize) -> Result<()> {
     let per_param = match config.training.dtype {
         // parameter + gradient + two moments
         ParamDtype::Float32 => 4 + 4 + 8,
         // bf16 parameter + gradient, f32 master + two moments
         ParamDtype::Bfloat16 => 2 + 2 + 12,
     };
-    let needed = config.model.parameter_count() * per_param;
+    let model = &config.model;
+    let expert = 3 * model.hidden_size as u128 * model.moe_intermediate_size as u128;
+    let elsewhere = model.num_experts as u128 - (model.num_experts / ranks) as u128;
+    let held = model.parameter_count() - model.moe_layer_count() as u128 * elsewhere * expert;
+    let needed = held * per_param;
     // SAFETY: sysconf only reads system configuration values.
     let (pages, page_size) = unsafe {
         (
@@ -104,14 +109,46 @@ fn check_memory(config: &JobConfig) -> Result<()> {
         let gib = |bytes: u128| bytes as f64 / (1u64 << 30) as f64;
         ensure!(
             needed <= available,
-            "the model has {} parameters: with gradients and AdamW state that is {:.1} GiB, \
-             more than this machine's {:.1} GiB of memory",
+            "this process holds {held} of the model's {} parameters: with gradients and AdamW \
+             state that is {:.1} GiB, more than this machine's {:.1} GiB of memory",
             config.model.parameter_count(),
             gib(needed),
             gib(available)
         );
     }
     Ok(())
+}
+
+/// The tokenized training data in batches of `ranks × training.batch_size` sequences.
+fn load_batches(config: &JobConfig, ranks: usize) -> Result<Batches> {
+    let source = if config.data.files.is_empty() {
+        Source::Builtin(BUILTIN_CORPUS_BYTES)
+    } else {
+        Source::Files(config.data.files.clone())
+    };
+    let tokenizer = TextTokenizer::load(&config.data.tokenizer)?;
+    ensure!(
+        tokenizer.vocab_size() <= config.model.vocab_size,
+        "data.tokenizer {} has {} tokens, more than model.vocab_size {}",
+        config.data.tokenizer,
+        tokenizer.vocab_size(),
+        config.model.vocab_size
+    );
+    let tokens = source.tokens(&tokenizer)?;
+    if let Some(&max) = tokens.iter().max() {
+        ensure!(
+            (max as usize) < config.model.vocab_size,
+            "data.tokenizer {} produced token id {max}, outside model.vocab_size {}",
+            config.data.tokenizer,
+            config.model.vocab_size
+        );
+    }
+    Batches::new(
+        tokens,
+        config.training.seq_len,
+        config.training.batch_size * ranks,
+        config.job.seed,
+    )
 }
 
 /// A model, its optimizer, its data and its MoE implementation, ready to take steps.
@@ -149,7 +186,12 @@ impl Trainer {
         let device = config.training.device.resolve()?;
         if device == Device::Cpu {
             // On CUDA the GPU's memory is libtorch's to report.
-            check_memory(config)?;
+            let ranks = config.parallelism.expert_parallel_degree;
+            let fits = check_memory(config, ranks);
+            match &group {
+                Some(group) => group.all_ok(fits)?,
+                None => fits?,
+            }
         }
         tch::manual_seed(config.job.seed as i64);
         let block_size = config.kernels.block_size;
@@ -169,36 +211,13 @@ impl Trainer {
         // Initialised in f32 (the same values whatever the dtype), then cast.
         vars.set_kind(config.training.dtype.kind());
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
-        let source = if config.data.files.is_empty() {
-            Source::Builtin(BUILTIN_CORPUS_BYTES)
-        } else {
-            Source::Files(config.data.files.clone())
-        };
-        let tokenizer = TextTokenizer::load(&config.data.tokenizer)?;
-        ensure!(
-            tokenizer.vocab_size() <= config.model.vocab_size,
-            "data.tokenizer {} has {} tokens, more than model.vocab_size {}",
-            config.data.tokenizer,
-            tokenizer.vocab_size(),
-            config.model.vocab_size
-        );
-        let tokens = source.tokens(&tokenizer)?;
-        if let Some(&max) = tokens.iter().max() {
-            ensure!(
-                (max as usize) < config.model.vocab_size,
-                "data.tokenizer {} produced token id {max}, outside model.vocab_size {}",
-                config.data.tokenizer,
-                config.model.vocab_size
-            );
-        }
         // Every rank draws the same global batches of R × batch_size sequences and trains on
-        // its own slice of each.
-        let batches = Batches::new(
-            tokens,
-            config.training.seq_len,
-            config.training.batch_size * shard.ranks,
-            config.job.seed,
-        )?;
+        // its own slice of each. A rank that cannot read the data stops every rank.
+        let batches = load_batches(config, shard.ranks);
+        let batches = match &group {
+            Some(group) => group.all_ok(batches)?,
+            None => batches?,
+        };
         let mut trainer = Self {
             config: config.clone(),
             device,
@@ -211,13 +230,18 @@ impl Trainer {
             step: 0,
         };
         let latest = match config.checkpoint.enable {
-            true => list_checkpoints(&trainer.checkpoint_folder())?.pop(),
-            false => None,
+            true => list_checkpoints(&trainer.checkpoint_folder()).map(|mut all| all.pop()),
+            false => Ok(None),
         };
-        if let Some(group) = &trainer.group {
-            let step = latest.as_ref().map_or(-1, |(step, _)| *step as i64);
-            group.same_everywhere("the newest checkpoint's step", step)?;
-        }
+        let latest = match &trainer.group {
+            Some(group) => {
+                let latest = group.all_ok(latest)?;
+                let step = latest.as_ref().map_or(-1, |(step, _)| *step as i64);
+                group.same_everywhere("the newest checkpoint's step", step)?;
+                latest
+            }
+            None => latest?,
+        };
         let loaded = if let Some((_, dir)) = latest {
             trainer
                 .resume(&dir)
@@ -537,7 +561,9 @@ impl Trainer {
 /// `checkpoint.interval` steps when enabled. Returns the metrics of the steps taken.
 ///
 /// With expert parallelism every rank calls this with the same config and `comm`; rank 0
-/// reports and writes, and every rank returns the same (rank-averaged) metrics.
+/// reports and writes. Losses, gradient norms and expert counts are the ranks' means or sums
+/// (the same on every rank); timings (`tokens_per_second`, `exchange_share`) are each rank's
+/// own.
 pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<Vec<StepMetrics>> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
