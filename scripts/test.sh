@@ -62,6 +62,32 @@ every_rank_stops 'rank 1: tensor `x`: non-finite' --features mpi --test mpi -- f
 every_rank_stops 'rank(s) 1 loaded a different job config than rank 0' \
     -p moekit-trainer --test expert_parallel -- mismatch
 
+# moekit-train launched wrongly under mpirun must stop every rank with a message and a
+# non-zero exit, never hang (timeout's 124 would mean a hang): E = 8 not divisible by R = 3,
+# and R = 2 asked of 3 ranks (MPI_Abort after the ranks agree on the error).
+# (The binary is the one `cargo test -p moekit-trainer` built above, in the test profile.)
+cargo test --locked -p moekit-trainer --no-run
+launch_fails() {
+    local ranks=$1 pattern=$2 log status
+    shift 2
+    log=$(mktemp)
+    set +e
+    timeout 300 mpirun -n "${ranks}" --oversubscribe target/debug/moekit-train train \
+        --config configs/qwen3_moe_debug.toml --job.dump_folder "$(mktemp -d)" "$@" >"${log}" 2>&1
+    status=$?
+    set -e
+    if [ "${status}" -eq 0 ] || [ "${status}" -eq 124 ] || ! grep -qF "${pattern}" "${log}"; then
+        cat "${log}" >&2
+        echo "moekit-train under mpirun -n ${ranks} $*: exit ${status}, expected a failure reporting \`${pattern}\`" >&2
+        exit 1
+    fi
+    rm -f "${log}"
+}
+launch_fails 3 'parallelism.expert_parallel_degree = 3 must divide model.num_experts = 8' \
+    --parallelism.expert_parallel_degree 3
+launch_fails 3 'parallelism.expert_parallel_degree = 2, but mpirun started 3 ranks' \
+    --parallelism.expert_parallel_degree 2
+
 # build.rs binds the Neuron SDK's headers where NEURON_RUNTIME_INCLUDE_DIR holds nrt/nrt.h:
 # exercise that path with the project's declarations laid out as the SDK installs them.
 sdk_include=$(mktemp -d)
