@@ -291,19 +291,24 @@ impl Runtime {
         let library = &self.shared.library;
         let load = function!(library, nrt_load);
         let context = || format!("loading NEFF {label} ({} bytes)", neff.len());
-        let _open = self.shared.open("nrt_load", context)?;
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: `neff` is valid for `neff.len()` bytes and `raw` is a valid out-pointer.
-        let status = unsafe {
-            load(
-                neff.as_ptr().cast(),
-                neff.len(),
-                start_vnc,
-                vnc_count,
-                &mut raw,
-            )
+        let raw = {
+            let _open = self.shared.open("nrt_load", context)?;
+            let mut raw = std::ptr::null_mut();
+            // SAFETY: `neff` is valid for `neff.len()` bytes and `raw` is a valid out-pointer.
+            let status = unsafe {
+                load(
+                    neff.as_ptr().cast(),
+                    neff.len(),
+                    start_vnc,
+                    vnc_count,
+                    &mut raw,
+                )
+            };
+            check("nrt_load", status, context)?;
+            raw
         };
-        check("nrt_load", status, context)?;
+        // The lock is released here: should the tensor info fail, dropping the model takes it
+        // again to unload (read locks are never nested).
         let model = Model {
             raw,
             shared: Arc::clone(&self.shared),
@@ -485,6 +490,9 @@ impl Model {
         let get = function!(library, nrt_get_model_tensor_info);
         let free = function!(library, nrt_free_model_tensor_info);
         let context = || format!("reading the tensor info of NEFF {}", self.label);
+        // Released before `self` is dropped on every return, so an unload after a failure
+        // never nests the lock.
+        let open = self.shared.open("nrt_get_model_tensor_info", context)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `self.raw` is a live model and `raw` a valid out-pointer.
         check(
@@ -522,6 +530,7 @@ impl Model {
         };
         // SAFETY: `raw` came from nrt_get_model_tensor_info and is freed once.
         check("nrt_free_model_tensor_info", unsafe { free(raw) }, context)?;
+        drop(open);
         self.tensors = tensors;
         Ok(self)
     }
