@@ -788,28 +788,29 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
         ("output", "expert_index", "i32 8 2"),
         ("output", "expert_affinities", "f32 8 8"),
     ]);
+    // The forward's inputs and checkpoints; the backward takes both plus the output gradient.
+    let forward_inputs = decls(&[
+        ("input", "hidden_states", "f32 9 64"),
+        ("input", "expert_affinities_masked", "f32 72"),
+        ("input", "gate_up_proj_weight", "f32 8 64 2 32"),
+        ("input", "down_proj_weight", "f32 8 32 64"),
+        ("input", "token_position_to_id", "i32 40"),
+        ("input", "block_to_expert", "i32 10"),
+    ]);
+    let checkpoints = |usage| {
+        decls(&[
+            (usage, "gate_up_activations_T", "f32 10 2 32 4"),
+            (usage, "down_activations", "f32 10 4 64"),
+        ])
+    };
     let blockwise = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n")
-        + &decls(&[
-            ("input", "hidden_states", "f32 9 64"),
-            ("input", "expert_affinities_masked", "f32 72"),
-            ("input", "gate_up_proj_weight", "f32 8 64 2 32"),
-            ("input", "down_proj_weight", "f32 8 32 64"),
-            ("input", "token_position_to_id", "i32 40"),
-            ("input", "block_to_expert", "i32 10"),
-            ("output", "output", "f32 8 64"),
-            ("output", "gate_up_activations_T", "f32 10 2 32 4"),
-            ("output", "down_activations", "f32 10 4 64"),
-        ]);
+        + &forward_inputs
+        + &decls(&[("output", "output", "f32 8 64")])
+        + &checkpoints("output");
     let blockwise_bwd = String::from("moekit-fake-neff 1\nkernel blockwise_mm_bwd\n")
+        + &forward_inputs
+        + &checkpoints("input")
         + &decls(&[
-            ("input", "hidden_states", "f32 9 64"),
-            ("input", "expert_affinities_masked", "f32 72"),
-            ("input", "gate_up_proj_weight", "f32 8 64 2 32"),
-            ("input", "down_proj_weight", "f32 8 32 64"),
-            ("input", "token_position_to_id", "i32 40"),
-            ("input", "block_to_expert", "i32 10"),
-            ("input", "gate_up_activations_T", "f32 10 2 32 4"),
-            ("input", "down_activations", "f32 10 4 64"),
             ("input", "output_hidden_states_grad", "f32 8 64"),
             ("output", "hidden_states_grad", "f32 8 64"),
             ("output", "expert_affinities_masked_grad", "f32 72"),

@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use moekit::Error;
-use moekit::neuron::{Library, NrtDType, Placement, Runtime, Status, TensorInfo, Usage};
+use moekit::neuron::{
+    Library, Model, NrtDType, Placement, Runtime, Status, Tensor, TensorInfo, TensorSet, Usage,
+};
 
 const FAKE: &str = env!("MOEKIT_FAKE_NRT");
 const FAKE_WITHOUT_EXECUTE_REPEAT: &str = env!("MOEKIT_FAKE_NRT_PARTIAL");
@@ -28,6 +30,37 @@ input b i32 4
 output a_out f32 2 3
 output b_out i32 4
 ";
+
+/// One device tensor per tensor of `model`, in its order.
+fn allocate_all(runtime: &Runtime, model: &Model) -> Vec<Tensor> {
+    model
+        .tensors()
+        .iter()
+        .map(|t| {
+            runtime
+                .allocate(Placement::Device, 0, t.size, &t.name)
+                .unwrap()
+        })
+        .collect()
+}
+
+/// `tensors` (from [`allocate_all`]) bound by name into the model's input and output sets.
+fn bind_all<'t>(
+    runtime: &Runtime,
+    model: &Model,
+    tensors: &'t [Tensor],
+) -> (TensorSet<'t>, TensorSet<'t>) {
+    let (mut inputs, mut outputs) = (runtime.tensor_set().unwrap(), runtime.tensor_set().unwrap());
+    for (info, tensor) in model.tensors().iter().zip(tensors) {
+        let set = if info.usage == Usage::Input {
+            &mut inputs
+        } else {
+            &mut outputs
+        };
+        set.add(&info.name, tensor).unwrap();
+    }
+    (inputs, outputs)
+}
 
 fn status_of(err: &Error) -> Option<&str> {
     match err {
@@ -136,24 +169,8 @@ fn a_missing_symbol_is_an_error_naming_it_and_the_rest_still_works() {
     let model = runtime
         .load(COPY_NEFF.as_bytes(), "copy.neff", 0, 1)
         .unwrap();
-    let tensors: Vec<_> = model
-        .tensors()
-        .iter()
-        .map(|t| {
-            runtime
-                .allocate(Placement::Device, 0, t.size, &t.name)
-                .unwrap()
-        })
-        .collect();
-    let (mut inputs, mut outputs) = (runtime.tensor_set().unwrap(), runtime.tensor_set().unwrap());
-    for (info, tensor) in model.tensors().iter().zip(&tensors) {
-        let set = if info.usage == Usage::Input {
-            &mut inputs
-        } else {
-            &mut outputs
-        };
-        set.add(&info.name, tensor).unwrap();
-    }
+    let tensors = allocate_all(&runtime, &model);
+    let (inputs, outputs) = bind_all(&runtime, &model, &tensors);
     model.execute(&inputs, &outputs).unwrap();
     let err = model.execute_repeat(&inputs, &outputs, 2).unwrap_err();
     let message = err.to_string();
@@ -257,24 +274,8 @@ input block_to_expert i32 1
 output output f32 2 2
 ";
     let model = runtime.load(neff.as_bytes(), "bwmm.neff", -1, -1).unwrap();
-    let tensors: Vec<_> = model
-        .tensors()
-        .iter()
-        .map(|t| {
-            runtime
-                .allocate(Placement::Device, 0, t.size, &t.name)
-                .unwrap()
-        })
-        .collect();
-    let (mut inputs, mut outputs) = (runtime.tensor_set().unwrap(), runtime.tensor_set().unwrap());
-    for (info, tensor) in model.tensors().iter().zip(&tensors) {
-        let set = if info.usage == Usage::Input {
-            &mut inputs
-        } else {
-            &mut outputs
-        };
-        set.add(&info.name, tensor).unwrap();
-    }
+    let tensors = allocate_all(&runtime, &model);
+    let (inputs, outputs) = bind_all(&runtime, &model, &tensors);
     let ids: Vec<u8> = [0i32, 2].iter().flat_map(|v| v.to_le_bytes()).collect();
     inputs
         .get("token_position_to_id")

@@ -54,38 +54,37 @@ pub enum ValueKind {
     Str,
 }
 
+/// `router_topk`'s keys.
+const ROUTER_TOPK_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    ("e", ValueKind::Int),
+    ("top_k", ValueKind::Int),
+    ("activation", ValueKind::Str),
+    ("norm_topk_prob", ValueKind::Bool),
+    // Whether the NEFF takes a `bias` / `selection_bias` input.
+    ("bias", ValueKind::Bool),
+    ("selection_bias", ValueKind::Bool),
+];
+
+/// `blockwise_mm`'s keys; `blockwise_mm_bwd` takes all but the last.
+const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    ("e", ValueKind::Int),
+    ("i", ValueKind::Int),
+    ("block_size", ValueKind::Int),
+    ("num_blocks", ValueKind::Int),
+    ("checkpoint_activations", ValueKind::Bool),
+];
+
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does
 /// not run that kernel.
 pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
     match kernel {
-        Kernel::RouterTopk => Some(&[
-            ("t", ValueKind::Int),
-            ("h", ValueKind::Int),
-            ("e", ValueKind::Int),
-            ("top_k", ValueKind::Int),
-            ("activation", ValueKind::Str),
-            ("norm_topk_prob", ValueKind::Bool),
-            // Whether the NEFF takes a `bias` / `selection_bias` input.
-            ("bias", ValueKind::Bool),
-            ("selection_bias", ValueKind::Bool),
-        ]),
-        Kernel::BlockwiseMm => Some(&[
-            ("t", ValueKind::Int),
-            ("h", ValueKind::Int),
-            ("e", ValueKind::Int),
-            ("i", ValueKind::Int),
-            ("block_size", ValueKind::Int),
-            ("num_blocks", ValueKind::Int),
-            ("checkpoint_activations", ValueKind::Bool),
-        ]),
-        Kernel::BlockwiseMmBwd => Some(&[
-            ("t", ValueKind::Int),
-            ("h", ValueKind::Int),
-            ("e", ValueKind::Int),
-            ("i", ValueKind::Int),
-            ("block_size", ValueKind::Int),
-            ("num_blocks", ValueKind::Int),
-        ]),
+        Kernel::RouterTopk => Some(ROUTER_TOPK_KEYS),
+        Kernel::BlockwiseMm => Some(BLOCKWISE_MM_KEYS),
+        Kernel::BlockwiseMmBwd => Some(&BLOCKWISE_MM_KEYS[..BLOCKWISE_MM_KEYS.len() - 1]),
         _ => None,
     }
 }

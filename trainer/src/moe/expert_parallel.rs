@@ -14,6 +14,8 @@ use std::time::Duration;
 use anyhow::Result;
 use moekit::ep::{Communicator, ExpertsInputs, ExpertsSaved, ShardedExperts};
 use moekit::torch::{from_tch, to_tch};
+
+use super::kernels::input_gradients;
 use moekit::{Backend, BackendKind};
 use tch::{Device, Tensor};
 
@@ -173,20 +175,14 @@ impl ExternalBackward for ExpertParallelBackward {
             .sharded()
             .backward(self.saved.inputs(), &self.experts, &d_output)?;
         self.group.add_exchange_time(grads.exchange_time);
-        let [x, affinities, gate_up, down] = &self.inputs;
-        Ok([
-            (x, &grads.d_x),
-            (affinities, &grads.d_topk_affinities),
-            (gate_up, &grads.d_gate_up_proj_weight),
-            (down, &grads.d_down_proj_weight),
-        ]
-        .into_iter()
-        .map(|(input, grad)| {
-            (
-                input.shallow_clone(),
-                to_tch(grad).to_kind(input.kind()).to_device(input.device()),
-            )
-        })
-        .collect())
+        Ok(input_gradients(
+            &self.inputs,
+            [
+                &grads.d_x,
+                &grads.d_topk_affinities,
+                &grads.d_gate_up_proj_weight,
+                &grads.d_down_proj_weight,
+            ],
+        ))
     }
 }

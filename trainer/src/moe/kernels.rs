@@ -170,20 +170,32 @@ impl ExternalBackward for KernelBackward {
         let d_affinities = grads
             .d_topk_affinities
             .context("blockwise_mm_bwd returned no d_topk_affinities")?;
-        let [x, affinities, gate_up, down] = &self.inputs;
-        Ok([
-            (x, &grads.hidden_states_grad),
-            (affinities, &d_affinities),
-            (gate_up, &grads.gate_up_proj_weight_grad),
-            (down, &grads.down_proj_weight_grad),
-        ]
-        .into_iter()
+        Ok(input_gradients(
+            &self.inputs,
+            [
+                &grads.hidden_states_grad,
+                &d_affinities,
+                &grads.gate_up_proj_weight_grad,
+                &grads.down_proj_weight_grad,
+            ],
+        ))
+    }
+}
+
+/// The kernel gradients of the experts' four differentiable inputs (`x`, the affinities,
+/// `gate_up`, `down`), as `(input, gradient)` pairs in each input's dtype and device.
+pub(super) fn input_gradients(
+    inputs: &[Tensor; 4],
+    grads: [&moekit::Tensor; 4],
+) -> Vec<(Tensor, Tensor)> {
+    inputs
+        .iter()
+        .zip(grads)
         .map(|(input, grad)| {
             (
                 input.shallow_clone(),
                 to_tch(grad).to_kind(input.kind()).to_device(input.device()),
             )
         })
-        .collect())
-    }
+        .collect()
 }
