@@ -345,7 +345,7 @@ impl JobConfig {
             self.model.num_experts
         );
         ensure!(
-            matches!(self.kernels.moe, MoeImpl::Reference | MoeImpl::Cpu),
+            self.kernels.moe.kernel_backend().is_some(),
             "parallelism.expert_parallel_degree = {ranks} exchanges tokens with moekit's \
              dispatch and combine: kernels.moe must be reference or cpu, got {}",
             self.kernels.moe.name()

@@ -115,44 +115,59 @@ impl RankGroup {
     }
 
     /// Divides every gradient by R after summing the replicated parameters' gradients over
-    /// the ranks (see the module docs). `params` are in the same order on every rank, and a
-    /// replicated parameter must have a gradient on all ranks or on none (else the replicas
-    /// would drift apart): anything else is an error on every rank.
+    /// the ranks (see the module docs), all of them in one collective. `params` are in the same
+    /// order on every rank, and a replicated parameter must have a gradient on all ranks or on
+    /// none (else the replicas would drift apart): anything else is an error on every rank.
     pub fn reduce_gradients(&self, params: &[(String, Tensor)]) -> Result<()> {
         let ranks = self.ranks();
         let scale = 1.0 / ranks as f64;
-        for (name, p) in params {
+        let (experts, replicated): (Vec<_>, Vec<_>) = params
+            .iter()
+            .partition(|(name, _)| is_expert_parameter(name));
+        for (_, p) in experts {
             let mut grad = p.grad();
-            if is_expert_parameter(name) {
-                if grad.defined() {
-                    tch::no_grad(|| {
-                        let _ = grad.g_mul_scalar_(scale);
-                    });
-                }
-                continue;
+            if grad.defined() {
+                tch::no_grad(|| {
+                    let _ = grad.g_mul_scalar_(scale);
+                });
             }
-            // The last entry counts the ranks that have a gradient; a rank without one
-            // contributes zeros, so every rank takes part in the same collectives.
-            let mut values = if grad.defined() {
-                Vec::<f32>::try_from(grad.to_kind(Kind::Float).flatten(0, -1))?
+        }
+        // Every replicated gradient back to back (zeros for a rank without one, so all ranks
+        // send the same sizes), then one count per parameter of the ranks that have one.
+        let grads: Vec<Tensor> = replicated.iter().map(|(_, p)| p.grad()).collect();
+        let mut values = Vec::new();
+        for (grad, (_, p)) in grads.iter().zip(&replicated) {
+            if grad.defined() {
+                values.extend(Vec::<f32>::try_from(
+                    grad.to_kind(Kind::Float).flatten(0, -1),
+                )?);
             } else {
-                vec![0.0; p.numel()]
-            };
-            values.push(if grad.defined() { 1.0 } else { 0.0 });
-            self.sum(&mut values)?;
-            let with_gradient = values.pop().unwrap_or_default() as usize;
-            if with_gradient != 0 && with_gradient != ranks {
+                values.resize(values.len() + p.numel(), 0.0);
+            }
+        }
+        values.extend(grads.iter().map(|g| if g.defined() { 1.0f32 } else { 0.0 }));
+        self.sum(&mut values)?;
+        let with_gradient = values.split_off(values.len() - grads.len());
+        for ((name, _), &count) in replicated.iter().zip(&with_gradient) {
+            let count = count as usize;
+            if count != 0 && count != ranks {
                 bail!(
-                    "`{name}` has a gradient on {with_gradient} of {ranks} ranks: the \
-                     replicas would drift apart"
+                    "`{name}` has a gradient on {count} of {ranks} ranks: the replicas would \
+                     drift apart"
                 );
             }
+        }
+        let mut offset = 0;
+        for (grad, (_, p)) in grads.iter().zip(&replicated) {
+            let numel = p.numel();
+            let mean: Vec<f32> = values[offset..offset + numel]
+                .iter()
+                .map(|&v| v * scale as f32)
+                .collect();
+            offset += numel;
             if grad.defined() {
-                for value in &mut values {
-                    *value *= scale as f32;
-                }
-                let mean = Tensor::from_slice(&values).view(grad.size().as_slice());
-                tch::no_grad(|| grad.copy_(&mean));
+                let mean = Tensor::from_slice(&mean).view(grad.size().as_slice());
+                tch::no_grad(|| grad.shallow_clone().copy_(&mean));
             }
         }
         Ok(())

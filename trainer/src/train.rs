@@ -510,10 +510,11 @@ impl Trainer {
             }
         }
         if let Some(group) = &self.group {
-            for layer_counts in &mut counts {
-                let mut sums: Vec<f32> = layer_counts.iter().map(|&c| c as f32).collect();
-                group.sum(&mut sums)?;
-                *layer_counts = sums.into_iter().map(f64::from).collect();
+            // Every layer's counts in one collective.
+            let mut sums: Vec<f32> = counts.iter().flatten().map(|&c| c as f32).collect();
+            group.sum(&mut sums)?;
+            for (layer_counts, sums) in counts.iter_mut().zip(sums.chunks(experts as usize)) {
+                *layer_counts = sums.iter().map(|&c| f64::from(c)).collect();
             }
         }
         let grad_norm = self.reduce_and_clip_gradients()?;

@@ -65,11 +65,20 @@ impl MoeImpl {
         }
     }
 
-    /// Instantiates the implementation; `block_size` is the moekit block plan's B.
     /// Whether the implementation runs on a CUDA device (libtorch's own ops); moekit's
     /// kernels run on the host.
     pub fn runs_on_cuda(self) -> bool {
         matches!(self, MoeImpl::Torch | MoeImpl::GroupedMm)
+    }
+
+    /// The moekit backend of `reference` and `cpu`, the implementations that run moekit's
+    /// kernels on the host (and so can exchange tokens between ranks).
+    pub fn kernel_backend(self) -> Option<moekit::BackendKind> {
+        match self {
+            MoeImpl::Reference => Some(moekit::BackendKind::Reference),
+            MoeImpl::Cpu => Some(moekit::BackendKind::Cpu),
+            _ => None,
+        }
     }
 
     /// This rank's experts of an expert-parallel run over `comm` (moekit's kernels only; the
@@ -80,14 +89,12 @@ impl MoeImpl {
         num_experts: usize,
         block_size: usize,
     ) -> Result<Box<dyn Experts>> {
-        let backend = match self {
-            MoeImpl::Reference => moekit::BackendKind::Reference,
-            MoeImpl::Cpu => moekit::BackendKind::Cpu,
-            other => bail!(
+        let Some(backend) = self.kernel_backend() else {
+            bail!(
                 "expert parallelism runs moekit's kernels: kernels.moe must be reference or cpu, \
                  got {}",
-                other.name()
-            ),
+                self.name()
+            );
         };
         Ok(Box::new(ExpertParallelExperts::new(
             backend,
@@ -97,16 +104,16 @@ impl MoeImpl {
         )))
     }
 
+    /// Instantiates the implementation; `block_size` is the moekit block plan's B.
     pub fn create(self, block_size: usize) -> Result<Box<dyn Experts>> {
+        if let Some(backend) = self.kernel_backend() {
+            return Ok(Box::new(KernelExperts::new(backend, block_size)));
+        }
         Ok(match self {
             MoeImpl::Torch => Box::new(TorchLoopExperts),
             MoeImpl::GroupedMm => Box::new(GroupedMmExperts),
-            MoeImpl::Reference => Box::new(KernelExperts::new(
-                moekit::BackendKind::Reference,
-                block_size,
-            )),
-            MoeImpl::Cpu => Box::new(KernelExperts::new(moekit::BackendKind::Cpu, block_size)),
-            MoeImpl::Neuron => bail!(
+            // `neuron` (reference and cpu returned above).
+            _ => bail!(
                 "kernels.moe = \"neuron\": moekit's neuron backend runs only the kernels \
                  the NKI library provides (router_topk, blockwise_mm, blockwise_mm_bwd), and \
                  training also needs router_topk_bwd, permute and the aux loss; \
