@@ -18,8 +18,7 @@ use std::time::{Duration, Instant};
 use common::ep_layer::{EpCase, EpData, ep_data, run_rank, single_rank};
 use common::*;
 use moekit::ep::{
-    Communicator, DispatchParams, EpGrads, LocalComm, agree, all_to_all_v_f32, all_to_all_v_i32,
-    dispatch,
+    Communicator, DispatchParams, EpGrads, LocalComm, agree, all_to_all_v_values, dispatch,
 };
 use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -95,8 +94,8 @@ fn typed_exchanges_keep_values() {
         let floats = [rank as f32 + 0.5, -1.25, 3.0];
         let ints = [rank as i32, -7];
         (
-            all_to_all_v_f32(comm, &floats, &[1, 2]).unwrap(),
-            all_to_all_v_i32(comm, &ints, &[0, 2]).unwrap(),
+            all_to_all_v_values(comm, &floats, &[1, 2]).unwrap(),
+            all_to_all_v_values(comm, &ints, &[0, 2]).unwrap(),
         )
     });
     assert_eq!(results[0].0, (vec![0.5, 1.5], vec![1, 1]));

@@ -127,28 +127,17 @@ pub(super) fn extend_from_bytes<T: bytemuck::Pod>(values: &mut Vec<T>, bytes: &[
     bytemuck::cast_slice_mut::<T, u8>(&mut values[start..]).copy_from_slice(bytes);
 }
 
-/// [`Communicator::all_to_all_v`] of f32 values (`send_counts` in elements).
-pub fn all_to_all_v_f32(
+/// [`Communicator::all_to_all_v`] of plain values (`f32`, `i32`, …; `send_counts` and the
+/// returned counts in elements).
+pub fn all_to_all_v_values<T: bytemuck::Pod>(
     comm: &dyn Communicator,
-    send: &[f32],
+    send: &[T],
     send_counts: &[usize],
-) -> Result<(Vec<f32>, Vec<usize>)> {
-    let counts: Vec<usize> = send_counts.iter().map(|c| c * 4).collect();
+) -> Result<(Vec<T>, Vec<usize>)> {
+    let size = std::mem::size_of::<T>();
+    let counts: Vec<usize> = send_counts.iter().map(|c| c * size).collect();
     let (received, recv_counts) = comm.all_to_all_v(bytemuck::cast_slice(send), &counts)?;
-    let mut values = Vec::with_capacity(received.len() / 4);
+    let mut values = Vec::with_capacity(received.len() / size);
     extend_from_bytes(&mut values, &received);
-    Ok((values, recv_counts.iter().map(|c| c / 4).collect()))
-}
-
-/// [`Communicator::all_to_all_v`] of i32 values (`send_counts` in elements).
-pub fn all_to_all_v_i32(
-    comm: &dyn Communicator,
-    send: &[i32],
-    send_counts: &[usize],
-) -> Result<(Vec<i32>, Vec<usize>)> {
-    let counts: Vec<usize> = send_counts.iter().map(|c| c * 4).collect();
-    let (received, recv_counts) = comm.all_to_all_v(bytemuck::cast_slice(send), &counts)?;
-    let mut values = Vec::with_capacity(received.len() / 4);
-    extend_from_bytes(&mut values, &received);
-    Ok((values, recv_counts.iter().map(|c| c / 4).collect()))
+    Ok((values, recv_counts.iter().map(|c| c / size).collect()))
 }

@@ -19,7 +19,7 @@
 //! exchanging anything: invalid input on one rank is the same error on every rank, never a
 //! hang. Ranks started with different E, K, H or hidden-state dtypes are detected the same way.
 
-use super::comm::{Communicator, agree, agree_with_values, all_to_all_v_f32, extend_from_bytes};
+use super::comm::{Communicator, agree, agree_with_values, all_to_all_v_values, extend_from_bytes};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
@@ -321,7 +321,7 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
         }
     }
     let counts: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
-    let (received, _) = all_to_all_v_f32(comm, &rows, &counts)?;
+    let (received, _) = all_to_all_v_values(comm, &rows, &counts)?;
     let m: usize = recv_counts.iter().sum();
     Tensor::from_f32([m, h], received)
 }
@@ -366,12 +366,12 @@ pub fn dispatch_bwd(
     let (t, indices, ids, send_counts, recv_counts, h, k) = agree(comm, local)?;
     let scaled =
         |counts: &[usize], width: usize| counts.iter().map(|c| c * width).collect::<Vec<_>>();
-    let (rows, _) = all_to_all_v_f32(
+    let (rows, _) = all_to_all_v_values(
         comm,
         &d_hidden_states.f32_values(),
         &scaled(&recv_counts, h),
     )?;
-    let (row_affinities, _) = all_to_all_v_f32(
+    let (row_affinities, _) = all_to_all_v_values(
         comm,
         &d_topk_affinities.f32_values(),
         &scaled(&recv_counts, k),

@@ -88,12 +88,12 @@ impl Session {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Execution {
     Once,
-    /// `nrt_execute_repeat` with this count; the elapsed time is returned.
+    /// `nrt_execute_repeat` with this count.
     Repeat(i32),
 }
 
-/// What one execution produced: the outputs by contract name, the NEFF that ran, and the time
-/// the execution call took.
+/// What one call produced: the outputs by contract name, the NEFF that ran, and the mean time
+/// of one execution.
 struct Ran {
     outputs: BTreeMap<&'static str, Tensor>,
     neff: PathBuf,
@@ -182,14 +182,16 @@ impl NeuronBackend {
     /// Times `repeat` back-to-back executions of the NEFF that runs `kernel` on these inputs
     /// (`nrt_execute_repeat`); returns the mean time per execution.
     pub fn time_router_topk(&self, call: &RouterTopk<'_>, repeat: i32) -> Result<Duration> {
-        let ran = self.run(&router_topk_call(call), Execution::Repeat(repeat))?;
-        Ok(ran.elapsed / repeat.max(1) as u32)
+        Ok(self
+            .run(&router_topk_call(call), Execution::Repeat(repeat))?
+            .elapsed)
     }
 
     /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm`.
     pub fn time_blockwise_mm(&self, call: &BlockwiseMm<'_>, repeat: i32) -> Result<Duration> {
-        let ran = self.run(&blockwise_mm_call(call), Execution::Repeat(repeat))?;
-        Ok(ran.elapsed / repeat.max(1) as u32)
+        Ok(self
+            .run(&blockwise_mm_call(call), Execution::Repeat(repeat))?
+            .elapsed)
     }
 
     /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm_bwd`.
@@ -198,8 +200,9 @@ impl NeuronBackend {
         call: &BlockwiseMmBwd<'_>,
         repeat: i32,
     ) -> Result<Duration> {
-        let ran = self.run(&blockwise_mm_bwd_call(call), Execution::Repeat(repeat))?;
-        Ok(ran.elapsed / repeat.max(1) as u32)
+        Ok(self
+            .run(&blockwise_mm_bwd_call(call), Execution::Repeat(repeat))?
+            .elapsed)
     }
 }
 
@@ -425,11 +428,17 @@ fn execute(
         }
     }
     let start = Instant::now();
-    match execution {
-        Execution::Once => model.execute(&inputs, &outputs)?,
-        Execution::Repeat(repeat) => model.execute_repeat(&inputs, &outputs, repeat)?,
-    }
-    let elapsed = start.elapsed();
+    let executions = match execution {
+        Execution::Once => {
+            model.execute(&inputs, &outputs)?;
+            1
+        }
+        Execution::Repeat(repeat) => {
+            model.execute_repeat(&inputs, &outputs, repeat)?;
+            repeat.max(1) as u32
+        }
+    };
+    let elapsed = start.elapsed() / executions;
     let mut results = BTreeMap::new();
     for (info, tensor) in model.tensors().iter().zip(&device) {
         if info.usage != Usage::Output {
