@@ -615,16 +615,48 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
     return NRT_SUCCESS;
 }
 
-static NRT_STATUS run_blockwise_mm(const bound_t *b) {
+/* The block plan of a blockwise_mm (or backward) stand-in and the sizes its tensors imply. */
+typedef struct {
+    size_t t, h, e, inter, n, bs;
+    const nrt_tensor_t *pos, *blk;
+    nrt_dtype_t dp, de;
+} plan_t;
+
+static plan_t blockwise_plan(const bound_t *b) {
     const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT;
+    plan_t p;
+    p.t = dim(m, "hidden_states", in, 0) - 1;
+    p.h = dim(m, "hidden_states", in, 1);
+    p.e = dim(m, "gate_up_proj_weight", in, 0);
+    p.inter = dim(m, "gate_up_proj_weight", in, 3);
+    p.n = dim(m, "block_to_expert", in, 0);
+    p.bs = dim(m, "token_position_to_id", in, 0) / p.n;
+    p.pos = bound(b, "token_position_to_id", in, &p.dp);
+    p.blk = bound(b, "block_to_expert", in, &p.de);
+    return p;
+}
+
+/* Slot `slot` of block `blockn`: whether it holds a token of a used block, and that token and
+ * expert; NRT_EXEC_OOB for an id out of range (NaN included), as the hardware's indirect DMA
+ * reports it. */
+static NRT_STATUS plan_slot(const plan_t *p, size_t blockn, size_t slot, int *used, size_t *token, size_t *expert) {
+    double expert_id = load(p->blk, p->de, blockn), token_id = load(p->pos, p->dp, blockn * p->bs + slot);
+    if (!(expert_id >= 0 && expert_id <= (double)p->e) || !(token_id >= -1 && token_id < (double)p->t))
+        return NRT_EXEC_OOB;
+    *used = token_id >= 0 && (size_t)expert_id != p->e;
+    *token = *used ? (size_t)token_id : 0;
+    *expert = (size_t)expert_id;
+    return NRT_SUCCESS;
+}
+
+static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
-    size_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
-    size_t e = dim(m, "gate_up_proj_weight", in, 0), inter = dim(m, "gate_up_proj_weight", in, 3);
-    size_t n = dim(m, "block_to_expert", in, 0), bs = dim(m, "token_position_to_id", in, 0) / n, t = rows - 1;
-    nrt_dtype_t dx, da, dg, dd, dp, de, dout;
+    const plan_t plan = blockwise_plan(b);
+    size_t t = plan.t, h = plan.h, e = plan.e, inter = plan.inter, n = plan.n, bs = plan.bs;
+    nrt_dtype_t dx, da, dg, dd, dout;
     nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
     nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
-    nrt_tensor_t *pos = bound(b, "token_position_to_id", in, &dp), *blk = bound(b, "block_to_expert", in, &de);
     nrt_dtype_t dgt = NRT_DTYPE_FLOAT32, ddn = NRT_DTYPE_FLOAT32;
     nrt_tensor_t *output = bound(b, "output", out, &dout);
     /* Optional checkpoints: gate/up before the activation [N, 2, I, B], the down projection
@@ -640,20 +672,12 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     }
     NRT_STATUS status = NRT_SUCCESS;
     for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
-        double expert_id = load(blk, de, blockn);
-        if (!(expert_id >= 0 && expert_id <= (double)e)) { /* NaN too */
-            status = NRT_EXEC_OOB;
-            break;
-        }
-        size_t ex = (size_t)expert_id;
         for (size_t slot = 0; slot < bs; slot++) {
-            double token_id = load(pos, dp, blockn * bs + slot);
-            if (!(token_id >= -1 && token_id < (double)t)) { /* NaN too */
-                status = NRT_EXEC_OOB;
-                break;
-            }
-            if (token_id < 0 || ex == e) continue;
-            size_t tok = (size_t)token_id;
+            size_t tok, ex;
+            int used;
+            status = plan_slot(&plan, blockn, slot, &used, &tok, &ex);
+            if (status != NRT_SUCCESS) break;
+            if (!used) continue;
             for (size_t j = 0; j < inter; j++) {
                 double gate = 0.0, up = 0.0;
                 for (size_t c = 0; c < h; c++) {
@@ -686,15 +710,12 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
  * affinity a and output gradient g, d_affinity += g·down, then through the down projection
  * (scaled by a) and SwiGLU back to the weights and to hidden_states. */
 static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
-    const nrt_model_t *m = b->model;
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
-    size_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
-    size_t e = dim(m, "gate_up_proj_weight", in, 0), inter = dim(m, "gate_up_proj_weight", in, 3);
-    size_t n = dim(m, "block_to_expert", in, 0), bs = dim(m, "token_position_to_id", in, 0) / n, t = rows - 1;
-    nrt_dtype_t dx, da, dg, dd, dp, de, dgt, ddn, dy, o1, o2, o3, o4;
+    const plan_t plan = blockwise_plan(b);
+    size_t rows = plan.t + 1, t = plan.t, h = plan.h, e = plan.e, inter = plan.inter, n = plan.n, bs = plan.bs;
+    nrt_dtype_t dx, da, dg, dd, dgt, ddn, dy, o1, o2, o3, o4;
     nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
     nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
-    nrt_tensor_t *pos = bound(b, "token_position_to_id", in, &dp), *blk = bound(b, "block_to_expert", in, &de);
     nrt_tensor_t *gate_up_t = bound(b, "gate_up_activations_T", in, &dgt);
     nrt_tensor_t *down_act = bound(b, "down_activations", in, &ddn);
     nrt_tensor_t *grad = bound(b, "output_hidden_states_grad", in, &dy);
@@ -709,20 +730,12 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
     if (dxs == NULL || daff == NULL || dgu == NULL || ddown == NULL || dgate == NULL || dup == NULL)
         status = NRT_FAIL_HOST_MEM_ALLOC;
     for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
-        double expert_id = load(blk, de, blockn);
-        if (!(expert_id >= 0 && expert_id <= (double)e)) { /* NaN too */
-            status = NRT_EXEC_OOB;
-            break;
-        }
-        size_t ex = (size_t)expert_id;
         for (size_t slot = 0; slot < bs; slot++) {
-            double token_id = load(pos, dp, blockn * bs + slot);
-            if (!(token_id >= -1 && token_id < (double)t)) { /* NaN too */
-                status = NRT_EXEC_OOB;
-                break;
-            }
-            if (token_id < 0 || ex == e) continue;
-            size_t tok = (size_t)token_id;
+            size_t tok, ex;
+            int used;
+            status = plan_slot(&plan, blockn, slot, &used, &tok, &ex);
+            if (status != NRT_SUCCESS) break;
+            if (!used) continue;
             double a = load(aff, da, tok * e + ex), d_a = 0.0;
             for (size_t c = 0; c < h; c++)
                 d_a += load(grad, dy, tok * h + c) * load(down_act, ddn, (blockn * bs + slot) * h + c);
