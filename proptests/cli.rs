@@ -17,12 +17,7 @@ use moekit::{Backend, Tensor};
 
 /// A scratch directory under the target dir, fresh per test.
 fn scratch(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("cli")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    scratch_dir("cli", test)
 }
 
 fn moekit(args: &[&str]) -> Output {
@@ -66,6 +61,18 @@ fn run_ok(kernel: &str, inputs: &Path, output: &Path, params: &[&str]) -> BTreeM
         String::from_utf8_lossy(&out.stderr)
     );
     TensorFile::read(output).unwrap().tensors
+}
+
+/// Runs moekit, which must succeed; returns its stdout.
+fn moekit_ok(args: &[&str]) -> String {
+    let out = moekit(args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "moekit {args:?} failed:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 fn run_err(args: &[&str], needles: &[&str]) {
@@ -550,13 +557,7 @@ fn bench_rejects_unknown_shapes_backends_and_dtypes() {
 
 #[test]
 fn check_reports_every_output_and_fails_outside_the_tolerance() {
-    let out = moekit(&["check", "--backend", "cpu", "--cases", "2", "--seed", "3"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = moekit_ok(&["check", "--backend", "cpu", "--cases", "2", "--seed", "3"]);
     for kernel in Kernel::ALL {
         assert!(
             stdout.contains(kernel.name()),
@@ -601,13 +602,7 @@ const FAKE_NRT: &str = env!("MOEKIT_FAKE_NRT");
 
 #[test]
 fn neuron_info_reports_the_runtime_or_why_it_cannot() {
-    let out = moekit(&["neuron", "info", "--library", FAKE_NRT]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = moekit_ok(&["neuron", "info", "--library", FAKE_NRT]);
     assert!(stdout.contains(&format!("library: {FAKE_NRT}")), "{stdout}");
     assert!(
         stdout.contains("runtime version: 2.0.0.0 (moekit fake runtime"),
@@ -664,7 +659,7 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     )
     .unwrap();
     let manifest = manifest.to_str().unwrap();
-    let out = moekit(&[
+    let stdout = moekit_ok(&[
         "check",
         "--backend",
         "neuron",
@@ -675,12 +670,6 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         "--cases",
         "2",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(stdout.starts_with("neuron vs reference"), "{stdout}");
     for needle in [
         "router_topk",
@@ -698,19 +687,13 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         "{stdout}"
     );
 
-    let out = moekit(&[
+    let stdout = moekit_ok(&[
         "neuron",
         "tensors",
         dir.join("blockwise.neff").to_str().unwrap(),
         "--library",
         FAKE_NRT,
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .skip(1)
@@ -828,7 +811,7 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
          [[kernel]]\nname = \"blockwise_mm_bwd\"\nneff = \"blockwise_bwd.neff\"\nt = 8\n",
     )
     .unwrap();
-    let out = moekit(&[
+    let stdout = moekit_ok(&[
         "bench",
         "--backend",
         "neuron",
@@ -846,12 +829,6 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
         "--library",
         FAKE_NRT,
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(
         stdout.starts_with("device: one Trainium2 NeuronCore-v3, bf16 peak 79000 GFLOP/s"),
         "{stdout}"

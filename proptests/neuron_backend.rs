@@ -28,12 +28,7 @@ fn exclusive() -> MutexGuard<'static, ()> {
 
 /// A fresh folder for one test's manifest and NEFFs.
 fn workdir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("neuron_backend")
-        .join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    scratch_dir("neuron_backend", name)
 }
 
 /// Writes `neffs` (file name, stand-in text) and a manifest registering them with `entries`
@@ -49,14 +44,6 @@ fn backend_with(dir: &Path, neffs: &[(&str, String, String)]) -> NeuronBackend {
         library: Some(PathBuf::from(FAKE)),
         manifest: dir.join("kernels.toml"),
     })
-}
-
-fn dtype_name(tensor: &Tensor) -> &'static str {
-    match tensor.dtype() {
-        moekit::DType::F32 => "f32",
-        moekit::DType::BF16 => "bf16",
-        moekit::DType::I32 => "i32",
-    }
 }
 
 fn decl(usage: &str, name: &str, dtype: &str, shape: &[usize]) -> String {
@@ -79,10 +66,10 @@ fn router_neff(
         params.activation,
         u8::from(params.norm_topk_prob)
     );
-    neff += &decl("input", "x", dtype_name(x), x.shape());
-    neff += &decl("input", "w", dtype_name(w), w.shape());
+    neff += &decl("input", "x", &x.dtype().to_string(), x.shape());
+    neff += &decl("input", "w", &w.dtype().to_string(), w.shape());
     if let Some(bias) = bias {
-        neff += &decl("input", "bias", dtype_name(bias), bias.shape());
+        neff += &decl("input", "bias", &bias.dtype().to_string(), bias.shape());
     }
     neff += &decl("output", "router_logits", "f32", &[t, e]);
     neff += &decl("output", "expert_index", "i32", &[t, k]);
@@ -231,7 +218,7 @@ proptest! {
             ("token_position_to_id", &plan.token_position_to_id),
             ("block_to_expert", &plan.block_to_expert),
         ] {
-            neff += &decl("input", name, dtype_name(tensor), tensor.shape());
+            neff += &decl("input", name, &tensor.dtype().to_string(), tensor.shape());
         }
         neff += &decl("output", "output", "f32", &[t, h]);
         if checkpoint {

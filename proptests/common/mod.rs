@@ -23,6 +23,16 @@ pub fn config(default_cases: u32) -> ProptestConfig {
     config
 }
 
+/// A fresh, empty folder `<target tmp>/<group>/<name>` for one test's files.
+pub fn scratch_dir(group: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(group)
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// SplitMix64: a tiny deterministic generator for bulk tensor data (proptest picks the seed).
 pub struct SeededRng(u64);
 
