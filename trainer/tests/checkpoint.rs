@@ -104,6 +104,17 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// `eval --model MODEL --tokens TOKENS`.
+fn eval_args<'a>(model: &'a Path, tokens: &'a Path) -> [&'a str; 5] {
+    [
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+    ]
+}
+
 fn write_tokens(path: &Path, ids: &[i64], shape: [usize; 2]) {
     let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::I64, shape.to_vec(), &bytes).unwrap();
@@ -397,59 +408,23 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
     let tokens = dir.join("tokens.safetensors");
     write_tokens(&tokens, &[1, 2, 300, 4], [1, 4]);
     std::fs::write(ckpt.join("state.json"), b"{}").unwrap();
+    fail(&eval_args(&ckpt, &tokens), "is not a valid training state");
     fail(
-        &[
-            "eval",
-            "--model",
-            ckpt.to_str().unwrap(),
-            "--tokens",
-            tokens.to_str().unwrap(),
-        ],
-        "is not a valid training state",
-    );
-    fail(
-        &[
-            "eval",
-            "--model",
-            hf.to_str().unwrap(),
-            "--tokens",
-            tokens.to_str().unwrap(),
-        ],
+        &eval_args(&hf, &tokens),
         "token id 300 outside the vocabulary [0, 256)",
     );
     write_tokens(&tokens, &[1], [1, 1]);
     fail(
-        &[
-            "eval",
-            "--model",
-            hf.to_str().unwrap(),
-            "--tokens",
-            tokens.to_str().unwrap(),
-        ],
+        &eval_args(&hf, &tokens),
         "at least one sequence of 2 or more tokens",
     );
     let floats = dir.join("floats.safetensors");
     let bytes: Vec<u8> = [1f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::F32, vec![1, 2], &bytes).unwrap();
     safetensors::serialize_to_file([("input_ids", view)], None, &floats).unwrap();
+    fail(&eval_args(&hf, &floats), "input_ids must be i64 or i32");
     fail(
-        &[
-            "eval",
-            "--model",
-            hf.to_str().unwrap(),
-            "--tokens",
-            floats.to_str().unwrap(),
-        ],
-        "input_ids must be i64 or i32",
-    );
-    fail(
-        &[
-            "eval",
-            "--model",
-            dir.join("none").to_str().unwrap(),
-            "--tokens",
-            floats.to_str().unwrap(),
-        ],
+        &eval_args(&dir.join("none"), &floats),
         "cannot read model config",
     );
     std::fs::remove_dir_all(dir).unwrap();
@@ -604,13 +579,7 @@ fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
     )
     .unwrap();
     fail(
-        &[
-            "eval",
-            "--model",
-            sharded.to_str().unwrap(),
-            "--tokens",
-            tokens.to_str().unwrap(),
-        ],
+        &eval_args(&sharded, &tokens),
         "`model.extra.weight` is not in its shard",
     );
     std::fs::remove_dir_all(dir).unwrap();
