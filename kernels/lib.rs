@@ -13,6 +13,7 @@
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
+//! - [`memory`]: the process-wide allocator policy the binaries set for large buffers.
 //! - [`neuron`]: the Neuron runtime (libnrt) bound at run time, and the `neuron` backend that
 //!   runs NEFFs named in a kernel manifest.
 //! - [`bench`]: kernel benchmarks against the machine's measured limits.
@@ -84,6 +85,7 @@ pub mod ep;
 pub mod error;
 pub mod golden;
 pub mod kernel;
+pub mod memory;
 pub mod neuron;
 pub mod reference;
 pub mod tensor;

@@ -452,6 +452,7 @@ fn run(
 }
 
 fn main() -> ExitCode {
+    moekit::memory::retain_freed_buffers();
     match Cli::parse().command {
         Command::List => {
             print!("{}", catalog_table());

@@ -245,6 +245,7 @@ fn run() -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    moekit::memory::retain_freed_buffers();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
