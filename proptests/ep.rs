@@ -12,6 +12,7 @@
 
 mod common;
 
+use std::borrow::Cow;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -86,6 +87,102 @@ proptest! {
             prop_assert_eq!(bits(&result), bits(&expected));
         }
     }
+}
+
+/// A communicator with only the required methods, so the trait's default
+/// `all_to_all_v_words` (through the byte exchange) runs.
+struct BytesOnly<'a>(&'a LocalComm);
+
+impl Communicator for BytesOnly<'_> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn all_to_all_v(&self, send: &[u8], counts: &[usize]) -> moekit::Result<(Vec<u8>, Vec<usize>)> {
+        self.0.all_to_all_v(send, counts)
+    }
+    fn all_reduce_sum(&self, buffer: &mut [f32]) -> moekit::Result<()> {
+        self.0.all_reduce_sum(buffer)
+    }
+    fn barrier(&self) -> moekit::Result<()> {
+        self.0.barrier()
+    }
+}
+
+/// The word rank `src` sends rank `dst` at position i.
+fn word(src: usize, dst: usize, i: usize) -> f32 {
+    (src * 1000 + dst * 100 + i) as f32 - 0.5
+}
+
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn word_exchanges_deliver_every_chunk_in_place_and_in_rank_order(
+        (r, lens) in (1usize..6).prop_flat_map(|r| (Just(r), proptest::collection::vec(0usize..40, r * r))),
+        owned in any::<bool>(),
+        known in any::<bool>(),
+        default_impl in any::<bool>(),
+    ) {
+        let results = on_ranks(LocalComm::group(r).unwrap(), |rank, comm| {
+            let bytes_only = BytesOnly(comm);
+            let comm: &dyn Communicator = if default_impl { &bytes_only } else { comm };
+            let send: Vec<f32> = (0..r)
+                .flat_map(|dst| (0..lens[rank * r + dst]).map(move |i| word(rank, dst, i)))
+                .collect();
+            let counts: Vec<usize> = (0..r).map(|dst| lens[rank * r + dst]).collect();
+            let expected_counts: Vec<usize> = (0..r).map(|src| lens[src * r + rank]).collect();
+            // Three exchanges in a row: no chunk of one may leak into the next.
+            (0..3)
+                .map(|_| {
+                    let send = if owned { Cow::Owned(send.clone()) } else { Cow::Borrowed(&send[..]) };
+                    let received = comm
+                        .all_to_all_v_words(send, &counts, known.then_some(&expected_counts[..]))
+                        .unwrap();
+                    let chunks: Vec<Vec<f32>> = (0..r).map(|src| received.chunk(src).to_vec()).collect();
+                    (received.counts(), chunks, received.into_values())
+                })
+                .collect::<Vec<_>>()
+        });
+        for (dst, runs) in results.iter().enumerate() {
+            let chunks: Vec<Vec<f32>> = (0..r)
+                .map(|src| (0..lens[src * r + dst]).map(|i| word(src, dst, i)).collect())
+                .collect();
+            let counts: Vec<usize> = chunks.iter().map(Vec::len).collect();
+            for (recv_counts, received_chunks, values) in runs {
+                prop_assert_eq!(recv_counts, &counts);
+                prop_assert_eq!(received_chunks, &chunks);
+                prop_assert_eq!(values, &chunks.concat());
+            }
+        }
+    }
+}
+
+#[test]
+fn word_exchanges_check_their_counts() {
+    let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        // Each rank sends 1 word to rank 0 and 2 to rank 1; rank 0 expects 3 from rank 1.
+        let expected = if rank == 0 { vec![1, 3] } else { vec![2, 2] };
+        comm.all_to_all_v_words(Cow::Owned(vec![1.0, 2.0, 3.0]), &[1, 2], Some(&expected))
+            .map(|received| received.into_values())
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("rank 0: expected [1, 3] words from the ranks of the group, received [1, 1]"),
+        "{err}"
+    );
+    assert_eq!(results[1].as_ref().unwrap(), &vec![2.0, 3.0, 2.0, 3.0]);
+    let comm = LocalComm::group(1).unwrap().pop().unwrap();
+    let err = comm
+        .all_to_all_v_words(Cow::Owned(vec![1.0]), &[2], None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("send counts sum to 2 words, the send buffer holds 1"),
+        "{err}"
+    );
 }
 
 #[test]

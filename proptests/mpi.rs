@@ -56,6 +56,29 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
             "all_to_all_v delivered {received:?}, expected {expected:?}"
         ));
     }
+    // Words, borrowed and owned, with the counts exchanged and known.
+    let word = |src: usize, dst: usize, i: usize| (src * 100 + dst * 10 + i) as f32;
+    let words: Vec<f32> = (0..r)
+        .flat_map(|dst| (0..len(rank, dst)).map(move |i| word(rank, dst, i)))
+        .collect();
+    let known: Vec<usize> = (0..r).map(|src| len(src, rank)).collect();
+    let expected: Vec<f32> = (0..r)
+        .flat_map(|src| (0..len(src, rank)).map(move |i| word(src, rank, i)))
+        .collect();
+    for (send, recv_counts) in [
+        (std::borrow::Cow::Borrowed(&words[..]), None),
+        (std::borrow::Cow::Owned(words.clone()), Some(&known[..])),
+    ] {
+        let received = comm
+            .all_to_all_v_words(send, &counts, recv_counts)
+            .map_err(|e| e.to_string())?;
+        if received.counts() != known || received.clone().into_values() != expected {
+            return Err(format!(
+                "all_to_all_v_words delivered {:?}, expected {expected:?}",
+                received.into_values()
+            ));
+        }
+    }
     let value = |src: usize, j: usize| (src as f32 + 1.0) * 0.1 + j as f32 * 1e-3;
     let mut buffer: Vec<f32> = (0..5).map(|j| value(rank, j)).collect();
     comm.all_reduce_sum(&mut buffer)

@@ -1,6 +1,8 @@
 //! Shared input checks. Every backend runs the same checks (through the validated call types),
 //! so error messages are identical whichever backend is chosen.
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};
 
@@ -72,10 +74,10 @@ fn extents(
 /// Requires every element of a floating-point tensor to be finite.
 pub(crate) fn finite(name: &str, tensor: &Tensor) -> Result<()> {
     let bad = match tensor.storage() {
-        Storage::F32(v) => v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i])),
-        Storage::BF16(v) => v
-            .iter()
-            .position(|x| !x.is_finite())
+        Storage::F32(v) => {
+            first_non_finite(v, |x| x.to_bits() & 0x7fff_ffff, 0x7f80_0000).map(|i| (i, v[i]))
+        }
+        Storage::BF16(v) => first_non_finite(v, |x| u32::from(x.to_bits() & 0x7fff), 0x7f80)
             .map(|i| (i, v[i].to_f32())),
         Storage::I32(_) => None,
     };
@@ -86,6 +88,30 @@ pub(crate) fn finite(name: &str, tensor: &Tensor) -> Result<()> {
             position: position(tensor.shape(), index),
             value,
         }),
+    }
+}
+
+/// Index of the first element whose magnitude bits (`magnitude`: the bits without the sign)
+/// reach `infinity`'s, i.e. the first infinity or NaN. Validation reads every input of every
+/// call, so whole chunks are screened branch-free (the largest magnitude, which vectorises),
+/// in parallel for large tensors, and only a failing chunk is searched element by element.
+fn first_non_finite<T: Copy + Sync>(
+    values: &[T],
+    magnitude: impl Fn(T) -> u32 + Sync,
+    infinity: u32,
+) -> Option<usize> {
+    const CHUNK: usize = 1 << 14;
+    let screen = |(c, chunk): (usize, &[T])| {
+        let largest = chunk.iter().fold(0, |m, &x| m.max(magnitude(x)));
+        (largest >= infinity)
+            .then(|| chunk.iter().position(|&x| magnitude(x) >= infinity))
+            .flatten()
+            .map(|i| c * CHUNK + i)
+    };
+    if values.len() >= 16 * CHUNK {
+        values.par_chunks(CHUNK).enumerate().find_map_first(screen)
+    } else {
+        values.chunks(CHUNK).enumerate().find_map(screen)
     }
 }
 
@@ -187,4 +213,52 @@ pub(crate) fn masked_affinities(name: &str, tensor: &Tensor, len: Option<usize>)
     }
     finite(name, tensor)?;
     Ok(flat)
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::*;
+
+    /// The plain search the chunked, parallel one must agree with.
+    fn first_by_scan(values: &[f32]) -> Option<usize> {
+        values.iter().position(|x| !x.is_finite())
+    }
+
+    #[test]
+    fn the_first_non_finite_element_is_found_in_every_chunk_and_path() {
+        // Below and above the parallel threshold, bad values at chunk edges, two bad values
+        // (the first counts), and every kind of non-finite value with either sign.
+        for len in [0usize, 1, 100, (1 << 14) + 3, (16 << 14) + 5, 40 << 14] {
+            let positions = [0, 1, (1 << 14) - 1, 1 << 14, len / 2, len.saturating_sub(1)];
+            for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                for &at in positions.iter().filter(|&&p| p < len) {
+                    let mut values: Vec<f32> = (0..len).map(|i| i as f32 - 7.5).collect();
+                    values[at] = bad;
+                    if at + 3 < len {
+                        values[len - 1] = f32::NAN;
+                    }
+                    let tensor = Tensor::from_f32([len], values.clone()).unwrap();
+                    let err = finite("x", &tensor).unwrap_err();
+                    let expected = first_by_scan(&values).unwrap();
+                    assert_eq!(
+                        err.to_string(),
+                        Error::NonFinite {
+                            tensor: "x".into(),
+                            position: format!("[{expected}]"),
+                            value: values[expected],
+                        }
+                        .to_string()
+                    );
+                    let bf16s = values.iter().map(|&v| bf16::from_f32(v)).collect();
+                    let tensor = Tensor::from_bf16([len], bf16s).unwrap();
+                    let err = finite("x", &tensor).unwrap_err().to_string();
+                    assert!(err.contains(&format!("[{expected}]")), "{err}");
+                }
+            }
+            let values: Vec<f32> = (0..len).map(|i| f32::MAX - i as f32).collect();
+            assert!(finite("x", &Tensor::from_f32([len], values).unwrap()).is_ok());
+        }
+    }
 }

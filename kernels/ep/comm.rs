@@ -1,6 +1,89 @@
 //! The collective operations of a rank group.
 
+use std::borrow::Cow;
+use std::ops::Range;
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
+
+/// What a variable all-to-all of f32 words ([`Communicator::all_to_all_v_words`]) delivered:
+/// one chunk per source rank, read where the engine left it (an engine over shared memory
+/// hands over the senders' buffers; one over a network receives into a single buffer).
+#[derive(Clone, Debug)]
+pub struct Received {
+    /// Per source rank: the buffer holding its chunk and the chunk's range in it.
+    chunks: Vec<(Arc<Vec<f32>>, Range<usize>)>,
+}
+
+impl Received {
+    /// Chunks that are ranges of buffers, one per source rank in rank order.
+    pub fn from_chunks(chunks: Vec<(Arc<Vec<f32>>, Range<usize>)>) -> Self {
+        Self { chunks }
+    }
+
+    /// Chunks laid out back to back in one buffer, `counts[src]` words from each source.
+    pub fn contiguous(values: Vec<f32>, counts: &[usize]) -> Self {
+        let values = Arc::new(values);
+        let mut offset = 0;
+        let chunks = counts
+            .iter()
+            .map(|&count| {
+                offset += count;
+                (Arc::clone(&values), offset - count..offset)
+            })
+            .collect();
+        Self { chunks }
+    }
+
+    /// R, the number of source ranks.
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Whether there are no sources (never, for a group of at least one rank).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// The words received from `src`.
+    pub fn chunk(&self, src: usize) -> &[f32] {
+        let (buffer, range) = &self.chunks[src];
+        &buffer[range.clone()]
+    }
+
+    /// The words received from each source, in rank order.
+    pub fn counts(&self) -> Vec<usize> {
+        self.chunks.iter().map(|(_, range)| range.len()).collect()
+    }
+
+    /// Every source's words back to back, in rank order: the receive buffer itself when the
+    /// engine received into one buffer, otherwise one copy.
+    pub fn into_values(self) -> Vec<f32> {
+        let total: usize = self.chunks.iter().map(|(_, range)| range.len()).sum();
+        let whole = self.chunks.first().is_some_and(|(first, _)| {
+            first.len() == total
+                && self
+                    .chunks
+                    .iter()
+                    .all(|(buffer, _)| Arc::ptr_eq(buffer, first))
+                && self
+                    .chunks
+                    .windows(2)
+                    .all(|pair| pair[0].1.end == pair[1].1.start)
+                && self.chunks[0].1.start == 0
+        });
+        if whole {
+            let buffer = Arc::clone(&self.chunks[0].0);
+            drop(self.chunks);
+            return Arc::try_unwrap(buffer).unwrap_or_else(|shared| shared.as_ref().clone());
+        }
+        let mut values = Vec::with_capacity(total);
+        for (buffer, range) in &self.chunks {
+            values.extend_from_slice(&buffer[range.clone()]);
+        }
+        values
+    }
+}
 
 /// One rank of a group of `size()` ranks that exchange data collectively.
 ///
@@ -19,20 +102,32 @@ pub trait Communicator {
     /// back in rank order, and `recv_counts` (counts travel first, then the payload).
     fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)>;
 
-    /// The same exchange with one owned buffer per destination in and one per source out, so
-    /// an engine that can hand buffers over (shared memory) need not copy them. The default
-    /// goes through [`Self::all_to_all_v`].
-    fn all_to_all_v_chunks(&self, chunks: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let counts: Vec<usize> = chunks.iter().map(Vec::len).collect();
-        let (received, recv_counts) = self.all_to_all_v(&chunks.concat(), &counts)?;
-        let mut offset = 0;
-        Ok(recv_counts
-            .iter()
-            .map(|&count| {
-                offset += count;
-                received[offset - count..offset].to_vec()
-            })
-            .collect())
+    /// Variable all-to-all of 4-byte words: f32 values, with i32 ids travelling bit-cast.
+    /// `send` holds the chunks for ranks `0..R` back to back, `send_counts[r]` words for rank
+    /// r. An owned buffer is handed over, so an engine over shared memory need not copy it; a
+    /// borrowed one is sent from where it lies by an engine that can (MPI) and copied once by
+    /// one that cannot.
+    ///
+    /// `recv_counts`: the words each source sends, when every rank already knows them (from an
+    /// earlier exchange); the engine may then skip its own count exchange. They must be the
+    /// sources' `send_counts`: an engine that checks reports a mismatch as an error, MPI
+    /// aborts the job on a truncated message.
+    ///
+    /// The default goes through [`Self::all_to_all_v`] and copies the received bytes once.
+    fn all_to_all_v_words(
+        &self,
+        send: Cow<'_, [f32]>,
+        send_counts: &[usize],
+        recv_counts: Option<&[usize]>,
+    ) -> Result<Received> {
+        let counts: Vec<usize> = send_counts.iter().map(|c| c * 4).collect();
+        let (received, byte_counts) = self.all_to_all_v(bytemuck::cast_slice(&send), &counts)?;
+        drop(send);
+        let counts: Vec<usize> = byte_counts.iter().map(|c| c / 4).collect();
+        check_known_counts(self.rank(), &counts, recv_counts)?;
+        let mut values = Vec::with_capacity(received.len() / 4);
+        extend_from_bytes(&mut values, &received);
+        Ok(Received::contiguous(values, &counts))
     }
 
     /// Element-wise sum of `buffer` over all ranks, into `buffer` on every rank. The sum is
@@ -43,8 +138,15 @@ pub trait Communicator {
     fn barrier(&self) -> Result<()>;
 }
 
-/// Checks the arguments of an all-to-all-v: one count per rank, summing to the buffer length.
-pub(super) fn check_counts(rank: usize, size: usize, send: usize, counts: &[usize]) -> Result<()> {
+/// Checks the arguments of an all-to-all-v: one count per rank, summing to the buffer length
+/// (`send` elements; `unit` names them).
+pub(super) fn check_counts(
+    rank: usize,
+    size: usize,
+    send: usize,
+    counts: &[usize],
+    unit: &str,
+) -> Result<()> {
     if counts.len() != size {
         return Err(Error::Collective {
             rank,
@@ -58,10 +160,27 @@ pub(super) fn check_counts(rank: usize, size: usize, send: usize, counts: &[usiz
     if total != send {
         return Err(Error::Collective {
             rank,
-            message: format!("send counts sum to {total} bytes, the send buffer holds {send}"),
+            message: format!("send counts sum to {total} {unit}, the send buffer holds {send}"),
         });
     }
     Ok(())
+}
+
+/// Checks the counts an exchange received against the ones the caller said it expects.
+pub(super) fn check_known_counts(
+    rank: usize,
+    received: &[usize],
+    expected: Option<&[usize]>,
+) -> Result<()> {
+    match expected {
+        Some(expected) if expected != received => Err(Error::Collective {
+            rank,
+            message: format!(
+                "expected {expected:?} words from the ranks of the group, received {received:?}"
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Every rank learns whether any rank's `local` result is an error, before anything is
@@ -140,4 +259,62 @@ pub fn all_to_all_v_values<T: bytemuck::Pod>(
     let mut values = Vec::with_capacity(received.len() / size);
     extend_from_bytes(&mut values, &received);
     Ok((values, recv_counts.iter().map(|c| c / size).collect()))
+}
+
+/// The status words that open every chunk of an exchange which also carries the agreement
+/// (see [`read_status`]): `0, n, v_1 … v_n` for a rank whose input is valid (its n sizes), `1, L, text…` for one that failed (its error message, L UTF-8 bytes in
+/// ⌈L/4⌉ words). Words are f32 bit patterns.
+pub(super) fn status_words(local: std::result::Result<&[u32], &Error>) -> Vec<f32> {
+    let word = f32::from_bits;
+    match local {
+        Ok(values) => [word(0), word(values.len() as u32)]
+            .into_iter()
+            .chain(values.iter().map(|&v| word(v)))
+            .collect(),
+        Err(err) => {
+            let text = err.to_string().into_bytes();
+            let mut words = vec![word(1), word(text.len() as u32)];
+            for bytes in text.chunks(4) {
+                let mut padded = [0u8; 4];
+                padded[..bytes.len()].copy_from_slice(bytes);
+                words.push(word(u32::from_le_bytes(padded)));
+            }
+            words
+        }
+    }
+}
+
+/// Reads the status words at the start of every source's chunk ([`status_words`]). Returns
+/// every source's integers and where its payload starts, or, on every rank alike, the first
+/// failing source's error as [`Error::Collective`] naming that rank.
+pub(super) fn read_status(received: &Received) -> Result<Vec<(Vec<u32>, usize)>> {
+    let bits = |w: &f32| w.to_bits();
+    (0..received.len())
+        .map(|src| {
+            let chunk = received.chunk(src);
+            let malformed = || Error::Collective {
+                rank: src,
+                message: "sent a chunk without its status words".to_owned(),
+            };
+            let (&status, rest) = chunk.split_first().ok_or_else(malformed)?;
+            let (&len, rest) = rest.split_first().ok_or_else(malformed)?;
+            let len = bits(&len) as usize;
+            match bits(&status) {
+                0 => {
+                    let values = rest.get(..len).ok_or_else(malformed)?;
+                    Ok((values.iter().map(bits).collect(), 2 + len))
+                }
+                _ => {
+                    let words = rest.get(..len.div_ceil(4)).ok_or_else(malformed)?;
+                    let mut text: Vec<u8> =
+                        words.iter().flat_map(|w| bits(w).to_le_bytes()).collect();
+                    text.truncate(len);
+                    Err(Error::Collective {
+                        rank: src,
+                        message: String::from_utf8_lossy(&text).into_owned(),
+                    })
+                }
+            }
+        })
+        .collect()
 }

@@ -15,11 +15,20 @@
 //! returns them the same way and adds each token's rows in ascending rank order, so results do
 //! not depend on timing. Rows travel as f32 (bf16 inputs are widened exactly).
 //!
-//! Every function validates its inputs and then [`agree`]s with the other ranks before
-//! exchanging anything: invalid input on one rank is the same error on every rank, never a
-//! hang. Ranks started with different E, K, H or hidden-state dtypes are detected the same way.
+//! Every function validates its inputs, and every rank's verdict travels in the status words
+//! that open its chunks of the first exchange (see [`read_status`]): invalid input on one rank
+//! is the same error on every rank, never a hang, and no exchange is spent on agreeing alone
+//! where a payload can carry it. Ranks started with different E, K, H or hidden-state dtypes
+//! are detected the same way. Each function is one or two exchanges:
+//!
+//! - `dispatch`: the status, local ids and affinities; then the rows, received straight into
+//!   the `[M, H]` result (each side already knows every count).
+//! - `combine`: the status; then the rows, sent from where they lie and added into `[T, H]`
+//!   where the engine left them.
+//! - `combine_bwd`: the status; then the rows, straight into `[M, H]`.
+//! - `dispatch_bwd`: the status, the rows and the affinity gradients, added where they lie.
 
-use super::comm::{Communicator, agree, agree_with_values, all_to_all_v_values, extend_from_bytes};
+use super::comm::{Communicator, Received, read_status, status_words};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
@@ -67,8 +76,9 @@ fn check_sharding(e: usize, r: usize) -> Result<()> {
     Ok(())
 }
 
-/// The first rank whose `(name, value)` sizes differ from rank 0's, as every rank reports it.
-fn check_same_sizes(names: &[&str], all: &[Vec<i64>]) -> Result<()> {
+/// The first rank whose sizes differ from rank 0's, as every rank reports it (`all[src]` are
+/// the sizes `names` of rank src).
+fn check_same_sizes(names: &[&str], all: &[Vec<u32>]) -> Result<()> {
     let first = &all[0];
     for (rank, theirs) in all.iter().enumerate().skip(1) {
         if let Some((name, (a, b))) = names
@@ -85,12 +95,74 @@ fn check_same_sizes(names: &[&str], all: &[Vec<i64>]) -> Result<()> {
     Ok(())
 }
 
+/// A size as a status word (sizes beyond `u32` saturate; no such tensor fits in memory).
+fn size_word(value: usize) -> u32 {
+    u32::try_from(value).unwrap_or(u32::MAX)
+}
+
+/// Reads the status words of every source and checks the sizes named by `names` agree: each
+/// source's payload (the words after its status), or the same error on every rank.
+fn agreed_payloads<'a>(received: &'a Received, names: &[&str]) -> Result<Vec<&'a [f32]>> {
+    let statuses = read_status(received)?;
+    let sizes: Vec<Vec<u32>> = statuses.iter().map(|(sizes, _)| sizes.clone()).collect();
+    check_same_sizes(names, &sizes)?;
+    Ok(statuses
+        .iter()
+        .enumerate()
+        .map(|(src, &(_, start))| &received.chunk(src)[start..])
+        .collect())
+}
+
+/// An exchange of the status words alone: every rank's sizes, or the same error on every rank.
+fn agree_sizes(
+    comm: &dyn Communicator,
+    local: std::result::Result<&[u32], &Error>,
+    names: &[&str],
+) -> Result<()> {
+    let status = status_words(local);
+    let r = comm.size();
+    let send: Vec<f32> = (0..r).flat_map(|_| status.iter().copied()).collect();
+    let received = comm.all_to_all_v_words(send.into(), &vec![status.len(); r], None)?;
+    agreed_payloads(&received, names).map(drop)
+}
+
+/// A source's payload must be `rows` rows of `width` words.
+fn check_payload(src: usize, payload: &[f32], rows: usize, width: usize) -> Result<()> {
+    if payload.len() != rows * width {
+        return Err(Error::Collective {
+            rank: src,
+            message: format!(
+                "sent {} words where this rank's route expects {rows} rows of {width}",
+                payload.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn counts_tensor(counts: &[usize]) -> Result<Tensor> {
     let values = counts
         .iter()
         .map(|&c| i32::try_from(c).map_err(|_| Error::param("rows", "more than i32::MAX rows")))
         .collect::<Result<Vec<i32>>>()?;
     Tensor::from_i32([counts.len()], values)
+}
+
+/// The tokens sent to each rank, ascending: those with at least one of their K experts
+/// (global ids `[T, K]`) in the rank's `local_experts`.
+fn tokens_per_rank(ids: &[i32], k: usize, local_experts: usize, r: usize) -> Vec<Vec<usize>> {
+    let mut tokens = vec![Vec::new(); r];
+    let mut seen = vec![usize::MAX; r];
+    for (token, row) in ids.chunks_exact(k).enumerate() {
+        for &id in row {
+            let dst = id as usize / local_experts;
+            if seen[dst] != token {
+                seen[dst] = token;
+                tokens[dst].push(token);
+            }
+        }
+    }
+    tokens
 }
 
 /// Sends each token row to the ranks that own its experts (see the module documentation).
@@ -125,76 +197,100 @@ pub fn dispatch(
         )?;
         Ok((t, h, k))
     })();
-    let dtype = match hidden_states.dtype() {
+    let dtype_bits = match hidden_states.dtype() {
         DType::BF16 => 16,
         _ => 32,
     };
-    let sizes = local.map(|(t, h, k)| ((t, h, k), vec![e as i64, k as i64, h as i64, dtype]));
-    let ((t, h, k), all) = agree_with_values(comm, sizes)?;
-    check_same_sizes(
+
+    // First exchange: the status, then per destination its rows' K local ids (`SKIP` for
+    // slots owned elsewhere) and K affinities (0 there), in token order.
+    let local_experts = e / r.max(1);
+    let (t, h, k) = *local.as_ref().unwrap_or(&(0, 0, 0));
+    let sizes = [e, k, h, dtype_bits].map(size_word);
+    let status = status_words(local.as_ref().map(|_| &sizes[..]));
+    let tokens = match &local {
+        Ok(_) => tokens_per_rank(
+            expert_index.as_i32().expect("validated as i32"),
+            k,
+            local_experts,
+            r,
+        ),
+        Err(_) => vec![Vec::new(); r],
+    };
+    let affinities = topk_affinities.f32_values();
+    let ids = expert_index.as_i32().unwrap_or_default();
+    let mut meta =
+        Vec::with_capacity(r * status.len() + 2 * k * tokens.iter().map(Vec::len).sum::<usize>());
+    let mut meta_counts = Vec::with_capacity(r);
+    for (dst, sent) in tokens.iter().enumerate() {
+        let start = meta.len();
+        meta.extend_from_slice(&status);
+        let owned = dst * local_experts..(dst + 1) * local_experts;
+        for &token in sent {
+            meta.extend(ids[token * k..(token + 1) * k].iter().map(|&id| {
+                let id = id as usize;
+                let local = if owned.contains(&id) {
+                    (id - owned.start) as i32
+                } else {
+                    SKIP
+                };
+                f32::from_bits(local as u32)
+            }));
+        }
+        for &token in sent {
+            meta.extend((token * k..(token + 1) * k).map(|slot| {
+                if owned.contains(&(ids[slot] as usize)) {
+                    affinities[slot]
+                } else {
+                    0.0
+                }
+            }));
+        }
+        meta_counts.push(meta.len() - start);
+    }
+    let received = comm.all_to_all_v_words(meta.into(), &meta_counts, None)?;
+    let payloads = agreed_payloads(
+        &received,
         &[
             "num_experts",
             "K (top_k)",
             "H (hidden size)",
             "hidden_states bits (dtype)",
         ],
-        &all,
     )?;
-
-    // One chunk per destination: its rows' H values, then their K local ids, then their K
-    // affinities, in token order; handed over in one exchange.
-    let local_experts = e / r;
-    let ids = expert_index.as_i32().expect("validated as i32");
-    let x = hidden_states.f32_values();
-    let affinities = topk_affinities.f32_values();
-    let mut send_indices = vec![t as i32; t * r];
-    let mut send_counts = vec![0usize; r];
-    let mut chunks = Vec::with_capacity(r);
-    for (dst, count) in send_counts.iter_mut().enumerate() {
-        let owned = dst * local_experts..(dst + 1) * local_experts;
-        let tokens: Vec<usize> = (0..t)
-            .filter(|&token| {
-                ids[token * k..(token + 1) * k]
-                    .iter()
-                    .any(|&id| owned.contains(&(id as usize)))
-            })
-            .collect();
-        *count = tokens.len();
-        let mut chunk = Vec::with_capacity(tokens.len() * (h + 2 * k) * 4);
-        let (mut row_ids, mut row_affinities) = (Vec::new(), Vec::new());
-        for (row, &token) in tokens.iter().enumerate() {
-            send_indices[token * r + dst] = row as i32;
-            chunk.extend_from_slice(bytemuck::cast_slice(&x[token * h..(token + 1) * h]));
-            for slot in token * k..(token + 1) * k {
-                let mine = owned.contains(&(ids[slot] as usize));
-                row_ids.push(if mine {
-                    (ids[slot] as usize - owned.start) as i32
-                } else {
-                    SKIP
-                });
-                row_affinities.push(if mine { affinities[slot] } else { 0.0 });
-            }
-        }
-        chunk.extend_from_slice(bytemuck::cast_slice(&row_ids));
-        chunk.extend_from_slice(bytemuck::cast_slice(&row_affinities));
-        chunks.push(chunk);
+    let recv_counts: Vec<usize> = payloads.iter().map(|p| p.len() / (2 * k)).collect();
+    for (src, (payload, &rows)) in payloads.iter().zip(&recv_counts).enumerate() {
+        check_payload(src, payload, rows, 2 * k)?;
     }
-    let incoming = comm.all_to_all_v_chunks(chunks)?;
-    let row_bytes = (h + 2 * k) * 4;
-    let recv_counts: Vec<usize> = incoming.iter().map(|c| c.len() / row_bytes).collect();
     let m: usize = recv_counts.iter().sum();
-    let (mut hidden, mut recv_ids, mut recv_affinities) = (
-        Vec::with_capacity(m * h),
-        Vec::with_capacity(m * k),
-        Vec::with_capacity(m * k),
-    );
-    for (chunk, &rows) in incoming.iter().zip(&recv_counts) {
-        let (values, meta) = chunk.split_at(rows * h * 4);
-        let (row_ids, row_affinities) = meta.split_at(rows * k * 4);
-        extend_from_bytes(&mut hidden, values);
-        extend_from_bytes(&mut recv_ids, row_ids);
-        extend_from_bytes(&mut recv_affinities, row_affinities);
+    let (mut recv_ids, mut recv_affinities) =
+        (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
+    for (payload, &rows) in payloads.iter().zip(&recv_counts) {
+        let (row_ids, row_affinities) = payload.split_at(rows * k);
+        recv_ids.extend(row_ids.iter().map(|w| w.to_bits() as i32));
+        recv_affinities.extend_from_slice(row_affinities);
     }
+    drop(received);
+
+    // Second exchange: the rows, in the same order; every rank knows every count.
+    let x = hidden_states.f32_values();
+    let send_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
+    let mut send_indices = vec![t as i32; t * r];
+    let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
+    for (dst, sent) in tokens.iter().enumerate() {
+        for (row, &token) in sent.iter().enumerate() {
+            send_indices[token * r + dst] = row as i32;
+            rows.extend_from_slice(&x[token * h..(token + 1) * h]);
+        }
+    }
+    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
+    let hidden = comm
+        .all_to_all_v_words(
+            rows.into(),
+            &words(&send_counts),
+            Some(&words(&recv_counts)),
+        )?
+        .into_values();
     Ok(Dispatched {
         route: Route {
             send_indices: Tensor::from_i32([t, r], send_indices)?,
@@ -275,30 +371,38 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
             validate::float_tensor("expert_output", expert_output, "[M, H]", &[Some(m), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let (t, indices, _, recv_counts, h) = agree(comm, local)?;
-    let values = expert_output.f32_values();
-    let mut offset = 0;
-    let chunks: Vec<Vec<u8>> = recv_counts
-        .iter()
-        .map(|&rows| {
-            offset += rows;
-            bytemuck::cast_slice(&values[(offset - rows) * h..offset * h]).to_vec()
-        })
-        .collect();
-    let returned = comm.all_to_all_v_chunks(chunks)?;
-    let mut output = vec![0f32; t * h];
-    let mut row_values = vec![0f32; h];
-    for (tokens, chunk) in sent_rows(t, comm.size(), indices).iter().zip(&returned) {
-        for (row, &token) in tokens.iter().enumerate() {
-            bytemuck::cast_slice_mut::<f32, u8>(&mut row_values)
-                .copy_from_slice(&chunk[row * h * 4..(row + 1) * h * 4]);
-            for (o, v) in output[token * h..(token + 1) * h]
-                .iter_mut()
-                .zip(&row_values)
-            {
-                *o += v;
+    let h = local.as_ref().map_or(0, |parts| parts.4);
+    let sizes = [size_word(h)];
+    agree_sizes(
+        comm,
+        local.as_ref().map(|_| &sizes[..]),
+        &["H (hidden size)"],
+    )?;
+    let (t, indices, send_counts, recv_counts, h) = local?;
+    // The rows go back from where they lie (sources in rank order, as they came), and are
+    // added where the engine leaves them.
+    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
+    let received = comm.all_to_all_v_words(
+        expert_output.f32_values(),
+        &words(&recv_counts),
+        Some(&words(&send_counts)),
+    )?;
+    // Token by token, each row written once: its first contribution copied, the others added
+    // in ascending rank order (a token sent nowhere stays 0).
+    let mut output = Vec::with_capacity(t * h);
+    for sent in indices.chunks_exact(r) {
+        let start = output.len();
+        for (src, &row) in sent.iter().enumerate().filter(|&(_, &row)| row != t as i32) {
+            let values = &received.chunk(src)[row as usize * h..(row as usize + 1) * h];
+            if output.len() == start {
+                output.extend_from_slice(values);
+            } else {
+                for (o, v) in output[start..].iter_mut().zip(values) {
+                    *o += v;
+                }
             }
         }
+        output.resize(start + h, 0.0);
     }
     Tensor::from_f32([t, h], output)
 }
@@ -312,7 +416,14 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
         let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(t), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let (t, indices, send_counts, recv_counts, h) = agree(comm, local)?;
+    let h = local.as_ref().map_or(0, |parts| parts.4);
+    let sizes = [size_word(h)];
+    agree_sizes(
+        comm,
+        local.as_ref().map(|_| &sizes[..]),
+        &["H (hidden size)"],
+    )?;
+    let (t, indices, send_counts, recv_counts, h) = local?;
     let d = d_output.f32_values();
     let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
     for tokens in sent_rows(t, r, indices) {
@@ -320,8 +431,14 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
             rows.extend_from_slice(&d[token * h..(token + 1) * h]);
         }
     }
-    let counts: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
-    let (received, _) = all_to_all_v_values(comm, &rows, &counts)?;
+    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
+    let received = comm
+        .all_to_all_v_words(
+            rows.into(),
+            &words(&send_counts),
+            Some(&words(&recv_counts)),
+        )?
+        .into_values();
     let m: usize = recv_counts.iter().sum();
     Tensor::from_f32([m, h], received)
 }
@@ -363,39 +480,47 @@ pub fn dispatch_bwd(
         )?;
         Ok((t, indices, ids, send_counts, recv_counts, shape[1], k))
     })();
-    let (t, indices, ids, send_counts, recv_counts, h, k) = agree(comm, local)?;
-    let scaled =
-        |counts: &[usize], width: usize| counts.iter().map(|c| c * width).collect::<Vec<_>>();
-    let (rows, _) = all_to_all_v_values(
-        comm,
-        &d_hidden_states.f32_values(),
-        &scaled(&recv_counts, h),
-    )?;
-    let (row_affinities, _) = all_to_all_v_values(
-        comm,
-        &d_topk_affinities.f32_values(),
-        &scaled(&recv_counts, k),
-    )?;
+    let (h, k) = local.as_ref().map_or((0, 0), |parts| (parts.5, parts.6));
+    let sizes = [size_word(h), size_word(k)];
+    let status = status_words(local.as_ref().map(|_| &sizes[..]));
+    // Each source's row gradients go back with the status in front: its rows' H values, then
+    // their K affinity gradients.
+    let d_rows = d_hidden_states.f32_values();
+    let d_row_affinities = d_topk_affinities.f32_values();
+    let recv_counts = local.as_ref().map_or(vec![0; r], |parts| parts.4.clone());
+    let mut send = Vec::with_capacity(r * status.len() + d_rows.len() + d_row_affinities.len());
+    let mut counts = Vec::with_capacity(r);
+    let mut offset = 0;
+    for &rows in &recv_counts {
+        send.extend_from_slice(&status);
+        send.extend_from_slice(&d_rows[offset * h..(offset + rows) * h]);
+        send.extend_from_slice(&d_row_affinities[offset * k..(offset + rows) * k]);
+        offset += rows;
+        counts.push(status.len() + rows * (h + k));
+    }
+    let received = comm.all_to_all_v_words(send.into(), &counts, None)?;
+    let payloads = agreed_payloads(&received, &["H (hidden size)", "K (top_k)"])?;
+    let (t, indices, ids, send_counts, _, h, k) = local?;
     let local_experts = e / r;
     let mut d_x = vec![0f32; t * h];
     let mut d_affinities = vec![0f32; t * k];
-    let mut offset = 0;
-    for (dst, tokens) in sent_rows(t, r, indices).iter().enumerate() {
+    for (dst, (tokens, payload)) in sent_rows(t, r, indices).iter().zip(&payloads).enumerate() {
+        let rows = send_counts[dst];
+        check_payload(dst, payload, rows, h + k)?;
+        let (row_values, row_affinities) = payload.split_at(rows * h);
         for (row, &token) in tokens.iter().enumerate() {
-            let at = offset + row;
             for (d, v) in d_x[token * h..(token + 1) * h]
                 .iter_mut()
-                .zip(&rows[at * h..(at + 1) * h])
+                .zip(&row_values[row * h..(row + 1) * h])
             {
                 *d += v;
             }
             for slot in 0..k {
                 if ids[token * k + slot] as usize / local_experts == dst {
-                    d_affinities[token * k + slot] = row_affinities[at * k + slot];
+                    d_affinities[token * k + slot] = row_affinities[row * k + slot];
                 }
             }
         }
-        offset += send_counts[dst];
     }
     Ok((
         Tensor::from_f32([t, h], d_x)?,

@@ -1,9 +1,11 @@
 //! R ranks as threads of one process, exchanging through shared memory.
 
+use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::comm::{Communicator, check_counts};
+use super::comm::{Communicator, Received, check_counts, check_known_counts};
 use crate::error::{Error, Result};
 
 /// How long a rank waits for the others at a collective before the group is declared broken.
@@ -24,9 +26,19 @@ struct Shared {
     arrived: Condvar,
 }
 
+/// What one rank leaves for another in an exchange.
+#[derive(Clone, Default)]
+enum Parcel {
+    #[default]
+    Empty,
+    Bytes(Vec<u8>),
+    /// A range of the sender's word buffer, shared by all its destinations.
+    Words(Arc<Vec<f32>>, Range<usize>),
+}
+
 struct State {
-    /// `mailbox[src · R + dst]`: the chunk `src` sent to `dst` in the current exchange.
-    mailbox: Vec<Vec<u8>>,
+    /// `mailbox[src · R + dst]`: what `src` sent to `dst` in the current exchange.
+    mailbox: Vec<Parcel>,
     /// Ranks waiting at the barrier of the current generation.
     waiting: usize,
     generation: u64,
@@ -53,7 +65,7 @@ impl LocalComm {
             size,
             timeout,
             state: Mutex::new(State {
-                mailbox: vec![Vec::new(); size * size],
+                mailbox: vec![Parcel::Empty; size * size],
                 waiting: 0,
                 generation: 0,
                 broken: None,
@@ -66,6 +78,32 @@ impl LocalComm {
                 shared: Arc::clone(&shared),
             })
             .collect())
+    }
+
+    /// Leaves `outgoing[dst]` for every rank and takes what every rank left for this one.
+    fn exchange(&self, outgoing: Vec<Parcel>) -> Result<Vec<Parcel>> {
+        let size = self.shared.size;
+        // Parcels change hands under the lock; nothing is copied.
+        let mut state = self.lock();
+        for (dst, parcel) in outgoing.into_iter().enumerate() {
+            state.mailbox[self.rank * size + dst] = parcel;
+        }
+        let mut state = self.barrier_locked(state)?;
+        let incoming = (0..size)
+            .map(|src| std::mem::take(&mut state.mailbox[src * size + self.rank]))
+            .collect();
+        // Nobody writes the next exchange before everybody has taken this one.
+        drop(self.barrier_locked(state)?);
+        Ok(incoming)
+    }
+
+    /// The ranks called different collectives at the same step.
+    fn mixed_exchange(&self) -> Error {
+        Error::Collective {
+            rank: self.rank,
+            message: "the ranks of the group called different all-to-alls at the same step"
+                .to_owned(),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -140,43 +178,75 @@ impl Communicator for LocalComm {
     }
 
     fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
-        check_counts(self.rank, self.shared.size, send.len(), send_counts)?;
+        check_counts(
+            self.rank,
+            self.shared.size,
+            send.len(),
+            send_counts,
+            "bytes",
+        )?;
         let mut offset = 0;
-        let outgoing: Vec<Vec<u8>> = send_counts
+        let outgoing = send_counts
             .iter()
             .map(|&count| {
                 offset += count;
-                send[offset - count..offset].to_vec()
+                Parcel::Bytes(send[offset - count..offset].to_vec())
             })
             .collect();
-        let incoming = self.all_to_all_v_chunks(outgoing)?;
-        let counts: Vec<usize> = incoming.iter().map(Vec::len).collect();
-        Ok((incoming.concat(), counts))
+        let incoming = self.exchange(outgoing)?;
+        let mut counts = Vec::with_capacity(incoming.len());
+        let total = incoming
+            .iter()
+            .map(|parcel| match parcel {
+                Parcel::Bytes(bytes) => bytes.len(),
+                _ => 0,
+            })
+            .sum();
+        let mut received = Vec::with_capacity(total);
+        for parcel in incoming {
+            let Parcel::Bytes(bytes) = parcel else {
+                return Err(self.mixed_exchange());
+            };
+            counts.push(bytes.len());
+            received.extend_from_slice(&bytes);
+        }
+        Ok((received, counts))
     }
 
-    fn all_to_all_v_chunks(&self, chunks: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let size = self.shared.size;
-        if chunks.len() != size {
-            return Err(Error::Collective {
-                rank: self.rank,
-                message: format!(
-                    "all_to_all_v needs one chunk per rank ({size}), got {}",
-                    chunks.len()
-                ),
-            });
-        }
-        // Buffers change hands under the lock; nothing is copied.
-        let mut state = self.lock();
-        for (dst, chunk) in chunks.into_iter().enumerate() {
-            state.mailbox[self.rank * size + dst] = chunk;
-        }
-        let mut state = self.barrier_locked(state)?;
-        let incoming: Vec<Vec<u8>> = (0..size)
-            .map(|src| std::mem::take(&mut state.mailbox[src * size + self.rank]))
+    fn all_to_all_v_words(
+        &self,
+        send: Cow<'_, [f32]>,
+        send_counts: &[usize],
+        recv_counts: Option<&[usize]>,
+    ) -> Result<Received> {
+        check_counts(
+            self.rank,
+            self.shared.size,
+            send.len(),
+            send_counts,
+            "words",
+        )?;
+        let send = Arc::new(send.into_owned());
+        let mut offset = 0;
+        let outgoing = send_counts
+            .iter()
+            .map(|&count| {
+                offset += count;
+                Parcel::Words(Arc::clone(&send), offset - count..offset)
+            })
             .collect();
-        // Nobody writes the next exchange before everybody has taken this one.
-        drop(self.barrier_locked(state)?);
-        Ok(incoming)
+        drop(send);
+        let chunks = self
+            .exchange(outgoing)?
+            .into_iter()
+            .map(|parcel| match parcel {
+                Parcel::Words(buffer, range) => Ok((buffer, range)),
+                _ => Err(self.mixed_exchange()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let received = Received::from_chunks(chunks);
+        check_known_counts(self.rank, &received.counts(), recv_counts)?;
+        Ok(received)
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {

@@ -1,12 +1,14 @@
 //! R ranks as MPI processes (feature `mpi`, Open MPI through the `mpi` crate), launched with
 //! `mpirun -n R ...`.
 
-use mpi::datatype::{Partition, PartitionMut};
+use std::borrow::Cow;
+
+use mpi::datatype::{Equivalence, Partition, PartitionMut};
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives};
 
-use super::comm::{Communicator, check_counts};
+use super::comm::{Communicator, Received, check_counts};
 use crate::error::{Error, Result};
 
 /// This process's rank of `MPI_COMM_WORLD`. MPI is initialised by [`MpiComm::init`] and
@@ -47,7 +49,7 @@ impl MpiComm {
 fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
     let too_large = || Error::Collective {
         rank,
-        message: "an all-to-all chunk exceeds MPI's 2 GiB count limit".to_owned(),
+        message: "an all-to-all chunk exceeds MPI's count limit (2^31 - 1 elements)".to_owned(),
     };
     let counts = counts
         .iter()
@@ -62,29 +64,41 @@ fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, 
     Ok((counts, displacements))
 }
 
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.world.rank() as usize
-    }
-
-    fn size(&self) -> usize {
-        self.world.size() as usize
-    }
-
-    fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
+impl MpiComm {
+    /// `MPI_Alltoallv` of `T`s (counts in elements), preceded by an `MPI_Alltoall` of the
+    /// counts unless the caller knows what each source sends.
+    fn all_to_all_v_of<T: Equivalence + Default + Clone>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv_counts: Option<&[usize]>,
+    ) -> Result<(Vec<T>, Vec<usize>)> {
         let (rank, size) = (self.rank(), self.size());
-        check_counts(rank, size, send.len(), send_counts)?;
         let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
-        let mut recv_counts = vec![0i32; size];
-        self.world
-            .all_to_all_into(&counts[..], &mut recv_counts[..]);
-        let recv_usize: Vec<usize> = recv_counts.iter().map(|&c| c as usize).collect();
+        let recv_usize = match recv_counts {
+            Some(known) if known.len() == size => known.to_vec(),
+            Some(known) => {
+                return Err(Error::Collective {
+                    rank,
+                    message: format!(
+                        "all_to_all_v needs one receive count per rank ({size}), got {}",
+                        known.len()
+                    ),
+                });
+            }
+            None => {
+                let mut recv_counts = vec![0i32; size];
+                self.world
+                    .all_to_all_into(&counts[..], &mut recv_counts[..]);
+                recv_counts.iter().map(|&c| c as usize).collect()
+            }
+        };
         let (recv_counts, recv_displacements) = counts_and_displacements(rank, &recv_usize)?;
         let total: usize = recv_usize.iter().sum();
-        // Buffers of at least one byte: two empty slices can share a dangling address, which
-        // Open MPI rejects as an aliased (in-place) send and receive buffer.
-        let mut received = vec![0u8; total.max(1)];
-        let placeholder = [0u8];
+        // Buffers of at least one element: two empty slices can share a dangling address,
+        // which Open MPI rejects as an aliased (in-place) send and receive buffer.
+        let mut received = vec![T::default(); total.max(1)];
+        let placeholder = [T::default()];
         let send = if send.is_empty() {
             &placeholder[..]
         } else {
@@ -98,6 +112,32 @@ impl Communicator for MpiComm {
         }
         received.truncate(total);
         Ok((received, recv_usize))
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
+        check_counts(self.rank(), self.size(), send.len(), send_counts, "bytes")?;
+        self.all_to_all_v_of(send, send_counts, None)
+    }
+
+    fn all_to_all_v_words(
+        &self,
+        send: Cow<'_, [f32]>,
+        send_counts: &[usize],
+        recv_counts: Option<&[usize]>,
+    ) -> Result<Received> {
+        check_counts(self.rank(), self.size(), send.len(), send_counts, "words")?;
+        let (values, counts) = self.all_to_all_v_of(&send, send_counts, recv_counts)?;
+        Ok(Received::contiguous(values, &counts))
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
