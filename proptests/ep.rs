@@ -397,6 +397,40 @@ fn invalid_input_on_one_rank_is_every_ranks_error() {
 }
 
 #[test]
+fn a_non_finite_hidden_state_on_one_rank_is_every_ranks_error() {
+    // The row of token 2 goes to rank 1 only (expert 3 of E = 4 over R = 2); the value is the
+    // first bad one in row-major order, and an infinity follows it.
+    for bad in [f64::NAN, f64::NEG_INFINITY] {
+        let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+            let mut values = vec![0.5; 4 * 3];
+            if rank == 1 {
+                values[2 * 3 + 1] = bad;
+                values[3 * 3] = f64::INFINITY;
+            }
+            let x = f32_tensor(&[4, 3], &values);
+            let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
+            dispatch(
+                comm,
+                &x,
+                &index,
+                &f32_tensor(&[4, 2], &[0.5; 8]),
+                DispatchParams { num_experts: 4 },
+            )
+            .map(|_| ())
+        });
+        for result in results {
+            let message = result.unwrap_err().to_string();
+            assert!(
+                message.starts_with(&format!(
+                    "rank 1: tensor `hidden_states`: non-finite value {bad} at [2, 1]"
+                )),
+                "{message}"
+            );
+        }
+    }
+}
+
+#[test]
 fn ranks_started_with_different_sizes_are_detected() {
     let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
         let h = 3 + rank;

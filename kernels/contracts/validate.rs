@@ -14,6 +14,19 @@ pub(crate) fn float_tensor(
     layout: &str,
     dims: &[Option<usize>],
 ) -> Result<Vec<usize>> {
+    let shape = float_tensor_shape(name, tensor, layout, dims)?;
+    finite(name, tensor)?;
+    Ok(shape)
+}
+
+/// [`float_tensor`] without the finiteness check, for a kernel that checks finiteness in a
+/// pass it makes over the values anyway.
+pub(crate) fn float_tensor_shape(
+    name: &str,
+    tensor: &Tensor,
+    layout: &str,
+    dims: &[Option<usize>],
+) -> Result<Vec<usize>> {
     if tensor.dtype() == DType::I32 {
         return Err(Error::DType {
             tensor: name.to_owned(),
@@ -21,9 +34,7 @@ pub(crate) fn float_tensor(
             actual: tensor.dtype(),
         });
     }
-    let shape = extents(name, tensor, layout, dims)?;
-    finite(name, tensor)?;
-    Ok(shape)
+    extents(name, tensor, layout, dims)
 }
 
 /// Requires an i32 tensor with the given extents (see [`float_tensor`]).

@@ -180,8 +180,9 @@ pub fn dispatch(
     let e = params.num_experts;
     let local = (|| {
         check_sharding(e, r)?;
+        // Finiteness is checked below, fused into packing the rows.
         let shape =
-            validate::float_tensor("hidden_states", hidden_states, "[T, H]", &[None, None])?;
+            validate::float_tensor_shape("hidden_states", hidden_states, "[T, H]", &[None, None])?;
         let (t, h) = (shape[0], shape[1]);
         validate::non_empty("hidden_states", "H (hidden size)", h)?;
         let (index_shape, ids) =
@@ -201,24 +202,44 @@ pub fn dispatch(
         DType::BF16 => 16,
         _ => 32,
     };
+    let local_experts = e / r.max(1);
+    let (t, h, k) = *local.as_ref().unwrap_or(&(0, 0, 0));
+    let ids = expert_index.as_i32().unwrap_or_default();
+    let tokens = match &local {
+        Ok(_) => tokens_per_rank(ids, k, local_experts, r),
+        Err(_) => vec![Vec::new(); r],
+    };
+
+    // The rows, per destination in token order. Every token goes somewhere (K ≥ 1), so the
+    // largest magnitude seen while the rows are hot in cache decides finiteness without a
+    // second pass over `hidden_states`.
+    let x = hidden_states.f32_values();
+    let send_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
+    let mut send_indices = vec![t as i32; t * r];
+    let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
+    let mut largest = 0u32;
+    for (dst, sent) in tokens.iter().enumerate() {
+        for (row, &token) in sent.iter().enumerate() {
+            send_indices[token * r + dst] = row as i32;
+            let values = &x[token * h..(token + 1) * h];
+            rows.extend_from_slice(values);
+            largest = values
+                .iter()
+                .fold(largest, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+        }
+    }
+    let local = match local {
+        Ok(_) if largest >= f32::INFINITY.to_bits() => {
+            validate::finite("hidden_states", hidden_states).map(|()| (t, h, k))
+        }
+        local => local,
+    };
 
     // First exchange: the status, then per destination its rows' K local ids (`SKIP` for
     // slots owned elsewhere) and K affinities (0 there), in token order.
-    let local_experts = e / r.max(1);
-    let (t, h, k) = *local.as_ref().unwrap_or(&(0, 0, 0));
     let sizes = [e, k, h, dtype_bits].map(size_word);
     let status = status_words(local.as_ref().map(|_| &sizes[..]));
-    let tokens = match &local {
-        Ok(_) => tokens_per_rank(
-            expert_index.as_i32().expect("validated as i32"),
-            k,
-            local_experts,
-            r,
-        ),
-        Err(_) => vec![Vec::new(); r],
-    };
     let affinities = topk_affinities.f32_values();
-    let ids = expert_index.as_i32().unwrap_or_default();
     let mut meta =
         Vec::with_capacity(r * status.len() + 2 * k * tokens.iter().map(Vec::len).sum::<usize>());
     let mut meta_counts = Vec::with_capacity(r);
@@ -272,17 +293,7 @@ pub fn dispatch(
     }
     drop(received);
 
-    // Second exchange: the rows, in the same order; every rank knows every count.
-    let x = hidden_states.f32_values();
-    let send_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
-    let mut send_indices = vec![t as i32; t * r];
-    let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
-    for (dst, sent) in tokens.iter().enumerate() {
-        for (row, &token) in sent.iter().enumerate() {
-            send_indices[token * r + dst] = row as i32;
-            rows.extend_from_slice(&x[token * h..(token + 1) * h]);
-        }
-    }
+    // Second exchange: the rows; every rank knows every count.
     let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
     let hidden = comm
         .all_to_all_v_words(
