@@ -5,6 +5,7 @@
 //! number of threads.
 
 mod alloc;
+mod bf16_matmul;
 mod blockwise;
 mod dot;
 mod load_balancing;

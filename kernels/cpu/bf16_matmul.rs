@@ -1,0 +1,291 @@
+//! `dst [m, n] = a [m, k] · b [k, n]` with both operands stored in bf16 and f32 accumulation,
+//! on AVX-512 BF16's pairwise dot product (`vdpbf16ps`: into each f32 lane, the products of
+//! two bf16 pairs, at twice the f32 FMA rate).
+//!
+//! A product of two bf16 values is exact in f32, so each output is the f32 sum of the exact
+//! products, as the widening f32 path computes it, in a different order: along k in pairs,
+//! `acc + a[2p+1]·b[2p+1] + a[2p]·b[2p]` for p = 0, 1, … (each `+` rounded to nearest even).
+//! The order depends only on k, never on threads. One difference: the instruction treats
+//! subnormal inputs and results as zero (|x| < 2⁻¹²⁶, far below any tolerance).
+//!
+//! `a` is row-major with an even row stride, so the pair `a[r, 2p..2p+2]` is one 32-bit
+//! broadcast. `b` is read as stored (row-major `[k, n]`, the weights' layout): each step loads
+//! 32 columns of rows 2p and 2p+1 and interleaves them into pairs with one permute per 16
+//! columns, reused by every row of the register tile; no packed copy of the weights is made.
+
+use half::bf16;
+
+/// Whether this CPU runs [`matmul_bf16`] (AVX-512 F, BW and BF16).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `dst [m, n] = a [m, k] · b [k, n]`: `a` row-major with row stride `lda` (even, ≥ k, the
+/// columns past k zero), `b` row-major `[k, n]`, `dst` row-major `[m, n]`.
+///
+/// # Panics
+/// If the CPU lacks the instructions ([`available`]), `lda` is odd or below k, or a buffer is
+/// shorter than its shape.
+pub fn matmul_bf16(
+    dst: &mut [f32],
+    a: &[bf16],
+    lda: usize,
+    b: &[bf16],
+    (m, n, k): (usize, usize, usize),
+) {
+    assert!(available(), "matmul_bf16 needs AVX-512 BF16");
+    assert!(
+        lda.is_multiple_of(2) && lda >= k,
+        "lda must be even and at least k"
+    );
+    let fits =
+        |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
+    assert!(
+        fits(dst.len(), m, n) && fits(a.len(), m, lda) && fits(b.len(), k, n),
+        "operand too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the instructions were checked above; the buffers hold their shapes.
+    unsafe {
+        x86::matmul(dst, a, lda, b, (m, n, k));
+    }
+}
+
+// Register tiles are indexed by (row, register), as in the formulas.
+#[allow(clippy::needless_range_loop)]
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use half::bf16;
+
+    /// Columns per register tile: two 16-lane f32 accumulators per row.
+    const NR: usize = 32;
+    /// Rows per register tile: 24 accumulators, 2 pair registers and a broadcast.
+    const MR: usize = 12;
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · lda` and
+    /// `b` `k · n` elements; `lda` is even and at least k, with zeros past k.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn matmul(
+        dst: &mut [f32],
+        a: &[bf16],
+        lda: usize,
+        b: &[bf16],
+        (m, n, k): (usize, usize, usize),
+    ) {
+        // Columns outer: a 32-column strip of `b` stays in cache while every row tile of `a`
+        // passes it.
+        for c0 in (0..n).step_by(NR) {
+            let cols = (n - c0).min(NR);
+            let mut r0 = 0;
+            while r0 < m {
+                let rows = (m - r0).min(MR);
+                // SAFETY: rows r0..r0+rows of `a` and `dst`, columns c0..c0+cols of `b` and
+                // `dst` lie inside the buffers (the caller's contract).
+                unsafe {
+                    let a = a.as_ptr().add(r0 * lda).cast::<u16>();
+                    let b = b.as_ptr().add(c0).cast::<u16>();
+                    let d = dst.as_mut_ptr().add(r0 * n + c0);
+                    let strip = Strip { b, ldb: n, k, cols };
+                    match rows {
+                        12 => tile::<12>(d, n, a, lda, strip),
+                        11 => tile::<11>(d, n, a, lda, strip),
+                        10 => tile::<10>(d, n, a, lda, strip),
+                        9 => tile::<9>(d, n, a, lda, strip),
+                        8 => tile::<8>(d, n, a, lda, strip),
+                        7 => tile::<7>(d, n, a, lda, strip),
+                        6 => tile::<6>(d, n, a, lda, strip),
+                        5 => tile::<5>(d, n, a, lda, strip),
+                        4 => tile::<4>(d, n, a, lda, strip),
+                        3 => tile::<3>(d, n, a, lda, strip),
+                        2 => tile::<2>(d, n, a, lda, strip),
+                        _ => tile::<1>(d, n, a, lda, strip),
+                    }
+                }
+                r0 += rows;
+            }
+        }
+    }
+
+    /// Up to 32 columns of `b [k, n]` starting at `b`.
+    #[derive(Clone, Copy)]
+    struct Strip {
+        b: *const u16,
+        ldb: usize,
+        k: usize,
+        cols: usize,
+    }
+
+    /// `vpermt2w` indices interleaving two 32-element rows into pairs: columns 0..16, then
+    /// 16..32 (index 32 + j selects the second row's element j).
+    const LOW_PAIRS: [u16; 32] = pair_indices(0);
+    const HIGH_PAIRS: [u16; 32] = pair_indices(16);
+
+    const fn pair_indices(first: u16) -> [u16; 32] {
+        let mut idx = [0u16; 32];
+        let mut j = 0;
+        while j < 16 {
+            idx[2 * j] = first + j as u16;
+            idx[2 * j + 1] = 32 + first + j as u16;
+            j += 1;
+        }
+        idx
+    }
+
+    /// `ROWS × cols` outputs at `d` (row stride `ldd`): rows of `a` (stride `lda`) times the
+    /// strip, all of k.
+    ///
+    /// # Safety
+    /// As [`matmul`], for this tile's rows and columns.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn tile<const ROWS: usize>(
+        d: *mut f32,
+        ldd: usize,
+        a: *const u16,
+        lda: usize,
+        strip: Strip,
+    ) {
+        let Strip { b, ldb, k, cols } = strip;
+        // Masked loads never touch the columns past `cols`, so the strip may end the buffer.
+        let load_mask: __mmask32 = if cols == 32 { !0 } else { (1u32 << cols) - 1 };
+        // SAFETY: the index tables are 32 u16 = 64 bytes, one unaligned load each.
+        let (low, high) = unsafe {
+            (
+                _mm512_loadu_si512(LOW_PAIRS.as_ptr().cast()),
+                _mm512_loadu_si512(HIGH_PAIRS.as_ptr().cast()),
+            )
+        };
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        let pairs = k.div_ceil(2);
+        for p in 0..pairs {
+            // SAFETY: rows 2p and (when k is even or p is not the last pair) 2p + 1 of `b`
+            // exist; the masked loads read only `cols` columns of them. `a` rows hold `lda`
+            // ≥ 2·pairs elements, so the 32-bit pair at 2p is inside the row.
+            unsafe {
+                let even = _mm512_maskz_loadu_epi16(load_mask, b.add(2 * p * ldb).cast());
+                let odd = if 2 * p + 1 < k {
+                    _mm512_maskz_loadu_epi16(load_mask, b.add((2 * p + 1) * ldb).cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let lo: __m512bh = std::mem::transmute(_mm512_permutex2var_epi16(even, low, odd));
+                let hi: __m512bh = std::mem::transmute(_mm512_permutex2var_epi16(even, high, odd));
+                for r in 0..ROWS {
+                    let pair = a.add(r * lda + 2 * p).cast::<i32>().read_unaligned();
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, lo);
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, hi);
+                }
+            }
+        }
+        let low_cols = cols.min(16);
+        let high_cols = cols.saturating_sub(16);
+        let mask = |n: usize| -> __mmask16 { if n == 16 { !0 } else { (1u16 << n) - 1 } };
+        for r in 0..ROWS {
+            // SAFETY: row r of the tile has `cols` outputs at d + r·ldd; the masked stores
+            // write only those.
+            unsafe {
+                let row = d.add(r * ldd);
+                _mm512_mask_storeu_ps(row, mask(low_cols), acc[r][0]);
+                if high_cols > 0 {
+                    _mm512_mask_storeu_ps(row.add(16), mask(high_cols), acc[r][1]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exact f64 product of the bf16 operands, and the sum of its terms' magnitudes.
+    fn product(
+        a: &[bf16],
+        lda: usize,
+        b: &[bf16],
+        (m, n, k): (usize, usize, usize),
+    ) -> Vec<(f64, f64)> {
+        let mut out = vec![(0.0, 0.0); m * n];
+        for r in 0..m {
+            for c in 0..n {
+                let terms = (0..k).map(|j| a[r * lda + j].to_f64() * b[j * n + c].to_f64());
+                out[r * n + c] = terms.fold((0.0, 0.0), |(s, abs), x| (s + x, abs + x.abs()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn products_match_the_exact_product_on_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        let mut seed = 12345u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+        };
+        // Every row-tile remainder, column tails below and above 16, odd and even k.
+        for (m, n, k) in [
+            (1usize, 1usize, 1usize),
+            (13, 33, 7),
+            (25, 48, 64),
+            (12, 17, 2),
+            (7, 100, 129),
+        ] {
+            let lda = k.next_multiple_of(2) + 2;
+            let mut a: Vec<bf16> = (0..m * lda).map(|_| next()).collect();
+            for row in a.chunks_mut(lda) {
+                row[k..].fill(bf16::ZERO);
+            }
+            let b: Vec<bf16> = (0..k * n).map(|_| next()).collect();
+            let mut dst = vec![f32::NAN; m * n];
+            matmul_bf16(&mut dst, &a, lda, &b, (m, n, k));
+            for (got, (want, magnitude)) in dst.iter().zip(product(&a, lda, &b, (m, n, k))) {
+                // k exact products summed in f32: within k·ε of the terms' magnitudes.
+                let tolerance = k as f64 * f32::EPSILON as f64 * magnitude;
+                assert!(
+                    (*got as f64 - want).abs() <= tolerance,
+                    "{m}x{n}x{k}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_strides_and_short_buffers_panic_before_any_access() {
+        if !available() {
+            return;
+        }
+        let a = vec![bf16::ONE; 8];
+        let b = vec![bf16::ONE; 8];
+        let mut dst = vec![0f32; 4];
+        let odd = std::panic::catch_unwind(move || {
+            let mut dst = vec![0f32; 4];
+            matmul_bf16(&mut dst, &[bf16::ONE; 6], 3, &[bf16::ONE; 6], (2, 2, 3));
+        });
+        assert!(odd.is_err());
+        let short = std::panic::catch_unwind(move || {
+            let mut dst = vec![0f32; 3];
+            matmul_bf16(&mut dst, &[bf16::ONE; 8], 4, &[bf16::ONE; 8], (2, 2, 4));
+        });
+        assert!(short.is_err());
+        matmul_bf16(&mut dst, &a, 4, &b, (2, 2, 4));
+        assert_eq!(dst, [4.0; 4]);
+    }
+}
