@@ -85,9 +85,7 @@ fn extents(
 /// Requires every element of a floating-point tensor to be finite.
 pub(crate) fn finite(name: &str, tensor: &Tensor) -> Result<()> {
     let bad = match tensor.storage() {
-        Storage::F32(v) => {
-            first_non_finite(v, |x| x.to_bits() & 0x7fff_ffff, 0x7f80_0000).map(|i| (i, v[i]))
-        }
+        Storage::F32(v) => first_non_finite_f32(v).map(|i| (i, v[i])),
         Storage::BF16(v) => first_non_finite(v, |x| u32::from(x.to_bits() & 0x7fff), 0x7f80)
             .map(|i| (i, v[i].to_f32())),
         Storage::I32(_) => None,
@@ -100,6 +98,11 @@ pub(crate) fn finite(name: &str, tensor: &Tensor) -> Result<()> {
             value,
         }),
     }
+}
+
+/// Index of the first infinity or NaN of `values` (see [`first_non_finite`]).
+pub(crate) fn first_non_finite_f32(values: &[f32]) -> Option<usize> {
+    first_non_finite(values, |x| x.to_bits() & 0x7fff_ffff, 0x7f80_0000)
 }
 
 /// Index of the first element whose magnitude bits (`magnitude`: the bits without the sign)

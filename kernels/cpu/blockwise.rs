@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::alloc::zeroed;
 use super::bf16_matmul::{self, matmul_bf16};
-use super::dot::matmul_nt;
+use super::dot::{matmul_nt, matmul_nt_bf16};
 use super::matmul::{MatRef, matmul};
 use super::permute::topk_gradient;
 use super::{f32_output, sigmoid};
@@ -132,6 +132,25 @@ fn expert_slice<'a>(
     }
 }
 
+/// `dst [m, n] = a [m, k] · wᵀ` for expert `expert`'s weight `w [n, k]` (its `n · k` contiguous
+/// elements of `weights`), read as stored: f32 directly, bf16 widened a cache-sized panel at a
+/// time (`scratch`: the panel and a tile of results).
+fn weight_nt(
+    dst: &mut [f32],
+    a: &[f32],
+    weights: &Tensor,
+    expert: usize,
+    (m, n, k): (usize, usize, usize),
+    scratch: (&mut Vec<f32>, &mut Vec<f32>),
+) {
+    let range = expert * n * k..(expert + 1) * n * k;
+    match weights.storage() {
+        Storage::F32(w) => matmul_nt(dst, a, &w[range], (m, n, k), false),
+        Storage::BF16(w) => matmul_nt_bf16(dst, a, &w[range], (m, n, k), scratch),
+        Storage::I32(_) => unreachable!("validated as a float tensor"),
+    }
+}
+
 /// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
 /// matrix.
 fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize, dst: &mut Vec<f32>) {
@@ -160,6 +179,7 @@ struct Scratch {
     gate_up: Vec<f32>,
     d_act: Vec<f32>,
     d_gate_up: Vec<f32>,
+    tile: Vec<f32>,
 }
 
 /// Per-expert forward results: `gate_up [m, 2I]` before the activation and `down [m, H]`
@@ -368,9 +388,15 @@ fn expert_backward(
         );
     }
     // d act [m, I] = d y · Dᵀ.
-    let w_down = expert_slice(forward.down_proj_weight, group.expert, i * h, &mut s.w_down);
     s.d_act.resize(m * i, 0.0);
-    matmul_nt(&mut s.d_act, &s.d_y, w_down, (m, i, h), false);
+    weight_nt(
+        &mut s.d_act,
+        &s.d_y,
+        forward.down_proj_weight,
+        group.expert,
+        (m, i, h),
+        (&mut s.w_down, &mut s.tile),
+    );
     // act and d gate_up [m, 2I] through SwiGLU.
     s.act.resize(m * i, 0.0);
     s.d_gate_up.resize(m * 2 * i, 0.0);
@@ -402,14 +428,15 @@ fn expert_backward(
         false,
     );
     // d x [m, H] = d gate_up · Wᵀ.
-    let w_gate_up = expert_slice(
+    let mut d_x = vec![0.0f32; m * h];
+    weight_nt(
+        &mut d_x,
+        &s.d_gate_up,
         forward.gate_up_proj_weight,
         group.expert,
-        h * 2 * i,
-        &mut s.w_gate_up,
+        (m, h, 2 * i),
+        (&mut s.w_gate_up, &mut s.tile),
     );
-    let mut d_x = vec![0.0f32; m * h];
-    matmul_nt(&mut d_x, &s.d_gate_up, w_gate_up, (m, h, 2 * i), false);
     ExpertBackward { d_x, d_affinity }
 }
 

@@ -8,6 +8,8 @@
 //! fallback. The summation order of each output (lane partial sums, then lanes in order, then
 //! the tail) depends only on `k` and the instruction set, never on threads.
 
+use half::bf16;
+
 /// `dst [m, n] = a [m, k] · b [n, k]ᵀ`, or `+=` when `accumulate`.
 ///
 /// # Panics
@@ -37,6 +39,42 @@ pub fn matmul_nt(
         }
     }
     nt::<8, 2, 4>(dst, a, b, (m, n, k), accumulate, |x, y, acc| acc + x * y);
+}
+
+/// Rows of a bf16 `b` widened at a time by [`matmul_nt_bf16`]: 32 rows of k ≤ 2048 take at most
+/// 256 KiB, so the panel stays in the core's L2 while every row of `a` passes it.
+const BF16_PANEL: usize = 32;
+
+/// [`matmul_nt`] with `b [n, k]` stored in bf16 (the weights as stored): `dst [m, n] = a [m, k]
+/// · b [n, k]ᵀ`. `b` is widened [`BF16_PANEL`] rows at a time into `panel`, so it is read once
+/// and never copied whole; each output is summed exactly as [`matmul_nt`] sums it.
+/// `panel` and `tile` are scratch buffers, reused between calls.
+///
+/// # Panics
+/// If a buffer is shorter than its shape.
+pub fn matmul_nt_bf16(
+    dst: &mut [f32],
+    a: &[f32],
+    b: &[bf16],
+    (m, n, k): (usize, usize, usize),
+    (panel, tile): (&mut Vec<f32>, &mut Vec<f32>),
+) {
+    let fits =
+        |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
+    assert!(
+        fits(dst.len(), m, n) && fits(a.len(), m, k) && fits(b.len(), n, k),
+        "operand too short"
+    );
+    for c0 in (0..n).step_by(BF16_PANEL) {
+        let cols = BF16_PANEL.min(n - c0);
+        panel.clear();
+        panel.extend(b[c0 * k..(c0 + cols) * k].iter().map(|x| x.to_f32()));
+        tile.resize(m * cols, 0.0);
+        matmul_nt(tile, a, panel, (m, cols, k), false);
+        for (dst_row, tile_row) in dst.chunks_mut(n).zip(tile.chunks(cols)) {
+            dst_row[c0..c0 + cols].copy_from_slice(tile_row);
+        }
+    }
 }
 
 // Register tiles are indexed by (row, column, lane), as in the formulas.
@@ -280,6 +318,25 @@ mod tests {
             for (twice, once) in got.iter().zip(&once) {
                 assert_eq!(*twice, 2.0 * once);
             }
+        }
+    }
+
+    #[test]
+    fn bf16_weights_give_the_sums_of_their_widened_copy() {
+        // Panels of 32 rows: below, at and across a panel boundary.
+        for (m, n, k) in [(1, 1, 1), (5, 32, 17), (7, 33, 64), (13, 70, 129)] {
+            let a = values(m * k, 1);
+            let b: Vec<bf16> = values(n * k, 2)
+                .iter()
+                .map(|&v| bf16::from_f32(v))
+                .collect();
+            let widened: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+            let mut want = vec![0.0; m * n];
+            matmul_nt(&mut want, &a, &widened, (m, n, k), false);
+            let mut got = vec![f32::NAN; m * n];
+            let (mut panel, mut tile) = (Vec::new(), Vec::new());
+            matmul_nt_bf16(&mut got, &a, &b, (m, n, k), (&mut panel, &mut tile));
+            assert_eq!(got, want, "{m}x{n}x{k}");
         }
     }
 

@@ -36,7 +36,7 @@ fn sigmoid(x: f32) -> f32 {
 
 /// Refuses a result that overflowed f32.
 fn ensure_finite(name: &str, shape: &[usize], values: &[f32]) -> Result<()> {
-    match values.iter().position(|v| !v.is_finite()) {
+    match validate::first_non_finite_f32(values) {
         None => Ok(()),
         Some(index) => Err(Error::invalid(
             name,
