@@ -8,6 +8,10 @@
 //! expert outputs in ascending expert order. The backward's products against transposed weights
 //! run in dot-product form ([`matmul_nt`]) on the weights as stored, and weight gradients are
 //! written straight into their final place.
+//!
+//! bf16 weights are never widened whole: `[m, H] · [H, 2I]` with bf16 tokens runs on AVX-512
+//! BF16 pair dot products ([`matmul_bf16`], exact products, f32 sums), and every other product
+//! widens a cache-sized panel of the weights at a time.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -15,7 +19,7 @@ use rayon::prelude::*;
 use super::alloc::zeroed;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
-use super::matmul::{MatRef, matmul};
+use super::matmul::{MatRef, matmul, matmul_bf16_b};
 use super::permute::topk_gradient;
 use super::{f32_output, sigmoid};
 use crate::contracts::{
@@ -112,22 +116,21 @@ impl TokenRows {
     }
 }
 
-/// Expert `expert`'s `len` contiguous elements of a float tensor as f32: borrowed when the
-/// tensor is f32, widened from bf16 into `scratch` otherwise.
-fn expert_slice<'a>(
-    tensor: &'a Tensor,
+/// `dst [m, n] = a · w` for `a [m, k]` and expert `expert`'s weight `w [k, n]` (its `k · n`
+/// contiguous elements of `weights`), read as stored: f32 directly, bf16 widened a cache-sized
+/// panel at a time into `panel`.
+fn weight_product(
+    dst: &mut [f32],
+    a: MatRef<'_>,
+    weights: &Tensor,
     expert: usize,
-    len: usize,
-    scratch: &'a mut Vec<f32>,
-) -> &'a [f32] {
-    let range = expert * len..(expert + 1) * len;
-    match tensor.storage() {
-        Storage::F32(v) => &v[range],
-        Storage::BF16(v) => {
-            scratch.clear();
-            scratch.extend(v[range].iter().map(|x| x.to_f32()));
-            scratch
-        }
+    (k, n): (usize, usize),
+    panel: &mut Vec<f32>,
+) {
+    let range = expert * k * n..(expert + 1) * k * n;
+    match weights.storage() {
+        Storage::F32(w) => matmul(dst, a, MatRef::row_major(&w[range], k, n), false),
+        Storage::BF16(w) => matmul_bf16_b(dst, a, &w[range], panel),
         Storage::I32(_) => unreachable!("validated as a float tensor"),
     }
 }
@@ -171,8 +174,8 @@ struct Scratch {
     x: Vec<f32>,
     /// Token rows in bf16, each padded to an even length.
     x_bf16: Vec<bf16>,
-    w_gate_up: Vec<f32>,
-    w_down: Vec<f32>,
+    /// A panel of bf16 weights widened to f32.
+    panel: Vec<f32>,
     act: Vec<f32>,
     y: Vec<f32>,
     d_y: Vec<f32>,
@@ -217,17 +220,13 @@ fn expert_forward(
         }
         _ => {
             gather_rows(inputs.hidden_states, &group.tokens, h, &mut scratch.x);
-            let w_gate_up = expert_slice(
-                inputs.gate_up_proj_weight,
-                group.expert,
-                h * 2 * i,
-                &mut scratch.w_gate_up,
-            );
-            matmul(
+            weight_product(
                 &mut gate_up,
                 MatRef::row_major(&scratch.x, m, h),
-                MatRef::row_major(w_gate_up, h, 2 * i),
-                false,
+                inputs.gate_up_proj_weight,
+                group.expert,
+                (h, 2 * i),
+                &mut scratch.panel,
             );
         }
     }
@@ -238,17 +237,13 @@ fn expert_forward(
         act.extend(gate.iter().zip(up).map(|(&g, &u)| g * sigmoid(g) * u));
     }
     let mut down = vec![0.0f32; m * h];
-    let w_down = expert_slice(
-        inputs.down_proj_weight,
-        group.expert,
-        i * h,
-        &mut scratch.w_down,
-    );
-    matmul(
+    weight_product(
         &mut down,
         MatRef::row_major(act, m, i),
-        MatRef::row_major(w_down, i, h),
-        false,
+        inputs.down_proj_weight,
+        group.expert,
+        (i, h),
+        &mut scratch.panel,
     );
     ExpertForward { gate_up, down }
 }
@@ -395,7 +390,7 @@ fn expert_backward(
         forward.down_proj_weight,
         group.expert,
         (m, i, h),
-        (&mut s.w_down, &mut s.tile),
+        (&mut s.panel, &mut s.tile),
     );
     // act and d gate_up [m, 2I] through SwiGLU.
     s.act.resize(m * i, 0.0);
@@ -435,7 +430,7 @@ fn expert_backward(
         forward.gate_up_proj_weight,
         group.expert,
         (m, h, 2 * i),
-        (&mut s.w_gate_up, &mut s.tile),
+        (&mut s.panel, &mut s.tile),
     );
     ExpertBackward { d_x, d_affinity }
 }

@@ -5,6 +5,8 @@
 //! itself, so the summation order of every output element depends only on the operands' shapes,
 //! never on the thread count.
 
+use half::bf16;
+
 /// A read-only f32 matrix: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a> {
@@ -37,6 +39,24 @@ impl<'a> MatRef<'a> {
     /// Number of columns.
     pub fn cols(&self) -> usize {
         self.cols
+    }
+
+    /// Columns `range` of the view.
+    ///
+    /// # Panics
+    /// If the range reaches past the last column.
+    pub fn columns(self, range: std::ops::Range<usize>) -> Self {
+        assert!(range.end <= self.cols, "columns past the view");
+        let offset = if range.is_empty() || self.rows == 0 {
+            0
+        } else {
+            range.start * self.col_stride
+        };
+        Self {
+            data: &self.data[offset..],
+            cols: range.len(),
+            ..self
+        }
     }
 
     /// The transpose, as a view of the same buffer.
@@ -73,8 +93,8 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         }
         return;
     }
-    // SAFETY: `MatRef::strided` checked that every (row, col) of `a` and `b` lies inside its
-    // buffer, and `dst` holds exactly m · n elements with unit column stride and row stride n.
+    // SAFETY: the views' constructors checked that every (row, col) of `a` and `b` lies inside
+    // its buffer, and `dst` holds exactly m · n elements with unit column stride and row stride n.
     // The three buffers cannot alias: `dst` is borrowed mutably.
     unsafe {
         gemm::gemm(
@@ -97,6 +117,37 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
             false,
             false,
             gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Rows of a bf16 `b` widened at a time by [`matmul_bf16_b`]: 64 rows of n ≤ 2048 take at most
+/// 512 KiB, so the panel stays in the core's L2 while the product runs.
+const BF16_PANEL_ROWS: usize = 64;
+
+/// `dst [m, n] = a · b` for `a [m, k]` and `b [k, n]` row-major in bf16 (the weights as
+/// stored), widened [`BF16_PANEL_ROWS`] rows at a time into `panel`: `b` is read once and never
+/// copied whole. The panels' products are added in order, so the summation order depends only
+/// on the shapes.
+pub fn matmul_bf16_b(dst: &mut [f32], a: MatRef<'_>, b: &[bf16], panel: &mut Vec<f32>) {
+    let (k, n) = (a.cols, dst.len() / a.rows.max(1));
+    assert!(
+        k.checked_mul(n).is_some_and(|len| len <= b.len()),
+        "b is shorter than [k, n]"
+    );
+    if k == 0 {
+        dst.fill(0.0);
+        return;
+    }
+    for k0 in (0..k).step_by(BF16_PANEL_ROWS) {
+        let rows = BF16_PANEL_ROWS.min(k - k0);
+        panel.clear();
+        panel.extend(b[k0 * n..(k0 + rows) * n].iter().map(|x| x.to_f32()));
+        matmul(
+            dst,
+            a.columns(k0..k0 + rows),
+            MatRef::row_major(panel, rows, n),
+            k0 > 0,
         );
     }
 }
@@ -154,6 +205,40 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn bf16_weights_match_the_product_with_their_widened_copy() {
+        // Panels of 64 rows: below, at and across a panel boundary.
+        for (m, k, n) in [(1, 1, 1), (3, 64, 7), (17, 65, 9), (9, 200, 33)] {
+            let a = values(m * k, 1);
+            let b: Vec<bf16> = values(k * n, 2)
+                .iter()
+                .map(|&v| bf16::from_f32(v))
+                .collect();
+            let widened: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+            let expected = naive(
+                MatRef::row_major(&a, m, k),
+                MatRef::row_major(&widened, k, n),
+            );
+            let mut got = vec![f32::NAN; m * n];
+            matmul_bf16_b(&mut got, MatRef::row_major(&a, m, k), &b, &mut Vec::new());
+            for (g, e) in got.iter().zip(&expected) {
+                assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn column_views_select_their_columns() {
+        let a = values(4 * 6, 3);
+        let view = MatRef::row_major(&a, 4, 6).columns(2..5);
+        let identity: Vec<f32> = (0..9).map(|j| if j % 4 == 0 { 1.0 } else { 0.0 }).collect();
+        let mut got = vec![0.0; 12];
+        matmul(&mut got, view, MatRef::row_major(&identity, 3, 3), false);
+        for r in 0..4 {
+            assert_eq!(got[r * 3..r * 3 + 3], a[r * 6 + 2..r * 6 + 5]);
         }
     }
 
