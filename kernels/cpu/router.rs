@@ -4,13 +4,14 @@
 
 use rayon::prelude::*;
 
+use super::bf16_matmul::{self, matmul_bf16};
 use super::matmul::{MatRef, matmul};
 use super::{ROW_TILE, ensure_finite, f32_output};
 use crate::contracts::{
     Activation, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 
 /// `ln(1 + eˣ)` without overflow.
 fn softplus(x: f32) -> f32 {
@@ -54,14 +55,30 @@ fn selected_affinities(log_aff: &[f32], selected: &[i32], norm: bool, out: &mut 
     }
 }
 
-/// `[T, E]` logits: `x [T, H] · w [H, E] (+ bias)`, in row tiles of [`ROW_TILE`].
+/// `[T, E]` logits: `x [T, H] · w [H, E] (+ bias)`, in row tiles of [`ROW_TILE`]. With x and
+/// w both stored in bf16 (and H even, so token rows hold whole pairs) the products run on
+/// AVX-512 BF16 pair dot products: exact products, f32 sums, nothing widened.
 fn logits(
-    x: &[f32],
-    w: &[f32],
+    x: &Tensor,
+    w: &Tensor,
     bias: Option<&[f32]>,
     (t, h, e): (usize, usize, usize),
 ) -> Vec<f32> {
-    let mut logits = row_tiled_product(x, h, MatRef::row_major(w, h, e), t);
+    let mut logits = match (x.storage(), w.storage()) {
+        (Storage::BF16(x), Storage::BF16(w)) if h % 2 == 0 && bf16_matmul::available() => {
+            let mut out = vec![0.0f32; t * e];
+            out.par_chunks_mut(ROW_TILE * e)
+                .zip(x.par_chunks(ROW_TILE * h))
+                .for_each(|(out, x)| matmul_bf16(out, x, h, w, (out.len() / e, e, h)));
+            out
+        }
+        _ => row_tiled_product(
+            &x.f32_values(),
+            h,
+            MatRef::row_major(&w.f32_values(), h, e),
+            t,
+        ),
+    };
     if let Some(bias) = bias {
         for row in logits.chunks_mut(e) {
             for (l, b) in row.iter_mut().zip(bias) {
@@ -90,12 +107,7 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
     let RouterDims { t, h, e, k } = call.dims();
     let bias = inputs.bias.map(Tensor::f32_values);
     let selection_bias = inputs.selection_bias.map(Tensor::f32_values);
-    let logits = logits(
-        &inputs.x.f32_values(),
-        &inputs.w.f32_values(),
-        bias.as_deref(),
-        (t, h, e),
-    );
+    let logits = logits(inputs.x, inputs.w, bias.as_deref(), (t, h, e));
     ensure_finite("router_logits", &[t, e], &logits)?;
 
     let mut expert_index = vec![0i32; t * k];
@@ -192,14 +204,21 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let w = inputs.w.f32_values();
     // d_x [T, H] = d_logits · wᵀ, in row tiles.
     let d_x = row_tiled_product(&d_logits, e, MatRef::row_major(&w, h, e).t(), t);
-    // d_w [H, E] = xᵀ · d_logits (the token reduction stays inside one product).
+    // d_w [H, E] = xᵀ · d_logits, in tiles of rows of d_w (each token reduction stays inside
+    // one product).
     let mut d_w = vec![0.0f32; h * e];
-    matmul(
-        &mut d_w,
-        MatRef::row_major(&x, t, h).t(),
-        MatRef::row_major(&d_logits, t, e),
-        false,
-    );
+    let x = MatRef::row_major(&x, t, h);
+    d_w.par_chunks_mut(ROW_TILE * e)
+        .enumerate()
+        .for_each(|(tile, d_w)| {
+            let rows = tile * ROW_TILE..tile * ROW_TILE + d_w.len() / e;
+            matmul(
+                d_w,
+                x.columns(rows).t(),
+                MatRef::row_major(&d_logits, t, e),
+                false,
+            );
+        });
     // d_bias [E] = Σ_t d_logits, in token order.
     let mut d_bias = vec![0.0f32; e];
     for row in d_logits.chunks(e) {
