@@ -1,7 +1,8 @@
 //! Expert parallelism: experts sharded over R ranks, tokens exchanged between them.
 //!
-//! - [`Communicator`]: the collective operations a rank group offers (variable all-to-all,
-//!   all-reduce, barrier) and [`agree`], which turns one rank's error into every rank's.
+//! - [`Communicator`]: the collective operations a rank group offers (variable all-to-all of
+//!   bytes or of words read in place, [`Received`]; all-reduce; barrier) and [`agree`], which
+//!   turns one rank's error into every rank's.
 //! - [`LocalComm`]: R ranks as threads of one process over shared memory.
 //! - `MpiComm` (feature `mpi`): R ranks as MPI processes, launched with `mpirun -n R`.
 //! - [`dispatch`] / [`combine`] and their backward passes: token rows to the ranks that own

@@ -15,8 +15,9 @@ use crate::error::{Error, Result};
 /// finalised when the value is dropped; one per process.
 ///
 /// MPI reports its own failures by aborting the job (`MPI_ERRORS_ARE_FATAL`), so `mpirun`
-/// exits non-zero with MPI's message; moekit's errors reach every rank through
-/// [`agree`](super::agree) before anything is exchanged.
+/// exits non-zero with MPI's message; moekit's errors reach every rank before anything but
+/// the ranks' verdicts is exchanged ([`agree`](super::agree), or the status words that open
+/// the exchange kernels' first exchange).
 pub struct MpiComm {
     world: SimpleCommunicator,
     // Declared after `world`, so MPI is finalised after the communicator is released.

@@ -5,7 +5,7 @@
 //!
 //! Every rank runs the same layers in the same order, so the collectives of the forward and of
 //! the tape's backward line up across ranks. An error of one rank's kernels reaches every rank
-//! (moekit agrees on errors before each exchange).
+//! (every rank's verdict on its inputs travels ahead of the payload of each exchange).
 
 use std::cell::Cell;
 use std::rc::Rc;
