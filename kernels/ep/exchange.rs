@@ -28,6 +28,8 @@
 //! - `combine_bwd`: the status; then the rows, straight into `[M, H]`.
 //! - `dispatch_bwd`: the status, the rows and the affinity gradients, added where they lie.
 
+use std::borrow::Cow;
+
 use super::comm::{Communicator, Received, read_status, status_words};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
@@ -124,6 +126,20 @@ fn agree_sizes(
     let send: Vec<f32> = (0..r).flat_map(|_| status.iter().copied()).collect();
     let received = comm.all_to_all_v_words(send.into(), &vec![status.len(); r], None)?;
     agreed_payloads(&received, names).map(drop)
+}
+
+/// Sends `send_counts[r]` rows of `h` words to each rank r and receives `recv_counts[src]`
+/// rows from each source, both counts known on every rank (so the engine need not exchange
+/// them).
+fn exchange_rows(
+    comm: &dyn Communicator,
+    rows: Cow<'_, [f32]>,
+    h: usize,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+) -> Result<Received> {
+    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
+    comm.all_to_all_v_words(rows, &words(send_counts), Some(&words(recv_counts)))
 }
 
 /// A source's payload must be `rows` rows of `width` words.
@@ -294,14 +310,7 @@ pub fn dispatch(
     drop(received);
 
     // Second exchange: the rows; every rank knows every count.
-    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
-    let hidden = comm
-        .all_to_all_v_words(
-            rows.into(),
-            &words(&send_counts),
-            Some(&words(&recv_counts)),
-        )?
-        .into_values();
+    let hidden = exchange_rows(comm, rows.into(), h, &send_counts, &recv_counts)?.into_values();
     Ok(Dispatched {
         route: Route {
             send_indices: Tensor::from_i32([t, r], send_indices)?,
@@ -392,11 +401,12 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
     let (t, indices, send_counts, recv_counts, h) = local?;
     // The rows go back from where they lie (sources in rank order, as they came), and are
     // added where the engine leaves them.
-    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
-    let received = comm.all_to_all_v_words(
+    let received = exchange_rows(
+        comm,
         expert_output.f32_values(),
-        &words(&recv_counts),
-        Some(&words(&send_counts)),
+        h,
+        &recv_counts,
+        &send_counts,
     )?;
     // Token by token, each row written once: its first contribution copied, the others added
     // in ascending rank order (a token sent nowhere stays 0).
@@ -442,14 +452,7 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
             rows.extend_from_slice(&d[token * h..(token + 1) * h]);
         }
     }
-    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
-    let received = comm
-        .all_to_all_v_words(
-            rows.into(),
-            &words(&send_counts),
-            Some(&words(&recv_counts)),
-        )?
-        .into_values();
+    let received = exchange_rows(comm, rows.into(), h, &send_counts, &recv_counts)?.into_values();
     let m: usize = recv_counts.iter().sum();
     Tensor::from_f32([m, h], received)
 }
