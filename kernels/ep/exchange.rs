@@ -115,17 +115,20 @@ fn agreed_payloads<'a>(received: &'a Received, names: &[&str]) -> Result<Vec<&'a
         .collect())
 }
 
-/// An exchange of the status words alone: every rank's sizes, or the same error on every rank.
-fn agree_sizes(
+/// An exchange of the status words alone, agreeing on every rank's verdict and H
+/// (`hidden(&parts)` of a valid rank): this rank's parts, or the same error on every rank.
+fn agree_on_hidden<P>(
     comm: &dyn Communicator,
-    local: std::result::Result<&[u32], &Error>,
-    names: &[&str],
-) -> Result<()> {
-    let status = status_words(local);
+    local: Result<P>,
+    hidden: impl Fn(&P) -> usize,
+) -> Result<P> {
+    let sizes = [size_word(local.as_ref().map_or(0, &hidden))];
+    let status = status_words(local.as_ref().map(|_| &sizes[..]));
     let r = comm.size();
     let send: Vec<f32> = (0..r).flat_map(|_| status.iter().copied()).collect();
     let received = comm.all_to_all_v_words(send.into(), &vec![status.len(); r], None)?;
-    agreed_payloads(&received, names).map(drop)
+    agreed_payloads(&received, &["H (hidden size)"])?;
+    local
 }
 
 /// Sends `send_counts[r]` rows of `h` words to each rank r and receives `recv_counts[src]`
@@ -391,14 +394,7 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
             validate::float_tensor("expert_output", expert_output, "[M, H]", &[Some(m), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let h = local.as_ref().map_or(0, |parts| parts.4);
-    let sizes = [size_word(h)];
-    agree_sizes(
-        comm,
-        local.as_ref().map(|_| &sizes[..]),
-        &["H (hidden size)"],
-    )?;
-    let (t, indices, send_counts, recv_counts, h) = local?;
+    let (t, indices, send_counts, recv_counts, h) = agree_on_hidden(comm, local, |parts| parts.4)?;
     // The rows go back from where they lie (sources in rank order, as they came), and are
     // added where the engine leaves them.
     let received = exchange_rows(
@@ -437,14 +433,7 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
         let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(t), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let h = local.as_ref().map_or(0, |parts| parts.4);
-    let sizes = [size_word(h)];
-    agree_sizes(
-        comm,
-        local.as_ref().map(|_| &sizes[..]),
-        &["H (hidden size)"],
-    )?;
-    let (t, indices, send_counts, recv_counts, h) = local?;
+    let (t, indices, send_counts, recv_counts, h) = agree_on_hidden(comm, local, |parts| parts.4)?;
     let d = d_output.f32_values();
     let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
     for tokens in sent_rows(t, r, indices) {
