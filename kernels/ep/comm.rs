@@ -10,78 +10,76 @@ use crate::error::{Error, Result};
 /// one chunk per source rank, read where the engine left it (an engine over shared memory
 /// hands over the senders' buffers; one over a network receives into a single buffer).
 #[derive(Clone, Debug)]
-pub struct Received {
+pub struct Received(Chunks);
+
+#[derive(Clone, Debug)]
+enum Chunks {
+    /// One receive buffer; source `src`'s chunk is `values[offsets[src]..offsets[src + 1]]`.
+    Contiguous {
+        values: Vec<f32>,
+        offsets: Vec<usize>,
+    },
     /// Per source rank: the buffer holding its chunk and the chunk's range in it.
-    chunks: Vec<(Arc<Vec<f32>>, Range<usize>)>,
+    Shared(Vec<(Arc<Vec<f32>>, Range<usize>)>),
 }
 
 impl Received {
-    /// Chunks that are ranges of buffers, one per source rank in rank order.
+    /// Chunks that are ranges of shared buffers, one per source rank in rank order.
     pub fn from_chunks(chunks: Vec<(Arc<Vec<f32>>, Range<usize>)>) -> Self {
-        Self { chunks }
+        Self(Chunks::Shared(chunks))
     }
 
     /// Chunks laid out back to back in one buffer, `counts[src]` words from each source.
     pub fn contiguous(values: Vec<f32>, counts: &[usize]) -> Self {
-        let values = Arc::new(values);
-        let mut offset = 0;
-        let chunks = counts
-            .iter()
-            .map(|&count| {
-                offset += count;
-                (Arc::clone(&values), offset - count..offset)
-            })
+        let offsets = std::iter::once(0)
+            .chain(counts.iter().scan(0, |end, &count| {
+                *end += count;
+                Some(*end)
+            }))
             .collect();
-        Self { chunks }
+        Self(Chunks::Contiguous { values, offsets })
     }
 
     /// R, the number of source ranks.
     pub fn len(&self) -> usize {
-        self.chunks.len()
+        match &self.0 {
+            Chunks::Contiguous { offsets, .. } => offsets.len() - 1,
+            Chunks::Shared(chunks) => chunks.len(),
+        }
     }
 
     /// Whether there are no sources (never, for a group of at least one rank).
     pub fn is_empty(&self) -> bool {
-        self.chunks.is_empty()
+        self.len() == 0
     }
 
     /// The words received from `src`.
     pub fn chunk(&self, src: usize) -> &[f32] {
-        let (buffer, range) = &self.chunks[src];
-        &buffer[range.clone()]
+        match &self.0 {
+            Chunks::Contiguous { values, offsets } => &values[offsets[src]..offsets[src + 1]],
+            Chunks::Shared(chunks) => &chunks[src].0[chunks[src].1.clone()],
+        }
     }
 
     /// The words received from each source, in rank order.
     pub fn counts(&self) -> Vec<usize> {
-        self.chunks.iter().map(|(_, range)| range.len()).collect()
+        (0..self.len()).map(|src| self.chunk(src).len()).collect()
     }
 
     /// Every source's words back to back, in rank order: the receive buffer itself when the
     /// engine received into one buffer, otherwise one copy.
     pub fn into_values(self) -> Vec<f32> {
-        let total: usize = self.chunks.iter().map(|(_, range)| range.len()).sum();
-        let whole = self.chunks.first().is_some_and(|(first, _)| {
-            first.len() == total
-                && self
-                    .chunks
-                    .iter()
-                    .all(|(buffer, _)| Arc::ptr_eq(buffer, first))
-                && self
-                    .chunks
-                    .windows(2)
-                    .all(|pair| pair[0].1.end == pair[1].1.start)
-                && self.chunks[0].1.start == 0
-        });
-        if whole {
-            let buffer = Arc::clone(&self.chunks[0].0);
-            drop(self.chunks);
-            return Arc::try_unwrap(buffer).unwrap_or_else(|shared| shared.as_ref().clone());
+        match self.0 {
+            Chunks::Contiguous { values, .. } => values,
+            Chunks::Shared(chunks) => {
+                let total = chunks.iter().map(|(_, range)| range.len()).sum();
+                let mut values = Vec::with_capacity(total);
+                for (buffer, range) in &chunks {
+                    values.extend_from_slice(&buffer[range.clone()]);
+                }
+                values
+            }
         }
-        let mut values = Vec::with_capacity(total);
-        for (buffer, range) in &self.chunks {
-            values.extend_from_slice(&buffer[range.clone()]);
-        }
-        values
     }
 }
 

@@ -193,23 +193,16 @@ impl Communicator for LocalComm {
                 Parcel::Bytes(send[offset - count..offset].to_vec())
             })
             .collect();
-        let incoming = self.exchange(outgoing)?;
-        let mut counts = Vec::with_capacity(incoming.len());
-        let total = incoming
-            .iter()
+        let incoming = self
+            .exchange(outgoing)?
+            .into_iter()
             .map(|parcel| match parcel {
-                Parcel::Bytes(bytes) => bytes.len(),
-                _ => 0,
+                Parcel::Bytes(bytes) => Ok(bytes),
+                _ => Err(self.mixed_exchange()),
             })
-            .sum();
-        let mut received = Vec::with_capacity(total);
-        for parcel in incoming {
-            let Parcel::Bytes(bytes) = parcel else {
-                return Err(self.mixed_exchange());
-            };
-            counts.push(bytes.len());
-            received.extend_from_slice(&bytes);
-        }
+            .collect::<Result<Vec<_>>>()?;
+        let counts = incoming.iter().map(Vec::len).collect();
+        let received = incoming.concat();
         Ok((received, counts))
     }
 
