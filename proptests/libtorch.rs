@@ -1,13 +1,17 @@
 //! The libtorch peers of the benchmarks (feature `libtorch`): every expert path computes the
-//! same layer as `blockwise_mm`, and `moekit bench` reports them beside its own rows.
+//! same layer as `blockwise_mm`, and `moekit bench` reports them beside its own rows; tensors
+//! cross between moekit and libtorch unchanged.
 
 mod common;
 
 use std::process::Command;
 
 use common::*;
+use half::bf16;
 use moekit::bench::{Layer, LayerInputs, MoeShape, libtorch};
-use moekit::{BackendKind, DType};
+use moekit::torch::{from_tch, to_tch};
+use moekit::{BackendKind, DType, Storage, Tensor};
+use tch::Kind;
 
 #[test]
 fn every_expert_path_computes_the_blockwise_mm_output() {
@@ -70,4 +74,66 @@ fn bench_reports_libtorch_times_and_ratios() {
         assert!(!row.contains("\"libtorch_ms\":null"), "{row}");
         assert!(!row.contains("\"vs_libtorch\":null"), "{row}");
     }
+}
+
+#[test]
+fn tensors_cross_to_libtorch_and_back_unchanged() {
+    let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
+    let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+    let ids: Vec<i32> = (0..24).map(|i| i * 5 - 60).collect();
+    for (tensor, kind) in [
+        (
+            Tensor::from_f32([2, 3, 4], values.clone()).unwrap(),
+            Kind::Float,
+        ),
+        (Tensor::from_bf16([4, 6], halves).unwrap(), Kind::BFloat16),
+        (Tensor::from_i32([24], ids).unwrap(), Kind::Int),
+    ] {
+        let theirs = to_tch(&tensor);
+        assert_eq!(theirs.kind(), kind);
+        let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
+        assert_eq!(theirs.size(), shape);
+        // libtorch's own reading of each element, against moekit's.
+        for (index, want) in tensor.to_f64_vec().into_iter().enumerate() {
+            let got = theirs.reshape([-1]).double_value(&[index as i64]);
+            assert_eq!(got, want, "{kind:?} element {index}");
+        }
+        let back = from_tch("x", &theirs).unwrap();
+        assert_eq!(back.shape(), tensor.shape());
+        assert_eq!(back.storage(), tensor.storage());
+    }
+}
+
+#[test]
+fn views_with_strides_and_offsets_are_read_in_logical_order() {
+    let base = tch::Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).reshape([4, 6]);
+    // A transposed view of rows 1..3: strides (1, 6), storage offset 6.
+    let view = base.narrow(0, 1, 2).transpose(0, 1);
+    let ours = from_tch("view", &view).unwrap();
+    assert_eq!(ours.shape(), &[6, 2]);
+    let want: Vec<f32> = (0..6)
+        .flat_map(|c| [6.0 + c as f32, 12.0 + c as f32])
+        .collect();
+    assert_eq!(ours.storage(), &Storage::F32(want));
+    // A contiguous view that starts inside its storage (offset 12) is read from its start.
+    let tail = from_tch("tail", &base.narrow(0, 2, 2)).unwrap();
+    let want: Vec<f32> = (12..24).map(|v| v as f32).collect();
+    assert_eq!(tail.storage(), &Storage::F32(want));
+    let empty = from_tch("empty", &base.narrow(0, 0, 0)).unwrap();
+    assert_eq!(empty.shape(), &[0, 6]);
+}
+
+#[test]
+fn indices_outside_i32_and_foreign_dtypes_are_named_errors() {
+    let wide = tch::Tensor::from_slice(&[1i64, 1 << 40]);
+    let err = from_tch("expert_index", &wide).unwrap_err().to_string();
+    assert!(err.contains("expert_index") && err.contains("i32"), "{err}");
+    let ok = from_tch("expert_index", &tch::Tensor::from_slice(&[3i64, -1])).unwrap();
+    assert_eq!(ok.storage(), &Storage::I32(vec![3, -1]));
+    let doubles = tch::Tensor::from_slice(&[1.0f64]);
+    let err = from_tch("hidden_states", &doubles).unwrap_err().to_string();
+    assert!(
+        err.contains("hidden_states") && err.contains("Double"),
+        "{err}"
+    );
 }

@@ -2,8 +2,11 @@
 //!
 //! All blocks of one expert run as one pair of GEMMs over the expert's real tokens (padding
 //! slots are skipped, never multiplied): `[m, H] · [H, 2I]`, SiLU(gate) ⊙ up fused on the
-//! result, then `[m, I] · [I, H]`. Experts run in parallel; every product runs on one thread, so
-//! each value's summation order depends only on the plan, never on the thread count. The
+//! result, then `[m, I] · [I, H]`. Experts run in parallel, and an expert with more than
+//! [`TASK_ROWS`] tokens is split into pieces of rows (and its weight gradients into bands of
+//! rows), so a skewed routing still keeps every thread busy. Every product runs on one thread
+//! and the split depends only on the plan, so each value's summation order never depends on the
+//! thread count. The
 //! affinity scaling and scatter-add are fused into a per-token combine that sums a token's
 //! expert outputs in ascending expert order. The backward's products against transposed weights
 //! run in dot-product form ([`matmul_nt`]) on the weights as stored, and weight gradients are
@@ -29,6 +32,10 @@ use crate::contracts::{
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
 
+/// Most rows of one expert that one task computes; experts with more are split into pieces
+/// of this many rows (the last one shorter).
+const TASK_ROWS: usize = 256;
+
 /// One expert's share of the plan: its real (non-padding) slots in plan order.
 struct ExpertRows {
     expert: usize,
@@ -36,6 +43,24 @@ struct ExpertRows {
     slots: Vec<usize>,
     /// The token in each slot.
     tokens: Vec<usize>,
+}
+
+impl ExpertRows {
+    /// The rows as consecutive pieces of at most [`TASK_ROWS`] rows, in order.
+    fn split(self) -> Vec<ExpertRows> {
+        if self.slots.len() <= TASK_ROWS {
+            return vec![self];
+        }
+        self.slots
+            .chunks(TASK_ROWS)
+            .zip(self.tokens.chunks(TASK_ROWS))
+            .map(|(slots, tokens)| ExpertRows {
+                expert: self.expert,
+                slots: slots.to_vec(),
+                tokens: tokens.to_vec(),
+            })
+            .collect()
+    }
 }
 
 /// Groups the plan's real slots by expert, in ascending expert id.
@@ -155,34 +180,57 @@ fn weight_nt(
 }
 
 /// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
-/// matrix.
-fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize, dst: &mut Vec<f32>) {
-    dst.clear();
-    for &row in rows {
+/// matrix `[rows.len(), width]`.
+fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize, dst: &mut [f32]) {
+    for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
         let range = row * width..(row + 1) * width;
         match tensor.storage() {
-            Storage::F32(v) => dst.extend_from_slice(&v[range]),
-            Storage::BF16(v) => dst.extend(v[range].iter().map(|x| x.to_f32())),
+            Storage::F32(v) => dst.copy_from_slice(&v[range]),
+            Storage::BF16(v) => {
+                for (d, x) in dst.iter_mut().zip(&v[range]) {
+                    *d = x.to_f32();
+                }
+            }
             Storage::I32(_) => unreachable!("validated as a float tensor"),
         }
     }
 }
 
-/// Per-task buffers, reused from one expert to the next.
+/// `buffer` resized to `len` elements, as a slice to overwrite.
+fn resized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buffer.resize(len, 0.0);
+    buffer
+}
+
+/// Per-task buffers, reused from one task to the next.
 #[derive(Default)]
 struct Scratch {
+    /// Token rows (forward).
     x: Vec<f32>,
-    /// Token rows in bf16, each padded to an even length.
+    /// Token rows in bf16, each padded to an even length (forward).
     x_bf16: Vec<bf16>,
     /// A panel of bf16 weights widened to f32.
     panel: Vec<f32>,
-    act: Vec<f32>,
-    y: Vec<f32>,
-    d_y: Vec<f32>,
-    gate_up: Vec<f32>,
-    d_act: Vec<f32>,
-    d_gate_up: Vec<f32>,
+    /// A tile of results of the bf16 dot-product kernel.
     tile: Vec<f32>,
+    /// SwiGLU activations (forward).
+    act: Vec<f32>,
+    /// Expert outputs before affinity scaling, from the checkpoint (backward).
+    y: Vec<f32>,
+    /// gate/up rows from the checkpoint (backward).
+    gate_up: Vec<f32>,
+    /// Gradient of the activations (backward).
+    d_act: Vec<f32>,
+}
+
+/// One expert's `[m, ·]` matrices that its weight gradients read, reused from one expert to
+/// the next.
+#[derive(Default)]
+struct ExpertGrads {
+    x: Vec<f32>,
+    d_y: Vec<f32>,
+    act: Vec<f32>,
+    d_gate_up: Vec<f32>,
 }
 
 /// Per-expert forward results: `gate_up [m, 2I]` before the activation and `down [m, H]`
@@ -219,7 +267,8 @@ fn expert_forward(
             matmul_bf16(&mut gate_up, rows, lda, w, (m, 2 * i, h));
         }
         _ => {
-            gather_rows(inputs.hidden_states, &group.tokens, h, &mut scratch.x);
+            let x = resized(&mut scratch.x, m * h);
+            gather_rows(inputs.hidden_states, &group.tokens, h, x);
             weight_product(
                 &mut gate_up,
                 MatRef::row_major(&scratch.x, m, h),
@@ -251,7 +300,10 @@ fn expert_forward(
 pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let BlockwiseDims { t, h, e, i, b, n } = dims;
-    let groups = group_by_expert(&inputs, dims);
+    let groups: Vec<ExpertRows> = group_by_expert(&inputs, dims)
+        .into_iter()
+        .flat_map(ExpertRows::split)
+        .collect();
     let results: Vec<ExpertForward> = groups
         .par_iter()
         .map_init(Scratch::default, |scratch, group| {
@@ -338,36 +390,49 @@ struct ExpertBackward {
     d_affinity: Vec<f32>,
 }
 
-/// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]`.
-fn expert_backward(
+/// One piece of an expert's rows in the backward's row-wise stage: its slots and tokens, and
+/// the rows of the expert's matrices it writes.
+struct RowPiece<'a> {
+    slots: &'a [usize],
+    tokens: &'a [usize],
+    /// `[m, H]`: the piece's token rows.
+    x: &'a mut [f32],
+    /// `[m, H]`: affinity · d output.
+    d_y: &'a mut [f32],
+    /// `[m, I]`: SiLU(gate) ⊙ up, recomputed from the checkpoint.
+    act: &'a mut [f32],
+    /// `[m, 2I]`.
+    d_gate_up: &'a mut [f32],
+    /// `[m, H]`.
+    d_x: &'a mut [f32],
+    /// `[m]`.
+    d_affinity: &'a mut [f32],
+}
+
+/// The row-wise backward of one piece of expert `expert`'s rows: every gradient but the
+/// weights'.
+fn rows_backward(
     call: &BlockwiseMmBwd<'_>,
     (affinities, checkpoint): (&[f32], &[f32]),
-    group: &ExpertRows,
-    scratch: &mut Scratch,
-    d_gate_up_weight: &mut [f32],
-    d_down_weight: &mut [f32],
-) -> ExpertBackward {
+    expert: usize,
+    piece: RowPiece<'_>,
+    s: &mut Scratch,
+) {
     let inputs = call.inputs();
     let forward = inputs.forward;
     let BlockwiseDims { e, h, i, b, .. } = call.dims();
-    let m = group.tokens.len();
-    let s = scratch;
+    let m = piece.tokens.len();
 
     // d y = affinity · d output; d affinity = ⟨d output, y⟩.
-    gather_rows(inputs.down_activations, &group.slots, h, &mut s.y);
-    gather_rows(
-        inputs.output_hidden_states_grad,
-        &group.tokens,
-        h,
-        &mut s.d_y,
-    );
-    let mut d_affinity = vec![0.0f32; m];
-    for (row, &token) in group.tokens.iter().enumerate() {
-        let a = affinities[token * e + group.expert];
-        let d_y = &mut s.d_y[row * h..(row + 1) * h];
-        d_affinity[row] = d_y
+    let y = resized(&mut s.y, m * h);
+    gather_rows(inputs.down_activations, piece.slots, h, y);
+    gather_rows(inputs.output_hidden_states_grad, piece.tokens, h, piece.d_y);
+    for (row, &token) in piece.tokens.iter().enumerate() {
+        let a = affinities[token * e + expert];
+        let d_y = &mut piece.d_y[row * h..(row + 1) * h];
+        piece.d_affinity[row] = d_y
             .iter()
-            .zip(&s.y[row * h..(row + 1) * h])
+            .zip(&y[row * h..(row + 1) * h])
             .map(|(d, y)| d * y)
             .sum();
         for d in d_y.iter_mut() {
@@ -376,29 +441,27 @@ fn expert_backward(
     }
     // gate/up rows from the transposed checkpoint [N, 2, I, B].
     s.gate_up.clear();
-    for &slot in &group.slots {
+    for &slot in piece.slots {
         let (block, j) = (slot / b, slot % b);
         s.gate_up.extend(
             (0..2 * i).map(|col| checkpoint[((block * 2 + col / i) * i + col % i) * b + j]),
         );
     }
     // d act [m, I] = d y · Dᵀ.
-    s.d_act.resize(m * i, 0.0);
+    let d_act = resized(&mut s.d_act, m * i);
     weight_nt(
-        &mut s.d_act,
-        &s.d_y,
+        d_act,
+        piece.d_y,
         forward.down_proj_weight,
-        group.expert,
+        expert,
         (m, i, h),
         (&mut s.panel, &mut s.tile),
     );
     // act and d gate_up [m, 2I] through SwiGLU.
-    s.act.resize(m * i, 0.0);
-    s.d_gate_up.resize(m * 2 * i, 0.0);
     for row in 0..m {
         let (gate, up) = s.gate_up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
-        let (d_gate, d_up) = s.d_gate_up[row * 2 * i..(row + 1) * 2 * i].split_at_mut(i);
-        let act = &mut s.act[row * i..(row + 1) * i];
+        let (d_gate, d_up) = piece.d_gate_up[row * 2 * i..(row + 1) * 2 * i].split_at_mut(i);
+        let act = &mut piece.act[row * i..(row + 1) * i];
         let d_act = &s.d_act[row * i..(row + 1) * i];
         for col in 0..i {
             let (g, u, da) = (gate[col], up[col], d_act[col]);
@@ -408,29 +471,85 @@ fn expert_backward(
             d_up[col] = da * g * sg;
         }
     }
-    // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up.
-    matmul(
-        d_down_weight,
-        MatRef::row_major(&s.act, m, i).t(),
-        MatRef::row_major(&s.d_y, m, h),
-        false,
-    );
-    gather_rows(forward.hidden_states, &group.tokens, h, &mut s.x);
-    matmul(
-        d_gate_up_weight,
-        MatRef::row_major(&s.x, m, h).t(),
-        MatRef::row_major(&s.d_gate_up, m, 2 * i),
-        false,
-    );
     // d x [m, H] = d gate_up · Wᵀ.
-    let mut d_x = vec![0.0f32; m * h];
     weight_nt(
-        &mut d_x,
-        &s.d_gate_up,
+        piece.d_x,
+        piece.d_gate_up,
         forward.gate_up_proj_weight,
-        group.expert,
+        expert,
         (m, h, 2 * i),
         (&mut s.panel, &mut s.tile),
+    );
+    gather_rows(forward.hidden_states, piece.tokens, h, piece.x);
+}
+
+/// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), computed in bands of
+/// `dst`'s rows in parallel: one band per [`TASK_ROWS`] rows of the inner dimension m, so the
+/// bands depend only on the shapes.
+fn transposed_product(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
+    let (r, n) = (a.cols(), b.cols());
+    let band = r.div_ceil(a.rows().div_ceil(TASK_ROWS)).max(1);
+    dst.par_chunks_mut(band * n)
+        .enumerate()
+        .for_each(|(index, dst)| {
+            let rows = index * band..(index * band + band).min(r);
+            matmul(dst, a.columns(rows).t(), b, false);
+        });
+}
+
+/// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]`; the
+/// row-wise stage runs in pieces of [`TASK_ROWS`] rows and the weight gradients in bands, in
+/// parallel.
+fn expert_backward(
+    call: &BlockwiseMmBwd<'_>,
+    shared: (&[f32], &[f32]),
+    group: &ExpertRows,
+    grads: &mut ExpertGrads,
+    d_gate_up_weight: &mut [f32],
+    d_down_weight: &mut [f32],
+) -> ExpertBackward {
+    let BlockwiseDims { h, i, .. } = call.dims();
+    let m = group.tokens.len();
+    let mut d_x = vec![0.0f32; m * h];
+    let mut d_affinity = vec![0.0f32; m];
+    let pieces: Vec<RowPiece<'_>> = group
+        .slots
+        .chunks(TASK_ROWS)
+        .zip(group.tokens.chunks(TASK_ROWS))
+        .zip(resized(&mut grads.x, m * h).chunks_mut(TASK_ROWS * h))
+        .zip(resized(&mut grads.d_y, m * h).chunks_mut(TASK_ROWS * h))
+        .zip(resized(&mut grads.act, m * i).chunks_mut(TASK_ROWS * i))
+        .zip(resized(&mut grads.d_gate_up, m * 2 * i).chunks_mut(TASK_ROWS * 2 * i))
+        .zip(d_x.chunks_mut(TASK_ROWS * h))
+        .zip(d_affinity.chunks_mut(TASK_ROWS))
+        .map(
+            |(((((((slots, tokens), x), d_y), act), d_gate_up), d_x), d_affinity)| RowPiece {
+                slots,
+                tokens,
+                x,
+                d_y,
+                act,
+                d_gate_up,
+                d_x,
+                d_affinity,
+            },
+        )
+        .collect();
+    pieces
+        .into_par_iter()
+        .for_each_init(Scratch::default, |scratch, piece| {
+            rows_backward(call, shared, group.expert, piece, scratch);
+        });
+    // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up.
+    transposed_product(
+        d_down_weight,
+        MatRef::row_major(&grads.act, m, i),
+        MatRef::row_major(&grads.d_y, m, h),
+    );
+    transposed_product(
+        d_gate_up_weight,
+        MatRef::row_major(&grads.x, m, h),
+        MatRef::row_major(&grads.d_gate_up, m, 2 * i),
     );
     ExpertBackward { d_x, d_affinity }
 }
@@ -457,9 +576,9 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         .zip(d_down_weight.par_chunks_mut(i * h))
         .enumerate()
         .filter_map(|(expert, chunks)| group_of[expert].map(|g| (g, chunks)))
-        .map_init(Scratch::default, |scratch, (g, (d_gate_up, d_down))| {
+        .map_init(ExpertGrads::default, |grads, (g, (d_gate_up, d_down))| {
             let shared = (&affinities[..], &checkpoint[..]);
-            let result = expert_backward(call, shared, &groups[g], scratch, d_gate_up, d_down);
+            let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
             (g, result)
         })
         .collect();

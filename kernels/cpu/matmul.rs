@@ -1,11 +1,21 @@
-//! Safe f32 matrix products over strided views, on the `gemm` crate's packed-panel kernels
-//! (AVX-512 or AVX2+FMA chosen at run time, portable fallback otherwise).
+//! Safe f32 matrix products over strided views: on AVX-512 register tiles read straight from
+//! the operands ([`f32_tiles`]) when the inner dimension is small and `b`'s rows are
+//! contiguous, otherwise on the `gemm` crate's packed-panel kernels (AVX-512 or AVX2+FMA chosen
+//! at run time, portable fallback otherwise).
 //!
 //! Every call runs single-threaded: the cpu backend parallelises over experts and row tiles
 //! itself, so the summation order of every output element depends only on the operands' shapes,
 //! never on the thread count.
 
 use half::bf16;
+
+use super::f32_tiles;
+
+/// Largest inner dimension k that [`matmul`] runs on register tiles without packing: a tile's
+/// 12 rows of `a` (up to 24 KiB) stay in L1 and a 32-column strip of `b` (up to 64 KiB) in L2.
+/// Measured on Zen 4 for an expert's products: at k = 128–256 the tiles run at ~1.5–2× the
+/// `gemm` crate's packed kernels; at k ≥ 768 the packed kernels are as fast or faster.
+const TILED_MAX_K: usize = 512;
 
 /// A read-only f32 matrix: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +44,11 @@ impl<'a> MatRef<'a> {
             row_stride: cols,
             col_stride: 1,
         }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 
     /// Number of columns.
@@ -91,6 +106,17 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         if !accumulate {
             dst.fill(0.0);
         }
+        return;
+    }
+    if k <= TILED_MAX_K && b.col_stride == 1 && f32_tiles::available() {
+        let operands = f32_tiles::Operands {
+            a: a.data,
+            a_rows: a.row_stride,
+            a_cols: a.col_stride,
+            b: b.data,
+            ldb: b.row_stride,
+        };
+        f32_tiles::matmul(dst, operands, (m, n, k), accumulate);
         return;
     }
     // SAFETY: the views' constructors checked that every (row, col) of `a` and `b` lies inside
@@ -180,27 +206,40 @@ mod tests {
 
     #[test]
     fn matches_naive_products_on_every_layout() {
-        for (m, k, n) in [(1, 1, 1), (3, 5, 7), (17, 33, 9), (64, 19, 130)] {
+        // Register tiles (k ≤ TILED_MAX_K, contiguous rows of b) with every row and column
+        // remainder, and the packed kernels (k above it, or b transposed).
+        for (m, k, n) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (17, 33, 9),
+            (64, 19, 130),
+            (25, 512, 33),
+            (13, 600, 40),
+        ] {
             let a = values(m * k, 1);
             let b = values(k * n, 2);
+            let (a_rows, a_cols) = (MatRef::row_major(&a, m, k), MatRef::row_major(&a, k, m).t());
+            let (b_rows, b_cols) = (MatRef::row_major(&b, k, n), MatRef::row_major(&b, n, k).t());
             let views = [
-                (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n)),
-                (
-                    MatRef::row_major(&a, k, m).t(),
-                    MatRef::row_major(&b, n, k).t(),
-                ),
+                (a_rows, b_rows),
+                (a_cols, b_cols),
+                (a_cols, b_rows),
+                (a_rows, b_cols),
             ];
             for (va, vb) in views {
                 let expected = naive(va, vb);
                 let mut got = vec![0.0; m * n];
                 matmul(&mut got, va, vb, false);
                 for (g, e) in got.iter().zip(&expected) {
-                    assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{g} vs {e}");
+                    assert!(
+                        (g - e).abs() <= 1e-4 * (1.0 + e.abs()) * (k as f32).sqrt(),
+                        "{g} vs {e}"
+                    );
                 }
                 matmul(&mut got, va, vb, true);
                 for (g, e) in got.iter().zip(&expected) {
                     assert!(
-                        (g - 2.0 * e).abs() <= 2e-4 * (1.0 + e.abs()),
+                        (g - 2.0 * e).abs() <= 2e-4 * (1.0 + e.abs()) * (k as f32).sqrt(),
                         "{g} vs 2·{e}"
                     );
                 }
