@@ -22,9 +22,10 @@ use rayon::prelude::*;
 use super::alloc::zeroed;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
+use super::f32_output;
 use super::matmul::{MatRef, matmul, matmul_bf16_b};
 use super::permute::topk_gradient;
-use super::{f32_output, sigmoid};
+use super::swiglu;
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
     BlockwiseMmOutputs,
@@ -279,11 +280,10 @@ fn expert_forward(
             );
         }
     }
-    let act = &mut scratch.act;
-    act.clear();
-    for gu in gate_up.chunks(2 * i) {
+    let act = resized(&mut scratch.act, m * i);
+    for (gu, act) in gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
         let (gate, up) = gu.split_at(i);
-        act.extend(gate.iter().zip(up).map(|(&g, &u)| g * sigmoid(g) * u));
+        swiglu::forward(gate, up, act);
     }
     let mut down = vec![0.0f32; m * h];
     weight_product(
@@ -461,15 +461,14 @@ fn rows_backward(
     for row in 0..m {
         let (gate, up) = s.gate_up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
         let (d_gate, d_up) = piece.d_gate_up[row * 2 * i..(row + 1) * 2 * i].split_at_mut(i);
-        let act = &mut piece.act[row * i..(row + 1) * i];
-        let d_act = &s.d_act[row * i..(row + 1) * i];
-        for col in 0..i {
-            let (g, u, da) = (gate[col], up[col], d_act[col]);
-            let sg = sigmoid(g);
-            act[col] = g * sg * u;
-            d_gate[col] = da * u * sg * (1.0 + g * (1.0 - sg));
-            d_up[col] = da * g * sg;
-        }
+        swiglu::backward(swiglu::Backward {
+            gate,
+            up,
+            d_act: &s.d_act[row * i..(row + 1) * i],
+            act: &mut piece.act[row * i..(row + 1) * i],
+            d_gate,
+            d_up,
+        });
     }
     // d x [m, H] = d gate_up · Wᵀ.
     weight_nt(

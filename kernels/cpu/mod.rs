@@ -13,6 +13,7 @@ mod load_balancing;
 mod matmul;
 mod permute;
 mod router;
+mod swiglu;
 
 use crate::backend::{Backend, BackendKind};
 use crate::contracts::{
@@ -30,10 +31,6 @@ const ROW_TILE: usize = 64;
 /// The CPU backend. Uses the current rayon thread pool.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
 
 /// Refuses a result that overflowed f32.
 fn ensure_finite(name: &str, shape: &[usize], values: &[f32]) -> Result<()> {
