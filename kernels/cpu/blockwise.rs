@@ -439,13 +439,15 @@ fn rows_backward(
             *d *= a;
         }
     }
-    // gate/up rows from the transposed checkpoint [N, 2, I, B].
-    s.gate_up.clear();
-    for &slot in piece.slots {
+    // gate/up rows from the transposed checkpoint [N, 2, I, B]: slot n·B + j's column c
+    // (gate, then up) is at (n·2I + c)·B + j.
+    let gate_up = resized(&mut s.gate_up, m * 2 * i);
+    for (&slot, row) in piece.slots.iter().zip(gate_up.chunks_exact_mut(2 * i)) {
         let (block, j) = (slot / b, slot % b);
-        s.gate_up.extend(
-            (0..2 * i).map(|col| checkpoint[((block * 2 + col / i) * i + col % i) * b + j]),
-        );
+        let column = &checkpoint[block * 2 * i * b + j..];
+        for (c, value) in row.iter_mut().enumerate() {
+            *value = column[c * b];
+        }
     }
     // d act [m, I] = d y · Dᵀ.
     let d_act = resized(&mut s.d_act, m * i);
