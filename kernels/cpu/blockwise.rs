@@ -224,14 +224,15 @@ struct Scratch {
     d_act: Vec<f32>,
 }
 
-/// One expert's `[m, ·]` matrices that its weight gradients read, reused from one expert to
-/// the next.
+/// One expert's `[m, ·]` matrices that its weight gradients read, and the row-wise stage's
+/// buffers when it runs in one piece; reused from one expert to the next.
 #[derive(Default)]
 struct ExpertGrads {
     x: Vec<f32>,
     d_y: Vec<f32>,
     act: Vec<f32>,
     d_gate_up: Vec<f32>,
+    rows: Scratch,
 }
 
 /// Per-expert forward results: `gate_up [m, 2I]` before the activation and `down [m, H]`
@@ -536,11 +537,17 @@ fn expert_backward(
             },
         )
         .collect();
-    pieces
-        .into_par_iter()
-        .for_each_init(Scratch::default, |scratch, piece| {
-            rows_backward(call, shared, group.expert, piece, scratch);
-        });
+    if pieces.len() == 1 {
+        for piece in pieces {
+            rows_backward(call, shared, group.expert, piece, &mut grads.rows);
+        }
+    } else {
+        pieces
+            .into_par_iter()
+            .for_each_init(Scratch::default, |scratch, piece| {
+                rows_backward(call, shared, group.expert, piece, scratch);
+            });
+    }
     // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up.
     transposed_product(
         d_down_weight,

@@ -1,6 +1,6 @@
 //! Safe f32 matrix products over strided views: on AVX-512 register tiles read straight from
-//! the operands ([`f32_tiles`]) when the inner dimension is small and `b`'s rows are
-//! contiguous, otherwise on the `gemm` crate's packed-panel kernels (AVX-512 or AVX2+FMA chosen
+//! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small and
+//! `b`'s rows are contiguous, otherwise on the `gemm` crate's packed-panel kernels (AVX-512 or AVX2+FMA chosen
 //! at run time, portable fallback otherwise).
 //!
 //! Every call runs single-threaded: the cpu backend parallelises over experts and row tiles
@@ -13,9 +13,15 @@ use super::f32_tiles;
 
 /// Largest inner dimension k that [`matmul`] runs on register tiles without packing: a tile's
 /// 12 rows of `a` (up to 24 KiB) stay in L1 and a 32-column strip of `b` (up to 64 KiB) in L2.
-/// Measured on Zen 4 for an expert's products: at k = 128–256 the tiles run at ~1.5–2× the
-/// `gemm` crate's packed kernels; at k ≥ 768 the packed kernels are as fast or faster.
 const TILED_MAX_K: usize = 512;
+/// Widest output that [`matmul`] runs on register tiles: the tiles walk the output one
+/// 32-column strip at a time, which wide outputs pay for in cache and TLB misses.
+///
+/// Measured on Zen 4, one thread, against the `gemm` crate's packed kernels (m × k × n):
+/// 256×256×256 at 96 against 54–64 GFLOP/s, 256×256×512 at 93 against 68–78, 256×128×768 at
+/// 86–90 against 72–82; but 768×32×2048 at 56 against 71–85 and 128×512×1536 at 75–78
+/// against 77–86, so wider outputs and longer k stay on the packed kernels.
+const TILED_MAX_N: usize = 768;
 
 /// A read-only f32 matrix: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
 #[derive(Clone, Copy, Debug)]
@@ -108,7 +114,7 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         }
         return;
     }
-    if k <= TILED_MAX_K && b.col_stride == 1 && f32_tiles::available() {
+    if k <= TILED_MAX_K && n <= TILED_MAX_N && b.col_stride == 1 && f32_tiles::available() {
         let operands = f32_tiles::Operands {
             a: a.data,
             a_rows: a.row_stride,
@@ -206,8 +212,9 @@ mod tests {
 
     #[test]
     fn matches_naive_products_on_every_layout() {
-        // Register tiles (k ≤ TILED_MAX_K, contiguous rows of b) with every row and column
-        // remainder, and the packed kernels (k above it, or b transposed).
+        // Register tiles (k ≤ TILED_MAX_K, n ≤ TILED_MAX_N, contiguous rows of b) with every
+        // row and column remainder, and the packed kernels (k or n above them, or b
+        // transposed).
         for (m, k, n) in [
             (1, 1, 1),
             (3, 5, 7),
@@ -215,6 +222,7 @@ mod tests {
             (64, 19, 130),
             (25, 512, 33),
             (13, 600, 40),
+            (5, 7, 800),
         ] {
             let a = values(m * k, 1);
             let b = values(k * n, 2);
