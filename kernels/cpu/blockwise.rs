@@ -364,16 +364,9 @@ fn checkpoints(
         .zip(down.par_chunks_mut(b * h))
         .zip(source.par_chunks(b))
         .for_each(|((gate_up_t, down), source)| {
-            const TILE: usize = 16;
-            for col0 in (0..2 * i).step_by(TILE) {
-                for (j, src) in source.iter().enumerate() {
-                    let Some((g, row)) = *src else { continue };
-                    let gate_up = &results[g].gate_up[row * 2 * i..(row + 1) * 2 * i];
-                    for col in col0..(col0 + TILE).min(2 * i) {
-                        gate_up_t[col * b + j] = gate_up[col];
-                    }
-                }
-            }
+            transpose_block(gate_up_t, source, |g, row| {
+                &results[g].gate_up[row * 2 * i..(row + 1) * 2 * i]
+            });
             for (j, src) in source.iter().enumerate() {
                 if let Some((g, row)) = *src {
                     down[j * h..(j + 1) * h]
@@ -382,6 +375,38 @@ fn checkpoints(
             }
         });
     (gate_up_t, down)
+}
+
+/// Writes one block's rows, transposed, into `block_t [C, B]` (C = `block_t.len() / B`, B =
+/// `source.len()`): column j is the row `row_of(g, r)` for `source[j] = Some((g, r))`, zeros
+/// for padding. Works in 16 × 16 tiles gathered on the stack, so every read and write is a
+/// contiguous run of up to 16 values.
+fn transpose_block<'r>(
+    block_t: &mut [f32],
+    source: &[Option<(usize, usize)>],
+    row_of: impl Fn(usize, usize) -> &'r [f32],
+) {
+    const TILE: usize = 16;
+    let b = source.len();
+    let c = block_t.len() / b;
+    let mut tile = [[0.0f32; TILE]; TILE];
+    for j0 in (0..b).step_by(TILE) {
+        let slots = &source[j0..(j0 + TILE).min(b)];
+        for c0 in (0..c).step_by(TILE) {
+            let cols = (c - c0).min(TILE);
+            for (tile_row, src) in tile.iter_mut().zip(slots) {
+                match *src {
+                    Some((g, r)) => tile_row[..cols].copy_from_slice(&row_of(g, r)[c0..c0 + cols]),
+                    None => tile_row[..cols].fill(0.0),
+                }
+            }
+            for (dc, out) in block_t[c0 * b..].chunks_mut(b).take(cols).enumerate() {
+                for (dj, value) in out[j0..j0 + slots.len()].iter_mut().enumerate() {
+                    *value = tile[dj][dc];
+                }
+            }
+        }
+    }
 }
 
 /// Per-expert results that are not weight gradients: the input gradient of each row and the
