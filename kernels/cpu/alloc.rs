@@ -1,25 +1,19 @@
 //! Zeroed f32 buffers for large outputs, backed by transparent huge pages where the OS offers
-//! them and zeroed by every thread of the pool. A weight gradient of a large MoE layer is
-//! gigabytes per call: faulting it in 4 KiB pages costs more than the arithmetic that fills
-//! it, and zeroing it on one thread (as `calloc` does for memory it reuses) leaves the other
-//! cores idle.
-
-use rayon::prelude::*;
+//! them. A weight gradient of a large MoE layer is gigabytes of fresh memory per call; faulting
+//! it in 4 KiB pages costs more than the arithmetic that fills it.
 
 /// Below this size the page-fault cost is negligible and the advice is not worth a syscall.
 const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
 
-/// A zeroed `len`-element buffer. Large ones are advised to use huge pages before first touch
-/// and zeroed in parallel chunks, so their pages are faulted in (fresh memory) or cleared
-/// (reused memory) by all threads at once.
+/// A zeroed `len`-element buffer; large ones are advised to use huge pages before first touch.
+/// The zeroing is the allocator's (fresh pages from the OS come zeroed), so the pages are
+/// faulted in by whichever threads first write them, in parallel.
 pub fn zeroed(len: usize) -> Vec<f32> {
+    let mut buffer = vec![0.0f32; len];
     let bytes = len * std::mem::size_of::<f32>();
-    if bytes < HUGE_PAGE_MIN_BYTES {
-        return vec![0.0f32; len];
+    if bytes >= HUGE_PAGE_MIN_BYTES {
+        advise_huge_pages(buffer.as_mut_ptr().cast(), bytes);
     }
-    let mut buffer: Vec<f32> = Vec::with_capacity(len);
-    advise_huge_pages(buffer.as_mut_ptr().cast(), bytes);
-    buffer.par_extend(rayon::iter::repeat_n(0.0f32, len));
     buffer
 }
 
@@ -30,7 +24,7 @@ fn advise_huge_pages(start: *mut u8, bytes: usize) {
     let begin = (start as usize).next_multiple_of(HUGE_PAGE);
     let end = (start as usize + bytes) / HUGE_PAGE * HUGE_PAGE;
     if end > begin {
-        // SAFETY: [begin, end) lies inside the allocation just made and owned by the caller;
+        // SAFETY: [begin, end) lies inside the buffer just allocated and owned by the caller;
         // MADV_HUGEPAGE only changes how the kernel backs those pages, never their contents
         // (zeroed pages stay zero). A refusal (no THP support) is harmless and ignored.
         unsafe {
