@@ -6,8 +6,9 @@
 //! [`TASK_ROWS`] tokens is split into pieces of rows (and its weight gradients into bands of
 //! rows), so a skewed routing still keeps every thread busy. Every product runs on one thread
 //! and the split depends only on the plan, so each value's summation order never depends on the
-//! thread count. The
-//! affinity scaling and scatter-add are fused into a per-token combine that sums a token's
+//! thread count.
+//!
+//! The affinity scaling and scatter-add are fused into a per-token combine that sums a token's
 //! expert outputs in ascending expert order. The backward's products against transposed weights
 //! run in dot-product form ([`matmul_nt`]) on the weights as stored, and weight gradients are
 //! written straight into their final place.
