@@ -68,10 +68,7 @@ mod x86 {
 
     use half::bf16;
 
-    /// Columns per register tile: two 16-lane f32 accumulators per row.
-    const NR: usize = 32;
-    /// Rows per register tile: 24 accumulators, 2 pair registers and a broadcast.
-    const MR: usize = 12;
+    use crate::cpu::tile_walk::{RegisterTiles, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · lda` and
@@ -84,36 +81,42 @@ mod x86 {
         b: &[bf16],
         (m, n, k): (usize, usize, usize),
     ) {
-        // Columns outer: a 32-column strip of `b` stays in cache while every row tile of `a`
-        // passes it.
-        for c0 in (0..n).step_by(NR) {
-            let cols = (n - c0).min(NR);
-            let mut r0 = 0;
-            while r0 < m {
-                let rows = (m - r0).min(MR);
-                // SAFETY: rows r0..r0+rows of `a` and `dst`, columns c0..c0+cols of `b` and
-                // `dst` lie inside the buffers (the caller's contract).
-                unsafe {
-                    let a = a.as_ptr().add(r0 * lda).cast::<u16>();
-                    let b = b.as_ptr().add(c0).cast::<u16>();
-                    let d = dst.as_mut_ptr().add(r0 * n + c0);
-                    let strip = Strip { b, ldb: n, k, cols };
-                    match rows {
-                        12 => tile::<12>(d, n, a, lda, strip),
-                        11 => tile::<11>(d, n, a, lda, strip),
-                        10 => tile::<10>(d, n, a, lda, strip),
-                        9 => tile::<9>(d, n, a, lda, strip),
-                        8 => tile::<8>(d, n, a, lda, strip),
-                        7 => tile::<7>(d, n, a, lda, strip),
-                        6 => tile::<6>(d, n, a, lda, strip),
-                        5 => tile::<5>(d, n, a, lda, strip),
-                        4 => tile::<4>(d, n, a, lda, strip),
-                        3 => tile::<3>(d, n, a, lda, strip),
-                        2 => tile::<2>(d, n, a, lda, strip),
-                        _ => tile::<1>(d, n, a, lda, strip),
-                    }
-                }
-                r0 += rows;
+        let product = Product {
+            d: dst.as_mut_ptr(),
+            n,
+            a: a.as_ptr().cast(),
+            lda,
+            b: b.as_ptr().cast(),
+            k,
+        };
+        // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
+        unsafe { walk(&product, m, n) };
+    }
+
+    /// One product's operands, as the tiles read and write them.
+    struct Product {
+        d: *mut f32,
+        n: usize,
+        a: *const u16,
+        lda: usize,
+        b: *const u16,
+        k: usize,
+    }
+
+    impl RegisterTiles for Product {
+        unsafe fn tile<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+            // SAFETY: rows r0..r0+ROWS of `a` and `dst`, columns c0..c0+cols of `b` and `dst`
+            // lie inside the buffers (the walk's contract); the instructions were checked by
+            // `matmul`'s caller.
+            unsafe {
+                let strip = Strip {
+                    b: self.b.add(c0),
+                    ldb: self.n,
+                    k: self.k,
+                    cols,
+                };
+                let d = self.d.add(r0 * self.n + c0);
+                tile::<ROWS>(d, self.n, self.a.add(r0 * self.lda), self.lda, strip);
             }
         }
     }

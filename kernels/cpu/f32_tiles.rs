@@ -75,11 +75,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Operands;
-
-    /// Columns per register tile: two 16-lane accumulators per row.
-    const NR: usize = 32;
-    /// Rows per register tile: 24 accumulators, 2 registers of `b` and a broadcast.
-    const MR: usize = 12;
+    use crate::cpu::tile_walk::{RegisterTiles, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F; `dst` holds `m · n` elements and `ops` reaches only
@@ -91,50 +87,23 @@ mod x86 {
         (m, n, k): (usize, usize, usize),
         accumulate: bool,
     ) {
-        for c0 in (0..n).step_by(NR) {
-            let cols = (n - c0).min(NR);
-            let mut r0 = 0;
-            while r0 < m {
-                let rows = (m - r0).min(MR);
-                // SAFETY: rows r0..r0+rows of `a` and `dst`, columns c0..c0+cols of `b` and
-                // `dst` lie inside the buffers (the caller's contract).
-                unsafe {
-                    let tile = Tile {
-                        d: dst.as_mut_ptr().add(r0 * n + c0),
-                        ldd: n,
-                        // Never read when k = 0, so computed without an in-bounds promise.
-                        a: ops.a.as_ptr().wrapping_add(r0 * ops.a_rows),
-                        a_rows: ops.a_rows,
-                        a_cols: ops.a_cols,
-                        b: ops.b.as_ptr().wrapping_add(c0),
-                        ldb: ops.ldb,
-                        k,
-                        cols,
-                        accumulate,
-                    };
-                    match rows {
-                        12 => tile.run::<12>(),
-                        11 => tile.run::<11>(),
-                        10 => tile.run::<10>(),
-                        9 => tile.run::<9>(),
-                        8 => tile.run::<8>(),
-                        7 => tile.run::<7>(),
-                        6 => tile.run::<6>(),
-                        5 => tile.run::<5>(),
-                        4 => tile.run::<4>(),
-                        3 => tile.run::<3>(),
-                        2 => tile.run::<2>(),
-                        _ => tile.run::<1>(),
-                    }
-                }
-                r0 += rows;
-            }
-        }
+        let product = Product {
+            d: dst.as_mut_ptr(),
+            ldd: n,
+            a: ops.a.as_ptr(),
+            a_rows: ops.a_rows,
+            a_cols: ops.a_cols,
+            b: ops.b.as_ptr(),
+            ldb: ops.ldb,
+            k,
+            accumulate,
+        };
+        // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
+        unsafe { walk(&product, m, n) };
     }
 
-    /// Up to `MR` rows by up to 32 columns of `dst`, with the rows of `a` and the columns of
-    /// `b` they need.
-    struct Tile {
+    /// One product's operands, as the tiles read and write them.
+    struct Product {
         d: *mut f32,
         ldd: usize,
         a: *const f32,
@@ -143,25 +112,39 @@ mod x86 {
         b: *const f32,
         ldb: usize,
         k: usize,
-        cols: usize,
         accumulate: bool,
     }
 
-    impl Tile {
+    impl RegisterTiles for Product {
+        unsafe fn tile<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+            // SAFETY: forwarded (the walk's contract); AVX-512 F was checked by `matmul`'s
+            // caller.
+            unsafe { self.run::<ROWS>(r0, c0, cols) }
+        }
+    }
+
+    impl Product {
+        /// The `ROWS × cols` tile at output `(r0, c0)`: the sum over k of `a`'s rows times
+        /// `b`'s columns, from zero or from `dst`.
+        ///
         /// # Safety
         /// As [`matmul`], for this tile's `ROWS` rows and `cols` columns.
         #[inline]
         #[target_feature(enable = "avx512f")]
-        unsafe fn run<const ROWS: usize>(&self) {
+        unsafe fn run<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+            let d = self.d.wrapping_add(r0 * self.ldd + c0);
+            // Never read when k = 0, so computed without an in-bounds promise.
+            let a_rows = self.a.wrapping_add(r0 * self.a_rows);
+            let b_cols = self.b.wrapping_add(c0);
             let mask = |n: usize| -> __mmask16 { if n >= 16 { !0 } else { (1u16 << n) - 1 } };
             // Masked loads and stores never touch the columns past `cols`.
-            let (low, high) = (mask(self.cols), mask(self.cols.saturating_sub(16)));
+            let (low, high) = (mask(cols), mask(cols.saturating_sub(16)));
             let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
             if self.accumulate {
                 for r in 0..ROWS {
                     // SAFETY: row r of the tile has `cols` outputs at d + r·ldd.
                     unsafe {
-                        let row = self.d.add(r * self.ldd);
+                        let row = d.add(r * self.ldd);
                         acc[r][0] = _mm512_maskz_loadu_ps(low, row);
                         // With `cols` ≤ 16 the mask is empty and nothing is read there.
                         acc[r][1] = _mm512_maskz_loadu_ps(high, row.wrapping_add(16));
@@ -172,10 +155,10 @@ mod x86 {
                 // SAFETY: row p of `b` has `cols` columns at b + p·ldb; element (r, p) of `a`
                 // is at a + r·a_rows + p·a_cols for the tile's rows.
                 unsafe {
-                    let b = self.b.add(p * self.ldb);
+                    let b = b_cols.add(p * self.ldb);
                     let b0 = _mm512_maskz_loadu_ps(low, b);
                     let b1 = _mm512_maskz_loadu_ps(high, b.wrapping_add(16));
-                    let a = self.a.add(p * self.a_cols);
+                    let a = a_rows.add(p * self.a_cols);
                     for r in 0..ROWS {
                         let av = _mm512_set1_ps(*a.add(r * self.a_rows));
                         acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
@@ -186,9 +169,9 @@ mod x86 {
             for r in 0..ROWS {
                 // SAFETY: as the loads above.
                 unsafe {
-                    let row = self.d.add(r * self.ldd);
+                    let row = d.add(r * self.ldd);
                     _mm512_mask_storeu_ps(row, low, acc[r][0]);
-                    if self.cols > 16 {
+                    if cols > 16 {
                         _mm512_mask_storeu_ps(row.add(16), high, acc[r][1]);
                     }
                 }

@@ -14,6 +14,7 @@ mod matmul;
 mod permute;
 mod router;
 mod swiglu;
+mod tile_walk;
 
 use crate::backend::{Backend, BackendKind};
 use crate::contracts::{
