@@ -1,6 +1,7 @@
 //! Expert parallelism over `LocalComm` ranks.
 //!
-//! - The collectives deliver exactly what was sent, reduce bit-identically on every rank, turn
+//! - The collectives deliver exactly what was sent (row exchanges: the selected rows, leaving a
+//!   rank's own chunk to it), reduce bit-identically on every rank, turn
 //!   one rank's error into every rank's, and fail instead of hanging when a rank leaves or
 //!   never arrives.
 //! - The expert-parallel layer (router → dispatch → permute → blockwise_mm → combine) equals
@@ -13,13 +14,16 @@
 mod common;
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::ep_layer::{EpCase, EpData, ep_data, run_rank, single_rank};
+use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::ep::{
-    Communicator, DispatchParams, EpGrads, LocalComm, agree, all_to_all_v_values, dispatch,
+    Communicator, DispatchParams, EpGrads, LocalComm, RowsToSend, agree, all_to_all_v_values,
+    combine, dispatch,
 };
 use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -160,6 +164,71 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn row_exchanges_deliver_the_selected_rows_and_leave_the_own_chunk(
+        r in 1usize..6,
+        seed in any::<u64>(),
+        consecutive in any::<bool>(),
+        default_impl in any::<bool>(),
+    ) {
+        let case = RowsCase::new(r, seed, consecutive);
+        let results = on_ranks(LocalComm::group(r).unwrap(), |_, comm| {
+            let bytes_only = BytesOnly(comm);
+            let comm: &dyn Communicator = if default_impl { &bytes_only } else { comm };
+            // Twice in a row: no chunk of one may leak into the next.
+            (case.run(comm).unwrap(), case.run(comm).unwrap())
+        });
+        for (rank, (first, second)) in results.into_iter().enumerate() {
+            prop_assert_eq!(&first, &case.expected(rank));
+            prop_assert_eq!(&second, &case.expected(rank));
+        }
+    }
+}
+
+#[test]
+fn row_exchanges_check_their_arguments_and_counts() {
+    let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        let source = [1.0, 2.0, 3.0, 4.0];
+        let mut out = vec![MaybeUninit::new(0.0); 4];
+        let selections = [vec![0], vec![1]];
+        let rows = RowsToSend::Gathered(&selections);
+        let bad_width = comm.all_to_all_v_rows(&source, 3, rows, &[1, 1], &mut out);
+        let bad_row = comm.all_to_all_v_rows(
+            &source,
+            2,
+            RowsToSend::Gathered(&[vec![0], vec![2]]),
+            &[1, 1],
+            &mut out,
+        );
+        let bad_out = comm.all_to_all_v_rows(&source, 2, rows, &[1, 1], &mut out[..3]);
+        // Rank 0 expects 2 rows from rank 1, which sends it 1.
+        let short = comm.all_to_all_v_rows(
+            &source,
+            2,
+            rows,
+            &[1, 1 + (1 - rank)],
+            &mut vec![MaybeUninit::new(0.0); 4 + 2 * (1 - rank)],
+        );
+        [bad_width, bad_row, bad_out, short].map(|result| result.map_err(|e| e.to_string()))
+    });
+    for (rank, [bad_width, bad_row, bad_out, short]) in results.into_iter().enumerate() {
+        assert!(bad_width.unwrap_err().contains("whole rows"));
+        assert!(
+            bad_row
+                .unwrap_err()
+                .contains("selects row 2 of a source of 2 rows")
+        );
+        assert!(bad_out.unwrap_err().contains("the receive buffer holds 3"));
+        match rank {
+            0 => assert!(short.unwrap_err().contains("expected"), "rank 0"),
+            _ => short.unwrap(),
+        }
+    }
+}
+
 #[test]
 fn word_exchanges_check_their_counts() {
     let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
@@ -248,6 +317,30 @@ fn a_rank_that_leaves_fails_the_others_instead_of_hanging() {
         assert!(message.contains("rank 2: left the group"), "{message}");
     }
     assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_row_exchange_met_by_another_collective_fails_on_every_rank() {
+    // Rank 0 offers views of its rows while rank 1 runs a word exchange at the same step:
+    // both report the mix-up, and rank 0 returns only once rank 1 has let go of its offer.
+    let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        let source = vec![1.0f32; 8];
+        match rank {
+            0 => {
+                let selections = [vec![0], vec![1, 2]];
+                let mut out = vec![MaybeUninit::new(0.0); 8];
+                let rows = RowsToSend::Gathered(&selections);
+                comm.all_to_all_v_rows(&source, 2, rows, &[1, 3], &mut out)
+            }
+            _ => comm
+                .all_to_all_v_words(Cow::Borrowed(&source[..2]), &[1, 1], None)
+                .map(drop),
+        }
+    });
+    for result in results {
+        let message = result.unwrap_err().to_string();
+        assert!(message.contains("different all-to-alls"), "{message}");
+    }
 }
 
 #[test]
@@ -423,6 +516,38 @@ fn a_non_finite_hidden_state_on_one_rank_is_every_ranks_error() {
             assert!(
                 message.starts_with(&format!(
                     "rank 1: tensor `hidden_states`: non-finite value {bad} at [2, 1]"
+                )),
+                "{message}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_non_finite_expert_output_is_every_ranks_error_naming_its_rank_and_position() {
+    // Tokens 1, 2 and 3 of each rank have an expert on rank 1 (E = 4 over R = 2), so rank 1's
+    // `expert_output` starts with rank 0's three rows: a NaN in the first of them is found by
+    // rank 0 while it adds, an infinity in a later row by rank 1; the first position wins.
+    for bad in [f32::NAN, f32::NEG_INFINITY] {
+        let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+            let x = f32_tensor(&[4, 3], &[0.5; 12]);
+            let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
+            let params = DispatchParams { num_experts: 4 };
+            let dispatched =
+                dispatch(comm, &x, &index, &f32_tensor(&[4, 2], &[0.5; 8]), params).unwrap();
+            let mut output = dispatched.hidden_states.as_f32().unwrap().to_vec();
+            if rank == 1 {
+                output[1] = bad;
+                output[4 * 3 + 2] = f32::INFINITY;
+            }
+            let output = Tensor::from_f32(dispatched.hidden_states.shape().to_vec(), output)?;
+            combine(comm, &dispatched.route, &output).map(|_| ())
+        });
+        for result in results {
+            let message = result.unwrap_err().to_string();
+            assert!(
+                message.starts_with(&format!(
+                    "rank 1: tensor `expert_output`: non-finite value {bad} at [0, 1]"
                 )),
                 "{message}"
             );

@@ -2,7 +2,8 @@
 //! it with 2 and 4 ranks); every rank checks its own results and the process exits non-zero on
 //! any failure, so `mpirun` does too.
 //!
-//! - `MpiComm`'s all-to-all-v delivers every chunk in rank order; its all-reduce is
+//! - `MpiComm`'s all-to-all-v (of bytes, words and rows taken where they lie) delivers every
+//!   chunk in rank order; its all-reduce is
 //!   bit-identical on every rank and equals the rank-order sum.
 //! - The expert-parallel layer equals the single-rank layer (the same oracle and tolerances as
 //!   the `LocalComm` tests), for several routings including all tokens on rank 0.
@@ -14,9 +15,10 @@ mod common;
 use std::process::ExitCode;
 
 use common::ep_layer::{EpCase, ep_data, run_rank, single_rank};
+use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::BackendKind;
-use moekit::ep::{Communicator, MpiComm};
+use moekit::ep::{Communicator, MpiComm, RowsToSend};
 
 /// The layer on this rank: `(output, d_x, d_w, d_gate_up, d_down)`.
 fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Result<[Vec<f64>; 5]> {
@@ -77,6 +79,41 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
                 "all_to_all_v_words delivered {:?}, expected {expected:?}",
                 received.into_values()
             ));
+        }
+    }
+    // Rows gathered (in any order, repeated) and consecutive.
+    for seed in 0..8u64 {
+        for consecutive in [false, true] {
+            let case = RowsCase::new(r, seed, consecutive);
+            let received = case.run(comm).map_err(|e| e.to_string())?;
+            if received != case.expected(rank) {
+                return Err(format!(
+                    "all_to_all_v_rows of {case:?} delivered {received:?}, expected {:?}",
+                    case.expected(rank)
+                ));
+            }
+        }
+    }
+    // A source that sends fewer rows than expected is reported by the receiver (rank 0
+    // expects 2 rows from rank 1, which sends 1); every message is still matched.
+    if r >= 2 {
+        let selections = vec![vec![0]; r];
+        let recv_rows: Vec<usize> = (0..r)
+            .map(|src| 1 + usize::from(rank == 0 && src == 1))
+            .collect();
+        let mut out = vec![std::mem::MaybeUninit::new(0.0); 2 * recv_rows.iter().sum::<usize>()];
+        let result = comm.all_to_all_v_rows(
+            &[1.0, 2.0],
+            2,
+            RowsToSend::Gathered(&selections),
+            &recv_rows,
+            &mut out,
+        );
+        match (rank, result) {
+            (0, Err(err)) if err.to_string() == "rank 1: sent 2 words where rank 0 expected 4" => {}
+            (0, result) => return Err(format!("a short row exchange gave {result:?}")),
+            (_, Err(err)) => return Err(format!("a short row exchange failed here: {err}")),
+            (_, Ok(())) => {}
         }
     }
     let value = |src: usize, j: usize| (src as f32 + 1.0) * 0.1 + j as f32 * 1e-3;

@@ -1,9 +1,11 @@
 //! The collective operations of a rank group.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::uninit::write_copy;
 use crate::error::{Error, Result};
 
 /// What a variable all-to-all of f32 words ([`Communicator::all_to_all_v_words`]) delivered:
@@ -83,6 +85,57 @@ impl Received {
     }
 }
 
+/// Which rows of a `[_, width]` source each rank is sent by
+/// [`Communicator::all_to_all_v_rows`].
+#[derive(Clone, Copy, Debug)]
+pub enum RowsToSend<'a> {
+    /// `rows[r]`: the rows sent to rank r, in send order (a row may go to several ranks).
+    Gathered(&'a [Vec<usize>]),
+    /// `counts[r]` consecutive rows for each rank r, back to back from row 0.
+    Consecutive(&'a [usize]),
+}
+
+/// The rows one destination is sent: listed, or a range of consecutive rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Selected<'a> {
+    Listed(&'a [usize]),
+    Range(Range<usize>),
+}
+
+impl RowsToSend<'_> {
+    /// R, the number of destinations.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Gathered(rows) => rows.len(),
+            Self::Consecutive(counts) => counts.len(),
+        }
+    }
+
+    /// Whether there are no destinations.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The number of rows sent to `dst`.
+    pub fn count(&self, dst: usize) -> usize {
+        match self {
+            Self::Gathered(rows) => rows[dst].len(),
+            Self::Consecutive(counts) => counts[dst],
+        }
+    }
+
+    /// The rows sent to `dst`.
+    pub(super) fn selected(&self, dst: usize) -> Selected<'_> {
+        match self {
+            Self::Gathered(rows) => Selected::Listed(&rows[dst]),
+            Self::Consecutive(counts) => {
+                let start = counts[..dst].iter().sum();
+                Selected::Range(start..start + counts[dst])
+            }
+        }
+    }
+}
+
 /// One rank of a group of `size()` ranks that exchange data collectively.
 ///
 /// Every rank of the group must make the same sequence of collective calls; a rank whose
@@ -128,6 +181,75 @@ pub trait Communicator {
         Ok(Received::contiguous(values, &counts))
     }
 
+    /// Variable all-to-all of rows taken from where they lie: each other rank r is sent the
+    /// rows `rows` selects for it from `source` (`[_, width]` f32, row-major), in that order,
+    /// and this rank receives `recv_rows[src]` rows from each other source into `out`
+    /// (`Σ recv_rows · width` words: each source's chunk in rank order, back to back). Every
+    /// count must be known on both sides, as with `recv_counts` of
+    /// [`Self::all_to_all_v_words`].
+    ///
+    /// A rank's rows to itself are not exchanged: its own chunk of `out` (`recv_rows[rank]`
+    /// rows) is left as it was, for the caller, which can fill it while it reads those rows
+    /// anyway. On error `out` may be partly written.
+    ///
+    /// The default packs the rows per destination (one copy), hands the buffer to
+    /// [`Self::all_to_all_v_words`] and copies what arrives into `out`; an engine that can
+    /// send rows from where they lie and receive straight into `out` (MPI) skips both copies.
+    fn all_to_all_v_rows(
+        &self,
+        source: &[f32],
+        width: usize,
+        rows: RowsToSend<'_>,
+        recv_rows: &[usize],
+        out: &mut [MaybeUninit<f32>],
+    ) -> Result<()> {
+        let (rank, size) = (self.rank(), self.size());
+        check_rows(rank, size, source.len(), width, rows, recv_rows, out.len())?;
+        let remote = |peer: usize| peer != rank;
+        let total: usize = (0..size)
+            .filter(|&dst| remote(dst))
+            .map(|dst| rows.count(dst))
+            .sum();
+        let mut send = Vec::with_capacity(total * width);
+        let mut send_counts = Vec::with_capacity(size);
+        for dst in 0..size {
+            let start = send.len();
+            if remote(dst) {
+                match rows.selected(dst) {
+                    Selected::Listed(listed) => {
+                        for &row in listed {
+                            send.extend_from_slice(&source[row * width..(row + 1) * width]);
+                        }
+                    }
+                    Selected::Range(range) => {
+                        send.extend_from_slice(&source[range.start * width..range.end * width]);
+                    }
+                }
+            }
+            send_counts.push(send.len() - start);
+        }
+        let recv_counts: Vec<usize> = (0..size)
+            .map(|src| {
+                if remote(src) {
+                    recv_rows[src] * width
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let received =
+            self.all_to_all_v_words(Cow::Owned(send), &send_counts, Some(&recv_counts))?;
+        let mut offset = 0;
+        for (src, &rows) in recv_rows.iter().enumerate() {
+            let chunk = &mut out[offset..offset + rows * width];
+            offset += chunk.len();
+            if remote(src) {
+                write_copy(chunk, received.chunk(src));
+            }
+        }
+        Ok(())
+    }
+
     /// Element-wise sum of `buffer` over all ranks, into `buffer` on every rank. The sum is
     /// taken in rank order, so every rank gets bit-identical results.
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()>;
@@ -162,6 +284,59 @@ pub(super) fn check_counts(
         });
     }
     Ok(())
+}
+
+/// Checks the arguments of an all-to-all-v of rows: a whole number of rows of `width` words
+/// in the source, one selection and one receive count per rank, selected rows inside the
+/// source, and an `out` of `Σ recv_rows · width` words.
+pub(super) fn check_rows(
+    rank: usize,
+    size: usize,
+    source: usize,
+    width: usize,
+    rows: RowsToSend<'_>,
+    recv_rows: &[usize],
+    out: usize,
+) -> Result<()> {
+    let fail = |message: String| Err(Error::Collective { rank, message });
+    if width == 0 || !source.is_multiple_of(width) {
+        return fail(format!(
+            "all_to_all_v_rows needs a source of whole rows, got {source} words in rows of {width}"
+        ));
+    }
+    if rows.len() != size || recv_rows.len() != size {
+        return fail(format!(
+            "all_to_all_v_rows needs one row selection and one receive count per rank ({size}), \
+             got {} and {}",
+            rows.len(),
+            recv_rows.len()
+        ));
+    }
+    let expected = recv_rows.iter().sum::<usize>() * width;
+    if out != expected {
+        return fail(format!(
+            "all_to_all_v_rows receives {expected} words (rows {recv_rows:?} of {width}), \
+             the receive buffer holds {out}"
+        ));
+    }
+    let available = source / width;
+    let out_of_range = match rows {
+        RowsToSend::Gathered(listed) => listed
+            .iter()
+            .flatten()
+            .copied()
+            .find(|&row| row >= available),
+        RowsToSend::Consecutive(counts) => {
+            let end: usize = counts.iter().sum();
+            (end > available).then(|| end - 1)
+        }
+    };
+    match out_of_range {
+        Some(row) => fail(format!(
+            "all_to_all_v_rows selects row {row} of a source of {available} rows"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Checks the counts an exchange received against the ones the caller said it expects.

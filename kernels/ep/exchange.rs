@@ -19,18 +19,24 @@
 //! that open its chunks of the first exchange (see [`read_status`]): invalid input on one rank
 //! is the same error on every rank, never a hang, and no exchange is spent on agreeing alone
 //! where a payload can carry it. Ranks started with different E, K, H or hidden-state dtypes
-//! are detected the same way. Each function is one or two exchanges:
+//! are detected the same way. Rows travel through [`Communicator::all_to_all_v_rows`]: sent
+//! from where they lie and received straight into the result, while each rank copies its
+//! rows to itself. Finiteness of the rows is checked in a pass made over them anyway (that
+//! copy, or combine's sum) and agreed in a last exchange of a few words:
 //!
-//! - `dispatch`: the status, local ids and affinities; then the rows, received straight into
-//!   the `[M, H]` result (each side already knows every count).
-//! - `combine`: the status; then the rows, sent from where they lie and added into `[T, H]`
-//!   where the engine left them.
+//! - `dispatch`: the status, local ids and affinities; then the rows into the `[M, H]` result
+//!   (each side already knows every count); then the verdict on `hidden_states`' finiteness.
+//! - `combine`: the status (with where each rank's rows start, to name a bad value's place);
+//!   then the rows, added into `[T, H]` where they arrived; then the first non-finite value
+//!   any rank met, if any.
 //! - `combine_bwd`: the status; then the rows, straight into `[M, H]`.
 //! - `dispatch_bwd`: the status, the rows and the affinity gradients, added where they lie.
 
-use std::borrow::Cow;
+use std::mem::MaybeUninit;
+use std::ops::Range;
 
-use super::comm::{Communicator, Received, read_status, status_words};
+use super::comm::{Communicator, Received, RowsToSend, read_status, status_words};
+use super::uninit::{assume_init, uninit};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
@@ -115,34 +121,58 @@ fn agreed_payloads<'a>(received: &'a Received, names: &[&str]) -> Result<Vec<&'a
         .collect())
 }
 
-/// An exchange of the status words alone, agreeing on every rank's verdict and H
-/// (`hidden(&parts)` of a valid rank): this rank's parts, or the same error on every rank.
+/// Every rank's verdict and its sizes (`sizes` of a valid rank), in one exchange of
+/// fixed-size status words when every rank is valid: `0, n, sizes…`, or `1, L, 0…` for a rank
+/// that failed, whose L-byte message then travels in a second exchange. Every rank passes the
+/// same n; a valid rank's `sizes` hold n values. Returns every rank's sizes, or the first
+/// failing rank's error on every rank alike.
+fn agree_on_sizes(
+    comm: &dyn Communicator,
+    local: std::result::Result<&[u32], &Error>,
+    n: usize,
+) -> Result<Vec<Vec<u32>>> {
+    let r = comm.size();
+    let width = 2 + n;
+    let mut words = status_words(local);
+    words.resize(width, 0.0);
+    let send: Vec<f32> = (0..r).flat_map(|_| words.iter().copied()).collect();
+    let received = comm.all_to_all_v_words(send.into(), &vec![width; r], Some(&vec![width; r]))?;
+    let failed: Vec<usize> = (0..r)
+        .filter(|&src| received.chunk(src)[0].to_bits() != 0)
+        .collect();
+    if failed.is_empty() {
+        return read_status(&received)
+            .map(|statuses| statuses.into_iter().map(|(sizes, _)| sizes).collect());
+    }
+    // Some rank failed: every rank sends its whole status (a failed rank's with its message),
+    // each length known from the fixed-size exchange.
+    let status = status_words(local);
+    let lengths: Vec<usize> = (0..r)
+        .map(|src| {
+            let len = received.chunk(src)[1].to_bits() as usize;
+            if failed.contains(&src) {
+                2 + len.div_ceil(4)
+            } else {
+                2 + len
+            }
+        })
+        .collect();
+    let send: Vec<f32> = (0..r).flat_map(|_| status.iter().copied()).collect();
+    let messages = comm.all_to_all_v_words(send.into(), &vec![status.len(); r], Some(&lengths))?;
+    read_status(&messages).map(|statuses| statuses.into_iter().map(|(sizes, _)| sizes).collect())
+}
+
+/// [`agree_on_sizes`] on H (`hidden(&parts)` of a valid rank): this rank's parts, or the same
+/// error on every rank.
 fn agree_on_hidden<P>(
     comm: &dyn Communicator,
     local: Result<P>,
     hidden: impl Fn(&P) -> usize,
 ) -> Result<P> {
     let sizes = [size_word(local.as_ref().map_or(0, &hidden))];
-    let status = status_words(local.as_ref().map(|_| &sizes[..]));
-    let r = comm.size();
-    let send: Vec<f32> = (0..r).flat_map(|_| status.iter().copied()).collect();
-    let received = comm.all_to_all_v_words(send.into(), &vec![status.len(); r], None)?;
-    agreed_payloads(&received, &["H (hidden size)"])?;
+    let all = agree_on_sizes(comm, local.as_ref().map(|_| &sizes[..]), sizes.len())?;
+    check_same_sizes(&["H (hidden size)"], &all)?;
     local
-}
-
-/// Sends `send_counts[r]` rows of `h` words to each rank r and receives `recv_counts[src]`
-/// rows from each source, both counts known on every rank (so the engine need not exchange
-/// them).
-fn exchange_rows(
-    comm: &dyn Communicator,
-    rows: Cow<'_, [f32]>,
-    h: usize,
-    send_counts: &[usize],
-    recv_counts: &[usize],
-) -> Result<Received> {
-    let words = |counts: &[usize]| counts.iter().map(|c| c * h).collect::<Vec<_>>();
-    comm.all_to_all_v_words(rows, &words(send_counts), Some(&words(recv_counts)))
 }
 
 /// A source's payload must be `rows` rows of `width` words.
@@ -199,11 +229,11 @@ pub fn dispatch(
     let e = params.num_experts;
     let local = (|| {
         check_sharding(e, r)?;
-        // Finiteness is checked below, fused into packing the rows.
         let shape =
             validate::float_tensor_shape("hidden_states", hidden_states, "[T, H]", &[None, None])?;
         let (t, h) = (shape[0], shape[1]);
         validate::non_empty("hidden_states", "H (hidden size)", h)?;
+        validate::finite("hidden_states", hidden_states)?;
         let (index_shape, ids) =
             validate::index_tensor("expert_index", expert_index, "[T, K]", &[Some(t), None])?;
         let k = index_shape[1];
@@ -228,31 +258,13 @@ pub fn dispatch(
         Ok(_) => tokens_per_rank(ids, k, local_experts, r),
         Err(_) => vec![Vec::new(); r],
     };
-
-    // The rows, per destination in token order. Every token goes somewhere (K ≥ 1), so the
-    // largest magnitude seen while the rows are hot in cache decides finiteness without a
-    // second pass over `hidden_states`.
-    let x = hidden_states.f32_values();
     let send_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
     let mut send_indices = vec![t as i32; t * r];
-    let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
-    let mut largest = 0u32;
     for (dst, sent) in tokens.iter().enumerate() {
         for (row, &token) in sent.iter().enumerate() {
             send_indices[token * r + dst] = row as i32;
-            let values = &x[token * h..(token + 1) * h];
-            rows.extend_from_slice(values);
-            largest = values
-                .iter()
-                .fold(largest, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
         }
     }
-    let local = match local {
-        Ok(_) if largest >= f32::INFINITY.to_bits() => {
-            validate::finite("hidden_states", hidden_states).map(|()| (t, h, k))
-        }
-        local => local,
-    };
 
     // First exchange: the status, then per destination its rows' K local ids (`SKIP` for
     // slots owned elsewhere) and K affinities (0 there), in token order.
@@ -312,8 +324,31 @@ pub fn dispatch(
     }
     drop(received);
 
-    // Second exchange: the rows; every rank knows every count.
-    let hidden = exchange_rows(comm, rows.into(), h, &send_counts, &recv_counts)?.into_values();
+    // Second exchange: the rows, from where they lie in `hidden_states`, straight into the
+    // `[M, H]` result; every rank knows every count. This rank's own rows are copied in here,
+    // and finiteness is checked while they are (then on the rows sent only elsewhere).
+    let rank = comm.rank();
+    let x = hidden_states.f32_values();
+    let mut hidden = uninit(m * h);
+    let own = own_chunk(&recv_counts, rank, h, tokens[rank].len())?;
+    let mut non_finite = gather_rows(&x, h, &tokens[rank], &mut hidden[own]);
+    non_finite |= (0..t)
+        .filter(|&token| send_indices[token * r + rank] == t as i32)
+        .any(|token| has_non_finite(&x[token * h..(token + 1) * h]));
+    comm.all_to_all_v_rows(
+        &x,
+        h,
+        RowsToSend::Gathered(&tokens),
+        &recv_counts,
+        &mut hidden,
+    )?;
+    // SAFETY: the exchange wrote every other source's chunk, and `gather_rows` this rank's.
+    let hidden = unsafe { assume_init(hidden) };
+    let verdict = match non_finite {
+        true => validate::finite("hidden_states", hidden_states),
+        false => Ok(()),
+    };
+    agree_on_sizes(comm, verdict.as_ref().map(|()| &[][..]), 0)?;
     Ok(Dispatched {
         route: Route {
             send_indices: Tensor::from_i32([t, r], send_indices)?,
@@ -383,43 +418,199 @@ fn sent_rows(t: usize, r: usize, indices: &[i32]) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// Lanes of the row loops below: independent flags, so the loops vectorise.
+const LANES: usize = 16;
+
+/// Bits of an f32's exponent: all set in an infinity or a NaN.
+const EXPONENT: u32 = 0x7f80_0000;
+
+/// Whether `values` holds an infinity or a NaN.
+fn has_non_finite(values: &[f32]) -> bool {
+    let mut flags = [0u32; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (flag, v) in flags.iter_mut().zip(chunk) {
+            *flag |= u32::from(v.to_bits() & EXPONENT == EXPONENT);
+        }
+    }
+    flags.iter().any(|&flag| flag != 0) || tail.iter().any(|v| !v.is_finite())
+}
+
+/// `sum += values` element-wise; returns whether `values` holds an infinity or a NaN.
+fn add_row(sum: &mut [f32], values: &[f32]) -> bool {
+    let mut flags = [0u32; LANES];
+    let mut sums = sum.chunks_exact_mut(LANES);
+    let mut chunks = values.chunks_exact(LANES);
+    for (s, chunk) in (&mut sums).zip(&mut chunks) {
+        for ((flag, o), v) in flags.iter_mut().zip(s).zip(chunk) {
+            *o += v;
+            *flag |= u32::from(v.to_bits() & EXPONENT == EXPONENT);
+        }
+    }
+    for (o, v) in sums.into_remainder().iter_mut().zip(chunks.remainder()) {
+        *o += v;
+    }
+    flags.iter().any(|&flag| flag != 0) || chunks.remainder().iter().any(|v| !v.is_finite())
+}
+
+/// Where this rank's own chunk lies in a `[Σ recv_counts, h]` receive buffer, which must hold
+/// the `sent` rows it sends itself.
+fn own_chunk(recv_counts: &[usize], rank: usize, h: usize, sent: usize) -> Result<Range<usize>> {
+    if recv_counts[rank] != sent {
+        return Err(Error::invalid(
+            "recv_counts",
+            format!(
+                "rank {rank} sends itself {sent} rows but recv_counts[{rank}] = {}",
+                recv_counts[rank]
+            ),
+        ));
+    }
+    let start = recv_counts[..rank].iter().sum::<usize>() * h;
+    Ok(start..start + sent * h)
+}
+
+/// Copies the rows `rows` of `source` (`[_, h]`) into `out` back to back; returns whether
+/// any of them holds an infinity or a NaN.
+fn gather_rows(source: &[f32], h: usize, rows: &[usize], out: &mut [MaybeUninit<f32>]) -> bool {
+    let mut flags = [0u32; LANES];
+    for (&row, out) in rows.iter().zip(out.chunks_exact_mut(h)) {
+        let mut outs = out.chunks_exact_mut(LANES);
+        let mut chunks = source[row * h..(row + 1) * h].chunks_exact(LANES);
+        for (o, chunk) in (&mut outs).zip(&mut chunks) {
+            for ((flag, slot), &v) in flags.iter_mut().zip(o).zip(chunk) {
+                slot.write(v);
+                *flag |= u32::from(v.to_bits() & EXPONENT == EXPONENT);
+            }
+        }
+        for (slot, &v) in outs.into_remainder().iter_mut().zip(chunks.remainder()) {
+            slot.write(v);
+            flags[0] |= u32::from(!v.is_finite());
+        }
+    }
+    flags.iter().any(|&flag| flag != 0)
+}
+
 /// Returns the expert outputs of the received rows, `expert_output [M, H]`, to their source
 /// ranks and adds each token's rows in ascending rank order: `[T, H]` f32.
 pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -> Result<Tensor> {
-    let r = comm.size();
+    let (rank, r) = (comm.rank(), comm.size());
     let local = (|| {
         let (t, indices, send_counts, recv_counts) = check_route(route, r)?;
         let m: usize = recv_counts.iter().sum();
-        let shape =
-            validate::float_tensor("expert_output", expert_output, "[M, H]", &[Some(m), None])?;
+        // Finiteness is checked while the rows are added, by the rank that adds them.
+        let shape = validate::float_tensor_shape(
+            "expert_output",
+            expert_output,
+            "[M, H]",
+            &[Some(m), None],
+        )?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let (t, indices, send_counts, recv_counts, h) = agree_on_hidden(comm, local, |parts| parts.4)?;
-    // The rows go back from where they lie (sources in rank order, as they came), and are
-    // added where the engine leaves them.
-    let received = exchange_rows(
-        comm,
-        expert_output.f32_values(),
+    // Every rank's verdict, H, and where the rows of each destination start in its
+    // `expert_output` (to name a bad value's position there).
+    let sizes: Vec<u32> = match &local {
+        Ok((_, _, _, recv_counts, h)) => std::iter::once(*h)
+            .chain(recv_counts.iter().scan(0, |start, &rows| {
+                *start += rows;
+                Some(*start - rows)
+            }))
+            .map(size_word)
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    let all = agree_on_sizes(comm, local.as_ref().map(|_| &sizes[..]), 1 + r)?;
+    let hidden: Vec<Vec<u32>> = all.iter().map(|sizes| sizes[..1].to_vec()).collect();
+    check_same_sizes(&["H (hidden size)"], &hidden)?;
+    let (t, indices, send_counts, recv_counts, h) = local?;
+    // The rows go back from where they lie (sources in rank order, as they came), received
+    // into one buffer; this rank's own rows never leave `expert_output`.
+    let rows = expert_output.f32_values();
+    let mut back = send_counts.clone();
+    back[rank] = 0;
+    let mut received = uninit(back.iter().sum::<usize>() * h);
+    comm.all_to_all_v_rows(
+        &rows,
         h,
-        &recv_counts,
-        &send_counts,
+        RowsToSend::Consecutive(&recv_counts),
+        &back,
+        &mut received,
     )?;
+    // SAFETY: the exchange wrote every other source's chunk; this rank's has no rows.
+    let received = unsafe { assume_init(received) };
+    let chunk_starts: Vec<usize> = back
+        .iter()
+        .scan(0, |start, &rows| {
+            *start += rows * h;
+            Some(*start - rows * h)
+        })
+        .collect();
+    let own_start = all[rank][1 + rank] as usize * h;
+    let own = &rows[own_start..own_start + recv_counts[rank] * h];
     // Token by token, each row written once: its first contribution copied, the others added
-    // in ascending rank order (a token sent nowhere stays 0).
+    // in ascending rank order (a token sent nowhere stays 0). The first non-finite value seen
+    // is kept as `(source rank, its row there, column, value)`.
+    let mut bad: Option<(usize, usize, usize, f32)> = None;
     let mut output = Vec::with_capacity(t * h);
     for sent in indices.chunks_exact(r) {
         let start = output.len();
         for (src, &row) in sent.iter().enumerate().filter(|&(_, &row)| row != t as i32) {
-            let values = &received.chunk(src)[row as usize * h..(row as usize + 1) * h];
-            if output.len() == start {
+            let chunk = match src == rank {
+                true => own,
+                false => &received[chunk_starts[src]..],
+            };
+            let values = &chunk[row as usize * h..(row as usize + 1) * h];
+            let non_finite = if output.len() == start {
                 output.extend_from_slice(values);
+                has_non_finite(values)
             } else {
-                for (o, v) in output[start..].iter_mut().zip(values) {
-                    *o += v;
+                add_row(&mut output[start..], values)
+            };
+            if non_finite {
+                let col = values.iter().position(|v| !v.is_finite()).unwrap_or(0);
+                let found = (
+                    src,
+                    all[src][1 + rank] as usize + row as usize,
+                    col,
+                    values[col],
+                );
+                if bad.is_none_or(|first| (found.0, found.1, found.2) < (first.0, first.1, first.2))
+                {
+                    bad = Some(found);
                 }
             }
         }
         output.resize(start + h, 0.0);
+    }
+    // Every rank learns of the first bad value (by source rank, row, column) any rank found.
+    let report = match bad {
+        Some((src, row, col, value)) => {
+            vec![
+                1,
+                size_word(src),
+                size_word(row),
+                size_word(col),
+                value.to_bits(),
+            ]
+        }
+        None => vec![0; 5],
+    };
+    let reports = agree_on_sizes(comm, Ok(&report), report.len())?;
+    let first = reports
+        .iter()
+        .filter(|report| report[0] == 1)
+        .min_by_key(|report| (report[1], report[2], report[3]));
+    if let Some(report) = first {
+        let value = f32::from_bits(report[4]);
+        let err = Error::NonFinite {
+            tensor: "expert_output".to_owned(),
+            position: format!("[{}, {}]", report[2], report[3]),
+            value,
+        };
+        return Err(Error::Collective {
+            rank: report[1] as usize,
+            message: err.to_string(),
+        });
     }
     Tensor::from_f32([t, h], output)
 }
@@ -433,15 +624,24 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
         let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(t), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let (t, indices, send_counts, recv_counts, h) = agree_on_hidden(comm, local, |parts| parts.4)?;
+    let (t, indices, _, recv_counts, h) = agree_on_hidden(comm, local, |parts| parts.4)?;
+    // Each token's gradient row goes to every rank it was sent to, straight into the `[M, H]`
+    // result there; this rank's own rows are copied in here.
+    let rank = comm.rank();
     let d = d_output.f32_values();
-    let mut rows = Vec::with_capacity(send_counts.iter().sum::<usize>() * h);
-    for tokens in sent_rows(t, r, indices) {
-        for token in tokens {
-            rows.extend_from_slice(&d[token * h..(token + 1) * h]);
-        }
-    }
-    let received = exchange_rows(comm, rows.into(), h, &send_counts, &recv_counts)?.into_values();
+    let sent = sent_rows(t, r, indices);
+    let mut received = uninit(recv_counts.iter().sum::<usize>() * h);
+    let own = own_chunk(&recv_counts, rank, h, sent[rank].len())?;
+    gather_rows(&d, h, &sent[rank], &mut received[own]);
+    comm.all_to_all_v_rows(
+        &d,
+        h,
+        RowsToSend::Gathered(&sent),
+        &recv_counts,
+        &mut received,
+    )?;
+    // SAFETY: the exchange wrote every other source's chunk, and `gather_rows` this rank's.
+    let received = unsafe { assume_init(received) };
     let m: usize = recv_counts.iter().sum();
     Tensor::from_f32([m, h], received)
 }

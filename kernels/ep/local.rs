@@ -1,11 +1,15 @@
 //! R ranks as threads of one process, exchanging through shared memory.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::comm::{Communicator, Received, check_counts, check_known_counts};
+use super::comm::{
+    Communicator, Received, RowsToSend, Selected, check_counts, check_known_counts, check_rows,
+};
+use super::uninit::write_copy;
 use crate::error::{Error, Result};
 
 /// How long a rank waits for the others at a collective before the group is declared broken.
@@ -34,6 +38,70 @@ enum Parcel {
     Bytes(Vec<u8>),
     /// A range of the sender's word buffer, shared by all its destinations.
     Words(Arc<Vec<f32>>, Range<usize>),
+    /// Rows of the sender's source, read where they lie.
+    Rows(Arc<RowsOffer>),
+}
+
+/// Rows one rank offers another in [`Communicator::all_to_all_v_rows`]: a view of the
+/// offering rank's source and the rows selected for the receiver.
+struct RowsOffer {
+    source: *const f32,
+    len: usize,
+    width: usize,
+    rows: OfferedRows,
+}
+
+enum OfferedRows {
+    Listed(Vec<usize>),
+    Range(Range<usize>),
+}
+
+// SAFETY: an offer is a read-only view, and the offering rank keeps its source borrowed, and
+// so unchanged and alive, until it holds the only reference to the offer
+// (`LocalComm::withdraw`): every reader reads through its own reference.
+unsafe impl Send for RowsOffer {}
+// SAFETY: as for `Send`: shared references only read.
+unsafe impl Sync for RowsOffer {}
+
+impl RowsOffer {
+    fn new(source: &[f32], width: usize, selected: Selected<'_>) -> Self {
+        let rows = match selected {
+            Selected::Listed(rows) => OfferedRows::Listed(rows.to_vec()),
+            Selected::Range(range) => OfferedRows::Range(range),
+        };
+        Self {
+            source: source.as_ptr(),
+            len: source.len(),
+            width,
+            rows,
+        }
+    }
+
+    /// The number of rows offered.
+    fn count(&self) -> usize {
+        match &self.rows {
+            OfferedRows::Listed(rows) => rows.len(),
+            OfferedRows::Range(range) => range.len(),
+        }
+    }
+
+    /// Copies the offered rows into `out` back to back (`count() · width` words).
+    fn copy_into(&self, out: &mut [MaybeUninit<f32>]) {
+        // SAFETY: the offering rank's source outlives this reference (see `Send`), and
+        // `source`/`len` are those of a slice.
+        let source = unsafe { std::slice::from_raw_parts(self.source, self.len) };
+        let width = self.width;
+        match &self.rows {
+            OfferedRows::Listed(rows) => {
+                for (&row, out) in rows.iter().zip(out.chunks_exact_mut(width)) {
+                    write_copy(out, &source[row * width..(row + 1) * width]);
+                }
+            }
+            OfferedRows::Range(range) => {
+                write_copy(out, &source[range.start * width..range.end * width]);
+            }
+        }
+    }
 }
 
 struct State {
@@ -95,6 +163,37 @@ impl LocalComm {
         // Nobody writes the next exchange before everybody has taken this one.
         drop(self.barrier_locked(state)?);
         Ok(incoming)
+    }
+
+    /// Takes back this rank's `offers` that no rank took from the mailbox (an exchange that
+    /// failed), then waits until every rank that took one has dropped it: only then may the
+    /// source they view be released. Readers finish or unwind (dropping their reference) in
+    /// bounded time, so this wait has no timeout.
+    fn withdraw(&self, offers: &[Option<Arc<RowsOffer>>]) {
+        let size = self.shared.size;
+        let mut state = self.lock();
+        for (dst, offer) in offers.iter().enumerate() {
+            let slot = &mut state.mailbox[self.rank * size + dst];
+            if let (Parcel::Rows(left), Some(offer)) = (&*slot, offer)
+                && Arc::ptr_eq(left, offer)
+            {
+                *slot = Parcel::Empty;
+            }
+        }
+        while offers
+            .iter()
+            .flatten()
+            .any(|offer| Arc::strong_count(offer) > 1)
+        {
+            // Polled as well as notified: a reader that unwinds drops its reference without
+            // notifying.
+            state = self
+                .shared
+                .arrived
+                .wait_timeout(state, Duration::from_millis(1))
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
     }
 
     /// The ranks called different collectives at the same step.
@@ -240,6 +339,63 @@ impl Communicator for LocalComm {
         let received = Received::from_chunks(chunks);
         check_known_counts(self.rank, &received.counts(), recv_counts)?;
         Ok(received)
+    }
+
+    /// Each rank offers views of its source; every receiver copies the rows meant for it
+    /// straight from the senders' sources into `out` (one copy), and a sender returns only
+    /// once every receiver is done with its offers.
+    fn all_to_all_v_rows(
+        &self,
+        source: &[f32],
+        width: usize,
+        rows: RowsToSend<'_>,
+        recv_rows: &[usize],
+        out: &mut [MaybeUninit<f32>],
+    ) -> Result<()> {
+        let (rank, size) = (self.rank, self.shared.size);
+        check_rows(rank, size, source.len(), width, rows, recv_rows, out.len())?;
+        let offers: Vec<Option<Arc<RowsOffer>>> = (0..size)
+            .map(|dst| {
+                (dst != rank).then(|| Arc::new(RowsOffer::new(source, width, rows.selected(dst))))
+            })
+            .collect();
+        let outgoing = offers
+            .iter()
+            .map(|offer| {
+                offer
+                    .as_ref()
+                    .map_or(Parcel::Empty, |o| Parcel::Rows(Arc::clone(o)))
+            })
+            .collect();
+        let received = self.exchange(outgoing).and_then(|incoming| {
+            let mut offset = 0;
+            for (src, parcel) in incoming.into_iter().enumerate() {
+                let chunk = &mut out[offset..offset + recv_rows[src] * width];
+                offset += chunk.len();
+                match parcel {
+                    Parcel::Empty if src == rank => {}
+                    Parcel::Rows(offer) if offer.count() == recv_rows[src] => {
+                        offer.copy_into(chunk);
+                    }
+                    Parcel::Rows(offer) => {
+                        return Err(Error::Collective {
+                            rank: src,
+                            message: format!(
+                                "sent {} rows where rank {rank} expected {}",
+                                offer.count(),
+                                recv_rows[src]
+                            ),
+                        });
+                    }
+                    _ => return Err(self.mixed_exchange()),
+                }
+            }
+            Ok(())
+        });
+        // This rank's references to the others' offers are gone: wake senders waiting on them.
+        self.shared.arrived.notify_all();
+        self.withdraw(&offers);
+        received
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {

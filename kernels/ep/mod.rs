@@ -1,10 +1,13 @@
 //! Expert parallelism: experts sharded over R ranks, tokens exchanged between them.
 //!
 //! - [`Communicator`]: the collective operations a rank group offers (variable all-to-all of
-//!   bytes or of words read in place, [`Received`]; all-reduce; barrier) and [`agree`], which
-//!   turns one rank's error into every rank's.
-//! - [`LocalComm`]: R ranks as threads of one process over shared memory.
-//! - `MpiComm` (feature `mpi`): R ranks as MPI processes, launched with `mpirun -n R`.
+//!   bytes, of words read in place ([`Received`]), and of rows taken where they lie
+//!   ([`RowsToSend`]); all-reduce; barrier) and [`agree`], which turns one rank's error into
+//!   every rank's.
+//! - [`LocalComm`]: R ranks as threads of one process over shared memory; a receiver copies
+//!   rows straight from the senders' buffers.
+//! - `MpiComm` (feature `mpi`): R ranks as MPI processes, launched with `mpirun -n R`; rows
+//!   travel point to point through derived datatypes, without packing.
 //! - [`dispatch`] / [`combine`] and their backward passes: token rows to the ranks that own
 //!   their experts and the expert outputs back (the NKI library's a2av permute/unpermute).
 //! - [`ExpertParallelMoe`]: router → dispatch → permute → blockwise_mm → combine, forward and
@@ -19,8 +22,9 @@ mod layer;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod uninit;
 
-pub use comm::{Communicator, Received, agree, agree_with_values, all_to_all_v_values};
+pub use comm::{Communicator, Received, RowsToSend, agree, agree_with_values, all_to_all_v_values};
 pub use exchange::{
     DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
 };

@@ -2,13 +2,17 @@
 //! `mpirun -n R ...`.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
+use std::ops::Range;
 
-use mpi::datatype::{Equivalence, Partition, PartitionMut};
+use mpi::datatype::{Equivalence, Partition, PartitionMut, UserDatatype, View};
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator as _, CommunicatorCollectives};
+use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Source};
+use mpi::{Address, Tag};
 
-use super::comm::{Communicator, Received, check_counts};
+use super::comm::{Communicator, Received, RowsToSend, Selected, check_counts, check_rows};
+use super::uninit::{assume_init, uninit};
 use crate::error::{Error, Result};
 
 /// This process's rank of `MPI_COMM_WORLD`. MPI is initialised by [`MpiComm::init`] and
@@ -46,6 +50,32 @@ impl MpiComm {
     }
 }
 
+/// Tag of the point-to-point messages of [`Communicator::all_to_all_v_rows`] (collectives
+/// travel in their own context, apart from them).
+const ROWS_TAG: Tag = 0x726f;
+
+/// A receive slot MPI fills: `T`'s datatype over memory that needs no initialisation first
+/// (a receive buffer is written whole before it is read, so zero-filling it would be a pass
+/// over the memory for nothing).
+#[repr(transparent)]
+struct Slot<T>(MaybeUninit<T>);
+
+// SAFETY: `Slot<T>` is `repr(transparent)` over `MaybeUninit<T>`, which has `T`'s size and
+// layout, so `T`'s datatype describes it exactly.
+unsafe impl<T: Equivalence> Equivalence for Slot<T> {
+    type Out = T::Out;
+    fn equivalent_datatype() -> Self::Out {
+        T::equivalent_datatype()
+    }
+}
+
+/// `slots` as MPI receive slots.
+fn as_slots<T>(slots: &mut [MaybeUninit<T>]) -> &mut [Slot<T>] {
+    // SAFETY: `Slot<T>` is `repr(transparent)` over `MaybeUninit<T>`: same layout, and any
+    // contents are valid for both.
+    unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [Slot<T>]) }
+}
+
 /// Counts and displacements as MPI's `int`s.
 fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
     let too_large = || Error::Collective {
@@ -76,6 +106,7 @@ impl MpiComm {
     ) -> Result<(Vec<T>, Vec<usize>)> {
         let (rank, size) = (self.rank(), self.size());
         let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
+        let counts_known = recv_counts.is_some();
         let recv_usize = match recv_counts {
             Some(known) if known.len() == size => known.to_vec(),
             Some(known) => {
@@ -98,7 +129,16 @@ impl MpiComm {
         let total: usize = recv_usize.iter().sum();
         // Buffers of at least one element: two empty slices can share a dangling address,
         // which Open MPI rejects as an aliased (in-place) send and receive buffer.
-        let mut received = vec![T::default(); total.max(1)];
+        let mut received = if counts_known {
+            // A source may send fewer words than the caller expects (the caller checks the
+            // counts after the exchange), so every slot holds a value before it starts.
+            (0..total.max(1))
+                .map(|_| MaybeUninit::new(T::default()))
+                .collect()
+        } else {
+            // Exchanged counts are exactly what the sources send.
+            uninit::<T>(total.max(1))
+        };
         let placeholder = [T::default()];
         let send = if send.is_empty() {
             &placeholder[..]
@@ -107,12 +147,18 @@ impl MpiComm {
         };
         {
             let send = Partition::new(send, &counts[..], &displacements[..]);
-            let mut recv =
-                PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displacements[..]);
+            let mut recv = PartitionMut::new(
+                as_slots(&mut received),
+                &recv_counts[..],
+                &recv_displacements[..],
+            );
             self.world.all_to_all_varcount_into(&send, &mut recv);
         }
         received.truncate(total);
-        Ok((received, recv_usize))
+        // SAFETY: with exchanged counts, `MPI_Alltoallv` wrote every one of the `total` words
+        // (each source sends exactly the count it announced); with known counts every slot
+        // held a value before the exchange.
+        Ok((unsafe { assume_init(received) }, recv_usize))
     }
 }
 
@@ -139,6 +185,122 @@ impl Communicator for MpiComm {
         check_counts(self.rank(), self.size(), send.len(), send_counts, "words")?;
         let (values, counts) = self.all_to_all_v_of(&send, send_counts, recv_counts)?;
         Ok(Received::contiguous(values, &counts))
+    }
+
+    /// Point to point: one message per pair of other ranks (empty ones included, so every
+    /// receive is matched), rows sent from where they lie through a derived datatype over
+    /// `source` (Open MPI's shared-memory transport copies them straight into the receiver's
+    /// buffer) and received straight into `out`, each source's word count checked on arrival.
+    fn all_to_all_v_rows(
+        &self,
+        source: &[f32],
+        width: usize,
+        rows: RowsToSend<'_>,
+        recv_rows: &[usize],
+        out: &mut [MaybeUninit<f32>],
+    ) -> Result<()> {
+        let (rank, size) = (self.rank(), self.size());
+        check_rows(rank, size, source.len(), width, rows, recv_rows, out.len())?;
+        let too_large = || Error::Collective {
+            rank,
+            message: "an all-to-all chunk exceeds MPI's count limit (2^31 - 1 elements)".to_owned(),
+        };
+        let words = |rows: usize| {
+            rows.checked_mul(width)
+                .and_then(|words| i32::try_from(words).ok())
+                .ok_or_else(too_large)
+        };
+        recv_rows
+            .iter()
+            .try_for_each(|&rows| words(rows).map(drop))?;
+
+        // What each other rank is sent: a datatype over `source` from a starting word.
+        let float = f32::equivalent_datatype();
+        let mut outgoing: Vec<(usize, UserDatatype, usize)> = Vec::with_capacity(size);
+        for dst in (0..size).filter(|&dst| dst != rank) {
+            let contiguous = |range: Range<usize>| {
+                Ok((
+                    UserDatatype::contiguous(words(range.len())?, &float),
+                    range.start * width,
+                ))
+            };
+            let (datatype, start) = match rows.selected(dst) {
+                Selected::Range(range) => contiguous(range)?,
+                Selected::Listed(listed) if listed.windows(2).all(|w| w[1] == w[0] + 1) => {
+                    let first = listed.first().copied().unwrap_or(0);
+                    contiguous(first..first + listed.len())?
+                }
+                Selected::Listed(listed) => {
+                    i32::try_from(listed.len()).map_err(|_| too_large())?;
+                    let displacements = listed
+                        .iter()
+                        .map(|&row| Address::try_from(row * width * 4).map_err(|_| too_large()))
+                        .collect::<Result<Vec<Address>>>()?;
+                    let datatype = UserDatatype::heterogeneous_indexed_block(
+                        words(1)?,
+                        &displacements,
+                        &float,
+                    );
+                    (datatype, 0)
+                }
+            };
+            outgoing.push((dst, datatype, start));
+        }
+        let views: Vec<_> = outgoing
+            .iter()
+            .map(|(dst, datatype, start)| {
+                // SAFETY: every datatype covers only selected rows, which `check_rows` found
+                // inside `source`, counted from `start`: a range's words from its first, a
+                // list's by byte displacements from word 0.
+                let view = unsafe { View::with_count_and_datatype(&source[*start..], 1, datatype) };
+                (*dst, view)
+            })
+            .collect();
+
+        let mut chunks = Vec::with_capacity(size);
+        let mut rest = as_slots(out);
+        for &count in recv_rows {
+            let (chunk, tail) = rest.split_at_mut(count * width);
+            chunks.push(chunk);
+            rest = tail;
+        }
+        let mut short = None;
+        mpi::request::scope(|scope| {
+            let receives: Vec<_> = chunks
+                .into_iter()
+                .enumerate()
+                .filter(|&(src, _)| src != rank)
+                .map(|(src, chunk)| {
+                    let from = self.world.process_at_rank(src as i32);
+                    let expected = chunk.len();
+                    let request = from.immediate_receive_into_with_tag(scope, chunk, ROWS_TAG);
+                    (src, expected, request)
+                })
+                .collect();
+            let sends: Vec<_> = views
+                .iter()
+                .map(|(dst, view)| {
+                    let to = self.world.process_at_rank(*dst as i32);
+                    to.immediate_send_with_tag(scope, view, ROWS_TAG)
+                })
+                .collect();
+            for (src, expected, request) in receives {
+                let got = request.wait().count(float) as usize;
+                if got != expected && short.is_none() {
+                    short = Some((src, got, expected));
+                }
+            }
+            for request in sends {
+                request.wait();
+            }
+        });
+        match short {
+            Some((src, got, expected)) => Err(Error::Collective {
+                rank: src,
+                message: format!("sent {got} words where rank {rank} expected {expected}"),
+            }),
+            None => Ok(()),
+        }
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {

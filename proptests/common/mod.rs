@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod ep_layer;
+pub mod rows_exchange;
 
 use moekit::Tensor;
 use proptest::prelude::*;
