@@ -36,7 +36,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::comm::{Communicator, Received, RowsToSend, read_status, status_words};
-use super::uninit::{assume_init, uninit};
+use super::uninit::{assume_init, uninit, write_copy};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
@@ -437,21 +437,37 @@ fn has_non_finite(values: &[f32]) -> bool {
     flags.iter().any(|&flag| flag != 0) || tail.iter().any(|v| !v.is_finite())
 }
 
-/// `sum += values` element-wise; returns whether `values` holds an infinity or a NaN.
-fn add_row(sum: &mut [f32], values: &[f32]) -> bool {
+/// Writes the sum of `rows` (each `out.len()` words, added in order: `(r0 + r1) + r2 …`), or
+/// zeros when there are none, into `out`; returns whether any row holds an infinity or a NaN.
+fn sum_rows<'a>(
+    out: &mut [MaybeUninit<f32>],
+    rows: &mut (impl Iterator<Item = &'a [f32]> + Clone),
+) -> bool {
     let mut flags = [0u32; LANES];
-    let mut sums = sum.chunks_exact_mut(LANES);
-    let mut chunks = values.chunks_exact(LANES);
-    for (s, chunk) in (&mut sums).zip(&mut chunks) {
-        for ((flag, o), v) in flags.iter_mut().zip(s).zip(chunk) {
-            *o += v;
-            *flag |= u32::from(v.to_bits() & EXPONENT == EXPONENT);
+    let mut outs = out.chunks_exact_mut(LANES);
+    let mut start = 0;
+    for o in &mut outs {
+        let mut sum = [0f32; LANES];
+        for (n, row) in rows.clone().enumerate() {
+            let chunk = &row[start..start + LANES];
+            for ((s, flag), &v) in sum.iter_mut().zip(&mut flags).zip(chunk) {
+                *s = if n == 0 { v } else { *s + v };
+                *flag |= u32::from(v.to_bits() & EXPONENT == EXPONENT);
+            }
         }
+        write_copy(o, &sum);
+        start += LANES;
     }
-    for (o, v) in sums.into_remainder().iter_mut().zip(chunks.remainder()) {
-        *o += v;
+    for (i, slot) in outs.into_remainder().iter_mut().enumerate() {
+        let mut sum = 0f32;
+        for (n, row) in rows.clone().enumerate() {
+            let v = row[start + i];
+            sum = if n == 0 { v } else { sum + v };
+            flags[0] |= u32::from(!v.is_finite());
+        }
+        slot.write(sum);
     }
-    flags.iter().any(|&flag| flag != 0) || chunks.remainder().iter().any(|v| !v.is_finite())
+    flags.iter().any(|&flag| flag != 0)
 }
 
 /// Where this rank's own chunk lies in a `[Σ recv_counts, h]` receive buffer, which must hold
@@ -547,41 +563,37 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
         .collect();
     let own_start = all[rank][1 + rank] as usize * h;
     let own = &rows[own_start..own_start + recv_counts[rank] * h];
-    // Token by token, each row written once: its first contribution copied, the others added
-    // in ascending rank order (a token sent nowhere stays 0). The first non-finite value seen
-    // is kept as `(source rank, its row there, column, value)`.
+    // Token by token, each output row written once, in one pass: the sum of its rows in
+    // ascending rank order (a token sent nowhere gets 0). The first non-finite value seen is
+    // kept as `(source rank, its row there, column, value)`.
     let mut bad: Option<(usize, usize, usize, f32)> = None;
-    let mut output = Vec::with_capacity(t * h);
-    for sent in indices.chunks_exact(r) {
-        let start = output.len();
+    let mut output = uninit(t * h);
+    let mut rows_of_token: Vec<(usize, usize, &[f32])> = Vec::with_capacity(r);
+    for (sent, out) in indices.chunks_exact(r).zip(output.chunks_exact_mut(h)) {
+        rows_of_token.clear();
         for (src, &row) in sent.iter().enumerate().filter(|&(_, &row)| row != t as i32) {
+            let row = row as usize;
             let chunk = match src == rank {
                 true => own,
                 false => &received[chunk_starts[src]..],
             };
-            let values = &chunk[row as usize * h..(row as usize + 1) * h];
-            let non_finite = if output.len() == start {
-                output.extend_from_slice(values);
-                has_non_finite(values)
-            } else {
-                add_row(&mut output[start..], values)
-            };
-            if non_finite {
-                let col = values.iter().position(|v| !v.is_finite()).unwrap_or(0);
-                let found = (
-                    src,
-                    all[src][1 + rank] as usize + row as usize,
-                    col,
-                    values[col],
-                );
-                if bad.is_none_or(|first| (found.0, found.1, found.2) < (first.0, first.1, first.2))
-                {
-                    bad = Some(found);
+            rows_of_token.push((src, row, &chunk[row * h..(row + 1) * h]));
+        }
+        let mut values = rows_of_token.iter().map(|&(_, _, values)| values);
+        if sum_rows(out, &mut values) {
+            for &(src, row, values) in &rows_of_token {
+                if let Some(col) = values.iter().position(|v| !v.is_finite()) {
+                    let found = (src, all[src][1 + rank] as usize + row, col, values[col]);
+                    let key = |(src, row, col, _): (usize, usize, usize, f32)| (src, row, col);
+                    if bad.is_none_or(|first| key(found) < key(first)) {
+                        bad = Some(found);
+                    }
                 }
             }
         }
-        output.resize(start + h, 0.0);
     }
+    // SAFETY: `sum_rows` wrote every row of the output.
+    let output = unsafe { assume_init(output) };
     // Every rank learns of the first bad value (by source rank, row, column) any rank found.
     let report = match bad {
         Some((src, row, col, value)) => {
