@@ -742,3 +742,82 @@ pub fn dispatch_bwd(
         Tensor::from_f32([t, k], d_affinities)?,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of every width up to three lane groups and a tail, with signed zeros.
+    fn rows(count: usize, width: usize) -> Vec<Vec<f32>> {
+        (0..count)
+            .map(|r| {
+                (0..width)
+                    .map(|i| match (r + i) % 5 {
+                        0 => -0.0,
+                        _ => (r * 31 + i) as f32 * 0.37 - 9.0,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_sums_add_in_order_and_flag_non_finite_values() {
+        for width in [1, 15, 16, 17, 40, 48] {
+            for count in 0..4 {
+                let rows = rows(count, width);
+                let mut out = uninit(width);
+                let flagged = sum_rows(&mut out, &mut rows.iter().map(Vec::as_slice));
+                // SAFETY: `sum_rows` writes every element.
+                let out = unsafe { assume_init(out) };
+                let expected: Vec<f32> = (0..width)
+                    .map(|i| {
+                        let mut column = rows.iter().map(|row| row[i]);
+                        let first = column.next().unwrap_or(0.0);
+                        column.fold(first, |sum, v| sum + v)
+                    })
+                    .collect();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&expected), "width {width}, {count} rows");
+                assert!(!flagged);
+                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                    for at in [0, width - 1] {
+                        let mut rows = rows.clone();
+                        if let Some(row) = rows.last_mut() {
+                            row[at] = bad;
+                            let mut out = uninit(width);
+                            assert!(sum_rows(&mut out, &mut rows.iter().map(Vec::as_slice)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gathered_rows_are_copied_and_flagged() {
+        for width in [1, 16, 19, 35] {
+            let source = rows(5, width).concat();
+            let picked = [4, 0, 4, 2];
+            let mut out = uninit(picked.len() * width);
+            assert!(!gather_rows(&source, width, &picked, &mut out));
+            // SAFETY: `gather_rows` wrote every picked row.
+            let out = unsafe { assume_init(out) };
+            let expected: Vec<f32> = picked
+                .iter()
+                .flat_map(|&row| source[row * width..(row + 1) * width].to_vec())
+                .collect();
+            assert_eq!(out, expected);
+            for at in [2 * width, 3 * width - 1] {
+                let mut source = source.clone();
+                source[at] = f32::NAN;
+                let mut out = uninit(picked.len() * width);
+                assert!(gather_rows(&source, width, &picked, &mut out));
+                let mut out = uninit(width);
+                assert!(!gather_rows(&source, width, &[1], &mut out));
+            }
+            assert!(has_non_finite(&[&source[..], &[f32::INFINITY]].concat()));
+            assert!(!has_non_finite(&source));
+        }
+    }
+}
