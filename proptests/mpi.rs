@@ -116,6 +116,28 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
             (_, Ok(())) => {}
         }
     }
+    // The same for words with known counts: rank 0 expects one word more from rank 1.
+    if r >= 2 {
+        let expected: Vec<usize> = (0..r)
+            .map(|src| len(src, rank) + usize::from(rank == 0 && src == 1))
+            .collect();
+        let result = comm.all_to_all_v_words(
+            std::borrow::Cow::Borrowed(&words[..]),
+            &counts,
+            Some(&expected),
+        );
+        let message = format!(
+            "rank 1: sent {} words where rank 0 expected {}",
+            len(1, 0),
+            len(1, 0) + 1
+        );
+        match (rank, result) {
+            (0, Err(err)) if err.to_string() == message => {}
+            (0, result) => return Err(format!("a short word exchange gave {result:?}")),
+            (_, Err(err)) => return Err(format!("a short word exchange failed here: {err}")),
+            (_, Ok(_)) => {}
+        }
+    }
     let value = |src: usize, j: usize| (src as f32 + 1.0) * 0.1 + j as f32 * 1e-3;
     let mut buffer: Vec<f32> = (0..5).map(|j| value(rank, j)).collect();
     comm.all_reduce_sum(&mut buffer)

@@ -4,6 +4,7 @@
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::ops::Range;
+use std::sync::Arc;
 
 use mpi::datatype::{Equivalence, Partition, PartitionMut, UserDatatype, View};
 use mpi::environment::Universe;
@@ -12,7 +13,7 @@ use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Sourc
 use mpi::{Address, Tag};
 
 use super::comm::{Communicator, Received, RowsToSend, Selected, check_counts, check_rows};
-use super::uninit::{assume_init, uninit};
+use super::uninit::{assume_init, uninit, write_copy};
 use crate::error::{Error, Result};
 
 /// This process's rank of `MPI_COMM_WORLD`. MPI is initialised by [`MpiComm::init`] and
@@ -50,9 +51,10 @@ impl MpiComm {
     }
 }
 
-/// Tag of the point-to-point messages of [`Communicator::all_to_all_v_rows`] (collectives
-/// travel in their own context, apart from them).
-const ROWS_TAG: Tag = 0x726f;
+/// Tag of the point-to-point messages of the word and row exchanges (collectives travel in
+/// their own context, apart from them). Each exchange sends one message per pair of ranks, and
+/// MPI keeps the messages of a pair in order, so every exchange meets its own messages.
+const P2P_TAG: Tag = 0x726f;
 
 /// A receive slot MPI fills: `T`'s datatype over memory that needs no initialisation first
 /// (a receive buffer is written whole before it is read, so zero-filling it would be a pass
@@ -76,6 +78,14 @@ fn as_slots<T>(slots: &mut [MaybeUninit<T>]) -> &mut [Slot<T>] {
     unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [Slot<T>]) }
 }
 
+/// Source `src` sent `got` words where this rank expected `expected`.
+fn short_message(rank: usize, src: usize, got: usize, expected: usize) -> Error {
+    Error::Collective {
+        rank: src,
+        message: format!("sent {got} words where rank {rank} expected {expected}"),
+    }
+}
+
 /// Counts and displacements as MPI's `int`s.
 fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
     let too_large = || Error::Collective {
@@ -96,50 +106,24 @@ fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, 
 }
 
 impl MpiComm {
-    /// `MPI_Alltoallv` of `T`s (counts in elements), preceded by an `MPI_Alltoall` of the
-    /// counts unless the caller knows what each source sends.
-    fn all_to_all_v_of<T: Equivalence + Default + Clone>(
+    /// `MPI_Alltoallv` of bytes, preceded by an `MPI_Alltoall` of the counts.
+    fn all_to_all_v_bytes(
         &self,
-        send: &[T],
+        send: &[u8],
         send_counts: &[usize],
-        recv_counts: Option<&[usize]>,
-    ) -> Result<(Vec<T>, Vec<usize>)> {
+    ) -> Result<(Vec<u8>, Vec<usize>)> {
         let (rank, size) = (self.rank(), self.size());
         let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
-        let counts_known = recv_counts.is_some();
-        let recv_usize = match recv_counts {
-            Some(known) if known.len() == size => known.to_vec(),
-            Some(known) => {
-                return Err(Error::Collective {
-                    rank,
-                    message: format!(
-                        "all_to_all_v needs one receive count per rank ({size}), got {}",
-                        known.len()
-                    ),
-                });
-            }
-            None => {
-                let mut recv_counts = vec![0i32; size];
-                self.world
-                    .all_to_all_into(&counts[..], &mut recv_counts[..]);
-                recv_counts.iter().map(|&c| c as usize).collect()
-            }
-        };
+        let mut recv_counts = vec![0i32; size];
+        self.world
+            .all_to_all_into(&counts[..], &mut recv_counts[..]);
+        let recv_usize: Vec<usize> = recv_counts.iter().map(|&c| c as usize).collect();
         let (recv_counts, recv_displacements) = counts_and_displacements(rank, &recv_usize)?;
         let total: usize = recv_usize.iter().sum();
         // Buffers of at least one element: two empty slices can share a dangling address,
         // which Open MPI rejects as an aliased (in-place) send and receive buffer.
-        let mut received = if counts_known {
-            // A source may send fewer words than the caller expects (the caller checks the
-            // counts after the exchange), so every slot holds a value before it starts.
-            (0..total.max(1))
-                .map(|_| MaybeUninit::new(T::default()))
-                .collect()
-        } else {
-            // Exchanged counts are exactly what the sources send.
-            uninit::<T>(total.max(1))
-        };
-        let placeholder = [T::default()];
+        let mut received = uninit::<u8>(total.max(1));
+        let placeholder = [0u8];
         let send = if send.is_empty() {
             &placeholder[..]
         } else {
@@ -155,9 +139,8 @@ impl MpiComm {
             self.world.all_to_all_varcount_into(&send, &mut recv);
         }
         received.truncate(total);
-        // SAFETY: with exchanged counts, `MPI_Alltoallv` wrote every one of the `total` words
-        // (each source sends exactly the count it announced); with known counts every slot
-        // held a value before the exchange.
+        // SAFETY: `MPI_Alltoallv` wrote every one of the `total` bytes: each source sends
+        // exactly the count it announced in the `MPI_Alltoall`.
         Ok((unsafe { assume_init(received) }, recv_usize))
     }
 }
@@ -173,18 +156,122 @@ impl Communicator for MpiComm {
 
     fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
         check_counts(self.rank(), self.size(), send.len(), send_counts, "bytes")?;
-        self.all_to_all_v_of(send, send_counts, None)
+        self.all_to_all_v_bytes(send, send_counts)
     }
 
+    /// Point to point, every message posted at once (one round, where `MPI_Alltoallv` takes
+    /// R - 1 steps and, without known counts, an `MPI_Alltoall` of the counts first): with
+    /// known counts each source's chunk is received straight into one buffer and its length
+    /// checked; without them each is probed for its length first. This rank's own chunk is
+    /// copied.
     fn all_to_all_v_words(
         &self,
         send: Cow<'_, [f32]>,
         send_counts: &[usize],
         recv_counts: Option<&[usize]>,
     ) -> Result<Received> {
-        check_counts(self.rank(), self.size(), send.len(), send_counts, "words")?;
-        let (values, counts) = self.all_to_all_v_of(&send, send_counts, recv_counts)?;
-        Ok(Received::contiguous(values, &counts))
+        let (rank, size) = (self.rank(), self.size());
+        check_counts(rank, size, send.len(), send_counts, "words")?;
+        let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
+        let chunk = |dst: usize| {
+            let start = displacements[dst] as usize;
+            &send[start..start + counts[dst] as usize]
+        };
+        let float = f32::equivalent_datatype();
+        match recv_counts {
+            Some(known) => {
+                if known.len() != size || known[rank] != send_counts[rank] {
+                    return Err(Error::Collective {
+                        rank,
+                        message: format!(
+                            "expects {known:?} words from the ranks of the group, and sends \
+                             itself {}",
+                            send_counts[rank]
+                        ),
+                    });
+                }
+                counts_and_displacements(rank, known)?;
+                let mut received = uninit::<f32>(known.iter().sum());
+                let own_start: usize = known[..rank].iter().sum();
+                write_copy(&mut received[own_start..], chunk(rank));
+                let mut chunks = Vec::with_capacity(size);
+                let mut rest = as_slots(&mut received);
+                for &count in known {
+                    let (head, tail) = rest.split_at_mut(count);
+                    chunks.push(head);
+                    rest = tail;
+                }
+                let mut short = None;
+                mpi::request::scope(|scope| {
+                    let receives: Vec<_> = chunks
+                        .into_iter()
+                        .enumerate()
+                        .filter(|&(src, _)| src != rank)
+                        .map(|(src, slots)| {
+                            let from = self.world.process_at_rank(src as i32);
+                            let expected = slots.len();
+                            (
+                                src,
+                                expected,
+                                from.immediate_receive_into_with_tag(scope, slots, P2P_TAG),
+                            )
+                        })
+                        .collect();
+                    let sends: Vec<_> = (0..size)
+                        .filter(|&dst| dst != rank)
+                        .map(|dst| {
+                            let to = self.world.process_at_rank(dst as i32);
+                            to.immediate_send_with_tag(scope, chunk(dst), P2P_TAG)
+                        })
+                        .collect();
+                    for (src, expected, request) in receives {
+                        let got = request.wait().count(float) as usize;
+                        if got != expected && short.is_none() {
+                            short = Some((src, got, expected));
+                        }
+                    }
+                    for request in sends {
+                        request.wait();
+                    }
+                });
+                if let Some((src, got, expected)) = short {
+                    return Err(short_message(rank, src, got, expected));
+                }
+                // SAFETY: this rank's chunk was copied, every other one received whole.
+                let values = unsafe { assume_init(received) };
+                Ok(Received::contiguous(values, known))
+            }
+            None => {
+                let mut chunks: Vec<(Arc<Vec<f32>>, Range<usize>)> = Vec::with_capacity(size);
+                mpi::request::scope(|scope| {
+                    let sends: Vec<_> = (0..size)
+                        .filter(|&dst| dst != rank)
+                        .map(|dst| {
+                            let to = self.world.process_at_rank(dst as i32);
+                            to.immediate_send_with_tag(scope, chunk(dst), P2P_TAG)
+                        })
+                        .collect();
+                    for src in 0..size {
+                        let values = if src == rank {
+                            chunk(rank).to_vec()
+                        } else {
+                            let from = self.world.process_at_rank(src as i32);
+                            let (message, status) = from.matched_probe_with_tag(P2P_TAG);
+                            let mut values = uninit::<f32>(status.count(float) as usize);
+                            message.matched_receive_into(as_slots(&mut values));
+                            // SAFETY: the buffer holds exactly the probed message.
+                            unsafe { assume_init(values) }
+                        };
+                        let len = values.len();
+                        chunks.push((Arc::new(values), 0..len));
+                    }
+                    for request in sends {
+                        request.wait();
+                    }
+                });
+                Ok(Received::from_chunks(chunks))
+            }
+        }
     }
 
     /// Point to point: one message per pair of other ranks (empty ones included, so every
@@ -273,7 +360,7 @@ impl Communicator for MpiComm {
                 .map(|(src, chunk)| {
                     let from = self.world.process_at_rank(src as i32);
                     let expected = chunk.len();
-                    let request = from.immediate_receive_into_with_tag(scope, chunk, ROWS_TAG);
+                    let request = from.immediate_receive_into_with_tag(scope, chunk, P2P_TAG);
                     (src, expected, request)
                 })
                 .collect();
@@ -281,7 +368,7 @@ impl Communicator for MpiComm {
                 .iter()
                 .map(|(dst, view)| {
                     let to = self.world.process_at_rank(*dst as i32);
-                    to.immediate_send_with_tag(scope, view, ROWS_TAG)
+                    to.immediate_send_with_tag(scope, view, P2P_TAG)
                 })
                 .collect();
             for (src, expected, request) in receives {
@@ -295,10 +382,7 @@ impl Communicator for MpiComm {
             }
         });
         match short {
-            Some((src, got, expected)) => Err(Error::Collective {
-                rank: src,
-                message: format!("sent {got} words where rank {rank} expected {expected}"),
-            }),
+            Some((src, got, expected)) => Err(short_message(rank, src, got, expected)),
             None => Ok(()),
         }
     }
