@@ -536,7 +536,51 @@ fn bench_reports_every_kernel_as_json_rows() {
 }
 
 #[test]
-fn bench_rejects_unknown_shapes_backends_and_dtypes() {
+fn bench_reports_only_the_rows_asked_for() {
+    let stdout = moekit_ok(&[
+        "bench",
+        "--shape",
+        "tiny",
+        "--tokens",
+        "16",
+        "--kernel",
+        "permute",
+        "--kernel",
+        "blockwise_mm_bwd",
+        "--min-time-ms",
+        "1",
+        "--json",
+    ]);
+    let kernels: Vec<&str> = stdout
+        .lines()
+        .map(|row| {
+            let start = row.find("\"kernel\":\"").expect("a kernel field") + 10;
+            &row[start..start + row[start..].find('"').unwrap()]
+        })
+        .collect();
+    assert_eq!(kernels, ["permute", "blockwise_mm_bwd"], "{stdout}");
+    // The layer row alone still times (and sums) every kernel.
+    let stdout = moekit_ok(&[
+        "bench",
+        "--shape",
+        "tiny",
+        "--tokens",
+        "16",
+        "--kernel",
+        "moe_layer_fwd_bwd",
+        "--min-time-ms",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(
+        stdout.contains("\"kernel\":\"moe_layer_fwd_bwd\""),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bench_rejects_unknown_shapes_backends_dtypes_and_rows() {
     run_err(
         &["bench", "--shape", "qwen9"],
         &["unknown shape `qwen9`", "qwen3-30b-a3b"],
@@ -552,6 +596,10 @@ fn bench_rejects_unknown_shapes_backends_and_dtypes() {
     run_err(
         &["bench", "--tokens", "0", "--shape", "tiny"],
         &["tokens", "at least 1"],
+    );
+    run_err(
+        &["bench", "--shape", "tiny", "--kernel", "permut"],
+        &["unknown row `permut`", "permute_bwd", "moe_layer_fwd_bwd"],
     );
 }
 

@@ -89,8 +89,53 @@ pub struct BenchConfig {
     pub min_time: Duration,
     /// Also time the libtorch paths (only in builds with the `libtorch` feature).
     pub libtorch: bool,
+    /// The rows to measure and report.
+    pub rows: RowSelection,
     /// Where the `neuron` backend finds libnrt and its manifest.
     pub neuron: NeuronConfig,
+}
+
+/// The row that times the whole layer: every kernel once, forward and backward.
+pub const LAYER_ROW: &str = "moe_layer_fwd_bwd";
+
+/// The rows a run reports: every row (empty), or the named ones (kernel names, and
+/// [`LAYER_ROW`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowSelection(Vec<String>);
+
+impl RowSelection {
+    /// Every row.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// The rows named (every row when `names` is empty); an unknown name is an error listing
+    /// the known ones.
+    pub fn new(names: &[String]) -> Result<Self> {
+        let known: Vec<&str> = Kernel::ALL
+            .iter()
+            .map(|kernel| kernel.name())
+            .chain([LAYER_ROW])
+            .collect();
+        if let Some(name) = names.iter().find(|name| !known.contains(&name.as_str())) {
+            return Err(Error::param(
+                "kernel",
+                format!("unknown row `{name}`; expected one of {}", known.join(", ")),
+            ));
+        }
+        Ok(Self(names.to_vec()))
+    }
+
+    /// Whether the row `name` is reported.
+    pub fn shows(&self, name: &str) -> bool {
+        self.0.is_empty() || self.0.iter().any(|shown| shown == name)
+    }
+
+    /// Whether the kernel `name` is timed: its row is reported, or the layer row, which sums
+    /// every kernel.
+    pub fn times(&self, name: &str) -> bool {
+        self.shows(name) || self.shows(LAYER_ROW)
+    }
 }
 
 /// How a row's throughput is counted.
@@ -492,7 +537,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
             "permute" => permute_fwd,
             "blockwise_mm" => experts_fwd,
             "blockwise_mm_bwd" => experts_bwd,
-            "moe_layer_fwd_bwd" => layer_peer,
+            LAYER_ROW => layer_peer,
             _ => None,
         },
     };
@@ -503,48 +548,58 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     let min = config.min_time;
 
     let mut rows = Vec::new();
-    let call = layer.inputs.router_topk()?;
-    let ms = time(min, || backend.router_topk(&call))?;
-    rows.push(row("router_topk", ms, gflops(2.0 * tf * hf * ef, ms)));
-    let call = layer.router_topk_bwd()?;
-    let ms = time(min, || backend.router_topk_bwd(&call))?;
-    rows.push(row("router_topk_bwd", ms, gflops(4.0 * tf * hf * ef, ms)));
-    let call = layer.load_balancing_loss()?;
-    let ms = time(min, || backend.load_balancing_loss(&call))?;
-    rows.push(row(
-        "load_balancing_loss",
-        ms,
-        gbps(tf * (ef + kf) * 4.0, ms),
-    ));
-    let call = layer.load_balancing_loss_bwd()?;
-    let ms = time(min, || backend.load_balancing_loss_bwd(&call))?;
-    rows.push(row(
-        "load_balancing_loss_bwd",
-        ms,
-        gbps(tf * (2.0 * ef + kf) * 4.0, ms),
-    ));
-    let call = layer.permute()?;
-    let ms = time(min, || backend.permute(&call))?;
-    let plan_bytes = tf * kf * 8.0 + (n * b + n + e) as f64 * 4.0 + (tf + 1.0) * ef * 4.0;
-    rows.push(row("permute", ms, gbps(plan_bytes, ms)));
-    let call = layer.permute_bwd()?;
-    let ms = time(min, || backend.permute_bwd(&call))?;
-    rows.push(row("permute_bwd", ms, gbps(tf * kf * 12.0, ms)));
-    let call = layer.blockwise_mm()?;
-    let ms = time(min, || backend.blockwise_mm(&call))?;
-    rows.push(row("blockwise_mm", ms, gflops(expert_flop, ms)));
-    let call = layer.blockwise_mm_bwd()?;
-    let ms = time(min, || backend.blockwise_mm_bwd(&call))?;
-    rows.push(row("blockwise_mm_bwd", ms, gflops(2.0 * expert_flop, ms)));
+    let timed = |name: &str| config.rows.times(name);
+    if timed("router_topk") {
+        let call = layer.inputs.router_topk()?;
+        let ms = time(min, || backend.router_topk(&call))?;
+        rows.push(row("router_topk", ms, gflops(2.0 * tf * hf * ef, ms)));
+    }
+    if timed("router_topk_bwd") {
+        let call = layer.router_topk_bwd()?;
+        let ms = time(min, || backend.router_topk_bwd(&call))?;
+        rows.push(row("router_topk_bwd", ms, gflops(4.0 * tf * hf * ef, ms)));
+    }
+    if timed("load_balancing_loss") {
+        let call = layer.load_balancing_loss()?;
+        let ms = time(min, || backend.load_balancing_loss(&call))?;
+        let bytes = tf * (ef + kf) * 4.0;
+        rows.push(row("load_balancing_loss", ms, gbps(bytes, ms)));
+    }
+    if timed("load_balancing_loss_bwd") {
+        let call = layer.load_balancing_loss_bwd()?;
+        let ms = time(min, || backend.load_balancing_loss_bwd(&call))?;
+        let bytes = tf * (2.0 * ef + kf) * 4.0;
+        rows.push(row("load_balancing_loss_bwd", ms, gbps(bytes, ms)));
+    }
+    if timed("permute") {
+        let call = layer.permute()?;
+        let ms = time(min, || backend.permute(&call))?;
+        let plan_bytes = tf * kf * 8.0 + (n * b + n + e) as f64 * 4.0 + (tf + 1.0) * ef * 4.0;
+        rows.push(row("permute", ms, gbps(plan_bytes, ms)));
+    }
+    if timed("permute_bwd") {
+        let call = layer.permute_bwd()?;
+        let ms = time(min, || backend.permute_bwd(&call))?;
+        rows.push(row("permute_bwd", ms, gbps(tf * kf * 12.0, ms)));
+    }
+    if timed("blockwise_mm") {
+        let call = layer.blockwise_mm()?;
+        let ms = time(min, || backend.blockwise_mm(&call))?;
+        rows.push(row("blockwise_mm", ms, gflops(expert_flop, ms)));
+    }
+    if timed("blockwise_mm_bwd") {
+        let call = layer.blockwise_mm_bwd()?;
+        let ms = time(min, || backend.blockwise_mm_bwd(&call))?;
+        rows.push(row("blockwise_mm_bwd", ms, gflops(2.0 * expert_flop, ms)));
+    }
 
     // The whole layer: every kernel above once, forward and backward.
-    let layer_ms: f64 = rows.iter().map(|r| r.ms).sum();
-    let layer_flop = expert_flop * 3.0 + 6.0 * tf * hf * ef;
-    rows.push(row(
-        "moe_layer_fwd_bwd",
-        layer_ms,
-        gflops(layer_flop, layer_ms),
-    ));
+    if config.rows.shows(LAYER_ROW) {
+        let layer_ms: f64 = rows.iter().map(|r| r.ms).sum();
+        let layer_flop = expert_flop * 3.0 + 6.0 * tf * hf * ef;
+        rows.push(row(LAYER_ROW, layer_ms, gflops(layer_flop, layer_ms)));
+    }
+    rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })
 }
 
@@ -582,6 +637,7 @@ fn run_on_neuron(config: &BenchConfig) -> Result<BenchResult> {
     };
     let expert_flop = 6.0 * tf * kf * hf * if_;
     let mut rows = Vec::new();
+    let registered = |kernel: Kernel| registered(kernel) && config.rows.shows(kernel.name());
     if registered(Kernel::RouterTopk) {
         let call = layer.inputs.router_topk()?;
         let ms = device_ms(&|repeat| neuron.time_router_topk(&call, repeat))?;

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use moekit::bench::exchange::{self, ExchangeRow};
 use moekit::bench::limits::MachineLimits;
-use moekit::bench::{BenchConfig, MoeShape};
+use moekit::bench::{BenchConfig, MoeShape, RowSelection};
 use moekit::check::{self, CheckRow, Tolerance};
 use moekit::ep::{Communicator, LocalComm};
 use moekit::golden::TensorFile;
@@ -90,6 +90,10 @@ enum Command {
         /// Skip the libtorch paths (in builds with the `libtorch` feature).
         #[arg(long)]
         no_libtorch: bool,
+        /// Only this row (a kernel name as printed, e.g. permute or blockwise_mm_bwd; repeat
+        /// for several; default: every row). moe_layer_fwd_bwd times every kernel it sums.
+        #[arg(long = "kernel")]
+        kernels: Vec<String>,
         #[command(flatten)]
         neuron: NeuronArgs,
     },
@@ -373,6 +377,7 @@ fn bench(
     min_time_ms: u64,
     json: bool,
     libtorch: bool,
+    kernels: &[String],
     neuron: &NeuronArgs,
 ) -> Result<()> {
     let dtype = parse_dtype(dtype)?;
@@ -395,6 +400,7 @@ fn bench(
             block_size,
             min_time: Duration::from_millis(min_time_ms),
             libtorch,
+            rows: RowSelection::new(kernels)?,
             neuron: neuron.config(),
         };
         results.push(moekit::bench::run(&config)?);
@@ -542,6 +548,7 @@ fn main() -> ExitCode {
             min_time_ms,
             json,
             no_libtorch,
+            kernels,
             neuron,
         } => match bench(
             &backend,
@@ -552,6 +559,7 @@ fn main() -> ExitCode {
             min_time_ms,
             json,
             !no_libtorch,
+            &kernels,
             &neuron,
         ) {
             Ok(()) => ExitCode::SUCCESS,

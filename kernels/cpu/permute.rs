@@ -1,7 +1,6 @@
 //! The block plan on the CPU: one counting pass over `expert_index`, then each expert's tokens
 //! written in ascending token order straight into their blocks. O(T·K + N·B).
 
-use super::f32_output;
 use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs, SKIP};
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, try_filled};
@@ -49,7 +48,8 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
         expert_counts: Tensor::from_i32([e], counts.iter().map(|&c| c as i32).collect())?,
         token_position_to_id: Tensor::from_i32([n * b], positions)?,
         block_to_expert: Tensor::from_i32([n], block_to_expert)?,
-        expert_affinities_masked: f32_output("expert_affinities_masked", &[(t + 1) * e], masked)?,
+        // Copies of the validated (finite) affinities, and zeros: finite without a check.
+        expert_affinities_masked: Tensor::from_f32([(t + 1) * e], masked)?,
         num_used_blocks: Tensor::from_i32([1], vec![used as i32])?,
     })
 }
