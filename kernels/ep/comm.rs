@@ -102,6 +102,29 @@ pub(super) enum Selected<'a> {
     Range(Range<usize>),
 }
 
+impl Selected<'_> {
+    /// The number of rows selected.
+    pub(super) fn count(&self) -> usize {
+        match self {
+            Self::Listed(rows) => rows.len(),
+            Self::Range(range) => range.len(),
+        }
+    }
+
+    /// Calls `f` on the selected rows of `source` (`[_, width]`) in order: each listed row,
+    /// or a whole range at once.
+    pub(super) fn for_each_slice(&self, source: &[f32], width: usize, mut f: impl FnMut(&[f32])) {
+        match self {
+            Self::Listed(rows) => {
+                for &row in *rows {
+                    f(&source[row * width..(row + 1) * width]);
+                }
+            }
+            Self::Range(range) => f(&source[range.start * width..range.end * width]),
+        }
+    }
+}
+
 impl RowsToSend<'_> {
     /// R, the number of destinations.
     pub fn len(&self) -> usize {
@@ -118,10 +141,7 @@ impl RowsToSend<'_> {
 
     /// The number of rows sent to `dst`.
     pub fn count(&self, dst: usize) -> usize {
-        match self {
-            Self::Gathered(rows) => rows[dst].len(),
-            Self::Consecutive(counts) => counts[dst],
-        }
+        self.selected(dst).count()
     }
 
     /// The rows sent to `dst`.
@@ -215,16 +235,8 @@ pub trait Communicator {
         for dst in 0..size {
             let start = send.len();
             if remote(dst) {
-                match rows.selected(dst) {
-                    Selected::Listed(listed) => {
-                        for &row in listed {
-                            send.extend_from_slice(&source[row * width..(row + 1) * width]);
-                        }
-                    }
-                    Selected::Range(range) => {
-                        send.extend_from_slice(&source[range.start * width..range.end * width]);
-                    }
-                }
+                rows.selected(dst)
+                    .for_each_slice(source, width, |slice| send.extend_from_slice(slice));
             }
             send_counts.push(send.len() - start);
         }

@@ -51,6 +51,7 @@ struct RowsOffer {
     rows: OfferedRows,
 }
 
+/// [`Selected`] rows, owned by the offer.
 enum OfferedRows {
     Listed(Vec<usize>),
     Range(Range<usize>),
@@ -77,30 +78,24 @@ impl RowsOffer {
         }
     }
 
-    /// The number of rows offered.
-    fn count(&self) -> usize {
+    /// The offered rows.
+    fn selected(&self) -> Selected<'_> {
         match &self.rows {
-            OfferedRows::Listed(rows) => rows.len(),
-            OfferedRows::Range(range) => range.len(),
+            OfferedRows::Listed(rows) => Selected::Listed(rows),
+            OfferedRows::Range(range) => Selected::Range(range.clone()),
         }
     }
 
-    /// Copies the offered rows into `out` back to back (`count() · width` words).
+    /// Copies the offered rows into `out` back to back (`count · width` words).
     fn copy_into(&self, out: &mut [MaybeUninit<f32>]) {
         // SAFETY: the offering rank's source outlives this reference (see `Send`), and
         // `source`/`len` are those of a slice.
         let source = unsafe { std::slice::from_raw_parts(self.source, self.len) };
-        let width = self.width;
-        match &self.rows {
-            OfferedRows::Listed(rows) => {
-                for (&row, out) in rows.iter().zip(out.chunks_exact_mut(width)) {
-                    write_copy(out, &source[row * width..(row + 1) * width]);
-                }
-            }
-            OfferedRows::Range(range) => {
-                write_copy(out, &source[range.start * width..range.end * width]);
-            }
-        }
+        let mut offset = 0;
+        self.selected().for_each_slice(source, self.width, |rows| {
+            write_copy(&mut out[offset..offset + rows.len()], rows);
+            offset += rows.len();
+        });
     }
 }
 
@@ -374,7 +369,7 @@ impl Communicator for LocalComm {
                 offset += chunk.len();
                 match parcel {
                     Parcel::Empty if src == rank => {}
-                    Parcel::Rows(offer) if offer.count() == recv_rows[src] => {
+                    Parcel::Rows(offer) if offer.selected().count() == recv_rows[src] => {
                         offer.copy_into(chunk);
                     }
                     Parcel::Rows(offer) => {
@@ -382,7 +377,7 @@ impl Communicator for LocalComm {
                             rank: src,
                             message: format!(
                                 "sent {} rows where rank {rank} expected {}",
-                                offer.count(),
+                                offer.selected().count(),
                                 recv_rows[src]
                             ),
                         });
