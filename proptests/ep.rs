@@ -23,7 +23,7 @@ use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::ep::{
     Communicator, DispatchParams, EpGrads, LocalComm, RowsToSend, agree, all_to_all_v_values,
-    combine, dispatch,
+    combine, combine_bwd, dispatch, dispatch_bwd,
 };
 use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -549,6 +549,52 @@ fn a_non_finite_expert_output_is_every_ranks_error_naming_its_rank_and_position(
                 message.starts_with(&format!(
                     "rank 1: tensor `expert_output`: non-finite value {bad} at [0, 1]"
                 )),
+                "{message}"
+            );
+        }
+    }
+}
+
+#[test]
+fn routes_that_disagree_across_ranks_are_every_ranks_error() {
+    // Rank 1 moves one row of its receive counts from rank 0 to itself: its own route stays
+    // consistent with its tensors, but no longer with rank 0's. combine, combine_bwd and
+    // dispatch_bwd each report it on both ranks before any row travels.
+    let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        let x = f32_tensor(&[4, 3], &[0.5; 12]);
+        let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
+        let params = DispatchParams { num_experts: 4 };
+        let affinities = f32_tensor(&[4, 2], &[0.5; 8]);
+        let dispatched = dispatch(comm, &x, &index, &affinities, params).unwrap();
+        let mut route = dispatched.route.clone();
+        if rank == 1 {
+            let mut counts = route.recv_counts.as_i32().unwrap().to_vec();
+            counts[0] -= 1;
+            counts[1] += 1;
+            route.recv_counts = Tensor::from_i32([2], counts).unwrap();
+        }
+        let m = dispatched.hidden_states.shape()[0];
+        [
+            combine(comm, &route, &dispatched.hidden_states).map(drop),
+            combine_bwd(comm, &route, &x).map(drop),
+            dispatch_bwd(
+                comm,
+                &route,
+                &index,
+                params,
+                &dispatched.hidden_states,
+                &f32_tensor(&[m, 2], &vec![0.5; m * 2]),
+            )
+            .map(drop),
+        ]
+        .map(|result| result.unwrap_err().to_string())
+    });
+    for messages in results {
+        for message in messages {
+            assert!(
+                message.starts_with(
+                    "rank 1: its route expects 2 rows from rank 0, whose route sends it 3"
+                ),
                 "{message}"
             );
         }

@@ -26,11 +26,14 @@
 //!
 //! - `dispatch`: the status, local ids and affinities; then the rows into the `[M, H]` result
 //!   (each side already knows every count); then the verdict on `hidden_states`' finiteness.
-//! - `combine`: the status (with where each rank's rows start, to name a bad value's place);
+//! - `combine`: the status (with the route's counts, checked to match between ranks, which
+//!   also say where each rank's rows start, to name a bad value's place);
 //!   then the rows, added into `[T, H]` where they arrived; then the first non-finite value
 //!   any rank met, if any.
-//! - `combine_bwd`: the status; then the rows, straight into `[M, H]`.
-//! - `dispatch_bwd`: the status, the rows and the affinity gradients, added where they lie.
+//! - `combine_bwd`: the status (with the route's counts, checked as in `combine`); then the
+//!   rows, straight into `[M, H]`.
+//! - `dispatch_bwd`: the status (with the route's counts, checked before the payload is
+//!   read), the rows and the affinity gradients, added where they lie.
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -108,17 +111,53 @@ fn size_word(value: usize) -> u32 {
     u32::try_from(value).unwrap_or(u32::MAX)
 }
 
-/// Reads the status words of every source and checks the sizes named by `names` agree: each
-/// source's payload (the words after its status), or the same error on every rank.
-fn agreed_payloads<'a>(received: &'a Received, names: &[&str]) -> Result<Vec<&'a [f32]>> {
+/// Every source's sizes (its status words' integers) and payload (the words after them).
+type Agreed<'a> = (Vec<Vec<u32>>, Vec<&'a [f32]>);
+
+/// Reads the status words of every source and checks the sizes named by `names` agree (the
+/// first `names.len()` of each source's sizes): each source's sizes and payload (the words
+/// after its status), or the same error on every rank.
+fn agreed_payloads<'a>(received: &'a Received, names: &[&str]) -> Result<Agreed<'a>> {
     let statuses = read_status(received)?;
     let sizes: Vec<Vec<u32>> = statuses.iter().map(|(sizes, _)| sizes.clone()).collect();
     check_same_sizes(names, &sizes)?;
-    Ok(statuses
+    let payloads = statuses
         .iter()
         .enumerate()
         .map(|(src, &(_, start))| &received.chunk(src)[start..])
-        .collect())
+        .collect();
+    Ok((sizes, payloads))
+}
+
+/// A route's counts as status words: `send_counts`, then `recv_counts` (R each).
+fn route_words<'a>(
+    send_counts: &'a [usize],
+    recv_counts: &'a [usize],
+) -> impl Iterator<Item = u32> + 'a {
+    send_counts.iter().chain(recv_counts).map(|&c| size_word(c))
+}
+
+/// Every rank's route must match every other's: the rows src sends dst (src's
+/// `send_counts[dst]`) are the rows dst expects from src (dst's `recv_counts[src]`).
+/// `sizes[rank]` holds that rank's [`route_words`] from `offset` on; the same error on every
+/// rank when they do not match, before any row travels.
+fn check_routes_agree(sizes: &[Vec<u32>], offset: usize) -> Result<()> {
+    let r = sizes.len();
+    for (src, from) in sizes.iter().enumerate() {
+        for (dst, to) in sizes.iter().enumerate() {
+            let (sent, expected) = (from[offset + dst], to[offset + r + src]);
+            if sent != expected {
+                return Err(Error::Collective {
+                    rank: dst,
+                    message: format!(
+                        "its route expects {expected} rows from rank {src}, whose route sends \
+                         it {sent}"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Every rank's verdict and its sizes (`sizes` of a valid rank), in one exchange of
@@ -162,17 +201,33 @@ fn agree_on_sizes(
     read_status(&messages).map(|statuses| statuses.into_iter().map(|(sizes, _)| sizes).collect())
 }
 
-/// [`agree_on_sizes`] on H (`hidden(&parts)` of a valid rank): this rank's parts, or the same
+/// The agreement that opens [`combine`] and [`combine_bwd`]: every rank's verdict, H and
+/// route (`route(&parts)` of a valid rank: H, `send_counts`, `recv_counts`), with H and the
+/// routes checked to match. Every rank's sizes `[H, send_counts…, recv_counts…]`, or the same
 /// error on every rank.
-fn agree_on_hidden<P>(
+fn agree_on_route<P>(
     comm: &dyn Communicator,
-    local: Result<P>,
-    hidden: impl Fn(&P) -> usize,
-) -> Result<P> {
-    let sizes = [size_word(local.as_ref().map_or(0, &hidden))];
-    let all = agree_on_sizes(comm, local.as_ref().map(|_| &sizes[..]), sizes.len())?;
-    check_same_sizes(&["H (hidden size)"], &all)?;
-    local
+    local: &Result<P>,
+    route: impl Fn(&P) -> (usize, &[usize], &[usize]),
+) -> Result<Vec<Vec<u32>>> {
+    let sizes: Vec<u32> = match local {
+        Ok(parts) => {
+            let (h, send_counts, recv_counts) = route(parts);
+            std::iter::once(size_word(h))
+                .chain(route_words(send_counts, recv_counts))
+                .collect()
+        }
+        Err(_) => Vec::new(),
+    };
+    let all = agree_on_sizes(
+        comm,
+        local.as_ref().map(|_| &sizes[..]),
+        1 + 2 * comm.size(),
+    )?;
+    let hidden: Vec<Vec<u32>> = all.iter().map(|sizes| sizes[..1].to_vec()).collect();
+    check_same_sizes(&["H (hidden size)"], &hidden)?;
+    check_routes_agree(&all, 1)?;
+    Ok(all)
 }
 
 /// A source's payload must be `rows` rows of `width` words.
@@ -301,7 +356,7 @@ pub fn dispatch(
         meta_counts.push(meta.len() - start);
     }
     let received = comm.all_to_all_v_words(meta.into(), &meta_counts, None)?;
-    let payloads = agreed_payloads(
+    let (_, payloads) = agreed_payloads(
         &received,
         &[
             "num_experts",
@@ -523,22 +578,17 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
         )?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    // Every rank's verdict, H, and where the rows of each destination start in its
-    // `expert_output` (to name a bad value's position there).
-    let sizes: Vec<u32> = match &local {
-        Ok((_, _, _, recv_counts, h)) => std::iter::once(*h)
-            .chain(recv_counts.iter().scan(0, |start, &rows| {
-                *start += rows;
-                Some(*start - rows)
-            }))
-            .map(size_word)
-            .collect(),
-        Err(_) => Vec::new(),
-    };
-    let all = agree_on_sizes(comm, local.as_ref().map(|_| &sizes[..]), 1 + r)?;
-    let hidden: Vec<Vec<u32>> = all.iter().map(|sizes| sizes[..1].to_vec()).collect();
-    check_same_sizes(&["H (hidden size)"], &hidden)?;
+    // Every rank's verdict, H and route (which also says where the rows of each destination
+    // start in its `expert_output`, to name a bad value's position there).
+    let all = agree_on_route(comm, &local, |(_, _, send, recv, h)| (*h, send, recv))?;
     let (t, indices, send_counts, recv_counts, h) = local?;
+    // Where the rows src returns to this rank start in src's `expert_output`.
+    let start_at = |src: usize| {
+        all[src][1 + r..1 + r + rank]
+            .iter()
+            .map(|&rows| rows as usize)
+            .sum::<usize>()
+    };
     // The rows go back from where they lie (sources in rank order, as they came), received
     // into one buffer; this rank's own rows never leave `expert_output`.
     let rows = expert_output.f32_values();
@@ -561,7 +611,7 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
             Some(*start - rows * h)
         })
         .collect();
-    let own_start = all[rank][1 + rank] as usize * h;
+    let own_start = start_at(rank) * h;
     let own = &rows[own_start..own_start + recv_counts[rank] * h];
     // Token by token, each output row written once, in one pass: the sum of its rows in
     // ascending rank order (a token sent nowhere gets 0). The first non-finite value seen is
@@ -583,7 +633,7 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
         if sum_rows(out, &mut values) {
             for &(src, row, values) in &rows_of_token {
                 if let Some(col) = values.iter().position(|v| !v.is_finite()) {
-                    let found = (src, all[src][1 + rank] as usize + row, col, values[col]);
+                    let found = (src, start_at(src) + row, col, values[col]);
                     let key = |(src, row, col, _): (usize, usize, usize, f32)| (src, row, col);
                     if bad.is_none_or(|first| key(found) < key(first)) {
                         bad = Some(found);
@@ -636,7 +686,8 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
         let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(t), None])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
-    let (t, indices, _, recv_counts, h) = agree_on_hidden(comm, local, |parts| parts.4)?;
+    agree_on_route(comm, &local, |(_, _, send, recv, h)| (*h, send, recv))?;
+    let (t, indices, _, recv_counts, h) = local?;
     // Each token's gradient row goes to every rank it was sent to, straight into the `[M, H]`
     // result there; this rank's own rows are copied in here.
     let rank = comm.rank();
@@ -696,7 +747,13 @@ pub fn dispatch_bwd(
         Ok((t, indices, ids, send_counts, recv_counts, shape[1], k))
     })();
     let (h, k) = local.as_ref().map_or((0, 0), |parts| (parts.5, parts.6));
-    let sizes = [size_word(h), size_word(k)];
+    let sizes: Vec<u32> = match &local {
+        Ok((_, _, _, send_counts, recv_counts, ..)) => [size_word(h), size_word(k)]
+            .into_iter()
+            .chain(route_words(send_counts, recv_counts))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
     let status = status_words(local.as_ref().map(|_| &sizes[..]));
     // Each source's row gradients go back with the status in front: its rows' H values, then
     // their K affinity gradients.
@@ -714,7 +771,8 @@ pub fn dispatch_bwd(
         counts.push(status.len() + rows * (h + k));
     }
     let received = comm.all_to_all_v_words(send.into(), &counts, None)?;
-    let payloads = agreed_payloads(&received, &["H (hidden size)", "K (top_k)"])?;
+    let (all, payloads) = agreed_payloads(&received, &["H (hidden size)", "K (top_k)"])?;
+    check_routes_agree(&all, 2)?;
     let (t, indices, ids, send_counts, _, h, k) = local?;
     let local_experts = e / r;
     let mut d_x = vec![0f32; t * h];
