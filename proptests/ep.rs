@@ -602,6 +602,34 @@ fn routes_that_disagree_across_ranks_are_every_ranks_error() {
 }
 
 #[test]
+fn rows_without_columns_are_every_ranks_error() {
+    let results = on_ranks(LocalComm::group(2).unwrap(), |_, comm| {
+        let x = f32_tensor(&[4, 3], &[0.5; 12]);
+        let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
+        let params = DispatchParams { num_experts: 4 };
+        let affinities = f32_tensor(&[4, 2], &[0.5; 8]);
+        let dispatched = dispatch(comm, &x, &index, &affinities, params).unwrap();
+        let m = dispatched.hidden_states.shape()[0];
+        let empty = |rows: usize| Tensor::from_f32([rows, 0], Vec::new()).unwrap();
+        [
+            combine(comm, &dispatched.route, &empty(m)).map(drop),
+            combine_bwd(comm, &dispatched.route, &empty(4)).map(drop),
+        ]
+        .map(|result| result.unwrap_err().to_string())
+    });
+    for [combined, backward] in results {
+        assert!(
+            combined.contains("expert_output") && combined.contains("at least 1"),
+            "{combined}"
+        );
+        assert!(
+            backward.contains("d_output") && backward.contains("at least 1"),
+            "{backward}"
+        );
+    }
+}
+
+#[test]
 fn ranks_started_with_different_sizes_are_detected() {
     let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
         let h = 3 + rank;

@@ -576,6 +576,7 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
             "[M, H]",
             &[Some(m), None],
         )?;
+        validate::non_empty("expert_output", "H (hidden size)", shape[1])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
     // Every rank's verdict, H and route (which also says where the rows of each destination
@@ -684,6 +685,7 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
     let local = (|| {
         let (t, indices, send_counts, recv_counts) = check_route(route, r)?;
         let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(t), None])?;
+        validate::non_empty("d_output", "H (hidden size)", shape[1])?;
         Ok((t, indices, send_counts, recv_counts, shape[1]))
     })();
     agree_on_route(comm, &local, |(_, _, send, recv, h)| (*h, send, recv))?;
