@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
 
-use mpi::datatype::{Equivalence, Partition, PartitionMut, UserDatatype, View};
+use mpi::datatype::{Buffer, Equivalence, Partition, PartitionMut, UserDatatype, View};
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Source};
@@ -78,14 +78,6 @@ fn as_slots<T>(slots: &mut [MaybeUninit<T>]) -> &mut [Slot<T>] {
     unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [Slot<T>]) }
 }
 
-/// Source `src` sent `got` words where this rank expected `expected`.
-fn short_message(rank: usize, src: usize, got: usize, expected: usize) -> Error {
-    Error::Collective {
-        rank: src,
-        message: format!("sent {got} words where rank {rank} expected {expected}"),
-    }
-}
-
 /// Counts and displacements as MPI's `int`s.
 fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
     let too_large = || Error::Collective {
@@ -145,6 +137,65 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// One point-to-point round, every message posted at once: a receive from each other rank
+    /// into its chunk of `out` (`counts[src]` words each, in rank order; this rank's own chunk
+    /// is left alone) and each `(dst, buffer)` of `sends`. A source that sent fewer words than
+    /// its chunk holds is an error naming it (more is MPI's truncation error).
+    fn round<S: Buffer + ?Sized>(
+        &self,
+        out: &mut [MaybeUninit<f32>],
+        counts: &[usize],
+        sends: &[(usize, &S)],
+    ) -> Result<()> {
+        let rank = self.rank();
+        let mut chunks = Vec::with_capacity(counts.len());
+        let mut rest = as_slots(out);
+        for &count in counts {
+            let (chunk, tail) = rest.split_at_mut(count);
+            chunks.push(chunk);
+            rest = tail;
+        }
+        let mut short = None;
+        mpi::request::scope(|scope| {
+            let receives: Vec<_> = chunks
+                .into_iter()
+                .enumerate()
+                .filter(|&(src, _)| src != rank)
+                .map(|(src, chunk)| {
+                    let from = self.world.process_at_rank(src as i32);
+                    let expected = chunk.len();
+                    let request = from.immediate_receive_into_with_tag(scope, chunk, P2P_TAG);
+                    (src, expected, request)
+                })
+                .collect();
+            let sends: Vec<_> = sends
+                .iter()
+                .map(|&(dst, buffer)| {
+                    let to = self.world.process_at_rank(dst as i32);
+                    to.immediate_send_with_tag(scope, buffer, P2P_TAG)
+                })
+                .collect();
+            for (src, expected, request) in receives {
+                let got = request.wait().count(f32::equivalent_datatype()) as usize;
+                if got != expected && short.is_none() {
+                    short = Some((src, got, expected));
+                }
+            }
+            for request in sends {
+                request.wait();
+            }
+        });
+        match short {
+            Some((src, got, expected)) => Err(Error::Collective {
+                rank: src,
+                message: format!("sent {got} words where rank {rank} expected {expected}"),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.world.rank() as usize
@@ -194,49 +245,11 @@ impl Communicator for MpiComm {
                 let mut received = uninit::<f32>(known.iter().sum());
                 let own_start: usize = known[..rank].iter().sum();
                 write_copy(&mut received[own_start..], chunk(rank));
-                let mut chunks = Vec::with_capacity(size);
-                let mut rest = as_slots(&mut received);
-                for &count in known {
-                    let (head, tail) = rest.split_at_mut(count);
-                    chunks.push(head);
-                    rest = tail;
-                }
-                let mut short = None;
-                mpi::request::scope(|scope| {
-                    let receives: Vec<_> = chunks
-                        .into_iter()
-                        .enumerate()
-                        .filter(|&(src, _)| src != rank)
-                        .map(|(src, slots)| {
-                            let from = self.world.process_at_rank(src as i32);
-                            let expected = slots.len();
-                            (
-                                src,
-                                expected,
-                                from.immediate_receive_into_with_tag(scope, slots, P2P_TAG),
-                            )
-                        })
-                        .collect();
-                    let sends: Vec<_> = (0..size)
-                        .filter(|&dst| dst != rank)
-                        .map(|dst| {
-                            let to = self.world.process_at_rank(dst as i32);
-                            to.immediate_send_with_tag(scope, chunk(dst), P2P_TAG)
-                        })
-                        .collect();
-                    for (src, expected, request) in receives {
-                        let got = request.wait().count(float) as usize;
-                        if got != expected && short.is_none() {
-                            short = Some((src, got, expected));
-                        }
-                    }
-                    for request in sends {
-                        request.wait();
-                    }
-                });
-                if let Some((src, got, expected)) = short {
-                    return Err(short_message(rank, src, got, expected));
-                }
+                let sends: Vec<(usize, &[f32])> = (0..size)
+                    .filter(|&dst| dst != rank)
+                    .map(|dst| (dst, chunk(dst)))
+                    .collect();
+                self.round(&mut received, known, &sends)?;
                 // SAFETY: this rank's chunk was copied, every other one received whole.
                 let values = unsafe { assume_init(received) };
                 Ok(Received::contiguous(values, known))
@@ -344,47 +357,10 @@ impl Communicator for MpiComm {
             })
             .collect();
 
-        let mut chunks = Vec::with_capacity(size);
-        let mut rest = as_slots(out);
-        for &count in recv_rows {
-            let (chunk, tail) = rest.split_at_mut(count * width);
-            chunks.push(chunk);
-            rest = tail;
-        }
-        let mut short = None;
-        mpi::request::scope(|scope| {
-            let receives: Vec<_> = chunks
-                .into_iter()
-                .enumerate()
-                .filter(|&(src, _)| src != rank)
-                .map(|(src, chunk)| {
-                    let from = self.world.process_at_rank(src as i32);
-                    let expected = chunk.len();
-                    let request = from.immediate_receive_into_with_tag(scope, chunk, P2P_TAG);
-                    (src, expected, request)
-                })
-                .collect();
-            let sends: Vec<_> = views
-                .iter()
-                .map(|(dst, view)| {
-                    let to = self.world.process_at_rank(*dst as i32);
-                    to.immediate_send_with_tag(scope, view, P2P_TAG)
-                })
-                .collect();
-            for (src, expected, request) in receives {
-                let got = request.wait().count(float) as usize;
-                if got != expected && short.is_none() {
-                    short = Some((src, got, expected));
-                }
-            }
-            for request in sends {
-                request.wait();
-            }
-        });
-        match short {
-            Some((src, got, expected)) => Err(short_message(rank, src, got, expected)),
-            None => Ok(()),
-        }
+        let counts: Vec<usize> = recv_rows.iter().map(|&rows| rows * width).collect();
+        let sends: Vec<(usize, &View<'_, '_, UserDatatype, [f32]>)> =
+            views.iter().map(|(dst, view)| (*dst, view)).collect();
+        self.round(out, &counts, &sends)
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
