@@ -22,8 +22,8 @@ use common::ep_layer::{EpCase, EpData, ep_data, run_rank, single_rank};
 use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::ep::{
-    Communicator, DispatchParams, EpGrads, LocalComm, RowsToSend, agree, all_to_all_v_values,
-    combine, combine_bwd, dispatch, dispatch_bwd,
+    Communicator, DispatchParams, Dispatched, EpGrads, LocalComm, RowsToSend, agree,
+    all_to_all_v_values, combine, combine_bwd, dispatch, dispatch_bwd,
 };
 use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -523,6 +523,17 @@ fn a_non_finite_hidden_state_on_one_rank_is_every_ranks_error() {
     }
 }
 
+/// Two ranks' worth of a small dispatch (T = 4, H = 3, E = 4 over R = 2, K = 2): tokens 1, 2
+/// and 3 have an expert on rank 1. Returns `(x, expert_index, params, dispatched)`.
+fn small_dispatch(comm: &LocalComm) -> (Tensor, Tensor, DispatchParams, Dispatched) {
+    let x = f32_tensor(&[4, 3], &[0.5; 12]);
+    let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
+    let params = DispatchParams { num_experts: 4 };
+    let affinities = f32_tensor(&[4, 2], &[0.5; 8]);
+    let dispatched = dispatch(comm, &x, &index, &affinities, params).unwrap();
+    (x, index, params, dispatched)
+}
+
 #[test]
 fn a_non_finite_expert_output_is_every_ranks_error_naming_its_rank_and_position() {
     // Tokens 1, 2 and 3 of each rank have an expert on rank 1 (E = 4 over R = 2), so rank 1's
@@ -530,11 +541,7 @@ fn a_non_finite_expert_output_is_every_ranks_error_naming_its_rank_and_position(
     // rank 0 while it adds, an infinity in a later row by rank 1; the first position wins.
     for bad in [f32::NAN, f32::NEG_INFINITY] {
         let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
-            let x = f32_tensor(&[4, 3], &[0.5; 12]);
-            let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
-            let params = DispatchParams { num_experts: 4 };
-            let dispatched =
-                dispatch(comm, &x, &index, &f32_tensor(&[4, 2], &[0.5; 8]), params).unwrap();
+            let (_, _, _, dispatched) = small_dispatch(comm);
             let mut output = dispatched.hidden_states.as_f32().unwrap().to_vec();
             if rank == 1 {
                 output[1] = bad;
@@ -561,11 +568,7 @@ fn routes_that_disagree_across_ranks_are_every_ranks_error() {
     // consistent with its tensors, but no longer with rank 0's. combine, combine_bwd and
     // dispatch_bwd each report it on both ranks before any row travels.
     let results = on_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
-        let x = f32_tensor(&[4, 3], &[0.5; 12]);
-        let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
-        let params = DispatchParams { num_experts: 4 };
-        let affinities = f32_tensor(&[4, 2], &[0.5; 8]);
-        let dispatched = dispatch(comm, &x, &index, &affinities, params).unwrap();
+        let (x, index, params, dispatched) = small_dispatch(comm);
         let mut route = dispatched.route.clone();
         if rank == 1 {
             let mut counts = route.recv_counts.as_i32().unwrap().to_vec();
@@ -604,11 +607,7 @@ fn routes_that_disagree_across_ranks_are_every_ranks_error() {
 #[test]
 fn rows_without_columns_are_every_ranks_error() {
     let results = on_ranks(LocalComm::group(2).unwrap(), |_, comm| {
-        let x = f32_tensor(&[4, 3], &[0.5; 12]);
-        let index = i32_tensor(&[4, 2], &[0, 1, 2, 0, 3, 2, 1, 2]);
-        let params = DispatchParams { num_experts: 4 };
-        let affinities = f32_tensor(&[4, 2], &[0.5; 8]);
-        let dispatched = dispatch(comm, &x, &index, &affinities, params).unwrap();
+        let (_, _, _, dispatched) = small_dispatch(comm);
         let m = dispatched.hidden_states.shape()[0];
         let empty = |rows: usize| Tensor::from_f32([rows, 0], Vec::new()).unwrap();
         [
