@@ -231,25 +231,38 @@ impl Communicator for MpiComm {
         let float = f32::equivalent_datatype();
         match recv_counts {
             Some(known) => {
-                if known.len() != size || known[rank] != send_counts[rank] {
+                if known.len() != size {
                     return Err(Error::Collective {
                         rank,
                         message: format!(
-                            "expects {known:?} words from the ranks of the group, and sends \
-                             itself {}",
-                            send_counts[rank]
+                            "all_to_all_v needs one receive count per rank ({size}), got {}",
+                            known.len()
                         ),
                     });
                 }
                 counts_and_displacements(rank, known)?;
                 let mut received = uninit::<f32>(known.iter().sum());
-                let own_start: usize = known[..rank].iter().sum();
-                write_copy(&mut received[own_start..], chunk(rank));
+                // A mismatch of this rank's counts to itself is reported after the round, in
+                // which the other ranks expect this rank's messages.
+                let own_matches = known[rank] == send_counts[rank];
+                if own_matches {
+                    let own_start: usize = known[..rank].iter().sum();
+                    write_copy(&mut received[own_start..], chunk(rank));
+                }
                 let sends: Vec<(usize, &[f32])> = (0..size)
                     .filter(|&dst| dst != rank)
                     .map(|dst| (dst, chunk(dst)))
                     .collect();
                 self.round(&mut received, known, &sends)?;
+                if !own_matches {
+                    return Err(Error::Collective {
+                        rank,
+                        message: format!(
+                            "expects {} words from itself but sends itself {}",
+                            known[rank], send_counts[rank]
+                        ),
+                    });
+                }
                 // SAFETY: this rank's chunk was copied, every other one received whole.
                 let values = unsafe { assume_init(received) };
                 Ok(Received::contiguous(values, known))
