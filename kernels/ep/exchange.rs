@@ -384,21 +384,11 @@ pub fn dispatch(
     // and finiteness is checked while they are (then on the rows sent only elsewhere).
     let rank = comm.rank();
     let x = hidden_states.f32_values();
-    let mut hidden = uninit(m * h);
-    let own = own_chunk(&recv_counts, rank, h, tokens[rank].len())?;
-    let mut non_finite = gather_rows(&x, h, &tokens[rank], &mut hidden[own]);
-    non_finite |= (0..t)
-        .filter(|&token| send_indices[token * r + rank] == t as i32)
-        .any(|token| has_non_finite(&x[token * h..(token + 1) * h]));
-    comm.all_to_all_v_rows(
-        &x,
-        h,
-        RowsToSend::Gathered(&tokens),
-        &recv_counts,
-        &mut hidden,
-    )?;
-    // SAFETY: the exchange wrote every other source's chunk, and `gather_rows` this rank's.
-    let hidden = unsafe { assume_init(hidden) };
+    let (hidden, own_non_finite) = exchange_gathered(comm, &x, h, &tokens, &recv_counts)?;
+    let non_finite = own_non_finite
+        || (0..t)
+            .filter(|&token| send_indices[token * r + rank] == t as i32)
+            .any(|token| has_non_finite(&x[token * h..(token + 1) * h]));
     let verdict = match non_finite {
         true => validate::finite("hidden_states", hidden_states),
         false => Ok(()),
@@ -523,6 +513,32 @@ fn sum_rows<'a>(
         slot.write(sum);
     }
     flags.iter().any(|&flag| flag != 0)
+}
+
+/// Sends each rank r the rows `rows[r]` of `source` (`[_, h]`) and receives `recv_counts[src]`
+/// rows from each source into one `[Σ recv_counts, h]` buffer, sources in rank order; this
+/// rank's rows to itself are copied in here. Also returns whether those own rows hold an
+/// infinity or a NaN (the copy reads them anyway).
+fn exchange_gathered(
+    comm: &dyn Communicator,
+    source: &[f32],
+    h: usize,
+    rows: &[Vec<usize>],
+    recv_counts: &[usize],
+) -> Result<(Vec<f32>, bool)> {
+    let rank = comm.rank();
+    let mut received = uninit(recv_counts.iter().sum::<usize>() * h);
+    let own = own_chunk(recv_counts, rank, h, rows[rank].len())?;
+    let non_finite = gather_rows(source, h, &rows[rank], &mut received[own]);
+    comm.all_to_all_v_rows(
+        source,
+        h,
+        RowsToSend::Gathered(rows),
+        recv_counts,
+        &mut received,
+    )?;
+    // SAFETY: the exchange wrote every other source's chunk, and `gather_rows` this rank's.
+    Ok((unsafe { assume_init(received) }, non_finite))
 }
 
 /// Where this rank's own chunk lies in a `[Σ recv_counts, h]` receive buffer, which must hold
@@ -692,21 +708,8 @@ pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) ->
     let (t, indices, _, recv_counts, h) = local?;
     // Each token's gradient row goes to every rank it was sent to, straight into the `[M, H]`
     // result there; this rank's own rows are copied in here.
-    let rank = comm.rank();
-    let d = d_output.f32_values();
     let sent = sent_rows(t, r, indices);
-    let mut received = uninit(recv_counts.iter().sum::<usize>() * h);
-    let own = own_chunk(&recv_counts, rank, h, sent[rank].len())?;
-    gather_rows(&d, h, &sent[rank], &mut received[own]);
-    comm.all_to_all_v_rows(
-        &d,
-        h,
-        RowsToSend::Gathered(&sent),
-        &recv_counts,
-        &mut received,
-    )?;
-    // SAFETY: the exchange wrote every other source's chunk, and `gather_rows` this rank's.
-    let received = unsafe { assume_init(received) };
+    let (received, _) = exchange_gathered(comm, &d_output.f32_values(), h, &sent, &recv_counts)?;
     let m: usize = recv_counts.iter().sum();
     Tensor::from_f32([m, h], received)
 }
