@@ -39,6 +39,22 @@ fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Resul
     ])
 }
 
+/// `what` must have failed on rank 0 with an error `expected` accepts, and succeeded on
+/// every other rank.
+fn only_rank_0_fails<T: std::fmt::Debug>(
+    rank: usize,
+    what: &str,
+    result: moekit::Result<T>,
+    expected: impl Fn(&str) -> bool,
+) -> Result<(), String> {
+    match (rank, result) {
+        (0, Err(err)) if expected(&err.to_string()) => Ok(()),
+        (0, result) => Err(format!("{what} gave {result:?}")),
+        (_, Err(err)) => Err(format!("{what} failed here: {err}")),
+        (_, Ok(_)) => Ok(()),
+    }
+}
+
 fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
     let (rank, r) = (comm.rank(), comm.size());
     let len = |src: usize, dst: usize| (src * 5 + dst * 3) % 7;
@@ -109,12 +125,9 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
             &recv_rows,
             &mut out,
         );
-        match (rank, result) {
-            (0, Err(err)) if err.to_string() == "rank 1: sent 2 words where rank 0 expected 4" => {}
-            (0, result) => return Err(format!("a short row exchange gave {result:?}")),
-            (_, Err(err)) => return Err(format!("a short row exchange failed here: {err}")),
-            (_, Ok(())) => {}
-        }
+        only_rank_0_fails(rank, "a short row exchange", result, |err| {
+            err == "rank 1: sent 2 words where rank 0 expected 4"
+        })?;
     }
     // The same for words with known counts: rank 0 expects one word more from rank 1.
     if r >= 2 {
@@ -131,12 +144,7 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
             len(1, 0),
             len(1, 0) + 1
         );
-        match (rank, result) {
-            (0, Err(err)) if err.to_string() == message => {}
-            (0, result) => return Err(format!("a short word exchange gave {result:?}")),
-            (_, Err(err)) => return Err(format!("a short word exchange failed here: {err}")),
-            (_, Ok(_)) => {}
-        }
+        only_rank_0_fails(rank, "a short word exchange", result, |err| err == message)?;
     }
     // Counts to itself that disagree are this rank's error after the round, which the
     // others still complete.
@@ -148,12 +156,9 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
         &counts,
         Some(&expected),
     );
-    match (rank, result) {
-        (0, Err(err)) if err.to_string().contains("from itself") => {}
-        (0, result) => return Err(format!("a mismatched own count gave {result:?}")),
-        (_, Err(err)) => return Err(format!("a mismatched own count failed here: {err}")),
-        (_, Ok(_)) => {}
-    }
+    only_rank_0_fails(rank, "a mismatched own count", result, |err| {
+        err.contains("from itself")
+    })?;
     let value = |src: usize, j: usize| (src as f32 + 1.0) * 0.1 + j as f32 * 1e-3;
     let mut buffer: Vec<f32> = (0..5).map(|j| value(rank, j)).collect();
     comm.all_reduce_sum(&mut buffer)
