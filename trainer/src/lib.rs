@@ -12,6 +12,7 @@
 //! - [`model`]: Qwen3-MoE and its losses.
 //! - [`moe`]: the experts' implementations.
 //! - [`tape`]: running kernels outside autograd inside a backward pass.
+//! - [`threads`]: keeping libtorch's idle OpenMP workers off the cores moekit's kernels use.
 //! - [`eval`]: loading, evaluating and exporting trained models.
 //! - [`data`]: tokenization, the built-in corpus and batching.
 //! - [`optim`]: AdamW, clipping, the learning-rate schedule.
@@ -31,4 +32,5 @@ pub mod optim;
 pub mod parallel;
 pub mod plots;
 pub mod tape;
+pub mod threads;
 pub mod train;

@@ -21,6 +21,7 @@ use tch::{Device, Tensor};
 
 use super::Experts;
 use crate::tape::{ExternalBackward, Tape};
+use crate::threads::release_openmp_workers;
 
 /// The experts of this rank on moekit's kernels; the other ranks' experts are reached through
 /// the communicator.
@@ -120,6 +121,7 @@ impl Experts for ExpertParallelExperts {
             "expert parallelism runs moekit's kernels on the CPU, but the activations are on {:?}",
             x.device()
         );
+        release_openmp_workers();
         let saved = Saved {
             x: from_tch("x", &x.detach())?,
             expert_index: from_tch("expert_index", expert_index)?,
@@ -169,6 +171,7 @@ impl ExternalBackward for ExpertParallelBackward {
     }
 
     fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        release_openmp_workers();
         let d_output = from_tch("output_hidden_states_grad", output_grad)?;
         let grads = self
             .group

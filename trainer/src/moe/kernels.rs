@@ -14,6 +14,7 @@ use tch::{Device, Tensor};
 
 use super::Experts;
 use crate::tape::{ExternalBackward, Tape};
+use crate::threads::release_openmp_workers;
 
 /// moekit's `permute` and `blockwise_mm` on one backend. The forward runs outside autograd
 /// (on copies of the tensors in moekit's layout, with the padding token appended as row T of
@@ -61,6 +62,8 @@ impl Experts for KernelExperts {
             ],
             0,
         );
+        // From here to the output, moekit's kernels run and libtorch waits.
+        release_openmp_workers();
         let expert_index_i32 = from_tch("expert_index", expert_index)?;
         let topk = from_tch("topk_affinities", &affinities.detach())?;
         let plan = self.backend.permute(&Permute::new(
@@ -157,6 +160,7 @@ impl ExternalBackward for KernelBackward {
     }
 
     fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        release_openmp_workers();
         let output_grad = from_tch("output_hidden_states_grad", output_grad)?;
         let grads = self
             .backend
