@@ -1,7 +1,8 @@
 //! Conversions between moekit tensors and libtorch tensors (feature `libtorch`), for the peer
 //! benchmarks and for callers that run moekit kernels on tensors they hold in libtorch.
 //!
-//! Both directions copy the elements once. bf16 travels as raw bytes with `Kind::BFloat16`, because tch's
+//! Both directions copy the elements once, except [`borrow_as_tch`], which lends a moekit
+//! tensor's memory to libtorch for reading. bf16 travels as raw bytes with `Kind::BFloat16`, because tch's
 //! `Element` impl for `half::bf16` maps to Half.
 
 use tch::{Device, Kind};
@@ -20,6 +21,31 @@ pub fn to_tch(tensor: &Tensor) -> tch::Tensor {
         Storage::I32(v) => (bytemuck::cast_slice(v), Kind::Int),
     };
     tch::Tensor::from_data_size(bytes, &shape, kind)
+}
+
+/// `tensor`'s memory as a contiguous CPU libtorch tensor of the same shape and dtype, without
+/// a copy: for reading a kernel's result in libtorch ops whose results are new tensors (an
+/// in-place add into another tensor, a product).
+///
+/// # Safety
+///
+/// The returned tensor, and every libtorch tensor that comes to share its storage (views,
+/// shallow clones, tensors autograd saved), must be dropped before `tensor` is dropped or
+/// modified, and nothing may write through them.
+pub unsafe fn borrow_as_tch(tensor: &Tensor) -> tch::Tensor {
+    let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
+    let mut strides = vec![1i64; shape.len()];
+    for axis in (1..shape.len()).rev() {
+        strides[axis - 1] = strides[axis] * shape[axis];
+    }
+    let (data, kind) = match tensor.storage() {
+        Storage::F32(v) => (v.as_ptr().cast::<u8>(), Kind::Float),
+        Storage::BF16(v) => (v.as_ptr().cast::<u8>(), Kind::BFloat16),
+        Storage::I32(v) => (v.as_ptr().cast::<u8>(), Kind::Int),
+    };
+    // SAFETY: `data` points at the tensor's `numel` elements of `kind`, row-major as the
+    // strides describe; the caller keeps them alive and unwritten while libtorch holds them.
+    unsafe { tch::Tensor::from_blob(data, &shape, &strides, kind, Device::Cpu) }
 }
 
 /// A libtorch tensor (any device, any strides) as a moekit tensor: f32 and bf16 keep their

@@ -9,7 +9,7 @@ use std::process::Command;
 use common::*;
 use half::bf16;
 use moekit::bench::{Layer, LayerInputs, MoeShape, libtorch};
-use moekit::torch::{from_tch, to_tch};
+use moekit::torch::{borrow_as_tch, from_tch, to_tch};
 use moekit::{BackendKind, DType, Storage, Tensor};
 use tch::Kind;
 
@@ -89,18 +89,32 @@ fn tensors_cross_to_libtorch_and_back_unchanged() {
         (Tensor::from_bf16([4, 6], halves).unwrap(), Kind::BFloat16),
         (Tensor::from_i32([24], ids).unwrap(), Kind::Int),
     ] {
-        let theirs = to_tch(&tensor);
-        assert_eq!(theirs.kind(), kind);
-        let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
-        assert_eq!(theirs.size(), shape);
-        // libtorch's own reading of each element, against moekit's.
-        for (index, want) in tensor.to_f64_vec().into_iter().enumerate() {
-            let got = theirs.reshape([-1]).double_value(&[index as i64]);
-            assert_eq!(got, want, "{kind:?} element {index}");
+        let copied = to_tch(&tensor);
+        // SAFETY: `borrowed` and everything made from it are dropped within this iteration,
+        // while `tensor` lives unchanged.
+        let borrowed = unsafe { borrow_as_tch(&tensor) };
+        for theirs in [&copied, &borrowed] {
+            assert_eq!(theirs.kind(), kind);
+            let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
+            assert_eq!(theirs.size(), shape);
+            assert!(theirs.is_contiguous());
+            // libtorch's own reading of each element, against moekit's.
+            for (index, want) in tensor.to_f64_vec().into_iter().enumerate() {
+                let got = theirs.reshape([-1]).double_value(&[index as i64]);
+                assert_eq!(got, want, "{kind:?} element {index}");
+            }
+            let back = from_tch("x", theirs).unwrap();
+            assert_eq!(back.shape(), tensor.shape());
+            assert_eq!(back.storage(), tensor.storage());
         }
-        let back = from_tch("x", &theirs).unwrap();
-        assert_eq!(back.shape(), tensor.shape());
-        assert_eq!(back.storage(), tensor.storage());
+        // The copy has its own memory; the borrowed tensor reads moekit's.
+        let ours = match tensor.storage() {
+            Storage::F32(v) => v.as_ptr() as usize,
+            Storage::BF16(v) => v.as_ptr() as usize,
+            Storage::I32(v) => v.as_ptr() as usize,
+        };
+        assert_eq!(borrowed.data_ptr() as usize, ours);
+        assert_ne!(copied.data_ptr() as usize, ours);
     }
 }
 

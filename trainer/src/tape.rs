@@ -14,6 +14,7 @@
 //! are backpropagated before p.
 
 use anyhow::Result;
+use moekit::torch::borrow_as_tch;
 use tch::Tensor;
 
 /// The backward of a kernel run outside autograd.
@@ -21,8 +22,9 @@ pub trait ExternalBackward {
     /// The leaf that stands for the kernel's output in the graph.
     fn output(&self) -> &Tensor;
     /// Given the gradient of [`Self::output`], the gradients of the kernel's differentiable
-    /// inputs, as `(input, gradient)` pairs with matching shapes.
-    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>>;
+    /// inputs, as `(input, gradient)` pairs with matching shapes. libtorch reads the gradients
+    /// where the kernel wrote them (converted only when the input's dtype differs).
+    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, moekit::Tensor)>>;
 }
 
 enum Entry {
@@ -85,13 +87,31 @@ impl Tape {
                 Entry::Kernel(kernel) => {
                     let grad = kernel.output().grad();
                     if grad.defined() {
-                        propagate(&kernel.backward(&grad)?)?;
+                        propagate_kernel_gradients(&kernel.backward(&grad)?)?;
                     }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// [`propagate`] for gradients a kernel computed, read in place.
+fn propagate_kernel_gradients(pairs: &[(Tensor, moekit::Tensor)]) -> Result<()> {
+    let borrowed: Vec<(Tensor, Tensor)> = pairs
+        .iter()
+        .map(|(input, grad)| {
+            // SAFETY: `propagate` only reads the gradients into new tensors: the sum into a
+            // `.grad`, or the product `input · gradient`, whose graph autograd frees when its
+            // backward returns and which is dropped with `propagate`'s locals. So no libtorch
+            // tensor holds this memory once `borrowed` is dropped, at the end of this function,
+            // while `pairs` still owns it.
+            let grad = unsafe { borrow_as_tch(grad) };
+            let grad = grad.to_kind(input.kind()).to_device(input.device());
+            (input.shallow_clone(), grad)
+        })
+        .collect();
+    propagate(&borrowed)
 }
 
 /// Sends each gradient into its tensor's graph. A leaf whose `.grad` already exists (every

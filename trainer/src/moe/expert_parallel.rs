@@ -170,7 +170,7 @@ impl ExternalBackward for ExpertParallelBackward {
         &self.output
     }
 
-    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, moekit::Tensor)>> {
         release_openmp_workers();
         let d_output = from_tch("output_hidden_states_grad", output_grad)?;
         let grads = self
@@ -181,10 +181,10 @@ impl ExternalBackward for ExpertParallelBackward {
         Ok(input_gradients(
             &self.inputs,
             [
-                &grads.d_x,
-                &grads.d_topk_affinities,
-                &grads.d_gate_up_proj_weight,
-                &grads.d_down_proj_weight,
+                grads.d_x,
+                grads.d_topk_affinities,
+                grads.d_gate_up_proj_weight,
+                grads.d_down_proj_weight,
             ],
         ))
     }

@@ -159,7 +159,7 @@ impl ExternalBackward for KernelBackward {
         &self.output
     }
 
-    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, moekit::Tensor)>> {
         release_openmp_workers();
         let output_grad = from_tch("output_hidden_states_grad", output_grad)?;
         let grads = self
@@ -177,29 +177,24 @@ impl ExternalBackward for KernelBackward {
         Ok(input_gradients(
             &self.inputs,
             [
-                &grads.hidden_states_grad,
-                &d_affinities,
-                &grads.gate_up_proj_weight_grad,
-                &grads.down_proj_weight_grad,
+                grads.hidden_states_grad,
+                d_affinities,
+                grads.gate_up_proj_weight_grad,
+                grads.down_proj_weight_grad,
             ],
         ))
     }
 }
 
-/// The kernel gradients of the experts' four differentiable inputs (`x`, the affinities,
-/// `gate_up`, `down`), as `(input, gradient)` pairs in each input's dtype and device.
+/// The experts' four differentiable inputs (`x`, the affinities, `gate_up`, `down`), each
+/// paired with its kernel gradient.
 pub(super) fn input_gradients(
     inputs: &[Tensor; 4],
-    grads: [&moekit::Tensor; 4],
-) -> Vec<(Tensor, Tensor)> {
+    grads: [moekit::Tensor; 4],
+) -> Vec<(Tensor, moekit::Tensor)> {
     inputs
         .iter()
+        .map(Tensor::shallow_clone)
         .zip(grads)
-        .map(|(input, grad)| {
-            (
-                input.shallow_clone(),
-                to_tch(grad).to_kind(input.kind()).to_device(input.device()),
-            )
-        })
         .collect()
 }
