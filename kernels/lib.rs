@@ -91,6 +91,7 @@ pub mod reference;
 pub mod tensor;
 #[cfg(feature = "libtorch")]
 pub mod torch;
+mod uninit;
 
 pub use backend::{Backend, BackendKind};
 pub use error::{Error, Result};

@@ -17,10 +17,12 @@
 //! BF16 pair dot products ([`matmul_bf16`], exact products, f32 sums), and every other product
 //! widens a cache-sized panel of the weights at a time.
 
+use std::mem::MaybeUninit;
+
 use half::bf16;
 use rayon::prelude::*;
 
-use super::alloc::zeroed;
+use super::alloc::output_buffer;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
 use super::f32_output;
@@ -33,6 +35,7 @@ use crate::contracts::{
 };
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
+use crate::uninit::{assume_init, write_copy, zero};
 
 /// Most rows of one expert that one task computes; experts with more are split into pieces
 /// of this many rows (the last one shorter).
@@ -123,16 +126,17 @@ impl TokenRows {
         Self { offsets, entries }
     }
 
-    /// `out [T, H]`: each token's row is the sum over its `(group, row)` pairs, in order, of
-    /// `weight(token, group) · rows_of(group)[row]`.
+    /// Writes `out [T, H]`: each token's row is the sum over its `(group, row)` pairs, in
+    /// order, of `weight(token, group) · rows_of(group)[row]`, added to 0.
     fn combine<'r>(
         &self,
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
         h: usize,
         weight: impl Fn(usize, usize) -> f32 + Sync,
         rows_of: impl Fn(usize) -> &'r [f32] + Sync,
     ) {
         out.par_chunks_mut(h).enumerate().for_each(|(token, out)| {
+            let out = zero(out);
             for &(g, row) in &self.entries[self.offsets[token]..self.offsets[token + 1]] {
                 let w = weight(token, g);
                 for (o, v) in out.iter_mut().zip(&rows_of(g)[row * h..(row + 1) * h]) {
@@ -314,13 +318,15 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         .collect();
 
     let affinities = inputs.expert_affinities_masked.f32_values();
-    let mut output = zeroed(t * h);
+    let mut output = output_buffer(t * h);
     TokenRows::new(&groups, t).combine(
         &mut output,
         h,
         |token, g| affinities[token * e + groups[g].expert],
         |g| &results[g].down,
     );
+    // SAFETY: `combine` wrote every token's row.
+    let output = unsafe { assume_init(output) };
 
     let (gate_up_activations_t, down_activations) = if call.params().checkpoint_activations {
         let (gate_up_t, down) = checkpoints(&groups, &results, dims);
@@ -358,8 +364,8 @@ fn checkpoints(
             source[slot] = Some((g, row));
         }
     }
-    let mut gate_up_t = zeroed(n * 2 * i * b);
-    let mut down = zeroed(n * b * h);
+    let mut gate_up_t = output_buffer(n * 2 * i * b);
+    let mut down = output_buffer(n * b * h);
     gate_up_t
         .par_chunks_mut(2 * i * b)
         .zip(down.par_chunks_mut(b * h))
@@ -368,22 +374,26 @@ fn checkpoints(
             transpose_block(gate_up_t, source, |g, row| {
                 &results[g].gate_up[row * 2 * i..(row + 1) * 2 * i]
             });
-            for (j, src) in source.iter().enumerate() {
-                if let Some((g, row)) = *src {
-                    down[j * h..(j + 1) * h]
-                        .copy_from_slice(&results[g].down[row * h..(row + 1) * h]);
+            for (src, down) in source.iter().zip(down.chunks_exact_mut(h)) {
+                match *src {
+                    Some((g, row)) => write_copy(down, &results[g].down[row * h..(row + 1) * h]),
+                    None => {
+                        zero(down);
+                    }
                 }
             }
         });
-    (gate_up_t, down)
+    // SAFETY: the N blocks cover both buffers; `transpose_block` wrote each block's
+    // `[2I, B]` whole, and each slot's row of `down` was copied or zeroed.
+    unsafe { (assume_init(gate_up_t), assume_init(down)) }
 }
 
-/// Writes one block's rows, transposed, into `block_t [C, B]` (C = `block_t.len() / B`, B =
-/// `source.len()`): column j is the row `row_of(g, r)` for `source[j] = Some((g, r))`, zeros
-/// for padding. Works in 16 × 16 tiles gathered on the stack, so every read and write is a
-/// contiguous run of up to 16 values.
+/// Writes one block's rows, transposed, into the whole of `block_t [C, B]` (C =
+/// `block_t.len() / B`, B = `source.len()`): column j is the row `row_of(g, r)` for
+/// `source[j] = Some((g, r))`, zeros for padding. Works in 16 × 16 tiles gathered on the
+/// stack, so every read and write is a contiguous run of up to 16 values.
 fn transpose_block<'r>(
-    block_t: &mut [f32],
+    block_t: &mut [MaybeUninit<f32>],
     source: &[Option<(usize, usize)>],
     row_of: impl Fn(usize, usize) -> &'r [f32],
 ) {
@@ -403,7 +413,7 @@ fn transpose_block<'r>(
             }
             for (dc, out) in block_t[c0 * b..].chunks_mut(b).take(cols).enumerate() {
                 for (dj, value) in out[j0..j0 + slots.len()].iter_mut().enumerate() {
-                    *value = tile[dj][dc];
+                    value.write(tile[dj][dc]);
                 }
             }
         }
@@ -601,21 +611,31 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     // Read once here, not once per expert (bf16 inputs are widened).
     let affinities = inputs.forward.expert_affinities_masked.f32_values();
     let checkpoint = inputs.gate_up_activations_t.f32_values();
-    // Each expert writes its own slices of the weight gradients; experts without tokens keep
-    // zeros.
-    let mut d_gate_up_weight = zeroed(e * h * 2 * i);
-    let mut d_down_weight = zeroed(e * i * h);
+    // Each expert writes its own slices of the weight gradients, zeros where it has no tokens.
+    let mut d_gate_up_weight = output_buffer(e * h * 2 * i);
+    let mut d_down_weight = output_buffer(e * i * h);
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
         .enumerate()
-        .filter_map(|(expert, chunks)| group_of[expert].map(|g| (g, chunks)))
-        .map_init(ExpertGrads::default, |grads, (g, (d_gate_up, d_down))| {
-            let shared = (&affinities[..], &checkpoint[..]);
-            let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
-            (g, result)
-        })
+        .map_init(
+            ExpertGrads::default,
+            |grads, (expert, (d_gate_up, d_down))| {
+                let (d_gate_up, d_down) = (zero(d_gate_up), zero(d_down));
+                let shared = (&affinities[..], &checkpoint[..]);
+                group_of[expert].map(|g| {
+                    let result =
+                        expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
+                    (g, result)
+                })
+            },
+        )
+        .flatten()
         .collect();
+    // SAFETY: the E experts' chunks cover both buffers, and each was zeroed (then overwritten
+    // by its expert's products, if it has tokens).
+    let (d_gate_up_weight, d_down_weight) =
+        unsafe { (assume_init(d_gate_up_weight), assume_init(d_down_weight)) };
     results.sort_by_key(|(g, _)| *g);
     let results: Vec<ExpertBackward> = results.into_iter().map(|(_, r)| r).collect();
 
@@ -625,8 +645,10 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
             d_affinities[token * e + group.expert] = d;
         }
     }
-    let mut d_hidden = zeroed(t * h);
+    let mut d_hidden = output_buffer(t * h);
     TokenRows::new(&groups, t).combine(&mut d_hidden, h, |_, _| 1.0, |g| &results[g].d_x);
+    // SAFETY: `combine` wrote every token's row.
+    let d_hidden = unsafe { assume_init(d_hidden) };
     let d_topk_affinities = inputs
         .expert_index
         .map(|index| topk_gradient(index, &d_affinities, e))

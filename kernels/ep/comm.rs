@@ -5,8 +5,8 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::uninit::write_copy;
 use crate::error::{Error, Result};
+use crate::uninit::write_copy;
 
 /// What a variable all-to-all of f32 words ([`Communicator::all_to_all_v_words`]) delivered:
 /// one chunk per source rank, read where the engine left it (an engine over shared memory

@@ -39,11 +39,11 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::comm::{Communicator, Received, RowsToSend, read_status, status_words};
-use super::uninit::{assume_init, uninit, write_copy};
 use crate::contracts::SKIP;
 use crate::contracts::validate;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
+use crate::uninit::{assume_init, uninit, write_copy};
 
 /// Parameters of [`dispatch`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use super::comm::{
     Communicator, Received, RowsToSend, Selected, check_counts, check_known_counts, check_rows,
 };
-use super::uninit::write_copy;
 use crate::error::{Error, Result};
+use crate::uninit::write_copy;
 
 /// How long a rank waits for the others at a collective before the group is declared broken.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);

@@ -22,7 +22,6 @@ mod layer;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
-mod uninit;
 
 pub use comm::{Communicator, Received, RowsToSend, agree, agree_with_values, all_to_all_v_values};
 pub use exchange::{

@@ -13,8 +13,8 @@ use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Sourc
 use mpi::{Address, Tag};
 
 use super::comm::{Communicator, Received, RowsToSend, Selected, check_counts, check_rows};
-use super::uninit::{assume_init, uninit, write_copy};
 use crate::error::{Error, Result};
+use crate::uninit::{assume_init, uninit, write_copy};
 
 /// This process's rank of `MPI_COMM_WORLD`. MPI is initialised by [`MpiComm::init`] and
 /// finalised when the value is dropped; one per process.
