@@ -88,6 +88,8 @@ mod x86 {
     /// Rows of `a` and of `b` per AVX-512 tile: 16 zmm accumulators.
     const MR: usize = 4;
     const NR: usize = 4;
+    // `lane_sums` reduces exactly 16 accumulators.
+    const _: () = assert!(MR * NR == 16);
 
     /// # Safety
     /// The CPU must support AVX-512F and FMA.
@@ -122,9 +124,10 @@ mod x86 {
                     }
                     kk += 16;
                 }
+                let sums = lane_sums(acc);
                 for i in 0..MR {
                     for j in 0..NR {
-                        let mut sum = _mm512_reduce_add_ps(acc[i][j]);
+                        let mut sum = sums[i * NR + j];
                         let (a_row, b_row) = (&a[(r0 + i) * k..][..k], &b[(c0 + j) * k..][..k]);
                         for kk in full_k..k {
                             sum = a_row[kk].mul_add(b_row[kk], sum);
@@ -145,6 +148,47 @@ mod x86 {
             accumulate,
             |d, a, b, dims, acc| nt::<16, 1, 1>(d, a, b, dims, acc, f32::mul_add),
         );
+    }
+
+    /// The sum of each accumulator's 16 lanes, `sums[i · NR + j]` for `acc[i][j]`: the 16
+    /// vectors are reduced together, pairwise, so 16 sums take 45 shuffles and additions where
+    /// one horizontal reduction per vector takes about 8 each. Each sum adds the lanes in a
+    /// fixed tree: `(l + l⁺²) + (l⁺¹ + l⁺³)` within each quarter `l = 4q`, then quarters 0 + 1
+    /// and 2 + 3, then those two.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn lane_sums(acc: [[__m512; NR]; MR]) -> [f32; MR * NR] {
+        let v: [__m512; MR * NR] = std::array::from_fn(|x| acc[x / NR][x % NR]);
+        // Per 128-bit quarter of each pair (x, y): x0+x2, y0+y2, x1+x3, y1+y3.
+        let pairs: [__m512; 8] = std::array::from_fn(|p| {
+            let (x, y) = (v[2 * p], v[2 * p + 1]);
+            _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y))
+        });
+        // Per quarter of each group of four vectors: that quarter's sum of each of the four.
+        let quads: [__m512; 4] = std::array::from_fn(|q| {
+            let (x, y) = (pairs[2 * q], pairs[2 * q + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(x, y),
+                _mm512_shuffle_ps::<0xEE>(x, y),
+            )
+        });
+        // Quarters (0 + 1) and (2 + 3) of each group, two groups per vector.
+        let halves: [__m512; 2] = std::array::from_fn(|h| {
+            let (x, y) = (quads[2 * h], quads[2 * h + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(x, y),
+                _mm512_shuffle_f32x4::<0xDD>(x, y),
+            )
+        });
+        // Quarter g: the four totals of group g.
+        let totals = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(halves[0], halves[1]),
+            _mm512_shuffle_f32x4::<0xDD>(halves[0], halves[1]),
+        );
+        let mut sums = [0.0f32; MR * NR];
+        // SAFETY: `sums` holds 16 f32, one unaligned 512-bit store.
+        unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), totals) };
+        sums
     }
 
     /// # Safety
