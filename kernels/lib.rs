@@ -78,6 +78,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod buffer;
 pub mod check;
 pub mod contracts;
 pub mod cpu;
@@ -94,5 +95,6 @@ pub mod torch;
 mod uninit;
 
 pub use backend::{Backend, BackendKind};
+pub use buffer::Buffer;
 pub use error::{Error, Result};
 pub use tensor::{DType, Storage, Tensor};

@@ -1,4 +1,5 @@
-//! A minimal owned, row-major tensor: a shape and a typed buffer.
+//! A minimal row-major tensor: a shape and a typed buffer, owned or lent for reading
+//! ([`Buffer`]).
 //!
 //! Kernels read floating-point inputs as f32 or bf16 (`half::bf16`) and indices as i32; they
 //! write values as f32 and indices/counts as i32.
@@ -8,6 +9,7 @@ use std::fmt;
 
 use half::bf16;
 
+use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 
 /// `len` copies of `value`, or the allocation error instead of an abort: for buffers whose size
@@ -44,9 +46,9 @@ impl fmt::Display for DType {
 /// The typed element buffer of a [`Tensor`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum Storage {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-    I32(Vec<i32>),
+    F32(Buffer<f32>),
+    BF16(Buffer<bf16>),
+    I32(Buffer<i32>),
 }
 
 impl Storage {
@@ -67,7 +69,7 @@ impl Storage {
     }
 }
 
-/// An owned row-major tensor.
+/// A row-major tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     shape: Vec<usize>,
@@ -93,17 +95,17 @@ impl Tensor {
 
     /// An f32 tensor.
     pub fn from_f32(shape: impl Into<Vec<usize>>, data: Vec<f32>) -> Result<Self> {
-        Self::new(shape, Storage::F32(data))
+        Self::new(shape, Storage::F32(data.into()))
     }
 
     /// A bf16 tensor.
     pub fn from_bf16(shape: impl Into<Vec<usize>>, data: Vec<bf16>) -> Result<Self> {
-        Self::new(shape, Storage::BF16(data))
+        Self::new(shape, Storage::BF16(data.into()))
     }
 
     /// An i32 tensor.
     pub fn from_i32(shape: impl Into<Vec<usize>>, data: Vec<i32>) -> Result<Self> {
-        Self::new(shape, Storage::I32(data))
+        Self::new(shape, Storage::I32(data.into()))
     }
 
     /// The extents, outermost first.
@@ -173,7 +175,12 @@ impl Tensor {
     /// The same values stored as bf16 (round to nearest even). Indices are left unchanged.
     pub fn to_bf16(&self) -> Tensor {
         let storage = match &self.storage {
-            Storage::F32(v) => Storage::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            Storage::F32(v) => Storage::BF16(
+                v.iter()
+                    .map(|&x| bf16::from_f32(x))
+                    .collect::<Vec<_>>()
+                    .into(),
+            ),
             other => other.clone(),
         };
         Tensor {

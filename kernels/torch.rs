@@ -1,12 +1,17 @@
 //! Conversions between moekit tensors and libtorch tensors (feature `libtorch`), for the peer
 //! benchmarks and for callers that run moekit kernels on tensors they hold in libtorch.
 //!
-//! Both directions copy the elements once, except [`borrow_as_tch`], which lends a moekit
-//! tensor's memory to libtorch for reading. bf16 travels as raw bytes with `Kind::BFloat16`, because tch's
+//! Both directions copy the elements once, except where one side lends its memory to the
+//! other for reading: [`borrow_as_tch`] (moekit's to libtorch) and [`lend_to_moekit`]
+//! (libtorch's to moekit). bf16 travels as raw bytes with `Kind::BFloat16`, because tch's
 //! `Element` impl for `half::bf16` maps to Half.
+
+use std::any::Any;
+use std::sync::Arc;
 
 use tch::{Device, Kind};
 
+use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::tensor::{Storage, Tensor};
 
@@ -55,9 +60,9 @@ pub fn from_tch(name: &str, tensor: &tch::Tensor) -> Result<Tensor> {
     let shape: Vec<usize> = tensor.size().iter().map(|&d| d as usize).collect();
     let host = tensor.to_device(Device::Cpu).contiguous();
     let storage = match host.kind() {
-        Kind::Float => Storage::F32(host_elements(&host)),
-        Kind::BFloat16 => Storage::BF16(host_elements(&host)),
-        Kind::Int => Storage::I32(host_elements(&host)),
+        Kind::Float => Storage::F32(host_elements(&host).into()),
+        Kind::BFloat16 => Storage::BF16(host_elements(&host).into()),
+        Kind::Int => Storage::I32(host_elements(&host).into()),
         Kind::Int64 => Storage::I32(
             host_elements::<i64>(&host)
                 .into_iter()
@@ -65,7 +70,8 @@ pub fn from_tch(name: &str, tensor: &tch::Tensor) -> Result<Tensor> {
                 .collect::<std::result::Result<Vec<i32>, _>>()
                 .map_err(|_| {
                     Error::invalid(name, "an int64 value does not fit in the i32 index dtype")
-                })?,
+                })?
+                .into(),
         ),
         other => {
             return Err(Error::invalid(
@@ -76,6 +82,51 @@ pub fn from_tch(name: &str, tensor: &tch::Tensor) -> Result<Tensor> {
     };
     Tensor::new(shape, storage)
 }
+
+/// A libtorch tensor as a moekit tensor that reads libtorch's memory where it lies when it
+/// can: a contiguous CPU tensor of f32, bf16 or i32 is lent, not copied (the moekit tensor
+/// keeps libtorch's storage alive); any other is converted as [`from_tch`] converts it.
+///
+/// # Safety
+///
+/// Nothing may write to `tensor`'s elements (through it, or through any tensor that shares its
+/// storage, such as an optimizer updating a parameter in place) while the returned tensor or
+/// a clone of it exists.
+pub unsafe fn lend_to_moekit(name: &str, tensor: &tch::Tensor) -> Result<Tensor> {
+    let kind = tensor.kind();
+    let lendable = tensor.device() == Device::Cpu
+        && tensor.is_contiguous()
+        && matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Int);
+    if !lendable {
+        return from_tch(name, tensor);
+    }
+    let shape: Vec<usize> = tensor.size().iter().map(|&d| d as usize).collect();
+    let (start, len) = (tensor.data_ptr(), tensor.numel());
+    let owner: Arc<dyn Any + Send + Sync> = Arc::new(Lender {
+        _storage: tensor.shallow_clone(),
+    });
+    // SAFETY: a contiguous CPU tensor's `numel` elements of its dtype lie consecutively from
+    // `data_ptr` (which includes the storage offset, and is aligned for the dtype); `owner`
+    // holds a reference to the storage, so they live as long as the buffer, and the caller
+    // promises that nothing writes to them meanwhile.
+    let storage = unsafe {
+        match kind {
+            Kind::Float => Storage::F32(Buffer::lent(start.cast(), len, owner)),
+            Kind::BFloat16 => Storage::BF16(Buffer::lent(start.cast(), len, owner)),
+            _ => Storage::I32(Buffer::lent(start.cast(), len, owner)),
+        }
+    };
+    Tensor::new(shape, storage)
+}
+
+/// Keeps a lent libtorch storage alive; only ever dropped.
+struct Lender {
+    _storage: tch::Tensor,
+}
+
+// SAFETY: the tensor is never used through a shared reference, only dropped, and libtorch
+// counts a storage's references atomically, so dropping it on any thread is sound.
+unsafe impl Sync for Lender {}
 
 /// The elements of `host`, a contiguous CPU tensor whose dtype is `T`'s (the caller matched
 /// its kind), copied into a vector.

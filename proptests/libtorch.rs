@@ -9,7 +9,7 @@ use std::process::Command;
 use common::*;
 use half::bf16;
 use moekit::bench::{Layer, LayerInputs, MoeShape, libtorch};
-use moekit::torch::{borrow_as_tch, from_tch, to_tch};
+use moekit::torch::{borrow_as_tch, from_tch, lend_to_moekit, to_tch};
 use moekit::{BackendKind, DType, Storage, Tensor};
 use tch::Kind;
 
@@ -128,13 +128,64 @@ fn views_with_strides_and_offsets_are_read_in_logical_order() {
     let want: Vec<f32> = (0..6)
         .flat_map(|c| [6.0 + c as f32, 12.0 + c as f32])
         .collect();
-    assert_eq!(ours.storage(), &Storage::F32(want));
+    assert_eq!(ours.storage(), &Storage::F32(want.into()));
     // A contiguous view that starts inside its storage (offset 12) is read from its start.
     let tail = from_tch("tail", &base.narrow(0, 2, 2)).unwrap();
     let want: Vec<f32> = (12..24).map(|v| v as f32).collect();
-    assert_eq!(tail.storage(), &Storage::F32(want));
+    assert_eq!(tail.storage(), &Storage::F32(want.into()));
     let empty = from_tch("empty", &base.narrow(0, 0, 0)).unwrap();
     assert_eq!(empty.shape(), &[0, 6]);
+}
+
+/// Whether the tensor reads memory lent by libtorch.
+fn is_lent(tensor: &Tensor) -> bool {
+    match tensor.storage() {
+        Storage::F32(v) => v.is_lent(),
+        Storage::BF16(v) => v.is_lent(),
+        Storage::I32(v) => v.is_lent(),
+    }
+}
+
+#[test]
+fn contiguous_cpu_tensors_are_lent_in_place_and_others_copied() {
+    let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
+    let theirs = tch::Tensor::from_slice(&values).reshape([4, 6]);
+    let address = theirs.data_ptr() as usize;
+    let copied = from_tch("x", &theirs).unwrap();
+    // SAFETY: nothing writes to `theirs` (or any tensor sharing its storage) in this test.
+    let lent = unsafe { lend_to_moekit("x", &theirs) }.unwrap();
+    drop(theirs);
+    assert!(is_lent(&lent) && !is_lent(&copied));
+    assert_eq!(lent.as_f32().unwrap().as_ptr() as usize, address);
+    // The loan outlives the libtorch tensor it came from, and reads as the copy does.
+    assert_eq!(lent, copied);
+    assert_eq!(lent.shape(), &[4, 6]);
+    assert_eq!(lent.clone(), copied);
+
+    let halves = tch::Tensor::from_slice(&values).to_kind(Kind::BFloat16);
+    let ids = tch::Tensor::from_slice(&[3i32, -1, 7]);
+    // SAFETY: as above.
+    let (halves_lent, ids_lent) =
+        unsafe { (lend_to_moekit("h", &halves), lend_to_moekit("ids", &ids)) };
+    let (halves_lent, ids_lent) = (halves_lent.unwrap(), ids_lent.unwrap());
+    assert!(is_lent(&halves_lent) && is_lent(&ids_lent));
+    assert_eq!(halves_lent, from_tch("h", &halves).unwrap());
+    assert_eq!(ids_lent.as_i32(), Some(&[3, -1, 7][..]));
+
+    // A strided view, an i64 index and an empty tensor are converted as `from_tch` does.
+    let base = tch::Tensor::from_slice(&values).reshape([4, 6]);
+    let view = base.narrow(0, 1, 2).transpose(0, 1);
+    let wide = tch::Tensor::from_slice(&[5i64, 2]);
+    let empty = base.narrow(0, 0, 0);
+    for (name, tensor) in [("view", &view), ("wide", &wide), ("empty", &empty)] {
+        // SAFETY: as above.
+        let ours = unsafe { lend_to_moekit(name, tensor) }.unwrap();
+        assert!(!is_lent(&ours), "{name}");
+        assert_eq!(ours, from_tch(name, tensor).unwrap(), "{name}");
+    }
+    // SAFETY: as above.
+    let err = unsafe { lend_to_moekit("d", &tch::Tensor::from_slice(&[1.0f64])) }.unwrap_err();
+    assert!(err.to_string().contains("Double"), "{err}");
 }
 
 #[test]
@@ -143,7 +194,7 @@ fn indices_outside_i32_and_foreign_dtypes_are_named_errors() {
     let err = from_tch("expert_index", &wide).unwrap_err().to_string();
     assert!(err.contains("expert_index") && err.contains("i32"), "{err}");
     let ok = from_tch("expert_index", &tch::Tensor::from_slice(&[3i64, -1])).unwrap();
-    assert_eq!(ok.storage(), &Storage::I32(vec![3, -1]));
+    assert_eq!(ok.storage(), &Storage::I32(vec![3, -1].into()));
     let doubles = tch::Tensor::from_slice(&[1.0f64]);
     let err = from_tch("hidden_states", &doubles).unwrap_err().to_string();
     assert!(

@@ -19,7 +19,7 @@ use super::kernels::input_gradients;
 use moekit::{Backend, BackendKind};
 use tch::{Device, Tensor};
 
-use super::Experts;
+use super::{Experts, lend};
 use crate::tape::{ExternalBackward, Tape};
 use crate::threads::release_openmp_workers;
 
@@ -123,11 +123,11 @@ impl Experts for ExpertParallelExperts {
         );
         release_openmp_workers();
         let saved = Saved {
-            x: from_tch("x", &x.detach())?,
+            x: lend("x", x)?,
             expert_index: from_tch("expert_index", expert_index)?,
             topk_affinities: from_tch("topk_affinities", &affinities.detach())?,
-            gate_up: from_tch("gate_up_proj_weight", &gate_up.detach())?,
-            down: from_tch("down_proj_weight", &down.detach())?,
+            gate_up: lend("gate_up_proj_weight", gate_up)?,
+            down: lend("down_proj_weight", down)?,
         };
         let (output, experts) = self.group.sharded().forward(saved.inputs())?;
         self.group.add_exchange_time(experts.exchange_time());
@@ -172,7 +172,7 @@ impl ExternalBackward for ExpertParallelBackward {
 
     fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, moekit::Tensor)>> {
         release_openmp_workers();
-        let d_output = from_tch("output_hidden_states_grad", output_grad)?;
+        let d_output = lend("output_hidden_states_grad", output_grad)?;
         let grads = self
             .group
             .sharded()

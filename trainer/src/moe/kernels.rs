@@ -12,14 +12,14 @@ use moekit::torch::{from_tch, to_tch};
 use moekit::{Backend, BackendKind};
 use tch::{Device, Tensor};
 
-use super::Experts;
+use super::{Experts, lend};
 use crate::tape::{ExternalBackward, Tape};
 use crate::threads::release_openmp_workers;
 
-/// moekit's `permute` and `blockwise_mm` on one backend. The forward runs outside autograd
-/// (on copies of the tensors in moekit's layout, with the padding token appended as row T of
-/// `hidden_states`) and checkpoints its activations; the backward returns the gradients of
-/// `x`, the affinities and both weights.
+/// moekit's `permute` and `blockwise_mm` on one backend. The forward runs outside autograd,
+/// on the tensors as libtorch holds them (lent, not copied; the padding token is appended as
+/// row T of `hidden_states`), and checkpoints its activations; the backward returns the
+/// gradients of `x`, the affinities and both weights.
 pub struct KernelExperts {
     backend: Arc<dyn Backend>,
     block_size: usize,
@@ -77,10 +77,10 @@ impl Experts for KernelExperts {
             },
         )?)?;
         let saved = Saved {
-            hidden_states: from_tch("hidden_states", &padded)?,
+            hidden_states: lend("hidden_states", &padded)?,
             expert_index: expert_index_i32,
-            gate_up: from_tch("gate_up_proj_weight", &gate_up.detach())?,
-            down: from_tch("down_proj_weight", &down.detach())?,
+            gate_up: lend("gate_up_proj_weight", gate_up)?,
+            down: lend("down_proj_weight", down)?,
             plan,
         };
         // Without a gradient to compute (evaluation, no_grad) there is nothing to record.
@@ -161,7 +161,7 @@ impl ExternalBackward for KernelBackward {
 
     fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, moekit::Tensor)>> {
         release_openmp_workers();
-        let output_grad = from_tch("output_hidden_states_grad", output_grad)?;
+        let output_grad = lend("output_hidden_states_grad", output_grad)?;
         let grads = self
             .backend
             .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
