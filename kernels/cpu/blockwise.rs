@@ -22,7 +22,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::alloc::output_buffer;
+use super::alloc::{output_buffer, zeroed};
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
 use super::f32_output;
@@ -611,31 +611,21 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     // Read once here, not once per expert (bf16 inputs are widened).
     let affinities = inputs.forward.expert_affinities_masked.f32_values();
     let checkpoint = inputs.gate_up_activations_t.f32_values();
-    // Each expert writes its own slices of the weight gradients, zeros where it has no tokens.
-    let mut d_gate_up_weight = output_buffer(e * h * 2 * i);
-    let mut d_down_weight = output_buffer(e * i * h);
+    // Each expert overwrites its own slices of the weight gradients; experts without tokens
+    // keep zeros.
+    let mut d_gate_up_weight = zeroed(e * h * 2 * i);
+    let mut d_down_weight = zeroed(e * i * h);
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
         .enumerate()
-        .map_init(
-            ExpertGrads::default,
-            |grads, (expert, (d_gate_up, d_down))| {
-                let (d_gate_up, d_down) = (zero(d_gate_up), zero(d_down));
-                let shared = (&affinities[..], &checkpoint[..]);
-                group_of[expert].map(|g| {
-                    let result =
-                        expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
-                    (g, result)
-                })
-            },
-        )
-        .flatten()
+        .filter_map(|(expert, chunks)| group_of[expert].map(|g| (g, chunks)))
+        .map_init(ExpertGrads::default, |grads, (g, (d_gate_up, d_down))| {
+            let shared = (&affinities[..], &checkpoint[..]);
+            let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
+            (g, result)
+        })
         .collect();
-    // SAFETY: the E experts' chunks cover both buffers, and each was zeroed (then overwritten
-    // by its expert's products, if it has tokens).
-    let (d_gate_up_weight, d_down_weight) =
-        unsafe { (assume_init(d_gate_up_weight), assume_init(d_down_weight)) };
     results.sort_by_key(|(g, _)| *g);
     let results: Vec<ExpertBackward> = results.into_iter().map(|(_, r)| r).collect();
 
