@@ -18,14 +18,12 @@ use crate::tensor::{Storage, Tensor};
 /// A moekit tensor as a contiguous CPU libtorch tensor of the same shape and dtype (one copy of
 /// the elements).
 pub fn to_tch(tensor: &Tensor) -> tch::Tensor {
-    let shape: Vec<i64> = tensor.shape().iter().map(|&d| d as i64).collect();
-    // libtorch's memory holds elements in the machine's byte order, as moekit's does.
-    let (bytes, kind): (&[u8], Kind) = match tensor.storage() {
-        Storage::F32(v) => (bytemuck::cast_slice(v), Kind::Float),
-        Storage::BF16(v) => (bytemuck::cast_slice(v), Kind::BFloat16),
-        Storage::I32(v) => (bytemuck::cast_slice(v), Kind::Int),
-    };
-    tch::Tensor::from_data_size(bytes, &shape, kind)
+    // SAFETY: the borrowed tensor is only read, by the copy below, and dropped before this
+    // function returns, while `tensor` lives unchanged.
+    let borrowed = unsafe { borrow_as_tch(tensor) };
+    let mut copy = borrowed.empty_like();
+    copy.copy_(&borrowed);
+    copy
 }
 
 /// `tensor`'s memory as a contiguous CPU libtorch tensor of the same shape and dtype, without

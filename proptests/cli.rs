@@ -535,22 +535,19 @@ fn bench_reports_every_kernel_as_json_rows() {
     }
 }
 
+/// `moekit bench --json` on the tiny shape at T = 16, reporting the rows `kernels` names.
+fn bench_rows(kernels: &[&str]) -> String {
+    let mut args = vec!["bench", "--shape", "tiny", "--tokens", "16"];
+    for kernel in kernels {
+        args.extend(["--kernel", kernel]);
+    }
+    args.extend(["--min-time-ms", "1", "--json"]);
+    moekit_ok(&args)
+}
+
 #[test]
 fn bench_reports_only_the_rows_asked_for() {
-    let stdout = moekit_ok(&[
-        "bench",
-        "--shape",
-        "tiny",
-        "--tokens",
-        "16",
-        "--kernel",
-        "permute",
-        "--kernel",
-        "blockwise_mm_bwd",
-        "--min-time-ms",
-        "1",
-        "--json",
-    ]);
+    let stdout = bench_rows(&["permute", "blockwise_mm_bwd"]);
     let kernels: Vec<&str> = stdout
         .lines()
         .map(|row| {
@@ -560,18 +557,7 @@ fn bench_reports_only_the_rows_asked_for() {
         .collect();
     assert_eq!(kernels, ["permute", "blockwise_mm_bwd"], "{stdout}");
     // The layer row alone still times (and sums) every kernel.
-    let stdout = moekit_ok(&[
-        "bench",
-        "--shape",
-        "tiny",
-        "--tokens",
-        "16",
-        "--kernel",
-        "moe_layer_fwd_bwd",
-        "--min-time-ms",
-        "1",
-        "--json",
-    ]);
+    let stdout = bench_rows(&["moe_layer_fwd_bwd"]);
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
     assert!(
         stdout.contains("\"kernel\":\"moe_layer_fwd_bwd\""),
