@@ -223,9 +223,49 @@ proptest! {
     }
 
     #[test]
+    fn rearranged_plans_match_the_reference(s in shape(40), seed in any::<u64>()) {
+        let mut layer = layer(s, seed);
+        rearrange_plan(&mut SeededRng::new(!seed), &mut layer, s);
+        for (name, tensor) in run(Kernel::BlockwiseMm, BackendKind::Reference, &layer) {
+            layer.tensors.insert(name.to_owned(), tensor);
+        }
+        for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
+            compare(kernel, &layer)?;
+        }
+    }
+
+    #[test]
     fn results_are_bit_identical_across_thread_counts(s in shape(300), seed in any::<u64>()) {
         bit_identical_across_thread_counts(&layer(s, seed)).map_err(TestCaseError::fail)?;
     }
+}
+
+/// Rewrites `permute`'s plan into another valid plan of the same (token, expert) pairs, as a
+/// caller may build one: the blocks in random order (an expert's blocks apart, unused blocks
+/// between them), each block's slots in random order (padding between real slots), and unused
+/// blocks given to random experts (blocks of an expert that hold only padding).
+fn rearrange_plan(rng: &mut SeededRng, layer: &mut Layer, s: Shape) {
+    let positions = layer.tensors["token_position_to_id"].as_i32().unwrap();
+    let blocks = layer.tensors["block_to_expert"].as_i32().unwrap();
+    let (mut new_positions, mut new_blocks) = (Vec::new(), Vec::new());
+    for block in rng.permutation(blocks.len()) {
+        let slots = &positions[block * s.b..(block + 1) * s.b];
+        new_positions.extend(rng.permutation(s.b).into_iter().map(|j| slots[j]));
+        let expert = blocks[block];
+        new_blocks.push(if expert as usize == s.e {
+            rng.below(s.e + 1) as i32
+        } else {
+            expert
+        });
+    }
+    let n = new_blocks.len();
+    layer.tensors.insert(
+        "token_position_to_id".to_owned(),
+        i32_tensor(&[n * s.b], &new_positions),
+    );
+    layer
+        .tensors
+        .insert("block_to_expert".to_owned(), i32_tensor(&[n], &new_blocks));
 }
 
 /// Every kernel's outputs with 1, 2 and 3 threads, compared as bytes: bit-identical, so 0.0 vs
@@ -428,6 +468,43 @@ fn errors_are_the_reference_errors() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("top_k"), "{err}");
+}
+
+#[test]
+fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks() {
+    let s = Shape {
+        t: 6,
+        h: 5,
+        e: 3,
+        i: 4,
+        k: 2,
+        b: 4,
+        activation: Activation::Softmax,
+        norm_topk_prob: true,
+        biases: false,
+        bf16: false,
+    };
+    let mut layer = layer(s, 11);
+    // Finite inputs whose SwiGLU products exceed f32.
+    let huge: Vec<f64> = layer.tensors["hidden_states"]
+        .to_f64_vec()
+        .iter()
+        .map(|x| x * 1e25)
+        .collect();
+    layer.tensors.insert(
+        "hidden_states".to_owned(),
+        f32_tensor(&[s.t + 1, s.h], &huge),
+    );
+    for backend in [BackendKind::Cpu, BackendKind::Reference] {
+        let err = Kernel::BlockwiseMm
+            .run(backend.create().as_ref(), &layer.tensors, &layer.params)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("output") && err.contains("does not fit in f32"),
+            "{backend}: {err}"
+        );
+    }
 }
 
 #[test]

@@ -105,6 +105,15 @@ pub(crate) fn first_non_finite_f32(values: &[f32]) -> Option<usize> {
     first_non_finite(values, |x| x.to_bits() & 0x7fff_ffff, 0x7f80_0000)
 }
 
+/// Whether every value is finite: the largest magnitude, branch-free, on one thread (for
+/// screening a task's own results while they are in cache).
+pub(crate) fn all_finite_f32(values: &[f32]) -> bool {
+    values
+        .iter()
+        .fold(0, |largest, x| largest.max(x.to_bits() & 0x7fff_ffff))
+        < 0x7f80_0000
+}
+
 /// Index of the first element whose magnitude bits (`magnitude`: the bits without the sign)
 /// reach `infinity`'s, i.e. the first infinity or NaN. Validation reads every input of every
 /// call, so whole chunks are screened branch-free (the largest magnitude, which vectorises),

@@ -1,12 +1,18 @@
 //! Blockwise expert matmul with fused SwiGLU on the CPU, forward and backward.
 //!
-//! All blocks of one expert run as one pair of GEMMs over the expert's real tokens (padding
-//! slots are skipped, never multiplied): `[m, H] · [H, 2I]`, SiLU(gate) ⊙ up fused on the
-//! result, then `[m, I] · [I, H]`. Experts run in parallel, and an expert with more than
-//! [`TASK_ROWS`] tokens is split into pieces of rows (and its weight gradients into bands of
-//! rows), so a skewed routing still keeps every thread busy. Every product runs on one thread
-//! and the split depends only on the plan, so each value's summation order never depends on the
-//! thread count.
+//! The forward runs the plan in runs of consecutive blocks of one expert (at most
+//! [`TASK_ROWS`] real rows each, or one block), in parallel. Each run is one pair of GEMMs over
+//! its real tokens (padding slots are skipped, never multiplied): `[m, H] · [H, 2I]`,
+//! SiLU(gate) ⊙ up fused on the result, then `[m, I] · [I, H]`, written straight into the run's
+//! rows of `down_activations [N, B, H]`; the run also writes its blocks of
+//! `gate_up_activations_T [N, 2, I, B]` and screens what it wrote for non-finite values while
+//! it is in cache. A skewed routing (one expert holding most tokens) still keeps every thread
+//! busy, because a crowded expert spans several runs.
+//!
+//! The backward groups each expert's real slots; its row-wise stage runs in pieces of
+//! [`TASK_ROWS`] rows and the weight gradients in bands of rows. Every product runs on one
+//! thread and every split depends only on the plan, so each value's summation order never
+//! depends on the thread count.
 //!
 //! The affinity scaling and scatter-add are fused into a per-token combine that sums a token's
 //! expert outputs in ascending expert order. The backward's products against transposed weights
@@ -18,6 +24,7 @@
 //! widens a cache-sized panel of the weights at a time.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use half::bf16;
 use rayon::prelude::*;
@@ -25,10 +32,11 @@ use rayon::prelude::*;
 use super::alloc::{output_buffer, zeroed};
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
-use super::f32_output;
-use super::matmul::{MatRef, matmul, matmul_bf16_b};
+use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use super::permute::topk_gradient;
 use super::swiglu;
+use super::{f32_output, screened_f32_output};
+use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
     BlockwiseMmOutputs,
@@ -37,9 +45,80 @@ use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
 use crate::uninit::{assume_init, write_copy, zero};
 
-/// Most rows of one expert that one task computes; experts with more are split into pieces
-/// of this many rows (the last one shorter).
+/// Most rows of one expert that one task computes: a forward run stops adding blocks before
+/// it would exceed this, and the backward splits experts with more into pieces of this many
+/// rows (the last one shorter).
 const TASK_ROWS: usize = 256;
+
+/// A forward task: consecutive blocks of the plan, either of one expert (`expert: Some`) or a
+/// single unused block (`None`, expert id E), whose checkpoint parts are zeros.
+struct BlockRun {
+    expert: Option<usize>,
+    blocks: Range<usize>,
+    /// The real (non-padding) slots `n·B + j`, ascending.
+    slots: Vec<usize>,
+    /// The token in each real slot.
+    tokens: Vec<usize>,
+}
+
+/// Cuts the plan into [`BlockRun`]s covering every block, in block order: a run of an expert
+/// takes the next block of the same expert while its real rows stay within [`TASK_ROWS`].
+fn block_runs(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<BlockRun> {
+    let positions = inputs
+        .token_position_to_id
+        .as_i32()
+        .expect("validated as i32");
+    let blocks = inputs.block_to_expert.as_i32().expect("validated as i32");
+    let mut runs: Vec<BlockRun> = Vec::new();
+    for (block, &expert) in blocks.iter().enumerate() {
+        let expert = usize::try_from(expert).ok().filter(|&x| x < dims.e);
+        let range = block * dims.b..(block + 1) * dims.b;
+        let real = || {
+            range
+                .clone()
+                .zip(&positions[range.clone()])
+                .filter_map(|(slot, &token)| usize::try_from(token).ok().map(|t| (slot, t)))
+        };
+        let joins = runs.last().is_some_and(|run| {
+            expert.is_some()
+                && run.expert == expert
+                && run.slots.len() + real().count() <= TASK_ROWS
+        });
+        if !joins {
+            runs.push(BlockRun {
+                expert,
+                blocks: block..block,
+                slots: Vec::new(),
+                tokens: Vec::new(),
+            });
+        }
+        let run = runs.last_mut().expect("a run was pushed above");
+        run.blocks.end = block + 1;
+        if expert.is_some() {
+            for (slot, token) in real() {
+                run.slots.push(slot);
+                run.tokens.push(token);
+            }
+        }
+    }
+    runs
+}
+
+/// Splits `buffer` (`[N, per_block]` in block order) into the runs' consecutive parts.
+fn split_by_runs<'a, T>(
+    mut buffer: &'a mut [T],
+    runs: &[BlockRun],
+    per_block: usize,
+) -> Vec<&'a mut [T]> {
+    runs.iter()
+        .map(|run| {
+            let (part, rest) =
+                std::mem::take(&mut buffer).split_at_mut(run.blocks.len() * per_block);
+            buffer = rest;
+            part
+        })
+        .collect()
+}
 
 /// One expert's share of the plan: its real (non-padding) slots in plan order.
 struct ExpertRows {
@@ -50,31 +129,8 @@ struct ExpertRows {
     tokens: Vec<usize>,
 }
 
-impl ExpertRows {
-    /// The rows as consecutive pieces of at most [`TASK_ROWS`] rows, in order.
-    fn split(self) -> Vec<ExpertRows> {
-        if self.slots.len() <= TASK_ROWS {
-            return vec![self];
-        }
-        self.slots
-            .chunks(TASK_ROWS)
-            .zip(self.tokens.chunks(TASK_ROWS))
-            .map(|(slots, tokens)| ExpertRows {
-                expert: self.expert,
-                slots: slots.to_vec(),
-                tokens: tokens.to_vec(),
-            })
-            .collect()
-    }
-}
-
 /// Groups the plan's real slots by expert, in ascending expert id.
 fn group_by_expert(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<ExpertRows> {
-    let positions = inputs
-        .token_position_to_id
-        .as_i32()
-        .expect("validated as i32");
-    let blocks = inputs.block_to_expert.as_i32().expect("validated as i32");
     let mut groups: Vec<ExpertRows> = (0..dims.e)
         .map(|expert| ExpertRows {
             expert,
@@ -82,64 +138,57 @@ fn group_by_expert(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<E
             tokens: Vec::new(),
         })
         .collect();
-    for (block, &expert) in blocks.iter().enumerate() {
-        let Some(group) = groups.get_mut(expert as usize) else {
-            continue; // unused block (expert id E)
-        };
-        let start = block * dims.b;
-        for (slot, &token) in (start..).zip(&positions[start..start + dims.b]) {
-            if token >= 0 {
-                group.slots.push(slot);
-                group.tokens.push(token as usize);
-            }
+    for run in block_runs(inputs, dims) {
+        if let Some(expert) = run.expert {
+            groups[expert].slots.extend(run.slots);
+            groups[expert].tokens.extend(run.tokens);
         }
     }
     groups.retain(|g| !g.slots.is_empty());
     groups
 }
 
-/// For each token, the `(group, row)` pairs holding its expert outputs, ascending by expert.
+/// For each token, the rows holding its expert outputs, in ascending expert order. A row is
+/// named by a key `(a, b)` that the caller resolves (a plan slot, or a group and a row).
 struct TokenRows {
     offsets: Vec<usize>,
     entries: Vec<(usize, usize)>,
 }
 
 impl TokenRows {
-    fn new(groups: &[ExpertRows], t: usize) -> Self {
+    /// `rows` yields `(token, key)` pairs in ascending expert order.
+    fn new(t: usize, rows: impl IntoIterator<Item = (usize, (usize, usize))>) -> Self {
+        let rows: Vec<(usize, (usize, usize))> = rows.into_iter().collect();
         let mut offsets = vec![0usize; t + 1];
-        for group in groups {
-            for &token in &group.tokens {
-                offsets[token + 1] += 1;
-            }
+        for &(token, _) in &rows {
+            offsets[token + 1] += 1;
         }
         for i in 0..t {
             offsets[i + 1] += offsets[i];
         }
         let mut fill = offsets.clone();
         let mut entries = vec![(0, 0); offsets[t]];
-        for (g, group) in groups.iter().enumerate() {
-            for (row, &token) in group.tokens.iter().enumerate() {
-                entries[fill[token]] = (g, row);
-                fill[token] += 1;
-            }
+        for (token, key) in rows {
+            entries[fill[token]] = key;
+            fill[token] += 1;
         }
         Self { offsets, entries }
     }
 
-    /// Writes `out [T, H]`: each token's row is the sum over its `(group, row)` pairs, in
-    /// order, of `weight(token, group) · rows_of(group)[row]`, added to 0.
+    /// Writes `out [T, H]`: each token's row is the sum over its keys, in order, of
+    /// `weight(token, key) · row(key)`, added to 0.
     fn combine<'r>(
         &self,
         out: &mut [MaybeUninit<f32>],
         h: usize,
-        weight: impl Fn(usize, usize) -> f32 + Sync,
-        rows_of: impl Fn(usize) -> &'r [f32] + Sync,
+        weight: impl Fn(usize, (usize, usize)) -> f32 + Sync,
+        row: impl Fn((usize, usize)) -> &'r [f32] + Sync,
     ) {
         out.par_chunks_mut(h).enumerate().for_each(|(token, out)| {
             let out = zero(out);
-            for &(g, row) in &self.entries[self.offsets[token]..self.offsets[token + 1]] {
-                let w = weight(token, g);
-                for (o, v) in out.iter_mut().zip(&rows_of(g)[row * h..(row + 1) * h]) {
+            for &key in &self.entries[self.offsets[token]..self.offsets[token + 1]] {
+                let w = weight(token, key);
+                for (o, v) in out.iter_mut().zip(row(key)) {
                     *o += w * v;
                 }
             }
@@ -163,6 +212,29 @@ fn weight_product(
         Storage::F32(w) => matmul(dst, a, MatRef::row_major(&w[range], k, n), false),
         Storage::BF16(w) => matmul_bf16_b(dst, a, &w[range], panel),
         Storage::I32(_) => unreachable!("validated as a float tensor"),
+    }
+}
+
+/// [`weight_product`] into memory not yet written; returns `dst` as the values it now holds.
+fn weight_product_into<'d>(
+    dst: &'d mut [MaybeUninit<f32>],
+    a: MatRef<'_>,
+    weights: &Tensor,
+    expert: usize,
+    (k, n): (usize, usize),
+    panel: &mut Vec<f32>,
+) -> &'d mut [f32] {
+    match weights.storage() {
+        Storage::F32(w) => matmul_into(
+            dst,
+            a,
+            MatRef::row_major(&w[expert * k * n..(expert + 1) * k * n], k, n),
+        ),
+        _ => {
+            let dst = zero(dst);
+            weight_product(dst, a, weights, expert, (k, n), panel);
+            dst
+        }
     }
 }
 
@@ -221,9 +293,10 @@ struct Scratch {
     tile: Vec<f32>,
     /// SwiGLU activations (forward).
     act: Vec<f32>,
-    /// Expert outputs before affinity scaling, from the checkpoint (backward).
+    /// Expert outputs before affinity scaling: the forward's, where a run's real slots are
+    /// not consecutive, or the backward's, from the checkpoint.
     y: Vec<f32>,
-    /// gate/up rows from the checkpoint (backward).
+    /// gate/up rows: the forward's products, or the backward's, from the checkpoint.
     gate_up: Vec<f32>,
     /// Gradient of the activations (backward).
     d_act: Vec<f32>,
@@ -240,22 +313,30 @@ struct ExpertGrads {
     rows: Scratch,
 }
 
-/// Per-expert forward results: `gate_up [m, 2I]` before the activation and `down [m, H]`
-/// before affinity scaling.
-struct ExpertForward {
-    gate_up: Vec<f32>,
-    down: Vec<f32>,
+/// A run's share of the forward's outputs: its blocks of `down [blocks, B, H]` and, when
+/// checkpointing, of `gate_up_t [blocks, 2I, B]`.
+struct RunOutputs<'a> {
+    down: &'a mut [MaybeUninit<f32>],
+    gate_up_t: Option<&'a mut [MaybeUninit<f32>]>,
 }
 
-fn expert_forward(
+/// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored.
+fn gate_up_product(
     inputs: &BlockwiseMmInputs<'_>,
     dims: BlockwiseDims,
-    group: &ExpertRows,
+    (expert, tokens): (usize, &[usize]),
     scratch: &mut Scratch,
-) -> ExpertForward {
+) {
     let BlockwiseDims { h, i, .. } = dims;
-    let m = group.tokens.len();
-    let mut gate_up = vec![0.0f32; m * 2 * i];
+    let m = tokens.len();
+    let Scratch {
+        x,
+        x_bf16: rows,
+        panel,
+        gate_up,
+        ..
+    } = scratch;
+    let gate_up = resized(gate_up, m * 2 * i);
     match (
         inputs.hidden_states.storage(),
         inputs.gate_up_proj_weight.storage(),
@@ -264,139 +345,182 @@ fn expert_forward(
         // dot product gives the f32 sums at twice the f32 rate, without widening the weights.
         (Storage::BF16(x), Storage::BF16(w)) if bf16_matmul::available() => {
             let lda = h.next_multiple_of(2);
-            let rows = &mut scratch.x_bf16;
             rows.clear();
-            for &token in &group.tokens {
+            for &token in tokens {
                 rows.extend_from_slice(&x[token * h..(token + 1) * h]);
                 rows.resize(rows.len().next_multiple_of(2), bf16::ZERO);
             }
-            let w = &w[group.expert * h * 2 * i..(group.expert + 1) * h * 2 * i];
-            matmul_bf16(&mut gate_up, rows, lda, w, (m, 2 * i, h));
+            let w = &w[expert * h * 2 * i..(expert + 1) * h * 2 * i];
+            matmul_bf16(gate_up, rows, lda, w, (m, 2 * i, h));
         }
         _ => {
-            let x = resized(&mut scratch.x, m * h);
-            gather_rows(inputs.hidden_states, &group.tokens, h, x);
+            let x = resized(x, m * h);
+            gather_rows(inputs.hidden_states, tokens, h, x);
             weight_product(
-                &mut gate_up,
-                MatRef::row_major(&scratch.x, m, h),
+                gate_up,
+                MatRef::row_major(x, m, h),
                 inputs.gate_up_proj_weight,
-                group.expert,
+                expert,
                 (h, 2 * i),
-                &mut scratch.panel,
+                panel,
             );
         }
     }
+}
+
+/// Runs one [`BlockRun`]: writes its rows of `down` (expert outputs before affinity scaling,
+/// zeros in padding slots) and its blocks of `gate_up_t`. Returns whether every value it wrote
+/// is finite.
+fn run_forward(
+    inputs: &BlockwiseMmInputs<'_>,
+    dims: BlockwiseDims,
+    run: &BlockRun,
+    out: RunOutputs<'_>,
+    scratch: &mut Scratch,
+) -> bool {
+    let BlockwiseDims { h, i, b, .. } = dims;
+    let m = run.tokens.len();
+    let Some(expert) = run.expert.filter(|_| m > 0) else {
+        zero(out.down);
+        out.gate_up_t.map(zero);
+        return true;
+    };
+    gate_up_product(inputs, dims, (expert, &run.tokens), scratch);
+    let mut finite = all_finite_f32(&scratch.gate_up);
     let act = resized(&mut scratch.act, m * i);
-    for (gu, act) in gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
+    for (gu, act) in scratch.gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
         let (gate, up) = gu.split_at(i);
         swiglu::forward(gate, up, act);
     }
-    let mut down = vec![0.0f32; m * h];
-    weight_product(
-        &mut down,
-        MatRef::row_major(act, m, i),
-        inputs.down_proj_weight,
-        group.expert,
-        (i, h),
-        &mut scratch.panel,
-    );
-    ExpertForward { gate_up, down }
+    let act = MatRef::row_major(&scratch.act, m, i);
+    let weights = inputs.down_proj_weight;
+
+    // The run's slots relative to its first block's first slot.
+    let first = run.blocks.start * b;
+    let (start, end) = (run.slots[0] - first, run.slots[m - 1] - first + 1);
+    if end - start == m {
+        // Consecutive real slots (padding only around them): the product writes its rows in
+        // place.
+        let (before, rows) = out.down.split_at_mut(start * h);
+        let (rows, after) = rows.split_at_mut(m * h);
+        zero(before);
+        zero(after);
+        let rows = weight_product_into(rows, act, weights, expert, (i, h), &mut scratch.panel);
+        finite &= all_finite_f32(rows);
+    } else {
+        let y = resized(&mut scratch.y, m * h);
+        weight_product(y, act, weights, expert, (i, h), &mut scratch.panel);
+        finite &= all_finite_f32(y);
+        let mut real = run.slots.iter().map(|slot| slot - first).zip(y.chunks(h));
+        let mut next = real.next();
+        for (slot, row) in out.down.chunks_exact_mut(h).enumerate() {
+            match next {
+                Some((real_slot, values)) if real_slot == slot => {
+                    write_copy(row, values);
+                    next = real.next();
+                }
+                _ => {
+                    zero(row);
+                }
+            }
+        }
+    }
+
+    if let Some(gate_up_t) = out.gate_up_t {
+        // Each slot's row of `gate_up`, or none for padding.
+        let mut source = vec![None; run.blocks.len() * b];
+        for (row, slot) in run.slots.iter().enumerate() {
+            source[slot - first] = Some(row);
+        }
+        for (block_t, source) in gate_up_t.chunks_exact_mut(2 * i * b).zip(source.chunks(b)) {
+            transpose_block(block_t, source, &scratch.gate_up);
+        }
+    }
+    finite
 }
 
 pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let BlockwiseDims { t, h, e, i, b, n } = dims;
-    let groups: Vec<ExpertRows> = group_by_expert(&inputs, dims)
-        .into_iter()
-        .flat_map(ExpertRows::split)
-        .collect();
-    let results: Vec<ExpertForward> = groups
-        .par_iter()
-        .map_init(Scratch::default, |scratch, group| {
-            expert_forward(&inputs, dims, group, scratch)
-        })
-        .collect();
+    let runs = block_runs(&inputs, dims);
+    let checkpoint = call.params().checkpoint_activations;
 
+    // The expert outputs land in `down [N, B, H]`, the checkpoint's layout, whether or not it
+    // is returned.
+    let mut down = output_buffer(n * b * h);
+    let mut gate_up_t = output_buffer(if checkpoint { n * 2 * i * b } else { 0 });
+    let gate_up_parts: Vec<Option<&mut [MaybeUninit<f32>]>> = if checkpoint {
+        split_by_runs(&mut gate_up_t, &runs, 2 * i * b)
+            .into_iter()
+            .map(Some)
+            .collect()
+    } else {
+        runs.iter().map(|_| None).collect()
+    };
+    let finite = split_by_runs(&mut down, &runs, b * h)
+        .into_par_iter()
+        .zip(gate_up_parts)
+        .zip(&runs)
+        .map_init(Scratch::default, |scratch, ((down, gate_up_t), run)| {
+            run_forward(&inputs, dims, run, RunOutputs { down, gate_up_t }, scratch)
+        })
+        .reduce(|| true, |a, b| a && b);
+    // SAFETY: the runs cover every block, and each run wrote its blocks of both buffers whole.
+    let (down, gate_up_t) = unsafe { (assume_init(down), assume_init(gate_up_t)) };
+
+    // Combine in ascending expert order (runs of one expert in block order).
+    let mut by_expert: Vec<&BlockRun> = runs.iter().filter(|run| run.expert.is_some()).collect();
+    by_expert.sort_by_key(|run| run.expert);
+    let rows = by_expert.iter().flat_map(|run| {
+        let expert = run.expert.expect("filtered to experts");
+        run.tokens
+            .iter()
+            .zip(&run.slots)
+            .map(move |(&token, &slot)| (token, (expert, slot)))
+    });
     let affinities = inputs.expert_affinities_masked.f32_values();
     let mut output = output_buffer(t * h);
-    TokenRows::new(&groups, t).combine(
+    TokenRows::new(t, rows).combine(
         &mut output,
         h,
-        |token, g| affinities[token * e + groups[g].expert],
-        |g| &results[g].down,
+        |token, (expert, _)| affinities[token * e + expert],
+        |(_, slot)| &down[slot * h..(slot + 1) * h],
     );
     // SAFETY: `combine` wrote every token's row.
-    let output = unsafe { assume_init(output) };
+    let output = f32_output("output", &[t, h], unsafe { assume_init(output) })?;
 
-    let (gate_up_activations_t, down_activations) = if call.params().checkpoint_activations {
-        let (gate_up_t, down) = checkpoints(&groups, &results, dims);
+    // Checked after `output`, as the reference checks them. Intermediates the caller does not
+    // keep are not checked: a non-finite one reaches `output`.
+    let (gate_up_activations_t, down_activations) = if checkpoint {
         (
-            Some(f32_output(
+            Some(screened_f32_output(
                 "gate_up_activations_T",
                 &[n, 2, i, b],
                 gate_up_t,
+                finite,
             )?),
-            Some(f32_output("down_activations", &[n, b, h], down)?),
+            Some(screened_f32_output(
+                "down_activations",
+                &[n, b, h],
+                down,
+                finite,
+            )?),
         )
     } else {
         (None, None)
     };
     Ok(BlockwiseMmOutputs {
-        output: f32_output("output", &[t, h], output)?,
+        output,
         gate_up_activations_t,
         down_activations,
     })
 }
 
-/// The forward's checkpoints in the plan's layout: `gate_up_activations_T [N, 2, I, B]` (each
-/// block's `[B, 2I]` rows transposed to `[2I, B]`) and `down_activations [N, B, H]`; zeros in
-/// padding slots and unused blocks. Blocks are filled in parallel.
-fn checkpoints(
-    groups: &[ExpertRows],
-    results: &[ExpertForward],
-    dims: BlockwiseDims,
-) -> (Vec<f32>, Vec<f32>) {
-    let BlockwiseDims { h, i, b, n, .. } = dims;
-    // Where each slot's row lives: (group, row), or none for padding.
-    let mut source = vec![None; n * b];
-    for (g, group) in groups.iter().enumerate() {
-        for (row, &slot) in group.slots.iter().enumerate() {
-            source[slot] = Some((g, row));
-        }
-    }
-    let mut gate_up_t = output_buffer(n * 2 * i * b);
-    let mut down = output_buffer(n * b * h);
-    gate_up_t
-        .par_chunks_mut(2 * i * b)
-        .zip(down.par_chunks_mut(b * h))
-        .zip(source.par_chunks(b))
-        .for_each(|((gate_up_t, down), source)| {
-            transpose_block(gate_up_t, source, |g, row| {
-                &results[g].gate_up[row * 2 * i..(row + 1) * 2 * i]
-            });
-            for (src, down) in source.iter().zip(down.chunks_exact_mut(h)) {
-                match *src {
-                    Some((g, row)) => write_copy(down, &results[g].down[row * h..(row + 1) * h]),
-                    None => {
-                        zero(down);
-                    }
-                }
-            }
-        });
-    // SAFETY: the N blocks cover both buffers; `transpose_block` wrote each block's
-    // `[2I, B]` whole, and each slot's row of `down` was copied or zeroed.
-    unsafe { (assume_init(gate_up_t), assume_init(down)) }
-}
-
 /// Writes one block's rows, transposed, into the whole of `block_t [C, B]` (C =
-/// `block_t.len() / B`, B = `source.len()`): column j is the row `row_of(g, r)` for
-/// `source[j] = Some((g, r))`, zeros for padding. Works in 16 × 16 tiles gathered on the
-/// stack, so every read and write is a contiguous run of up to 16 values.
-fn transpose_block<'r>(
-    block_t: &mut [MaybeUninit<f32>],
-    source: &[Option<(usize, usize)>],
-    row_of: impl Fn(usize, usize) -> &'r [f32],
-) {
+/// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`,
+/// zeros for padding (`None`). Works in 16 × 16 tiles gathered on the stack, so every read and
+/// write is a contiguous run of up to 16 values.
+fn transpose_block(block_t: &mut [MaybeUninit<f32>], source: &[Option<usize>], rows: &[f32]) {
     const TILE: usize = 16;
     let b = source.len();
     let c = block_t.len() / b;
@@ -407,7 +531,9 @@ fn transpose_block<'r>(
             let cols = (c - c0).min(TILE);
             for (tile_row, src) in tile.iter_mut().zip(slots) {
                 match *src {
-                    Some((g, r)) => tile_row[..cols].copy_from_slice(&row_of(g, r)[c0..c0 + cols]),
+                    Some(r) => {
+                        tile_row[..cols].copy_from_slice(&rows[r * c + c0..r * c + c0 + cols])
+                    }
                     None => tile_row[..cols].fill(0.0),
                 }
             }
@@ -636,7 +762,19 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         }
     }
     let mut d_hidden = output_buffer(t * h);
-    TokenRows::new(&groups, t).combine(&mut d_hidden, h, |_, _| 1.0, |g| &results[g].d_x);
+    let rows = groups.iter().enumerate().flat_map(|(g, group)| {
+        group
+            .tokens
+            .iter()
+            .enumerate()
+            .map(move |(row, &token)| (token, (g, row)))
+    });
+    TokenRows::new(t, rows).combine(
+        &mut d_hidden,
+        h,
+        |_, _| 1.0,
+        |(g, row)| &results[g].d_x[row * h..(row + 1) * h],
+    );
     // SAFETY: `combine` wrote every token's row.
     let d_hidden = unsafe { assume_init(d_hidden) };
     let d_topk_affinities = inputs

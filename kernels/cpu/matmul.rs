@@ -7,9 +7,12 @@
 //! itself, so the summation order of every output element depends only on the operands' shapes,
 //! never on the thread count.
 
+use std::mem::MaybeUninit;
+
 use half::bf16;
 
 use super::f32_tiles;
+use crate::uninit::zero;
 
 /// Largest inner dimension k that [`matmul`] runs on register tiles without packing: a tile's
 /// 12 rows of `a` (up to 24 KiB) stay in L1 and a 32-column strip of `b` (up to 64 KiB) in L2.
@@ -114,7 +117,7 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         }
         return;
     }
-    if k <= TILED_MAX_K && n <= TILED_MAX_N && b.col_stride == 1 && f32_tiles::available() {
+    if tiled(a, b) {
         let operands = f32_tiles::Operands {
             a: a.data,
             a_rows: a.row_stride,
@@ -125,15 +128,63 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         f32_tiles::matmul(dst, operands, (m, n, k), accumulate);
         return;
     }
+    // SAFETY: `dst` holds exactly m · n elements, borrowed mutably, so it aliases neither
+    // operand.
+    unsafe { packed_product(dst.as_mut_ptr(), a, b, accumulate) };
+}
+
+/// `dst [m, n] = a [m, k] · b [k, n]` into memory not yet written (`dst` contiguous row-major);
+/// returns `dst` as the values it now holds. Products on the packed kernels write every element
+/// without reading it first, so no clearing pass precedes them.
+///
+/// # Panics
+/// If the inner dimensions disagree or `dst` is not `m · n` long.
+pub fn matmul_into<'d>(
+    dst: &'d mut [MaybeUninit<f32>],
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+) -> &'d mut [f32] {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "inner dimensions differ");
+    assert_eq!(
+        Some(dst.len()),
+        m.checked_mul(n),
+        "destination is not [m, n]"
+    );
+    if m == 0 || n == 0 || k == 0 || tiled(a, b) {
+        let dst = zero(dst);
+        matmul(dst, a, b, false);
+        return dst;
+    }
+    // SAFETY: `dst` holds exactly m · n elements, borrowed mutably, so it aliases neither
+    // operand; without `accumulate` the packed kernels write the first block of the inner
+    // dimension into `dst` before they read it back for the next.
+    unsafe { packed_product(dst.as_mut_ptr().cast(), a, b, false) };
+    // SAFETY: the product wrote all m · n elements, and `MaybeUninit<f32>` has `f32`'s layout.
+    unsafe { &mut *(std::ptr::from_mut(dst) as *mut [f32]) }
+}
+
+/// Whether [`matmul`] runs `a · b` on the register tiles.
+fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
+    a.cols <= TILED_MAX_K && b.cols <= TILED_MAX_N && b.col_stride == 1 && f32_tiles::available()
+}
+
+/// `dst = a · b` (or `dst += a · b` when `accumulate`) on the `gemm` crate's packed kernels,
+/// single-threaded, for non-empty shapes.
+///
+/// # Safety
+/// `dst` must point to `a.rows · b.cols` writable elements (row-major, contiguous) that alias
+/// neither operand; with `accumulate` they must be initialised.
+unsafe fn packed_product(dst: *mut f32, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
     // SAFETY: the views' constructors checked that every (row, col) of `a` and `b` lies inside
-    // its buffer, and `dst` holds exactly m · n elements with unit column stride and row stride n.
-    // The three buffers cannot alias: `dst` is borrowed mutably.
+    // its buffer; the caller guarantees `dst`.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             n as isize,
             accumulate,
@@ -208,6 +259,22 @@ mod tests {
         (0..n)
             .map(|i| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0)
             .collect()
+    }
+
+    #[test]
+    fn products_into_unwritten_memory_equal_the_overwriting_product() {
+        // Packed kernels (k above TILED_MAX_K), register tiles, and an empty inner dimension;
+        // the destination starts as NaN bits, which no product may read.
+        for (m, k, n) in [(67, 600, 45), (9, 40, 33), (4, 0, 6)] {
+            let a = values(m * k, 3);
+            let b = values(k * n, 4);
+            let (a, b) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+            let mut expected = vec![0.0; m * n];
+            matmul(&mut expected, a, b, false);
+            let mut dst = vec![MaybeUninit::new(f32::NAN); m * n];
+            let got = matmul_into(&mut dst, a, b);
+            assert_eq!(got, &expected[..], "{m}×{k}×{n}");
+        }
     }
 
     #[test]

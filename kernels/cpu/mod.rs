@@ -54,6 +54,20 @@ fn f32_output(name: &str, shape: &[usize], values: Vec<f32>) -> Result<Tensor> {
     Tensor::from_f32(shape, values)
 }
 
+/// An f32 output tensor whose values the kernel screened as it wrote them (`finite`: none was
+/// an infinity or NaN); searched again, for the error's position, only when one was.
+fn screened_f32_output(
+    name: &str,
+    shape: &[usize],
+    values: Vec<f32>,
+    finite: bool,
+) -> Result<Tensor> {
+    if !finite {
+        ensure_finite(name, shape, &values)?;
+    }
+    Tensor::from_f32(shape, values)
+}
+
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         BackendKind::Cpu.name()
