@@ -378,6 +378,16 @@ fn edge_cases_match_the_reference() {
             },
         ),
         ("many tokens", Shape { t: 257, ..base }),
+        (
+            "H and I past the register tiles' reach (streamed packed panels)",
+            Shape {
+                t: 40,
+                h: 800,
+                i: 70,
+                e: 3,
+                ..base
+            },
+        ),
     ];
     for (name, s) in cases {
         for bf16 in [false, true] {

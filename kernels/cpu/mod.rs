@@ -13,6 +13,7 @@ mod load_balancing;
 mod matmul;
 mod permute;
 mod router;
+mod streamed;
 mod swiglu;
 mod tile_walk;
 

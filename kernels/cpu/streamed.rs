@@ -1,0 +1,376 @@
+//! `dst [m, n] (+)= a [m, k] · b [k, n]` in f32 for products whose `b` is read from memory once
+//! (an expert's weights, used by the expert's own tokens only): the `gemm` crate's AVX-512
+//! microkernels (64 × 6 register tiles of `dstᵀ`), driven by a loop of our own that streams
+//! `b` in under the arithmetic.
+//!
+//! `b` is stored in f32 or bf16 ([`Element`]) and packed one panel at a time, widened to f32:
+//! 64 of its columns over [`KC`] of its rows, contiguous per row (up to 128 KiB, held in L2). While the microkernels run the current panel against
+//! `a`, six rows of `a` per call, each call also prefetches its share of the next panel's rows
+//! into L2, so that packing the next panel copies from L2 rather than waiting on memory. (The
+//! `gemm` crate's own driver packs each panel straight from memory with the arithmetic waiting
+//! on it: a seventh of an expert's forward on a 2-core Zen 4.)
+//!
+//! Each output is summed over k in ascending order within a block of [`KC`] rows, blocks in
+//! ascending order: the order depends only on k.
+
+#[cfg(target_arch = "x86_64")]
+use gemm_f32::microkernel::avx512f::f32::{MR_DIV_N, NR, UKR};
+use half::bf16;
+
+/// f32 lanes of one AVX-512 register.
+const LANES: usize = 16;
+/// Columns of `b` in one packed panel: the microkernel's register tile height.
+#[cfg(target_arch = "x86_64")]
+const MR: usize = MR_DIV_N * LANES;
+/// Rows of `b` in one packed panel: 512 rows of 64 columns (128 KiB) stay in L2 next to the
+/// 512-column blocks of `a`'s rows they meet.
+const KC: usize = 512;
+
+/// Whether this CPU runs [`product`] (AVX-512 F).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// How `b` is stored: f32, or bf16 widened exactly as it is packed.
+pub trait Element: Copy + Sync {
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// The operands of one product: `a(r, p) = a[r · lda + p]`, `b(p, c) = b[p · ldb + c]`, both
+/// with unit column stride.
+#[derive(Clone, Copy, Debug)]
+pub struct Operands<'a, B> {
+    pub a: &'a [f32],
+    pub lda: usize,
+    pub b: &'a [B],
+    pub ldb: usize,
+}
+
+/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`; `dst` row-major, contiguous.
+///
+/// # Safety
+/// `dst` must point to `m · n` writable elements that alias neither operand, initialised when
+/// `accumulate` (otherwise each is written before it is read).
+///
+/// # Panics
+/// If the CPU lacks AVX-512 F ([`available`]) or an operand's last element lies past its
+/// buffer.
+pub unsafe fn product<B: Element>(
+    dst: *mut f32,
+    ops: Operands<'_, B>,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    let reaches = |len: usize, rows: usize, stride: usize, cols: usize| {
+        rows == 0
+            || cols == 0
+            || (rows - 1)
+                .checked_mul(stride)
+                .and_then(|last_row| last_row.checked_add(cols))
+                .is_some_and(|end| end <= len)
+    };
+    assert!(
+        reaches(ops.a.len(), m, ops.lda, k) && reaches(ops.b.len(), k, ops.ldb, n),
+        "operand too short for its shape"
+    );
+    assert!(available(), "streamed::product needs AVX-512 F");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            // SAFETY: the caller guarantees m · n writable elements at `dst`.
+            unsafe { std::ptr::write_bytes(dst, 0, m * n) };
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512 F was checked above, both operands hold their shapes (checked above),
+    // and the caller guarantees `dst`.
+    unsafe {
+        x86::product(dst, ops, (m, n, k), accumulate);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    use std::cell::RefCell;
+
+    use super::{Element, KC, LANES, MR, NR, Operands, UKR};
+
+    /// Bytes per cache line.
+    const LINE: usize = 64;
+
+    thread_local! {
+        /// The thread's packed-panel buffer, grown to the largest panel it has packed.
+        static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// A packed panel: row r of the panel's `b` block at `r · MR`, zeros past its columns;
+    /// starts on a cache line.
+    struct Panel<'a> {
+        values: &'a mut [f32],
+    }
+
+    impl<'a> Panel<'a> {
+        /// A panel of up to `kc` rows in `buffer`.
+        fn new(buffer: &'a mut Vec<f32>, kc: usize) -> Self {
+            let len = kc * MR + LINE / 4;
+            if buffer.len() < len {
+                buffer.resize(len, 0.0);
+            }
+            let start = buffer.as_ptr().align_offset(LINE).min(LINE / 4);
+            Self {
+                values: &mut buffer[start..start + kc * MR],
+            }
+        }
+
+        /// Packs rows `k0..k0 + kc`, columns `c0..c0 + cols` of `b`, widened to f32.
+        fn pack<B: Element>(
+            &mut self,
+            ops: Operands<'_, B>,
+            (k0, kc): (usize, usize),
+            (c0, cols): (usize, usize),
+        ) {
+            for (r, row) in self.values[..kc * MR].chunks_exact_mut(MR).enumerate() {
+                let src = &ops.b[(k0 + r) * ops.ldb + c0..];
+                if cols == MR {
+                    for (value, x) in row.iter_mut().zip(&src[..MR]) {
+                        *value = x.to_f32();
+                    }
+                } else {
+                    for (value, x) in row[..cols].iter_mut().zip(&src[..cols]) {
+                        *value = x.to_f32();
+                    }
+                    row[cols..].fill(0.0);
+                }
+            }
+        }
+
+        fn as_ptr(&self) -> *const f32 {
+            self.values.as_ptr()
+        }
+    }
+
+    /// One panel's place: rows `k0..k0 + kc` and columns `c0..c0 + cols` of `b`.
+    #[derive(Clone, Copy)]
+    struct Block {
+        k0: usize,
+        kc: usize,
+        c0: usize,
+        cols: usize,
+    }
+
+    /// Prefetches rows `rows` of `block` into L2.
+    fn prefetch<B>(ops: Operands<'_, B>, block: Block, rows: std::ops::Range<usize>) {
+        for r in rows {
+            let row = &ops.b[(block.k0 + r) * ops.ldb + block.c0..][..block.cols];
+            let start = row.as_ptr() as usize;
+            let end = start + std::mem::size_of_val(row);
+            for line in (start & !(LINE - 1)..end).step_by(LINE) {
+                // SAFETY: a prefetch never faults and reads nothing into the program; the
+                // address lies inside (or on the line of) `ops.b`.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(line as *const i8) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F available; the operands hold their shapes; `dst` as for [`super::product`].
+    pub(super) unsafe fn product<B: Element>(
+        dst: *mut f32,
+        ops: Operands<'_, B>,
+        (m, n, k): (usize, usize, usize),
+        accumulate: bool,
+    ) {
+        let blocks: Vec<Block> = (0..k)
+            .step_by(KC)
+            .flat_map(|k0| {
+                (0..n).step_by(MR).map(move |c0| Block {
+                    k0,
+                    kc: KC.min(k - k0),
+                    c0,
+                    cols: MR.min(n - c0),
+                })
+            })
+            .collect();
+        let tiles = m.div_ceil(NR);
+        PANEL.with_borrow_mut(|buffer| {
+            let mut panel = Panel::new(buffer, KC.min(k));
+            prefetch(ops, blocks[0], 0..blocks[0].kc);
+            for (index, &block) in blocks.iter().enumerate() {
+                panel.pack(ops, (block.k0, block.kc), (block.c0, block.cols));
+                let next = blocks.get(index + 1).copied();
+                let share = next.map_or(0, |next| next.kc.div_ceil(tiles));
+                // The first block of k overwrites `dst` unless accumulating; the others add.
+                let alpha_status = u8::from(accumulate || block.k0 > 0);
+                let kernels = &UKR[block.cols.div_ceil(LANES) - 1];
+                for tile in 0..tiles {
+                    if let Some(next) = next {
+                        let first = (tile * share).min(next.kc);
+                        prefetch(ops, next, first..(first + share).min(next.kc));
+                    }
+                    let (r0, rows) = (tile * NR, NR.min(m - tile * NR));
+                    // SAFETY: the microkernel computes the `cols × rows` tile of `dstᵀ` at
+                    // (c0, r0) over the panel's kc rows: it reads the packed panel (kc rows of MR
+                    // values), `a`'s rows r0..r0 + rows at columns k0..k0 + kc (inside `a`, checked
+                    // by the caller), and writes `dst` at rows r0.., columns c0.. (inside its
+                    // m · n elements), reading them first only with `alpha_status` 1.
+                    unsafe {
+                        kernels[rows - 1](
+                            block.cols,
+                            rows,
+                            block.kc,
+                            dst.add(r0 * n + block.c0),
+                            panel.as_ptr(),
+                            ops.a.as_ptr().add(r0 * ops.lda + block.k0),
+                            n as isize,
+                            1,
+                            MR as isize,
+                            1,
+                            ops.lda as isize,
+                            1.0,
+                            1.0,
+                            alpha_status,
+                            false,
+                            false,
+                            false,
+                            std::ptr::null(),
+                        );
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn products_match_the_naive_product_on_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        // Partial panels (n % 64, n < 16), partial row tiles (m % 6), several blocks of k
+        // (k > KC), strided rows of both operands, and an empty inner dimension.
+        for (m, n, k) in [
+            (1, 1, 1),
+            (7, 70, 513),
+            (13, 64, 1100),
+            (6, 129, 40),
+            (50, 5, 7),
+            (3, 4, 0),
+        ] {
+            let (lda, ldb) = (k + 3, n + 5);
+            let a = values(m * lda, 1);
+            let b = values(k * ldb, 2);
+            let naive: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    (0..k).map(|p| a[r * lda + p] * b[p * ldb + c]).sum()
+                })
+                .collect();
+            let ops = Operands {
+                a: &a,
+                lda,
+                b: &b,
+                ldb,
+            };
+            let mut dst = vec![f32::NAN; m * n];
+            // SAFETY: `dst` holds m · n elements and aliases neither operand.
+            unsafe { product(dst.as_mut_ptr(), ops, (m, n, k), false) };
+            let close = |got: f32, want: f32| {
+                (got - want).abs() <= 1e-4 * (1.0 + want.abs()) * (k as f32).sqrt()
+            };
+            for (g, e) in dst.iter().zip(&naive) {
+                assert!(close(*g, *e), "{m}×{n}×{k}: {g} vs {e}");
+            }
+            // SAFETY: as above; `dst` is initialised.
+            unsafe { product(dst.as_mut_ptr(), ops, (m, n, k), true) };
+            for (g, e) in dst.iter().zip(&naive) {
+                assert!(
+                    close(*g, 2.0 * e),
+                    "{m}×{n}×{k} accumulated: {g} vs {}",
+                    2.0 * e
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_operands_give_the_product_of_their_widened_copy() {
+        if !available() {
+            return;
+        }
+        let (m, n, k) = (11, 100, 600);
+        let a = values(m * k, 5);
+        let b: Vec<bf16> = values(k * n, 6)
+            .iter()
+            .map(|&x| bf16::from_f32(x / 3.0))
+            .collect();
+        let widened: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+        let mut want = vec![0.0; m * n];
+        let mut got = vec![0.0; m * n];
+        // SAFETY: both destinations hold m · n elements and alias no operand.
+        unsafe {
+            let ops = Operands {
+                a: &a,
+                lda: k,
+                b: &widened,
+                ldb: n,
+            };
+            product(want.as_mut_ptr(), ops, (m, n, k), false);
+            let ops = Operands {
+                a: &a,
+                lda: k,
+                b: &b,
+                ldb: n,
+            };
+            product(got.as_mut_ptr(), ops, (m, n, k), false);
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    #[should_panic(expected = "operand too short")]
+    fn short_operands_panic_before_any_access() {
+        let (a, b) = (vec![1.0; 10], vec![1.0f32; 10]);
+        let mut dst = vec![0.0; 4];
+        let ops = Operands {
+            a: &a,
+            lda: 5,
+            b: &b,
+            ldb: 2,
+        };
+        // SAFETY: `dst` holds 2 · 2 elements; the call panics on `b` (6 rows of stride 2).
+        unsafe { product(dst.as_mut_ptr(), ops, (2, 2, 6), false) };
+    }
+}
