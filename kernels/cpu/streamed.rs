@@ -40,18 +40,22 @@ pub fn available() -> bool {
 
 /// How `b` is stored: f32, or bf16 widened exactly as it is packed.
 pub trait Element: Copy + Sync {
-    fn to_f32(self) -> f32;
+    /// Writes `src` as f32 into `dst` (of the same length).
+    fn widen_into(dst: &mut [f32], src: &[Self]);
 }
 
 impl Element for f32 {
-    fn to_f32(self) -> f32 {
-        self
+    fn widen_into(dst: &mut [f32], src: &[f32]) {
+        dst.copy_from_slice(src);
     }
 }
 
 impl Element for bf16 {
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
+    fn widen_into(dst: &mut [f32], src: &[bf16]) {
+        // bf16 is the top half of an f32: widening is a shift, exact for every value.
+        for (d, x) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(x.to_bits()) << 16);
+        }
     }
 }
 
@@ -155,13 +159,9 @@ mod x86 {
             for (r, row) in self.values[..kc * MR].chunks_exact_mut(MR).enumerate() {
                 let src = &ops.b[(k0 + r) * ops.ldb + c0..];
                 if cols == MR {
-                    for (value, x) in row.iter_mut().zip(&src[..MR]) {
-                        *value = x.to_f32();
-                    }
+                    B::widen_into(row, &src[..MR]);
                 } else {
-                    for (value, x) in row[..cols].iter_mut().zip(&src[..cols]) {
-                        *value = x.to_f32();
-                    }
+                    B::widen_into(&mut row[..cols], &src[..cols]);
                     row[cols..].fill(0.0);
                 }
             }
