@@ -25,6 +25,16 @@ pub(crate) unsafe fn assume_init<T>(buffer: Vec<MaybeUninit<T>>) -> Vec<T> {
     unsafe { Vec::from_raw_parts(ptr.cast::<T>(), len, capacity) }
 }
 
+/// The values of slots that have all been written.
+///
+/// # Safety
+/// Every element of `slots` must be initialised.
+pub(crate) unsafe fn assume_init_ref(slots: &[MaybeUninit<f32>]) -> &[f32] {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the caller guarantees every slot is
+    // initialised.
+    unsafe { &*(std::ptr::from_ref(slots) as *const [f32]) }
+}
+
 /// Writes `values` into the first `values.len()` slots of `slots`.
 pub(crate) fn write_copy<T: Copy>(slots: &mut [MaybeUninit<T>], values: &[T]) {
     for (slot, &value) in slots[..values.len()].iter_mut().zip(values) {

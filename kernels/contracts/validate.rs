@@ -250,6 +250,20 @@ mod tests {
     }
 
     #[test]
+    fn screening_tells_finite_slices_from_slices_with_any_non_finite_value() {
+        let finite = [0.0, -0.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, 1e-45];
+        assert!(all_finite_f32(&finite));
+        assert!(all_finite_f32(&[]));
+        for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in 0..=finite.len() {
+                let mut values = finite.to_vec();
+                values.insert(at, bad);
+                assert!(!all_finite_f32(&values), "{bad} at {at}");
+            }
+        }
+    }
+
+    #[test]
     fn the_first_non_finite_element_is_found_in_every_chunk_and_path() {
         // Below and above the parallel threshold, bad values at chunk edges, two bad values
         // (the first counts), and every kind of non-finite value with either sign.

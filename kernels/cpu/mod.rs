@@ -8,6 +8,7 @@ mod alloc;
 mod bf16_matmul;
 mod blockwise;
 mod dot;
+mod exp;
 mod f32_tiles;
 mod load_balancing;
 mod matmul;

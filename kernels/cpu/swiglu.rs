@@ -4,11 +4,9 @@
 //! `act = silu(g) · u` with `silu(g) = g · σ(g)`, and for a gradient `d act`:
 //! `d g = d act · u · σ(g) · (1 + g · (1 − σ(g)))`, `d u = d act · g · σ(g)`.
 //!
-//! On AVX-512, `σ(g) = 1 / (1 + e^−g)` uses a vector exponential: `e^x = 2^n · p(r)` with
-//! `n = round(x · log₂e)`, `r = x − n · ln 2` (ln 2 split in two parts) and `p` the degree-6
-//! Taylor polynomial of `e^r` on |r| ≤ ln 2 / 2 (relative error below 2⁻²³), scaled by `2^n`
-//! with `vscalefps`. Every element, tail included, goes through the same instructions, so the
-//! results depend only on the values.
+//! On AVX-512, `σ(g) = 1 / (1 + e^−g)` uses the vector exponential of [`super::exp`]. Every
+//! element, tail included, goes through the same instructions, so the results depend only on
+//! the values.
 
 /// `act[c] = silu(gate[c]) · up[c]` for equal-length slices.
 ///
@@ -83,38 +81,16 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Backward;
+    use crate::cpu::exp::x86::{exp, mask};
 
     /// σ(x) per lane.
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn sigmoid(x: __m512) -> __m512 {
         let one = _mm512_set1_ps(1.0);
-        // e^−x; arguments beyond ±100 give 0 or +∞ exactly as the scaling saturates, and the
-        // clamp keeps r finite.
-        let y = _mm512_min_ps(
-            _mm512_max_ps(
-                _mm512_sub_ps(_mm512_setzero_ps(), x),
-                _mm512_set1_ps(-100.0),
-            ),
-            _mm512_set1_ps(100.0),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(y, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        // ln 2 = 0.693359375 − 2.12194440e−4, the first part exact in a few bits.
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), y);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let exp = _mm512_scalef_ps(p, n);
+        // Beyond ±100 e^−x is 0 or +∞, which give σ = 1 or 0 exactly.
+        let exp = exp(_mm512_sub_ps(_mm512_setzero_ps(), x));
         _mm512_div_ps(one, _mm512_add_ps(one, exp))
-    }
-
-    /// Lanes `0..len` of a 16-lane mask.
-    fn mask(len: usize) -> __mmask16 {
-        if len >= 16 { !0 } else { (1u16 << len) - 1 }
     }
 
     /// # Safety
