@@ -12,8 +12,9 @@
 //! thing in `main`.
 
 /// Serve large allocations from the heap and keep freed memory for reuse rather than returning
-/// it to the OS (glibc: `M_MMAP_THRESHOLD` and `M_TRIM_THRESHOLD` raised to their largest
-/// value, 2 GiB, 64 MiB `M_TOP_PAD`). Returns whether the allocator accepted the policy; `false` on platforms
+/// it to the OS (glibc: `M_MMAP_THRESHOLD` raised to its largest value, 2 GiB; trimming off
+/// (`M_TRIM_THRESHOLD` −1), since one backward's outputs alone exceed 2 GiB at
+/// Qwen3-30B-A3B sizes; 64 MiB `M_TOP_PAD`). Returns whether the allocator accepted the policy; `false` on platforms
 /// other than Linux with glibc, where it does nothing.
 ///
 /// The process's resident memory then stays near its peak between calls, as with a caching
@@ -27,6 +28,8 @@ mod imp {
     /// The weight gradients of one Qwen3-30B-A3B layer are 1.6 GB in f32: every buffer below
     /// glibc's largest threshold comes from the heap.
     const LARGEST: libc::c_int = libc::c_int::MAX;
+    /// glibc reads −1 as "never trim the heap".
+    const NEVER: libc::c_int = -1;
     const TOP_PAD: libc::c_int = 64 << 20;
 
     pub fn retain_freed_buffers() -> bool {
@@ -34,7 +37,7 @@ mod imp {
         // time, from any thread, and rejects values it does not support (returning 0).
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, LARGEST) == 1
-                && libc::mallopt(libc::M_TRIM_THRESHOLD, LARGEST) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, NEVER) == 1
                 && libc::mallopt(libc::M_TOP_PAD, TOP_PAD) == 1
         }
     }

@@ -8,11 +8,8 @@
 //! the calling thread, because the process keeps freed memory for reuse (`moekit::memory`),
 //! and reused memory is cleared by `calloc` itself.
 //!
-//! The weight gradients are [`zeroed`] instead: they are written by matrix products that need
-//! initialised memory, and at Qwen3-30B-A3B sizes (gigabytes, above the allocator's mmap
-//! threshold) they are fresh pages that the OS clears as the products first write them, where
-//! a clearing pass of the kernel's own would be one more pass over them (measured: bf16
-//! `blockwise_mm_bwd` at T = 128 2–10% slower with one).
+//! That holds for the weight gradients too: each expert's products write its slices whole
+//! (`cpu::matmul::matmul_into`), and an expert without tokens zeroes its own.
 
 use std::mem::MaybeUninit;
 
@@ -25,15 +22,6 @@ const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
 /// before first touch.
 pub fn output_buffer(len: usize) -> Vec<MaybeUninit<f32>> {
     let mut buffer = uninit(len);
-    advise_if_large(buffer.as_mut_ptr().cast(), len);
-    buffer
-}
-
-/// A zeroed `len`-element buffer (the allocator's zeroing: fresh pages come zeroed, and are
-/// faulted in by whichever threads first write them); large ones are advised to use huge
-/// pages before first touch.
-pub fn zeroed(len: usize) -> Vec<f32> {
-    let mut buffer = vec![0.0f32; len];
     advise_if_large(buffer.as_mut_ptr().cast(), len);
     buffer
 }
@@ -73,9 +61,6 @@ mod tests {
     #[test]
     fn buffers_are_sized_and_hold_what_is_written_below_and_above_the_threshold() {
         for len in [0, 1, 1000, (HUGE_PAGE_MIN_BYTES / 4) + 12345] {
-            let zeros = zeroed(len);
-            assert_eq!(zeros.len(), len);
-            assert!(zeros.iter().all(|&v| v.to_bits() == 0));
             let mut buffer = output_buffer(len);
             assert_eq!(buffer.len(), len);
             zero(&mut buffer)

@@ -29,7 +29,7 @@ use std::ops::Range;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::alloc::{output_buffer, zeroed};
+use super::alloc::output_buffer;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
@@ -647,17 +647,18 @@ fn rows_backward(
     gather_rows(forward.hidden_states, piece.tokens, h, piece.x);
 }
 
-/// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), computed in bands of
+/// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), written whole into
+/// memory not yet written, in bands of
 /// `dst`'s rows in parallel: one band per [`TASK_ROWS`] rows of the inner dimension m, so the
 /// bands depend only on the shapes.
-fn transposed_product(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
+fn transposed_product(dst: &mut [MaybeUninit<f32>], a: MatRef<'_>, b: MatRef<'_>) {
     let (r, n) = (a.cols(), b.cols());
     let band = r.div_ceil(a.rows().div_ceil(TASK_ROWS)).max(1);
     dst.par_chunks_mut(band * n)
         .enumerate()
         .for_each(|(index, dst)| {
             let rows = index * band..(index * band + band).min(r);
-            matmul(dst, a.columns(rows).t(), b, false);
+            matmul_into(dst, a.columns(rows).t(), b);
         });
 }
 
@@ -669,8 +670,8 @@ fn expert_backward(
     shared: (&[f32], &[f32]),
     group: &ExpertRows,
     grads: &mut ExpertGrads,
-    d_gate_up_weight: &mut [f32],
-    d_down_weight: &mut [f32],
+    d_gate_up_weight: &mut [MaybeUninit<f32>],
+    d_down_weight: &mut [MaybeUninit<f32>],
 ) -> ExpertBackward {
     let BlockwiseDims { h, i, .. } = call.dims();
     let m = group.tokens.len();
@@ -737,21 +738,33 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     // Read once here, not once per expert (bf16 inputs are widened).
     let affinities = inputs.forward.expert_affinities_masked.f32_values();
     let checkpoint = inputs.gate_up_activations_t.f32_values();
-    // Each expert overwrites its own slices of the weight gradients; experts without tokens
-    // keep zeros.
-    let mut d_gate_up_weight = zeroed(e * h * 2 * i);
-    let mut d_down_weight = zeroed(e * i * h);
+    // Each expert writes its own slices of the weight gradients whole: its products, or zeros
+    // when it has no tokens. Nothing clears them first.
+    let mut d_gate_up_weight = output_buffer(e * h * 2 * i);
+    let mut d_down_weight = output_buffer(e * i * h);
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
         .enumerate()
-        .filter_map(|(expert, chunks)| group_of[expert].map(|g| (g, chunks)))
-        .map_init(ExpertGrads::default, |grads, (g, (d_gate_up, d_down))| {
-            let shared = (&affinities[..], &checkpoint[..]);
-            let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
-            (g, result)
-        })
+        .map_init(
+            ExpertGrads::default,
+            |grads, (expert, (d_gate_up, d_down))| {
+                let Some(g) = group_of[expert] else {
+                    zero(d_gate_up);
+                    zero(d_down);
+                    return None;
+                };
+                let shared = (&affinities[..], &checkpoint[..]);
+                let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
+                Some((g, result))
+            },
+        )
+        .flatten()
         .collect();
+    // SAFETY: every expert wrote both of its slices whole (`transposed_product` writes every
+    // band), and the slices cover both buffers.
+    let (d_gate_up_weight, d_down_weight) =
+        unsafe { (assume_init(d_gate_up_weight), assume_init(d_down_weight)) };
     results.sort_by_key(|(g, _)| *g);
     let results: Vec<ExpertBackward> = results.into_iter().map(|(_, r)| r).collect();
 
