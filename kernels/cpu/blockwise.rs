@@ -17,11 +17,11 @@
 //! The affinity scaling and scatter-add are fused into a per-token combine that sums a token's
 //! expert outputs in ascending expert order. The backward's products against transposed weights
 //! run in dot-product form ([`matmul_nt`]) on the weights as stored, and weight gradients are
-//! written straight into their final place.
+//! written straight into their final place, uncleared beforehand.
 //!
 //! bf16 weights are never widened whole: `[m, H] · [H, 2I]` with bf16 tokens runs on AVX-512
 //! BF16 pair dot products ([`matmul_bf16`], exact products, f32 sums), and every other product
-//! widens a cache-sized panel of the weights at a time.
+//! widens a cache-sized panel of the weights at a time (as it packs them, on AVX-512).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;

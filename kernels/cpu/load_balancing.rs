@@ -1,7 +1,7 @@
 //! The auxiliary load-balancing loss on the CPU: per-row softmax ([`softmax`], 16 lanes at a
-//! time on AVX-512) in parallel over fixed row
-//! chunks, chunk partial sums combined in chunk order (so the result does not depend on the
-//! thread count), f64 accumulation of the pooled means.
+//! time on AVX-512) in parallel over fixed row chunks, chunk partial sums combined in chunk
+//! order (so the result does not depend on the thread count), f64 accumulation of the pooled
+//! means.
 
 use rayon::prelude::*;
 
