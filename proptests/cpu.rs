@@ -349,6 +349,29 @@ fn crowded_experts_match_the_reference_and_ignore_thread_counts() {
 }
 
 #[test]
+fn products_on_streamed_panels_ignore_thread_counts() {
+    // H and I past the register tiles' reach, so the products run on packed panels.
+    let s = Shape {
+        t: 40,
+        h: 800,
+        e: 3,
+        i: 70,
+        k: 2,
+        b: 8,
+        activation: Activation::Softmax,
+        norm_topk_prob: true,
+        biases: false,
+        bf16: false,
+    };
+    for bf16 in [false, true] {
+        let layer = layer(Shape { bf16, ..s }, 7);
+        if let Err(e) = bit_identical_across_thread_counts(&layer) {
+            panic!("bf16: {bf16}: {e}");
+        }
+    }
+}
+
+#[test]
 fn edge_cases_match_the_reference() {
     let base = Shape {
         t: 5,
