@@ -103,13 +103,7 @@ impl<'a> MatRef<'a> {
 /// # Panics
 /// If the inner dimensions disagree or `dst` is not `m · n` long.
 pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "inner dimensions differ");
-    assert_eq!(
-        Some(dst.len()),
-        m.checked_mul(n),
-        "destination is not [m, n]"
-    );
+    let (m, k, n) = product_shape(dst.len(), a, b);
     if m == 0 || n == 0 {
         return;
     }
@@ -146,13 +140,7 @@ pub fn matmul_into<'d>(
     a: MatRef<'_>,
     b: MatRef<'_>,
 ) -> &'d mut [f32] {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "inner dimensions differ");
-    assert_eq!(
-        Some(dst.len()),
-        m.checked_mul(n),
-        "destination is not [m, n]"
-    );
+    let (m, k, n) = product_shape(dst.len(), a, b);
     if m == 0 || n == 0 || k == 0 || tiled(a, b) {
         let dst = zero(dst);
         matmul(dst, a, b, false);
@@ -164,6 +152,17 @@ pub fn matmul_into<'d>(
     unsafe { packed_product(dst.as_mut_ptr().cast(), a, b, false) };
     // SAFETY: the product wrote all m · n elements, and `MaybeUninit<f32>` has `f32`'s layout.
     unsafe { &mut *(std::ptr::from_mut(dst) as *mut [f32]) }
+}
+
+/// `(m, k, n)` of `a [m, k] · b [k, n]` into a destination of `dst_len` elements.
+///
+/// # Panics
+/// If the inner dimensions disagree or `dst_len` is not `m · n`.
+fn product_shape(dst_len: usize, a: MatRef<'_>, b: MatRef<'_>) -> (usize, usize, usize) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "inner dimensions differ");
+    assert_eq!(Some(dst_len), m.checked_mul(n), "destination is not [m, n]");
+    (m, k, n)
 }
 
 /// Whether [`matmul`] runs `a · b` on the register tiles.
