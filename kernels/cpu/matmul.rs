@@ -270,6 +270,7 @@ pub fn matmul_bf16_b(dst: &mut [f32], a: MatRef<'_>, b: &[bf16], panel: &mut Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::test_values::values;
 
     /// Naive triple loop over the same views.
     fn naive(a: MatRef<'_>, b: MatRef<'_>) -> Vec<f32> {
@@ -285,12 +286,6 @@ mod tests {
             }
         }
         out
-    }
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0)
-            .collect()
     }
 
     #[test]

@@ -18,6 +18,17 @@ mod streamed;
 mod swiglu;
 mod tile_walk;
 
+/// Deterministic operands for the product kernels' unit tests.
+#[cfg(test)]
+mod test_values {
+    /// `n` values in [−1, 1] in steps of 1/8, varied by `seed`.
+    pub fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0)
+            .collect()
+    }
+}
+
 use crate::backend::{Backend, BackendKind};
 use crate::contracts::{
     BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmOutputs, LoadBalancingLoss,

@@ -270,12 +270,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0)
-            .collect()
-    }
+    use crate::cpu::test_values::values;
 
     #[test]
     fn products_match_the_naive_product_on_ragged_shapes() {
