@@ -6,7 +6,8 @@
 #
 # torch comes from PyPI. Its CUDA dependencies are gigabytes and unused on CPU, so torch is
 # installed without them, plus the two CUDA runtime libraries that libtorch_cpu.so links
-# (cudart and cupti, ~50 MB).
+# (cudart and cupti, ~50 MB). pip keeps no cached copy of the wheels (--no-cache-dir): the
+# installed files are all that is needed, and the torch wheel alone is ~500 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,10 +17,10 @@ if [ ! -x "${venv}/bin/python" ]; then
     "${python}" -m venv "${venv}" >&2
 fi
 if ! "${venv}/bin/python" -m pip show torch 2>/dev/null | grep -q '^Version: 2.11.0'; then
-    "${venv}/bin/python" -m pip install --quiet --no-deps torch==2.11.0 >&2
+    "${venv}/bin/python" -m pip install --quiet --no-cache-dir --no-deps torch==2.11.0 >&2
 fi
 if ! "${venv}/bin/python" -m pip show nvidia-cuda-runtime nvidia-cuda-cupti >/dev/null 2>&1; then
-    "${venv}/bin/python" -m pip install --quiet 'cuda-toolkit[cudart,cupti]==13.0.2' >&2
+    "${venv}/bin/python" -m pip install --quiet --no-cache-dir 'cuda-toolkit[cudart,cupti]==13.0.2' >&2
 fi
 libtorch="$(cd "${venv}" && pwd)/lib/python3.11/site-packages/torch"
 if [ ! -f "${libtorch}/lib/libtorch_cpu.so" ]; then
