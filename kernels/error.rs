@@ -52,8 +52,11 @@ pub enum Error {
         #[source]
         source: std::collections::TryReserveError,
     },
-    /// A tensor's shape has more elements than an address space holds.
-    #[error("shape {shape:?} has more elements than fit in memory")]
+    /// A tensor's shape has more elements than an address space holds, or an extent past
+    /// `i64::MAX`.
+    #[error(
+        "shape {shape:?} is too large: more elements than fit in memory, or an extent past i64::MAX"
+    )]
     ShapeOverflow { shape: Vec<usize> },
     /// A kernel input required by the contract is absent.
     #[error("missing input tensor `{0}`")]

@@ -36,15 +36,18 @@ fn words<const N: usize>(bytes: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
 fn to_tensor(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Tensor> {
     let shape = view.shape().to_vec();
     let bytes = view.data();
-    match view.dtype() {
+    let tensor = match view.dtype() {
         StDtype::F32 => Tensor::from_f32(shape, words(bytes).map(f32::from_le_bytes).collect()),
         StDtype::BF16 => Tensor::from_bf16(shape, words(bytes).map(bf16::from_le_bytes).collect()),
         StDtype::I32 => Tensor::from_i32(shape, words(bytes).map(i32::from_le_bytes).collect()),
-        other => Err(format_error(
-            path,
-            format!("tensor `{name}` has dtype {other:?}; moekit reads F32, BF16 and I32"),
-        )),
-    }
+        other => {
+            return Err(format_error(
+                path,
+                format!("tensor `{name}` has dtype {other:?}; moekit reads F32, BF16 and I32"),
+            ));
+        }
+    };
+    tensor.map_err(|e| format_error(path, format!("tensor `{name}`: {e}")))
 }
 
 impl TensorFile {

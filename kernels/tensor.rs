@@ -25,6 +25,25 @@ pub fn try_filled<T: Clone>(
     Ok(v)
 }
 
+/// An empty vector with room for the elements of output `name` of `shape`, or the error naming
+/// the output when its element count overflows or the memory cannot be had: for outputs larger
+/// than any input (the forward's checkpoints grow with N·B), whose allocation must fail as an
+/// error rather than abort the process.
+pub fn try_output_capacity<T>(name: &str, shape: &[usize]) -> Result<Vec<T>> {
+    // An overflowing count asks for usize::MAX elements, which `try_reserve_exact` refuses.
+    let len = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .unwrap_or(usize::MAX);
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|source| Error::Allocation {
+            what: format!("output `{name}` of shape {shape:?}"),
+            source,
+        })?;
+    Ok(v)
+}
+
 /// Element type of a [`Tensor`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
@@ -77,10 +96,14 @@ pub struct Tensor {
 }
 
 impl Tensor {
-    /// Builds a tensor, checking that the buffer length equals the product of `shape`.
+    /// Builds a tensor, checking that the buffer length equals the product of `shape` and that
+    /// every extent fits in an i64 (the index type of libtorch and safetensors), which an
+    /// extent of a tensor without elements need not.
     pub fn new(shape: impl Into<Vec<usize>>, storage: Storage) -> Result<Self> {
         let shape = shape.into();
-        let Some(expected) = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) else {
+        let extents_fit = shape.iter().all(|&d| i64::try_from(d).is_ok());
+        let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let Some(expected) = elements.filter(|_| extents_fit) else {
             return Err(Error::ShapeOverflow { shape });
         };
         if storage.len() != expected {

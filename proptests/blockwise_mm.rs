@@ -333,14 +333,15 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, .. } = c.dims;
     let d_out = SeededRng::new(seed).values(t * h, 1.0);
     let ops = operands(c);
-    let fwd = blockwise_forward(&ops);
+    let fwd = blockwise_forward(&ops).unwrap();
     let grads = blockwise_backward(
         &ops,
         &fwd.gate_up_activations_t,
         &fwd.down_activations,
         &d_out,
-    );
-    let loss = |ops: BlockwiseOperands<'_>| dot(&d_out, &blockwise_forward(&ops).output);
+    )
+    .unwrap();
+    let loss = |ops: BlockwiseOperands<'_>| dot(&d_out, &blockwise_forward(&ops).unwrap().output);
 
     let fd_x = finite_differences(&c.x, FD_STEP, |x| {
         loss(BlockwiseOperands {
@@ -450,13 +451,14 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
 
     // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
     let ops = operands(c);
-    let exact_fwd = blockwise_forward(&ops);
+    let exact_fwd = blockwise_forward(&ops).unwrap();
     let exact = blockwise_backward(
         &ops,
         &exact_fwd.gate_up_activations_t,
         &exact_fwd.down_activations,
         &d_out.to_f64_vec(),
-    );
+    )
+    .unwrap();
     for (name, got, want) in [
         (
             "hidden_states_grad",

@@ -425,6 +425,18 @@ fn errors_exit_non_zero_with_a_clear_message() {
         run("router_topk", &["--param", "top_k=2"]),
         &["tensor `x`", "F64"],
     );
+    // An extent past i64::MAX, which safetensors accepts in a tensor without elements.
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![0, 1 << 63], &[])
+        .unwrap();
+    std::fs::write(
+        &inputs,
+        safetensors::serialize([("x", view)], None).unwrap(),
+    )
+    .unwrap();
+    check(
+        run("router_topk", &["--param", "top_k=2"]),
+        &["in.safetensors", "tensor `x`", "i64::MAX"],
+    );
     std::fs::write(&inputs, b"definitely not safetensors").unwrap();
     check(
         run("router_topk", &["--param", "top_k=2"]),

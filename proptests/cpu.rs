@@ -541,6 +541,43 @@ fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks()
 }
 
 #[test]
+fn checkpoints_past_the_address_space_are_errors_naming_them() {
+    // A valid plan of one unused block of B = 2²² slots at H = 2²³: the inputs take 200 MB,
+    // `down_activations [N, B, H]` would take 2⁴⁷ bytes in f32, more than a process can map.
+    let (h, slots) = (1 << 23, 1 << 22);
+    let tensors: BTreeMap<String, Tensor> = [
+        ("hidden_states", f32_tensor(&[2, h], &vec![0.0; 2 * h])),
+        ("expert_affinities_masked", f32_tensor(&[2], &[0.0; 2])),
+        (
+            "gate_up_proj_weight",
+            f32_tensor(&[1, h, 2, 1], &vec![0.0; 2 * h]),
+        ),
+        ("down_proj_weight", f32_tensor(&[1, 1, h], &vec![0.0; h])),
+        ("block_to_expert", i32_tensor(&[1], &[1])),
+        (
+            "token_position_to_id",
+            i32_tensor(&[slots], &vec![-1; slots]),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, tensor)| (name.to_owned(), tensor))
+    .collect();
+    let mut params = Params::default();
+    params.set("checkpoint_activations", "true").unwrap();
+    for backend in [BackendKind::Cpu, BackendKind::Reference] {
+        let err = Kernel::BlockwiseMm
+            .run(backend.create().as_ref(), &tensors, &params)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cannot allocate output `down_activations`")
+                && err.contains(&format!("[1, {slots}, {h}]")),
+            "{backend}: {err}"
+        );
+    }
+}
+
+#[test]
 fn the_backend_reports_its_name() {
     assert_eq!(BackendKind::Cpu.create().name(), "cpu");
     assert_eq!("cpu".parse::<BackendKind>().unwrap(), BackendKind::Cpu);

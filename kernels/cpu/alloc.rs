@@ -13,17 +13,18 @@
 
 use std::mem::MaybeUninit;
 
-use crate::uninit::uninit;
+use crate::error::Result;
+use crate::uninit::try_uninit;
 
 /// Below this size the page-fault cost is negligible and the advice is not worth a syscall.
 const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
 
-/// A `len`-element buffer to be written whole; large ones are advised to use huge pages
-/// before first touch.
-pub fn output_buffer(len: usize) -> Vec<MaybeUninit<f32>> {
-    let mut buffer = uninit(len);
-    advise_if_large(buffer.as_mut_ptr().cast(), len);
-    buffer
+/// A buffer for output `name` of `shape`, to be written whole; large ones are advised to use
+/// huge pages before first touch. An error names the output when it cannot be allocated.
+pub fn output_buffer(name: &str, shape: &[usize]) -> Result<Vec<MaybeUninit<f32>>> {
+    let mut buffer = try_uninit(name, shape)?;
+    advise_if_large(buffer.as_mut_ptr().cast(), buffer.len());
+    Ok(buffer)
 }
 
 /// Advises huge pages for a buffer of `len` f32 from `start` when it is large enough.
@@ -61,7 +62,7 @@ mod tests {
     #[test]
     fn buffers_are_sized_and_hold_what_is_written_below_and_above_the_threshold() {
         for len in [0, 1, 1000, (HUGE_PAGE_MIN_BYTES / 4) + 12345] {
-            let mut buffer = output_buffer(len);
+            let mut buffer = output_buffer("x", &[len]).unwrap();
             assert_eq!(buffer.len(), len);
             zero(&mut buffer)
                 .iter_mut()
@@ -70,6 +71,19 @@ mod tests {
             // SAFETY: `zero` wrote every element.
             let values = unsafe { assume_init(buffer) };
             assert!(values.iter().enumerate().all(|(i, &v)| v == i as f32));
+        }
+    }
+
+    #[test]
+    fn outputs_past_the_address_space_are_errors_naming_them() {
+        for shape in [[1 << 40, 1 << 10], [1 << 40, 1 << 40]] {
+            let err = output_buffer("down_activations", &shape)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("output `down_activations`") && err.contains(&format!("{shape:?}")),
+                "{err}"
+            );
         }
     }
 }

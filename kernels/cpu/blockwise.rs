@@ -447,8 +447,9 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
 
     // The expert outputs land in `down [N, B, H]`, the checkpoint's layout, whether or not it
     // is returned.
-    let mut down = output_buffer(n * b * h);
-    let mut gate_up_t = output_buffer(if checkpoint { n * 2 * i * b } else { 0 });
+    let mut down = output_buffer("down_activations", &[n, b, h])?;
+    let gate_up_shape = if checkpoint { [n, 2, i, b] } else { [0; 4] };
+    let mut gate_up_t = output_buffer("gate_up_activations_T", &gate_up_shape)?;
     let gate_up_parts: Vec<Option<&mut [MaybeUninit<f32>]>> = if checkpoint {
         split_by_runs(&mut gate_up_t, &runs, 2 * i * b)
             .into_iter()
@@ -479,7 +480,7 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
             .map(move |(&token, &slot)| (token, (expert, slot)))
     });
     let affinities = inputs.expert_affinities_masked.f32_values();
-    let mut output = output_buffer(t * h);
+    let mut output = output_buffer("output", &[t, h])?;
     TokenRows::new(t, rows).combine(
         &mut output,
         h,
@@ -740,8 +741,8 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     let checkpoint = inputs.gate_up_activations_t.f32_values();
     // Each expert writes its own slices of the weight gradients whole: its products, or zeros
     // when it has no tokens. Nothing clears them first.
-    let mut d_gate_up_weight = output_buffer(e * h * 2 * i);
-    let mut d_down_weight = output_buffer(e * i * h);
+    let mut d_gate_up_weight = output_buffer("gate_up_proj_weight_grad", &[e, h, 2, i])?;
+    let mut d_down_weight = output_buffer("down_proj_weight_grad", &[e, i, h])?;
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
@@ -774,7 +775,7 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
             d_affinities[token * e + group.expert] = d;
         }
     }
-    let mut d_hidden = output_buffer(t * h);
+    let mut d_hidden = output_buffer("hidden_states_grad", &[t, h])?;
     let rows = groups.iter().enumerate().flat_map(|(g, group)| {
         group
             .tokens

@@ -92,7 +92,7 @@ pub(super) fn backward(call: &LoadBalancingLossBwd<'_>) -> Result<LoadBalancingL
         .iter()
         .map(|&c| (d_aux * e as f64 * c as f64 / (rows * rows)) as f32)
         .collect();
-    let mut d_logits = output_buffer(logits.len());
+    let mut d_logits = output_buffer("d_router_logits", inputs.router_logits.shape())?;
     let finite = d_logits
         .par_chunks_mut(CHUNK_ROWS * e)
         .zip(logits.par_chunks(CHUNK_ROWS * e))

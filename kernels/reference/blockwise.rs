@@ -2,6 +2,15 @@
 //! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
 
 use crate::contracts::BlockwiseDims;
+use crate::error::Result;
+use crate::tensor::try_output_capacity;
+
+/// Zeros for output `name` of `shape`, or the error naming it when they cannot be allocated.
+fn zeros(name: &str, shape: &[usize]) -> Result<Vec<f64>> {
+    let mut values = try_output_capacity(name, shape)?;
+    values.resize(shape.iter().product(), 0.0);
+    Ok(values)
+}
 
 /// Borrowed f64 operands shared by forward and backward.
 #[derive(Clone, Copy, Debug)]
@@ -75,12 +84,12 @@ pub struct BlockwiseForward {
 }
 
 /// Blockwise forward with both checkpoints.
-pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> BlockwiseForward {
+pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> Result<BlockwiseForward> {
     let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
     let mut out = BlockwiseForward {
-        output: vec![0.0; t * h],
-        gate_up_activations_t: vec![0.0; n * 2 * i * b],
-        down_activations: vec![0.0; n * b * h],
+        output: zeros("output", &[t, h])?,
+        gate_up_activations_t: zeros("gate_up_activations_T", &[n, 2, i, b])?,
+        down_activations: zeros("down_activations", &[n, b, h])?,
     };
     for (block, slot, token, expert) in ops.assignments() {
         let x = &ops.hidden_states[token * h..(token + 1) * h];
@@ -99,7 +108,7 @@ pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> BlockwiseForward {
             out.output[token * h + j] += affinity * y;
         }
     }
-    out
+    Ok(out)
 }
 
 /// Gradients in f64.
@@ -122,13 +131,13 @@ pub fn blockwise_backward(
     gate_up_activations_t: &[f64],
     down_activations: &[f64],
     d_output: &[f64],
-) -> BlockwiseGrads {
+) -> Result<BlockwiseGrads> {
     let BlockwiseDims { t, h, e, i, b, .. } = ops.dims;
     let mut grads = BlockwiseGrads {
-        hidden_states_grad: vec![0.0; t * h],
-        expert_affinities_masked_grad: vec![0.0; (t + 1) * e],
-        gate_up_proj_weight_grad: vec![0.0; e * h * 2 * i],
-        down_proj_weight_grad: vec![0.0; e * i * h],
+        hidden_states_grad: zeros("hidden_states_grad", &[t, h])?,
+        expert_affinities_masked_grad: zeros("expert_affinities_masked_grad", &[(t + 1) * e])?,
+        gate_up_proj_weight_grad: zeros("gate_up_proj_weight_grad", &[e, h, 2, i])?,
+        down_proj_weight_grad: zeros("down_proj_weight_grad", &[e, i, h])?,
     };
     for (block, slot, token, expert) in ops.assignments() {
         let x = &ops.hidden_states[token * h..(token + 1) * h];
@@ -159,5 +168,5 @@ pub fn blockwise_backward(
             }
         }
     }
-    grads
+    Ok(grads)
 }

@@ -241,7 +241,7 @@ impl Backend for ReferenceBackend {
         let (inputs, dims) = (call.inputs(), call.dims());
         let BlockwiseDims { t, h, i, b, n, .. } = dims;
         let owned = OwnedOperands::new(&inputs);
-        let fwd = blockwise::blockwise_forward(&owned.borrow(&inputs, dims));
+        let fwd = blockwise::blockwise_forward(&owned.borrow(&inputs, dims))?;
         let checkpoint = call.params().checkpoint_activations;
         Ok(BlockwiseMmOutputs {
             output: f32_output("output", &[t, h], &fwd.output)?,
@@ -269,7 +269,7 @@ impl Backend for ReferenceBackend {
             &inputs.gate_up_activations_t.to_f64_vec(),
             &inputs.down_activations.to_f64_vec(),
             &inputs.output_hidden_states_grad.to_f64_vec(),
-        );
+        )?;
         let d_topk_affinities = inputs
             .expert_index
             .map(|index| {
