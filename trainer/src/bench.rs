@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use moekit::bench::limits::MachineLimits;
 use serde::Serialize;
 
@@ -63,7 +63,10 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
         "bench.impls names no implementation"
     );
     let limits = MachineLimits::measure();
-    let total = options.warmup + options.steps;
+    let total = options
+        .warmup
+        .checked_add(options.steps)
+        .context("bench.warmup + bench.steps overflows")?;
     let mut trainers = options
         .impls
         .iter()
@@ -76,7 +79,7 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
             Trainer::new(&config, None)
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut times = vec![Vec::with_capacity(options.steps); trainers.len()];
+    let mut times = vec![Vec::new(); trainers.len()];
     let mut last_loss = vec![0.0; trainers.len()];
     for step in 0..total {
         for ((trainer, times), loss) in trainers.iter_mut().zip(&mut times).zip(&mut last_loss) {

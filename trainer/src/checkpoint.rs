@@ -68,16 +68,29 @@ fn from_hf_tensor(
         hf.get(key)
             .with_context(|| format!("{}: missing tensor `{key}`", source.display()))
     };
+    // A per-expert tensor of the shape the fused one implies, before it is transposed and
+    // stacked (which would panic on other shapes).
+    let expert_tensor = |key: &str, expected: [i64; 2]| {
+        let tensor = get(key)?;
+        ensure!(
+            tensor.size() == expected,
+            "{}: tensor `{key}` has shape {:?}, the model expects {expected:?}",
+            source.display(),
+            tensor.size()
+        );
+        Ok(tensor)
+    };
     let tensor = if let Some(prefix) = name.strip_suffix(GATE_UP) {
+        // [E, H, 2, I] from gate_proj and up_proj [I, H].
+        let expected = [shape[3], shape[1]];
         let experts = (first..first + shape[0])
             .map(|e| {
-                let gate = get(&format!("{prefix}mlp.experts.{e}.gate_proj.weight"))?;
-                let up = get(&format!("{prefix}mlp.experts.{e}.up_proj.weight"))?;
-                ensure!(
-                    gate.size() == up.size(),
-                    "{}: expert {e}'s gate_proj and up_proj shapes differ",
-                    source.display()
-                );
+                let gate = expert_tensor(
+                    &format!("{prefix}mlp.experts.{e}.gate_proj.weight"),
+                    expected,
+                )?;
+                let up =
+                    expert_tensor(&format!("{prefix}mlp.experts.{e}.up_proj.weight"), expected)?;
                 Ok(Tensor::stack(
                     &[gate.transpose(0, 1), up.transpose(0, 1)],
                     1,
@@ -86,8 +99,13 @@ fn from_hf_tensor(
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&experts, 0)
     } else if let Some(prefix) = name.strip_suffix(DOWN) {
+        // [E, I, H] from down_proj [H, I].
+        let expected = [shape[2], shape[1]];
         let experts = (first..first + shape[0])
-            .map(|e| Ok(get(&format!("{prefix}mlp.experts.{e}.down_proj.weight"))?.transpose(0, 1)))
+            .map(|e| {
+                let key = format!("{prefix}mlp.experts.{e}.down_proj.weight");
+                Ok(expert_tensor(&key, expected)?.transpose(0, 1))
+            })
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&experts, 0)
     } else {
@@ -102,14 +120,25 @@ fn from_hf_tensor(
     Ok(tensor)
 }
 
-/// Copies `values` into the parameters (same names), converting to each parameter's dtype.
+/// Copies `values` into the parameters (same names), converting each from f32 or bf16 to its
+/// parameter's dtype; `source` names where the values come from.
 fn assign(
     params: &[(String, Tensor)],
+    source: &Path,
     values: impl Fn(&str, &[i64]) -> Result<Tensor>,
 ) -> Result<()> {
     let loaded = params
         .iter()
-        .map(|(name, p)| values(name, &p.size()))
+        .map(|(name, p)| {
+            let value = values(name, &p.size())?;
+            ensure!(
+                matches!(value.kind(), Kind::Float | Kind::BFloat16),
+                "{}: tensor for `{name}` holds {:?} values; parameters load from f32 or bf16",
+                source.display(),
+                value.kind()
+            );
+            Ok(value)
+        })
         .collect::<Result<Vec<_>>>()?;
     tch::no_grad(|| {
         for ((_, p), value) in params.iter().zip(loaded) {
@@ -194,7 +223,7 @@ pub fn load_hf(
         );
     }
     let hf = read_hf_tensors(dir)?;
-    assign(params, |name, shape| {
+    assign(params, dir, |name, shape| {
         from_hf_tensor(name, shape, &hf, shard, dir)
     })
 }
@@ -616,15 +645,26 @@ fn merge_shards(shards: Vec<Tensors>, dir: &Path) -> Result<Tensors> {
     let rest: Vec<Tensors> = shards.collect();
     for (name, tensor) in &mut merged {
         if name.ends_with(GATE_UP) || name.ends_with(DOWN) {
+            // Every rank holds as many experts of the same shape as rank 0 (which `cat` needs;
+            // the merged shape is checked against the model afterwards).
+            ensure!(
+                tensor.dim() > 0,
+                "{}: rank 0's `{name}` has no expert dimension",
+                dir.display()
+            );
             let mut parts = vec![tensor.shallow_clone()];
             for (index, shard) in rest.iter().enumerate() {
+                let rank = index + 1;
                 let part = shard.get(name).with_context(|| {
-                    format!(
-                        "{}: rank {}'s shard has no `{name}`",
-                        dir.display(),
-                        index + 1
-                    )
+                    format!("{}: rank {rank}'s shard has no `{name}`", dir.display())
                 })?;
+                ensure!(
+                    part.size() == tensor.size(),
+                    "{}: rank {rank}'s `{name}` has shape {:?}, rank 0's has {:?}",
+                    dir.display(),
+                    part.size(),
+                    tensor.size()
+                );
                 parts.push(part.shallow_clone());
             }
             *tensor = Tensor::cat(&parts, 0);
@@ -639,7 +679,7 @@ pub fn assign_params(
     values: &BTreeMap<String, Tensor>,
     source: &Path,
 ) -> Result<()> {
-    assign(params, |name, shape| {
+    assign(params, source, |name, shape| {
         let value = values
             .get(name)
             .with_context(|| format!("{}: missing tensor `{name}`", source.display()))?;

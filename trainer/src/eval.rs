@@ -10,6 +10,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{assign_params, export_hf, is_training_checkpoint, load_hf, load_training};
+use crate::device::ensure_fits_in_host_memory;
 use crate::model::{ExpertShard, Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
 use crate::moe::MoeImpl;
 use crate::tape::Tape;
@@ -29,11 +30,21 @@ pub enum LoadDtype {
     AsSaved,
 }
 
+/// Refuses a model whose f32 parameters alone exceed the machine's physical memory (they are
+/// built in f32 before anything is loaded into them).
+fn check_memory(config: &Qwen3MoeConfig) -> Result<()> {
+    let params = config.parameter_count();
+    ensure_fits_in_host_memory(params.saturating_mul(4), || {
+        format!("the model's {params} parameters take, in f32,")
+    })
+}
+
 /// Loads a Hugging Face model directory or a training checkpoint folder.
 pub fn load_model(dir: &Path, dtype: LoadDtype) -> Result<LoadedModel> {
     let mut vars = nn::VarStore::new(Device::Cpu);
     let model = if is_training_checkpoint(dir) {
         let checkpoint = load_training(dir)?;
+        check_memory(&checkpoint.state.model)?;
         let model = Qwen3Moe::new(&vars.root(), &checkpoint.state.model);
         if dtype == LoadDtype::AsSaved {
             vars.set_kind(checkpoint.state.dtype.kind());
@@ -43,6 +54,7 @@ pub fn load_model(dir: &Path, dtype: LoadDtype) -> Result<LoadedModel> {
         model
     } else {
         let config = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
+        check_memory(&config)?;
         let model = Qwen3Moe::new(&vars.root(), &config);
         load_hf(dir, &config, &sorted_variables(&vars), ExpertShard::ALL)?;
         model

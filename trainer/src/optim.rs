@@ -106,6 +106,11 @@ impl AdamW {
                     value.size(),
                     p.size()
                 );
+                ensure!(
+                    value.kind() == Kind::Float,
+                    "optimizer state `{key}` holds {:?} values; it is written in f32",
+                    value.kind()
+                );
                 *moment = value.to_kind(Kind::Float).to_device(p.device()).copy();
             }
         }

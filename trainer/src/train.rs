@@ -20,6 +20,7 @@ use crate::checkpoint::{
 };
 use crate::config::{JobConfig, ParamDtype};
 use crate::data::{Batches, Source, TextTokenizer};
+use crate::device::ensure_fits_in_host_memory;
 use crate::model::{ExpertShard, Qwen3Moe, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
@@ -96,27 +97,14 @@ fn check_memory(config: &JobConfig, ranks: usize) -> Result<()> {
     let expert = 3 * model.hidden_size as u128 * model.moe_intermediate_size as u128;
     let elsewhere = model.num_experts as u128 - (model.num_experts / ranks) as u128;
     let held = model.parameter_count() - model.moe_layer_count() as u128 * elsewhere * expert;
-    let needed = held * per_param;
-    // SAFETY: sysconf only reads system configuration values.
-    let (pages, page_size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    if pages > 0 && page_size > 0 {
-        let available = pages as u128 * page_size as u128;
-        let gib = |bytes: u128| bytes as f64 / (1u64 << 30) as f64;
-        ensure!(
-            needed <= available,
+    let needed = held.saturating_mul(per_param);
+    ensure_fits_in_host_memory(needed, || {
+        format!(
             "this process holds {held} of the model's {} parameters: with gradients and AdamW \
-             state that is {:.1} GiB, more than this machine's {:.1} GiB of memory",
-            config.model.parameter_count(),
-            gib(needed),
-            gib(available)
-        );
-    }
-    Ok(())
+             state that is",
+            config.model.parameter_count()
+        )
+    })
 }
 
 /// The tokenized training data in batches of `ranks × training.batch_size` sequences.

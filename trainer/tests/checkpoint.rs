@@ -584,3 +584,172 @@ fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A safetensors file's tensors: name, dtype, shape and bytes, in name order.
+type RawTensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+
+fn read_raw(path: &Path) -> RawTensors {
+    let bytes = std::fs::read(path).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: RawTensors = file
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
+fn write_raw(path: &Path, tensors: &RawTensors) {
+    let views = tensors.iter().map(|(name, dtype, shape, bytes)| {
+        (
+            name.clone(),
+            TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+        )
+    });
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// `tensors` with `edit` applied to the tensor called `name` (which must exist).
+fn edited(
+    tensors: &RawTensors,
+    name: &str,
+    edit: impl Fn(&mut (String, Dtype, Vec<usize>, Vec<u8>)),
+) -> RawTensors {
+    let mut tensors = tensors.clone();
+    edit(tensors.iter_mut().find(|t| t.0 == name).unwrap());
+    tensors
+}
+
+#[test]
+fn malformed_tensors_and_configs_are_errors_before_anything_is_built_from_them() {
+    let dir = scratch("malformed");
+    let config = debug_config();
+    let dump = dir.to_str().unwrap();
+    succeed(&train_args(dump, &config, &["--training.steps", "10"]));
+    let ckpt = dir.join("checkpoints/step-00000010");
+    let hf = dir.join("hf");
+    let export = |checkpoint: &Path, out: &Path| {
+        [
+            "export".to_owned(),
+            "--checkpoint".to_owned(),
+            checkpoint.to_str().unwrap().to_owned(),
+            "--out".to_owned(),
+            out.to_str().unwrap().to_owned(),
+        ]
+    };
+    let args = export(&ckpt, &hf);
+    succeed(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let tokens = dir.join("tokens.safetensors");
+    write_tokens(&tokens, &[1, 2, 3, 4], [1, 4]);
+
+    // Hugging Face directories: per-expert tensors of other shapes, integer parameters and
+    // extents libtorch cannot hold.
+    let weights = hf.join("model.safetensors");
+    let original = read_raw(&weights);
+    let gate = "model.layers.0.mlp.experts.1.gate_proj.weight";
+    let down = "model.layers.1.mlp.experts.0.down_proj.weight";
+    let flattened = |t: &mut (String, Dtype, Vec<usize>, Vec<u8>)| t.2 = vec![t.2.iter().product()];
+    let cases = [
+        (
+            edited(&original, gate, flattened),
+            format!("tensor `{gate}` has shape [2048], the model expects [32, 64]"),
+        ),
+        (
+            edited(&original, down, flattened),
+            format!("tensor `{down}` has shape [2048], the model expects [64, 32]"),
+        ),
+        (
+            edited(&original, "model.embed_tokens.weight", |t| t.1 = Dtype::I32),
+            "tensor for `model.embed_tokens.weight` holds Int values".to_owned(),
+        ),
+        (
+            [
+                original.clone(),
+                vec![("extra".to_owned(), Dtype::F32, vec![0, 1 << 63], vec![])],
+            ]
+            .concat(),
+            "tensor `extra`: shape [0, 9223372036854775808] is too large".to_owned(),
+        ),
+    ];
+    for (tensors, expected) in &cases {
+        write_raw(&weights, tensors);
+        fail(&eval_args(&hf, &tokens), expected);
+    }
+    write_raw(&weights, &original);
+    let config_json = hf.join("config.json");
+    let original_config = std::fs::read_to_string(&config_json).unwrap();
+    let mut value: Value = serde_json::from_str(&original_config).unwrap();
+    for (vocab_size, expected) in [
+        (1u64 << 63, "model.vocab_size must be at most 2147483647"),
+        (2_000_000_000, "GiB, more than this machine's"),
+    ] {
+        value["vocab_size"] = vocab_size.into();
+        std::fs::write(&config_json, value.to_string()).unwrap();
+        fail(&eval_args(&hf, &tokens), expected);
+    }
+    std::fs::write(&config_json, &original_config).unwrap();
+    let baseline = eval_json(&eval_args(&hf, &tokens));
+
+    // The same checkpoint split as two ranks save it merges back into the same model; a rank
+    // whose experts have another shape is an error.
+    let sharded = dir.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    let mut state: Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
+    state["expert_parallel_degree"] = 2.into();
+    std::fs::write(sharded.join("state.json"), state.to_string()).unwrap();
+    let is_expert = |name: &str| {
+        name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj")
+    };
+    for file in ["model", "optimizer"] {
+        let whole = read_raw(&ckpt.join(format!("{file}.safetensors")));
+        for rank in 0..2 {
+            let part: RawTensors = whole
+                .iter()
+                .map(|(name, dtype, shape, bytes)| {
+                    if !is_expert(name) {
+                        return (name.clone(), *dtype, shape.clone(), bytes.clone());
+                    }
+                    let half = bytes.len() / 2;
+                    let mut shape = shape.clone();
+                    shape[0] /= 2;
+                    let bytes = bytes[rank * half..(rank + 1) * half].to_vec();
+                    (name.clone(), *dtype, shape, bytes)
+                })
+                .collect();
+            write_raw(
+                &sharded.join(format!("{file}-rank{rank}-of-2.safetensors")),
+                &part,
+            );
+        }
+    }
+    assert_eq!(eval_json(&eval_args(&sharded, &tokens)), baseline);
+    let merged = dir.join("merged");
+    let args = export(&sharded, &merged);
+    succeed(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(read_raw(&merged.join("model.safetensors")), original);
+
+    let rank1 = sharded.join("model-rank1-of-2.safetensors");
+    let name = "model.layers.0.mlp.experts.gate_up_proj";
+    let fewer = edited(&read_raw(&rank1), name, |t| {
+        t.2[0] /= 2;
+        t.3.truncate(t.3.len() / 2);
+    });
+    write_raw(&rank1, &fewer);
+    fail(
+        &eval_args(&sharded, &tokens),
+        &format!("rank 1's `{name}` has shape [2, 64, 2, 32], rank 0's has [4, 64, 2, 32]"),
+    );
+
+    // Optimizer state of another dtype stops a resume.
+    let optimizer = ckpt.join("optimizer.safetensors");
+    let moments = read_raw(&optimizer);
+    let key = moments[0].0.clone();
+    write_raw(&optimizer, &edited(&moments, &key, |t| t.1 = Dtype::I32));
+    fail(
+        &train_args(dump, &config, &[]),
+        &format!("optimizer state `{key}` holds Int values"),
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

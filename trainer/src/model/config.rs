@@ -129,8 +129,15 @@ impl Qwen3MoeConfig {
             ("decoder_sparse_step", self.decoder_sparse_step),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
+        // Sizes reach libtorch as i64, and parameter counts are their products in u128: a
+        // bound of i32::MAX on each keeps both exact.
+        const LARGEST: usize = i32::MAX as usize;
         for (name, value) in positive {
             ensure!(value > 0, "model.{name} must be at least 1, got {value}");
+            ensure!(
+                value <= LARGEST,
+                "model.{name} must be at most {LARGEST}, got {value}"
+            );
         }
         ensure!(
             self.num_attention_heads
