@@ -62,11 +62,11 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
         !options.impls.is_empty(),
         "bench.impls names no implementation"
     );
-    let limits = MachineLimits::measure();
     let total = options
         .warmup
         .checked_add(options.steps)
         .context("bench.warmup + bench.steps overflows")?;
+    let limits = MachineLimits::measure();
     let mut trainers = options
         .impls
         .iter()

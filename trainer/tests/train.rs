@@ -396,4 +396,22 @@ fn bench_reports_every_implementation_relative_to_the_peers() {
         "numpy",
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown MoE implementation `numpy`"));
+    let max = u64::MAX.to_string();
+    for (flags, expected) in [
+        (["--bench.steps", "0"], "bench.steps must be at least 1"),
+        (
+            ["--bench.warmup", max.as_str()],
+            "bench.warmup + bench.steps overflows",
+        ),
+    ] {
+        let mut args = vec!["bench", "--config", config.to_str().unwrap()];
+        args.extend(flags);
+        let out = train(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(expected),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
 }
