@@ -164,6 +164,7 @@ pub fn random_cases(
     dtype: DType,
     kernels: &[Kernel],
 ) -> Result<Vec<CheckCase>> {
+    at_least_one_case(cases)?;
     let mut state = seed;
     (0..cases)
         .map(|case| {
@@ -212,6 +213,7 @@ pub fn manifest_cases(
     seed: u64,
     dtype: DType,
 ) -> Result<Vec<CheckCase>> {
+    at_least_one_case(cases)?;
     let mut out = Vec::new();
     for (index, entry) in manifest.entries.iter().enumerate() {
         if kernel.is_some_and(|k| k != entry.kernel) {
@@ -287,12 +289,47 @@ pub fn manifest_cases(
             )?);
         }
     }
+    if out.is_empty() {
+        return Err(Error::Format {
+            path: manifest.path.clone(),
+            message: match kernel {
+                Some(kernel) => format!("no kernel entry runs `{}`", kernel.name()),
+                None => "no kernel entry".to_owned(),
+            },
+        });
+    }
     Ok(out)
+}
+
+/// A check of no case would pass without checking anything.
+fn at_least_one_case(cases: usize) -> Result<()> {
+    if cases == 0 {
+        return Err(Error::param("cases", "must be at least 1, got 0"));
+    }
+    Ok(())
 }
 
 /// The smallest K ≤ E whose static block count for T tokens over E experts in blocks of B is N.
 fn top_k_for_blocks(t: usize, e: usize, b: usize, n: usize) -> Option<usize> {
-    (1..=e).find(|&k| static_block_count(t * k, e, b) == n)
+    // The count never decreases as K grows (a T·K past usize counts as past N), so the first
+    // K that reaches N is found by bisection, whatever the sizes.
+    let reaches = |k: usize| {
+        t.checked_mul(k)
+            .is_none_or(|m| static_block_count(m, e, b) >= n)
+    };
+    let (mut lo, mut hi) = (1, e);
+    if lo > hi {
+        return None;
+    }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if reaches(mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    (t.checked_mul(lo).map(|m| static_block_count(m, e, b)) == Some(n)).then_some(lo)
 }
 
 /// One output tensor of one kernel of one case.
@@ -446,4 +483,34 @@ pub fn table(backend: &str, rows: &[CheckRow], tolerance: Tolerance) -> String {
         rows.len()
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_for_blocks_is_the_first_k_with_the_block_count() {
+        for t in 1..12 {
+            for e in 1..10 {
+                for b in 1..6 {
+                    for n in 0..40 {
+                        let linear = (1..=e).find(|&k| static_block_count(t * k, e, b) == n);
+                        assert_eq!(top_k_for_blocks(t, e, b, n), linear, "{t} {e} {b} {n}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_for_blocks_answers_at_once_for_sizes_no_loop_could_walk() {
+        let huge = usize::MAX / 2;
+        // Blocks of one slot: N = T·K, and no K gives an odd N for T = 2.
+        assert_eq!(top_k_for_blocks(2, huge, 1, 3), None);
+        assert_eq!(top_k_for_blocks(2, huge, 1, 4), Some(2));
+        // T·K overflows long before K reaches E.
+        assert_eq!(top_k_for_blocks(huge, huge, 1, usize::MAX), None);
+        assert_eq!(top_k_for_blocks(3, 0, 1, 0), None);
+    }
 }

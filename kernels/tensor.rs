@@ -25,11 +25,12 @@ pub fn try_filled<T: Clone>(
     Ok(v)
 }
 
-/// An empty vector with room for the elements of output `name` of `shape`, or the error naming
-/// the output when its element count overflows or the memory cannot be had: for outputs larger
-/// than any input (the forward's checkpoints grow with N·B), whose allocation must fail as an
-/// error rather than abort the process.
-pub fn try_output_capacity<T>(name: &str, shape: &[usize]) -> Result<Vec<T>> {
+/// An empty vector with room for the elements of a tensor of `shape`, or an error naming it
+/// (`what`: "output `down_activations`") when its element count overflows or the memory cannot
+/// be had: for tensors whose size no input bounds (the forward's checkpoints grow with N·B, a
+/// benchmark's inputs with `--tokens`), whose allocation must fail as an error rather than
+/// abort the process.
+pub fn try_capacity<T>(what: &str, shape: &[usize]) -> Result<Vec<T>> {
     // An overflowing count asks for usize::MAX elements, which `try_reserve_exact` refuses.
     let len = shape
         .iter()
@@ -38,7 +39,7 @@ pub fn try_output_capacity<T>(name: &str, shape: &[usize]) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len)
         .map_err(|source| Error::Allocation {
-            what: format!("output `{name}` of shape {shape:?}"),
+            what: format!("{what} of shape {shape:?}"),
             source,
         })?;
     Ok(v)

@@ -14,12 +14,12 @@ pub(crate) fn uninit<T>(len: usize) -> Vec<MaybeUninit<T>> {
 }
 
 /// The `shape.iter().product()` values of output `name`, to be written; an error naming it when
-/// they cannot be allocated ([`crate::tensor::try_output_capacity`]).
+/// they cannot be allocated ([`crate::tensor::try_capacity`]).
 pub(crate) fn try_uninit<T>(
     name: &str,
     shape: &[usize],
 ) -> crate::error::Result<Vec<MaybeUninit<T>>> {
-    let mut buffer = crate::tensor::try_output_capacity(name, shape)?;
+    let mut buffer = crate::tensor::try_capacity(&format!("output `{name}`"), shape)?;
     // The count did not overflow: the capacity for it was reserved.
     let len = shape.iter().product();
     // SAFETY: the capacity is at least `len`, and `MaybeUninit` needs no initialisation.

@@ -599,6 +599,20 @@ fn bench_rejects_unknown_shapes_backends_dtypes_and_rows() {
         &["bench", "--shape", "tiny", "--kernel", "permut"],
         &["unknown row `permut`", "permute_bwd", "moe_layer_fwd_bwd"],
     );
+    // Token counts whose inputs cannot be allocated, and rank counts that cannot split E.
+    let max = usize::MAX.to_string();
+    run_err(
+        &["bench", "--shape", "tiny", "--tokens", &max],
+        &["cannot allocate benchmark input `x`"],
+    );
+    run_err(
+        &["ep-bench", "--shape", "tiny", "--tokens", &max],
+        &["cannot allocate benchmark input `x`"],
+    );
+    run_err(
+        &["ep-bench", "--shape", "tiny", "--ranks", "100000"],
+        &["ranks", "must divide E"],
+    );
 }
 
 #[test]
@@ -615,6 +629,12 @@ fn check_reports_every_output_and_fails_outside_the_tolerance() {
     assert!(
         stdout.lines().last().unwrap().starts_with("PASS: "),
         "{stdout}"
+    );
+
+    // Nothing to check is an error, not a pass.
+    run_err(
+        &["check", "--backend", "cpu", "--cases", "0"],
+        &["cases", "at least 1"],
     );
 
     // f32 accumulation cannot match the f64 reference to the last bit: zero tolerance fails.
@@ -772,6 +792,29 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("absent.neff"));
+
+    // A kernel the manifest has no entry for is an error, not a pass of nothing.
+    let blockwise_only = dir.join("blockwise_only.toml");
+    std::fs::write(
+        &blockwise_only,
+        "[[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 6\nh = 5\ne = 4\ni = 3\n\
+         block_size = 2\nnum_blocks = 8\n",
+    )
+    .unwrap();
+    run_err(
+        &[
+            "check",
+            "--backend",
+            "neuron",
+            "--manifest",
+            blockwise_only.to_str().unwrap(),
+            "--library",
+            FAKE_NRT,
+            "--kernel",
+            "router_topk",
+        ],
+        &["blockwise_only.toml", "no kernel entry runs `router_topk`"],
+    );
 
     // A NEFF compiled for bf16 inputs, checked with f32 ones: the mismatch is named.
     std::fs::write(

@@ -373,6 +373,12 @@ fn bad_arguments_are_clear_errors() {
     assert!(err.contains("one send count per rank (1), got 2"), "{err}");
     let err = LocalComm::group(0).err().unwrap().to_string();
     assert!(err.contains("at least 1 rank"), "{err}");
+    // R² mailbox slots past usize.
+    let err = LocalComm::group(1 << 33).err().unwrap().to_string();
+    assert!(
+        err.contains("8589934592 ranks are too many") && err.contains("LocalComm's mailbox"),
+        "{err}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

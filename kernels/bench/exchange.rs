@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::{MoeShape, median};
 use crate::ep::{Communicator, DispatchParams, combine, dispatch};
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, try_capacity};
 
 /// One measured configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,10 +44,9 @@ fn inputs(rank: usize, t: usize, shape: MoeShape) -> Result<(Tensor, Tensor, Ten
         state ^= state << 17;
         state
     };
-    let x: Vec<f32> = (0..t * shape.h)
-        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
-        .collect();
-    let mut ids = Vec::with_capacity(t * shape.k);
+    let mut x = try_capacity("benchmark input `x`", &[t, shape.h])?;
+    x.extend((0..t * shape.h).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0));
+    let mut ids = try_capacity("benchmark input `expert_index`", &[t, shape.k])?;
     for _ in 0..t {
         let mut row: Vec<i32> = Vec::with_capacity(shape.k);
         while row.len() < shape.k {

@@ -17,7 +17,7 @@ use crate::error::{Error, Result, find_named};
 use crate::kernel::Kernel;
 use crate::neuron::manifest::Manifest;
 use crate::neuron::{NeuronBackend, NeuronConfig};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Tensor, try_capacity};
 use limits::{Device, MachineLimits};
 
 /// An MoE layer's sizes.
@@ -242,8 +242,9 @@ fn time<T>(min_time: Duration, mut f: impl FnMut() -> Result<T>) -> Result<f64> 
     f()?;
     let warm_up = first.elapsed();
     let runs = (min_time.as_secs_f64() / warm_up.as_secs_f64().max(1e-9)).ceil() as usize;
-    let mut times = Vec::with_capacity(runs.max(3));
-    for _ in 0..runs.clamp(3, 1000) {
+    let runs = runs.clamp(3, 1000);
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
         let start = Instant::now();
         f()?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
@@ -257,17 +258,18 @@ fn median(mut times: Vec<f64>) -> f64 {
     times[times.len() / 2]
 }
 
-/// Deterministic pseudo-random values uniform in `[-scale, scale)`.
-fn uniform(len: usize, scale: f32, seed: u64) -> Vec<f32> {
+/// Deterministic pseudo-random values uniform in `[-scale, scale)` for the benchmark input
+/// `name` of `shape`, or the error naming it when they cannot be allocated.
+fn uniform(name: &str, shape: &[usize], scale: f32, seed: u64) -> Result<Vec<f32>> {
+    let mut values = try_capacity(&format!("benchmark input `{name}`"), shape)?;
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
+    values.extend((0..shape.iter().product()).map(|_| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }));
+    Ok(values)
 }
 
 fn float_tensor(shape: &[usize], values: Vec<f32>, dtype: DType) -> Result<Tensor> {
@@ -308,34 +310,46 @@ impl LayerInputs {
         seed: u64,
     ) -> Result<Self> {
         let MoeShape { h, i, e, k, .. } = shape;
-        let uniform = |len, scale, stream: u64| uniform(len, scale, seed.wrapping_mul(16) + stream);
+        let uniform = |name, shape: &[usize], scale, stream: u64| {
+            uniform(name, shape, scale, seed.wrapping_mul(16) + stream)
+        };
         let t = tokens;
         if t == 0 {
             return Err(Error::param("tokens", "must be at least 1, got 0"));
         }
         let scale = 1.0 / (h as f32).sqrt();
-        let x_values = uniform(t * h, 1.0, 1);
-        let mut padded = x_values.clone();
+        let x_values = uniform("x", &[t, h], 1.0, 1)?;
+        // hidden_states [T+1, H]: x, then the zero padding row (T+1 cannot overflow: x holds
+        // T rows).
+        let mut padded = try_capacity("benchmark input `hidden_states`", &[t + 1, h])?;
+        padded.extend_from_slice(&x_values);
         padded.extend(std::iter::repeat_n(0.0, h));
         Ok(Self {
             shape,
             block_size,
             x: float_tensor(&[t, h], x_values, dtype)?,
-            w: float_tensor(&[h, e], uniform(h * e, scale, 2), dtype)?,
+            w: float_tensor(&[h, e], uniform("w", &[h, e], scale, 2)?, dtype)?,
             hidden_states: float_tensor(&[t + 1, h], padded, dtype)?,
             gate_up_proj_weight: float_tensor(
                 &[e, h, 2, i],
-                uniform(e * h * 2 * i, scale, 3),
+                uniform("gate_up_proj_weight", &[e, h, 2, i], scale, 3)?,
                 dtype,
             )?,
             down_proj_weight: float_tensor(
                 &[e, i, h],
-                uniform(e * i * h, 1.0 / (i as f32).sqrt(), 4),
+                uniform("down_proj_weight", &[e, i, h], 1.0 / (i as f32).sqrt(), 4)?,
                 dtype,
             )?,
-            d_topk_affinities: Tensor::from_f32([t, k], uniform(t * k, 1.0, 6))?,
+            d_topk_affinities: Tensor::from_f32(
+                [t, k],
+                uniform("d_topk_affinities", &[t, k], 1.0, 6)?,
+            )?,
             d_aux_loss: Tensor::from_f32([1], vec![1.0])?,
-            output_hidden_states_grad: float_tensor(&[t, h], uniform(t * h, 1.0, 5), dtype)?,
+            output_hidden_states_grad: float_tensor(
+                &[t, h],
+                uniform("output_hidden_states_grad", &[t, h], 1.0, 5)?,
+                dtype,
+            )?,
         })
     }
 

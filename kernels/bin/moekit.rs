@@ -300,6 +300,16 @@ fn ep_bench(
     };
     match comm {
         "local" => {
+            // Checked before the group is made: each rank holds E/R experts.
+            if ranks == 0 || !shape.e.is_multiple_of(ranks) {
+                return Err(moekit::Error::Param {
+                    param: "ranks".to_owned(),
+                    message: format!(
+                        "must divide E = {} (each rank holds E/R experts), got {ranks}",
+                        shape.e
+                    ),
+                });
+            }
             let comms = LocalComm::group(ranks)?;
             let results: Vec<Result<Vec<ExchangeRow>>> = std::thread::scope(|scope| {
                 let handles: Vec<_> = comms

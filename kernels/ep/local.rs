@@ -10,6 +10,7 @@ use super::comm::{
     Communicator, Received, RowsToSend, Selected, check_counts, check_known_counts, check_rows,
 };
 use crate::error::{Error, Result};
+use crate::tensor::try_capacity;
 use crate::uninit::write_copy;
 
 /// How long a rank waits for the others at a collective before the group is declared broken.
@@ -124,11 +125,15 @@ impl LocalComm {
                 "a group needs at least 1 rank, got 0",
             ));
         }
+        // One mailbox slot per (sender, receiver) pair.
+        let mut mailbox = try_capacity("LocalComm's mailbox", &[size, size])
+            .map_err(|err| Error::param("ranks", format!("{size} ranks are too many: {err}")))?;
+        mailbox.resize(size * size, Parcel::Empty);
         let shared = Arc::new(Shared {
             size,
             timeout,
             state: Mutex::new(State {
-                mailbox: vec![Parcel::Empty; size * size],
+                mailbox,
                 waiting: 0,
                 generation: 0,
                 broken: None,

@@ -3,11 +3,11 @@
 
 use crate::contracts::BlockwiseDims;
 use crate::error::Result;
-use crate::tensor::try_output_capacity;
+use crate::tensor::try_capacity;
 
 /// Zeros for output `name` of `shape`, or the error naming it when they cannot be allocated.
 fn zeros(name: &str, shape: &[usize]) -> Result<Vec<f64>> {
-    let mut values = try_output_capacity(name, shape)?;
+    let mut values = try_capacity(&format!("output `{name}`"), shape)?;
     values.resize(shape.iter().product(), 0.0);
     Ok(values)
 }
