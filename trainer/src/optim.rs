@@ -189,8 +189,14 @@ impl AdamW {
     pub fn step(&mut self, lr: f64) {
         self.step += 1;
         let [beta1, beta2] = self.betas;
-        let bias_correction1 = 1.0 - beta1.powi(self.step as i32);
-        let bias_correction2_sqrt = (1.0 - beta2.powi(self.step as i32)).sqrt();
+        // β^step: `powi` takes an i32 exponent, so a step count past it (a resumed state can
+        // hold any) goes through `powf`.
+        let step = self.step;
+        let power = |beta: f64| {
+            i32::try_from(step).map_or_else(|_| beta.powf(step as f64), |step| beta.powi(step))
+        };
+        let bias_correction1 = 1.0 - power(beta1);
+        let bias_correction2_sqrt = (1.0 - power(beta2)).sqrt();
         let step_size = lr / bias_correction1;
         tch::no_grad(|| {
             for ((((_, p), m), v), master) in self
