@@ -364,6 +364,11 @@ impl JobConfig {
             metrics,
             ..
         } = self;
+        // An empty path (an unset shell variable) would write into the current directory.
+        ensure!(
+            !self.job.dump_folder.as_os_str().is_empty(),
+            "job.dump_folder is empty: name the folder for metrics, plots and checkpoints"
+        );
         self.validate_parallelism()?;
         if training.device == TrainDevice::Cuda {
             ensure!(

@@ -22,8 +22,14 @@ impl TextTokenizer {
             return Ok(Self::Byte);
         }
         let path = Path::new(spec);
-        let tokenizer = tokenizers::Tokenizer::from_file(path)
+        let mut tokenizer = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
+        // A file's own truncation or padding would cut or pad each whole data file (encoded
+        // as one sequence); the data is windowed into `seq_len` tokens here instead.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
+        tokenizer.with_padding(None);
         Ok(Self::HuggingFace(Box::new(tokenizer)))
     }
 

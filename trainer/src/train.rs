@@ -547,13 +547,14 @@ impl Trainer {
 /// Trains until `training.steps` steps are taken, printing a progress line every
 /// `metrics.log_freq` steps and writing every step's metrics to `<dump_folder>/metrics.jsonl`
 /// (appended to when a checkpoint is resumed, replaced otherwise), with a checkpoint every
-/// `checkpoint.interval` steps when enabled. Returns the metrics of the steps taken.
+/// `checkpoint.interval` steps when enabled. Memory does not grow with the steps: the expert
+/// load plotted at the end is summed as the run goes.
 ///
 /// With expert parallelism every rank calls this with the same config and `comm`; rank 0
 /// reports and writes. Losses, gradient norms and expert counts are the ranks' means or sums
 /// (the same on every rank); timings (`tokens_per_second`, `exchange_share`) are each rank's
 /// own.
-pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<Vec<StepMetrics>> {
+pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<()> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
         .with_context(|| format!("cannot create dump folder {}", folder.display()))?;
@@ -564,15 +565,13 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<V
         // The other ranks of an expert-parallel run take the same steps and write their
         // checkpoint shards at the same steps; rank 0 reports.
         let checkpoint = &config.checkpoint;
-        return (resumed + 1..=total)
-            .map(|step| {
-                let metrics = trainer.step()?;
-                if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
-                    trainer.save()?;
-                }
-                Ok(metrics)
-            })
-            .collect();
+        for step in resumed + 1..=total {
+            trainer.step()?;
+            if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
+                trainer.save()?;
+            }
+        }
+        return Ok(());
     }
     let metrics_path = folder.join("metrics.jsonl");
     if resumed > 0 {
@@ -608,7 +607,8 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<V
         },
     );
     let start = Instant::now();
-    let mut history = Vec::with_capacity(total);
+    // Each MoE layer's assignments per expert, summed over the steps this process takes.
+    let mut load = vec![vec![0.0; config.model.num_experts]; config.model.moe_layer_count()];
     for step in resumed + 1..=total {
         let metrics = trainer.step()?;
         serde_json::to_writer(&mut metrics_file, &metrics)?;
@@ -629,7 +629,11 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<V
                 bar = "=".repeat(20 * step / total),
             );
         }
-        history.push(metrics);
+        for (total, counts) in load.iter_mut().zip(&metrics.expert_counts) {
+            for (t, c) in total.iter_mut().zip(counts) {
+                *t += c;
+            }
+        }
         let checkpoint = &config.checkpoint;
         if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
             metrics_file.flush()?;
@@ -639,10 +643,11 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<V
     }
     metrics_file.flush()?;
     println!("metrics: {}", metrics_path.display());
-    if let Err(err) = plot(config, &metrics_path, &history) {
+    let took_steps = resumed < total;
+    if let Err(err) = plot(config, &metrics_path, took_steps.then_some(&load[..])) {
         eprintln!("warning: plots skipped: {err:#}");
     }
-    Ok(history)
+    Ok(())
 }
 
 /// Rewrites metrics.jsonl (atomically) with only its well-formed lines of steps up to `step`:
@@ -668,8 +673,9 @@ fn keep_metrics_through(path: &Path, step: usize) -> Result<()> {
 }
 
 /// `loss.png` from every step in metrics.jsonl (a resumed run's earlier steps included) and
-/// `expert_load.png` from the assignments of the steps taken by this process.
-fn plot(config: &JobConfig, metrics_path: &Path, history: &[StepMetrics]) -> Result<()> {
+/// `expert_load.png` from `load`, each MoE layer's assignments per expert summed over the
+/// steps this process took (`None` when it took none).
+fn plot(config: &JobConfig, metrics_path: &Path, load: Option<&[Vec<f64>]>) -> Result<()> {
     let text = std::fs::read_to_string(metrics_path)
         .with_context(|| format!("cannot read {}", metrics_path.display()))?;
     let points = text
@@ -684,17 +690,9 @@ fn plot(config: &JobConfig, metrics_path: &Path, history: &[StepMetrics]) -> Res
     let loss_png = folder.join("loss.png");
     plots::loss_curve(&loss_png, &points)?;
     let layers = config.model.moe_layers();
-    let mut totals = vec![vec![0.0; config.model.num_experts]; layers.len()];
-    for step in history {
-        for (total, counts) in totals.iter_mut().zip(&step.expert_counts) {
-            for (t, c) in total.iter_mut().zip(counts) {
-                *t += c;
-            }
-        }
-    }
     let load_png = folder.join("expert_load.png");
-    if !layers.is_empty() && !history.is_empty() {
-        plots::expert_load_heatmap(&load_png, &layers, &totals)?;
+    if let Some(load) = load.filter(|_| !layers.is_empty()) {
+        plots::expert_load_heatmap(&load_png, &layers, load)?;
         println!("plots: {} {}", loss_png.display(), load_png.display());
     } else {
         println!("plots: {}", loss_png.display());

@@ -162,6 +162,7 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             &[("model.config_json", "config.json")],
             "cannot be set beside it",
         ),
+        (&[("job.dump_folder", "")], "job.dump_folder is empty"),
         (&[("training", "3")], "must name a section and a key"),
         (
             &[("training.load_balance_coeff", "-1.0")],

@@ -297,6 +297,34 @@ fn word_tokenizer(path: &Path) -> usize {
 }
 
 #[test]
+fn a_tokenizer_json_s_own_truncation_and_padding_leave_the_text_whole() {
+    let dir = scratch("tokenizer-settings");
+    let plain = dir.join("plain.json");
+    word_tokenizer(&plain);
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&plain).unwrap()).unwrap();
+    json["truncation"] = serde_json::json!({
+        "direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0
+    });
+    json["padding"] = serde_json::json!({
+        "strategy": {"Fixed": 512}, "direction": "Right", "pad_to_multiple_of": null,
+        "pad_id": 0, "pad_type_id": 0, "pad_token": "[UNK]"
+    });
+    let shaped = dir.join("shaped.json");
+    std::fs::write(&shaped, json.to_string()).unwrap();
+    let text = moekit_trainer::data::builtin_corpus(1000);
+    let ids = |path: &Path| {
+        moekit_trainer::data::TextTokenizer::load(path.to_str().unwrap())
+            .unwrap()
+            .encode(&text)
+            .unwrap()
+    };
+    let whole = ids(&plain);
+    assert!(whole.len() > 100, "{}", whole.len());
+    assert_eq!(ids(&shaped), whole);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
     let dir = scratch("tokenizer");
     let tokenizer = dir.join("tokenizer.json");
