@@ -7,6 +7,7 @@
 //! moekit-train bench --config FILE [--bench.impls A,B] [--bench.warmup N] [--bench.steps N]
 //! ```
 
+use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -110,11 +111,20 @@ fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
         train(&config, None)?;
         return Ok(());
     };
-    if let Err(err) = train(&config, Some(comm.clone() as Rc<dyn Communicator>)) {
-        // The other ranks may be waiting in a collective this rank will never join: abort the
-        // job (mpirun then stops every rank) rather than finalise MPI and leave them hanging.
-        eprintln!("error on rank {}: {err:#}", comm.rank());
-        comm.abort(1);
+    // The other ranks may be waiting in a collective this rank will never join, after an error
+    // or a panic (whose message the panic hook has printed): abort the job (mpirun then stops
+    // every rank) rather than finalise MPI and leave them hanging.
+    let rank_comm = Some(comm.clone() as Rc<dyn Communicator>);
+    match std::panic::catch_unwind(AssertUnwindSafe(|| train(&config, rank_comm))) {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => {
+            eprintln!("error on rank {}: {err:#}", comm.rank());
+            comm.abort(1);
+        }
+        Err(_) => {
+            eprintln!("rank {} panicked; aborting the job", comm.rank());
+            comm.abort(101);
+        }
     }
     Ok(())
 }
