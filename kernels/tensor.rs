@@ -12,16 +12,12 @@ use half::bf16;
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 
-/// `len` copies of `value`, or the allocation error instead of an abort: for buffers whose size
-/// comes from a parameter (`num_experts`, `block_size`) rather than from tensors already in
-/// memory.
-pub fn try_filled<T: Clone>(
-    len: usize,
-    value: T,
-) -> Result<Vec<T>, std::collections::TryReserveError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)?;
-    v.resize(len, value);
+/// The elements of a tensor of `shape`, all `value`, or the error naming it ([`try_capacity`])
+/// instead of an abort: for buffers whose size comes from a parameter (`num_experts`,
+/// `block_size`) or grows past the inputs, rather than from tensors already in memory.
+pub fn try_filled<T: Clone>(what: &str, shape: &[usize], value: T) -> Result<Vec<T>> {
+    let mut v = try_capacity(what, shape)?;
+    v.resize(shape.iter().product(), value);
     Ok(v)
 }
 

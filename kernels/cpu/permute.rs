@@ -2,16 +2,8 @@
 //! written in ascending token order straight into their blocks. O(T·K + N·B).
 
 use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs, SKIP};
-use crate::error::{Error, Result};
-use crate::tensor::{Tensor, try_filled};
-
-/// A parameter-sized buffer (see [`try_filled`]), naming it if it cannot be allocated.
-fn filled<T: Clone>(what: &str, len: usize, value: T) -> Result<Vec<T>> {
-    try_filled(len, value).map_err(|source| Error::Allocation {
-        what: format!("{what} ({len} elements)"),
-        source,
-    })
-}
+use crate::error::Result;
+use crate::tensor::{Tensor, try_filled as filled};
 
 pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let inputs = call.inputs();
@@ -19,13 +11,13 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let ids = inputs.expert_index.as_i32().expect("validated as i32");
     let affinities = inputs.topk_affinities.f32_values();
 
-    let mut counts = filled("expert_counts", e, 0usize)?;
+    let mut counts = filled("output `expert_counts`", &[e], 0usize)?;
     for &id in ids.iter().filter(|&&id| id != SKIP) {
         counts[id as usize] += 1;
     }
     // First slot of each expert: its blocks follow the previous experts' blocks.
-    let mut next_slot = filled("expert_counts", e, 0usize)?;
-    let mut block_to_expert = filled("block_to_expert", n, e as i32)?;
+    let mut next_slot = filled("output `expert_counts`", &[e], 0usize)?;
+    let mut block_to_expert = filled("output `block_to_expert`", &[n], e as i32)?;
     let mut used = 0;
     for (expert, &count) in counts.iter().enumerate() {
         next_slot[expert] = used * b;
@@ -33,8 +25,8 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
         block_to_expert[used..used + blocks].fill(expert as i32);
         used += blocks;
     }
-    let mut positions = filled("token_position_to_id", n * b, -1i32)?;
-    let mut masked = filled("expert_affinities_masked", (t + 1) * e, 0.0f32)?;
+    let mut positions = filled("output `token_position_to_id`", &[n * b], -1i32)?;
+    let mut masked = filled("output `expert_affinities_masked`", &[(t + 1) * e], 0.0f32)?;
     for (pair, (&id, &a)) in ids.iter().zip(affinities.iter()).enumerate() {
         if id == SKIP {
             continue;

@@ -3,13 +3,11 @@
 
 use crate::contracts::BlockwiseDims;
 use crate::error::Result;
-use crate::tensor::try_capacity;
+use crate::tensor::try_filled;
 
 /// Zeros for output `name` of `shape`, or the error naming it when they cannot be allocated.
 fn zeros(name: &str, shape: &[usize]) -> Result<Vec<f64>> {
-    let mut values = try_capacity(&format!("output `{name}`"), shape)?;
-    values.resize(shape.iter().product(), 0.0);
-    Ok(values)
+    try_filled(&format!("output `{name}`"), shape, 0.0)
 }
 
 /// Borrowed f64 operands shared by forward and backward.

@@ -203,14 +203,7 @@ impl Backend for ReferenceBackend {
             indices(inputs.expert_index),
             &inputs.topk_affinities.to_f64_vec(),
             dims,
-        )
-        .map_err(|err| Error::Allocation {
-            what: format!(
-                "the block plan (N·B = {n}·{b} slots, (T+1)·E = {} affinities)",
-                (t + 1) * e
-            ),
-            source: err,
-        })?;
+        )?;
         Ok(PermuteOutputs {
             expert_counts: i32_output("expert_counts", &[e], plan.expert_counts)?,
             token_position_to_id: Tensor::from_i32([n * b], plan.token_position_to_id)?,

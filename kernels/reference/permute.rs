@@ -1,8 +1,7 @@
 //! Reference block plan (see [`crate::contracts::permute`]).
 
-use std::collections::TryReserveError;
-
 use crate::contracts::{PermuteDims, SKIP};
+use crate::error::Result;
 use crate::tensor::try_filled as filled;
 
 /// The block plan of `permute`, before conversion to tensors.
@@ -25,8 +24,8 @@ pub fn permute(
     expert_index: &[i32],
     topk_affinities: &[f64],
     PermuteDims { t, k, e, b, n }: PermuteDims,
-) -> Result<BlockPlan, TryReserveError> {
-    let mut masked = filled((t + 1) * e, 0.0)?;
+) -> Result<BlockPlan> {
+    let mut masked = filled("output `expert_affinities_masked`", &[(t + 1) * e], 0.0)?;
     for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
         if id != SKIP {
             masked[(pair / k) * e + id as usize] = a;
@@ -34,8 +33,8 @@ pub fn permute(
     }
     let mut plan = BlockPlan {
         expert_counts: vec![0; e],
-        token_position_to_id: filled(n * b, -1)?,
-        block_to_expert: filled(n, e as i32)?,
+        token_position_to_id: filled("output `token_position_to_id`", &[n * b], -1)?,
+        block_to_expert: filled("output `block_to_expert`", &[n], e as i32)?,
         expert_affinities_masked: masked,
         num_used_blocks: 0,
     };
