@@ -116,7 +116,7 @@ fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
     // every rank) rather than finalise MPI and leave them hanging.
     let rank_comm = Some(comm.clone() as Rc<dyn Communicator>);
     match std::panic::catch_unwind(AssertUnwindSafe(|| train(&config, rank_comm))) {
-        Ok(Ok(())) => {}
+        Ok(Ok(_)) => {}
         Ok(Err(err)) => {
             eprintln!("error on rank {}: {err:#}", comm.rank());
             comm.abort(1);

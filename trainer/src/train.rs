@@ -59,6 +59,8 @@ pub struct StepMetrics {
 pub struct LayerLoad {
     /// Decoder layer index.
     pub layer: usize,
+    /// Assignments over all experts (tokens × K over the step's batch).
+    pub total: f64,
     pub min: f64,
     pub max: f64,
     /// Coefficient of variation (population standard deviation / mean).
@@ -68,10 +70,12 @@ pub struct LayerLoad {
 impl LayerLoad {
     fn new(layer: usize, counts: &[f64]) -> Self {
         let n = counts.len() as f64;
-        let mean = counts.iter().sum::<f64>() / n;
+        let total = counts.iter().sum::<f64>();
+        let mean = total / n;
         let variance = counts.iter().map(|c| (c - mean).powi(2)).sum::<f64>() / n;
         Self {
             layer,
+            total,
             min: counts.iter().copied().fold(f64::INFINITY, f64::min),
             max: counts.iter().copied().fold(f64::NEG_INFINITY, f64::max),
             cv: if mean > 0.0 {
@@ -547,14 +551,15 @@ impl Trainer {
 /// Trains until `training.steps` steps are taken, printing a progress line every
 /// `metrics.log_freq` steps and writing every step's metrics to `<dump_folder>/metrics.jsonl`
 /// (appended to when a checkpoint is resumed, replaced otherwise), with a checkpoint every
-/// `checkpoint.interval` steps when enabled. Memory does not grow with the steps: the expert
-/// load plotted at the end is summed as the run goes.
+/// `checkpoint.interval` steps when enabled. Returns the number of steps this call took
+/// (fewer than `training.steps` after a resume). Memory does not grow with the steps: the
+/// expert load plotted at the end is summed as the run goes.
 ///
 /// With expert parallelism every rank calls this with the same config and `comm`; rank 0
 /// reports and writes. Losses, gradient norms and expert counts are the ranks' means or sums
 /// (the same on every rank); timings (`tokens_per_second`, `exchange_share`) are each rank's
 /// own.
-pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<()> {
+pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<usize> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
         .with_context(|| format!("cannot create dump folder {}", folder.display()))?;
@@ -571,7 +576,7 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<(
                 trainer.save()?;
             }
         }
-        return Ok(());
+        return Ok(total.saturating_sub(resumed));
     }
     let metrics_path = folder.join("metrics.jsonl");
     if resumed > 0 {
@@ -647,7 +652,7 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<(
     if let Err(err) = plot(config, &metrics_path, took_steps.then_some(&load[..])) {
         eprintln!("warning: plots skipped: {err:#}");
     }
-    Ok(())
+    Ok(total.saturating_sub(resumed))
 }
 
 /// Rewrites metrics.jsonl (atomically) with only its well-formed lines of steps up to `step`:
