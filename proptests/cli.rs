@@ -412,27 +412,23 @@ fn errors_exit_non_zero_with_a_clear_message() {
         &["`x`", "f32 or bf16", "i32"],
     );
 
-    // Unsupported dtypes, corrupt and missing files.
+    // Unsupported dtypes, extents past i64::MAX (which safetensors accepts in a tensor without
+    // elements), corrupt and missing files.
+    let write_x = |dtype, shape: Vec<usize>, bytes: &[u8]| {
+        let view = safetensors::tensor::TensorView::new(dtype, shape, bytes).unwrap();
+        std::fs::write(
+            &inputs,
+            safetensors::serialize([("x", view)], None).unwrap(),
+        )
+        .unwrap();
+    };
     let f64_bytes: Vec<u8> = [1.0f64, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![2], &f64_bytes).unwrap();
-    std::fs::write(
-        &inputs,
-        safetensors::serialize([("x", view)], None).unwrap(),
-    )
-    .unwrap();
+    write_x(safetensors::Dtype::F64, vec![2], &f64_bytes);
     check(
         run("router_topk", &["--param", "top_k=2"]),
         &["tensor `x`", "F64"],
     );
-    // An extent past i64::MAX, which safetensors accepts in a tensor without elements.
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![0, 1 << 63], &[])
-        .unwrap();
-    std::fs::write(
-        &inputs,
-        safetensors::serialize([("x", view)], None).unwrap(),
-    )
-    .unwrap();
+    write_x(safetensors::Dtype::F32, vec![0, 1 << 63], &[]);
     check(
         run("router_topk", &["--param", "top_k=2"]),
         &["in.safetensors", "tensor `x`", "i64::MAX"],
