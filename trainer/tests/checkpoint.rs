@@ -115,6 +115,33 @@ fn eval_args<'a>(model: &'a Path, tokens: &'a Path) -> [&'a str; 5] {
     ]
 }
 
+/// `export --checkpoint CHECKPOINT --out OUT`.
+fn export_args<'a>(checkpoint: &'a Path, out: &'a Path) -> [&'a str; 5] {
+    [
+        "export",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]
+}
+
+/// Trains the debug config for 10 steps into the scratch folder of `test` and exports the
+/// step-10 checkpoint: the folder (also the run's dump folder), the checkpoint and the export.
+fn trained_and_exported(test: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let dir = scratch(test);
+    let config = debug_config();
+    succeed(&train_args(
+        dir.to_str().unwrap(),
+        &config,
+        &["--training.steps", "10"],
+    ));
+    let ckpt = dir.join("checkpoints/step-00000010");
+    let hf = dir.join("hf");
+    succeed(&export_args(&ckpt, &hf));
+    (dir, ckpt, hf)
+}
+
 fn write_tokens(path: &Path, ids: &[i64], shape: [usize; 2]) {
     let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::I64, shape.to_vec(), &bytes).unwrap();
@@ -162,13 +189,7 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
     // Export to a Hugging Face directory.
     let hf = dir.join("hf");
     let hf_str = hf.to_str().unwrap();
-    succeed(&[
-        "export",
-        "--checkpoint",
-        step20.to_str().unwrap(),
-        "--out",
-        hf_str,
-    ]);
+    succeed(&export_args(&step20, &hf));
     let config_json: Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
     assert_eq!(config_json["model_type"], "qwen3_moe");
@@ -275,16 +296,7 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
 
     // Exporting over an existing directory is refused and leaves it untouched.
     let before = std::fs::read(hf.join("model.safetensors")).unwrap();
-    fail(
-        &[
-            "export",
-            "--checkpoint",
-            step10.to_str().unwrap(),
-            "--out",
-            hf_str,
-        ],
-        "already exists",
-    );
+    fail(&export_args(&step10, &hf), "already exists");
     assert_eq!(std::fs::read(hf.join("model.safetensors")).unwrap(), before);
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -315,19 +327,9 @@ fn only_the_newest_checkpoints_are_kept() {
 
 #[test]
 fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
-    let dir = scratch("corrupt");
+    let (dir, ckpt, hf) = trained_and_exported("corrupt");
     let config = debug_config();
     let dump = dir.to_str().unwrap();
-    succeed(&train_args(dump, &config, &["--training.steps", "10"]));
-    let ckpt = dir.join("checkpoints/step-00000010");
-    let hf = dir.join("hf");
-    succeed(&[
-        "export",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--out",
-        hf.to_str().unwrap(),
-    ]);
     let snapshot = |path: &Path| -> Vec<(String, Vec<u8>)> {
         let mut files: Vec<_> = std::fs::read_dir(path)
             .unwrap()
@@ -387,13 +389,7 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
         "not a valid safetensors file",
     );
     fail(
-        &[
-            "export",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
-            "--out",
-            dir.join("x").to_str().unwrap(),
-        ],
+        &export_args(&ckpt, &dir.join("x")),
         "not a valid safetensors file",
     );
     assert!(!dir.join("x").exists());
@@ -476,13 +472,10 @@ fn bf16_balanced_runs_learn_and_resume_exactly_with_master_weights_and_biases() 
     assert_eq!((bias.dtype(), bias.shape()), (Dtype::F32, &[8][..]));
     assert!(bias.data().iter().any(|&b| b != 0));
     // The Hugging Face export leaves them out, and says so.
-    let out = run(&[
-        "export",
-        "--checkpoint",
-        a.join("checkpoints/step-00000020").to_str().unwrap(),
-        "--out",
-        dir.join("hf").to_str().unwrap(),
-    ]);
+    let out = run(&export_args(
+        &a.join("checkpoints/step-00000020"),
+        &dir.join("hf"),
+    ));
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("selection biases"));
     let bytes = std::fs::read(dir.join("hf/model.safetensors")).unwrap();
@@ -503,13 +496,7 @@ fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
     ));
     let ckpt = dump.join("checkpoints/step-00000005");
     let hf = dir.join("hf");
-    succeed(&[
-        "export",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--out",
-        hf.to_str().unwrap(),
-    ]);
+    succeed(&export_args(&ckpt, &hf));
     let config_json: Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
     assert_eq!(config_json["torch_dtype"], "bfloat16");
@@ -623,23 +610,9 @@ fn edited(
 
 #[test]
 fn malformed_tensors_and_configs_are_errors_before_anything_is_built_from_them() {
-    let dir = scratch("malformed");
+    let (dir, ckpt, hf) = trained_and_exported("malformed");
     let config = debug_config();
     let dump = dir.to_str().unwrap();
-    succeed(&train_args(dump, &config, &["--training.steps", "10"]));
-    let ckpt = dir.join("checkpoints/step-00000010");
-    let hf = dir.join("hf");
-    let export = |checkpoint: &Path, out: &Path| {
-        [
-            "export".to_owned(),
-            "--checkpoint".to_owned(),
-            checkpoint.to_str().unwrap().to_owned(),
-            "--out".to_owned(),
-            out.to_str().unwrap().to_owned(),
-        ]
-    };
-    let args = export(&ckpt, &hf);
-    succeed(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let tokens = dir.join("tokens.safetensors");
     write_tokens(&tokens, &[1, 2, 3, 4], [1, 4]);
 
@@ -726,8 +699,7 @@ fn malformed_tensors_and_configs_are_errors_before_anything_is_built_from_them()
     }
     assert_eq!(eval_json(&eval_args(&sharded, &tokens)), baseline);
     let merged = dir.join("merged");
-    let args = export(&sharded, &merged);
-    succeed(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    succeed(&export_args(&sharded, &merged));
     assert_eq!(read_raw(&merged.join("model.safetensors")), original);
 
     let rank1 = sharded.join("model-rank1-of-2.safetensors");
