@@ -637,14 +637,14 @@ static plan_t blockwise_plan(const bound_t *b) {
     return p;
 }
 
-/* Slot `slot` of block `blockn`: whether it holds a token of a used block, and that token and
- * expert; NRT_EXEC_OOB for an id out of range (NaN included), as the hardware's indirect DMA
- * reports it. */
+/* Slot `slot` of block `blockn`: whether it holds a real token (T is the padding row), and that
+ * token and expert; NRT_EXEC_OOB for an id out of range (NaN included), as the hardware's
+ * indirect DMA reports it. */
 static NRT_STATUS plan_slot(const plan_t *p, size_t blockn, size_t slot, int *used, size_t *token, size_t *expert) {
     double expert_id = load(p->blk, p->de, blockn), token_id = load(p->pos, p->dp, blockn * p->bs + slot);
-    if (!(expert_id >= 0 && expert_id <= (double)p->e) || !(token_id >= -1 && token_id < (double)p->t))
+    if (!(expert_id >= 0 && expert_id < (double)p->e) || !(token_id >= 0 && token_id <= (double)p->t))
         return NRT_EXEC_OOB;
-    *used = token_id >= 0 && (size_t)expert_id != p->e;
+    *used = token_id < (double)p->t;
     *token = *used ? (size_t)token_id : 0;
     *expert = (size_t)expert_id;
     return NRT_SUCCESS;
@@ -660,7 +660,7 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     nrt_dtype_t dgt = NRT_DTYPE_FLOAT32, ddn = NRT_DTYPE_FLOAT32;
     nrt_tensor_t *output = bound(b, "output", out, &dout);
     /* Optional checkpoints: gate/up before the activation [N, 2, I, B], the down projection
-     * before affinity scaling [N, B, H]; zeros in padding slots and unused blocks. */
+     * before affinity scaling [N, B, H]; zeros in padding slots. */
     nrt_tensor_t *gate_up_t = bound(b, "gate_up_activations_T", out, &dgt);
     nrt_tensor_t *down_act = bound(b, "down_activations", out, &ddn);
     if (gate_up_t != NULL) memset(gate_up_t->data, 0, gate_up_t->size);

@@ -189,6 +189,7 @@ pub fn random_cases(
                 norm_topk_prob: Some(draw(0, 1) == 1),
                 num_experts: Some(sizes.e),
                 block_size: Some(sizes.b),
+                n_block_per_iter: Some(1),
                 checkpoint_activations: Some(true),
             };
             CheckCase::new(
@@ -315,7 +316,8 @@ fn top_k_for_blocks(t: usize, e: usize, b: usize, n: usize) -> Option<usize> {
     // K that reaches N is found by bisection, whatever the sizes.
     let reaches = |k: usize| {
         t.checked_mul(k)
-            .is_none_or(|m| static_block_count(m, e, b) >= n)
+            .and_then(|m| static_block_count(m, e, b, 1))
+            .is_none_or(|count| count >= n)
     };
     let (mut lo, mut hi) = (1, e);
     if lo > hi {
@@ -329,7 +331,10 @@ fn top_k_for_blocks(t: usize, e: usize, b: usize, n: usize) -> Option<usize> {
             lo = mid + 1;
         }
     }
-    (t.checked_mul(lo).map(|m| static_block_count(m, e, b)) == Some(n)).then_some(lo)
+    (t.checked_mul(lo)
+        .and_then(|m| static_block_count(m, e, b, 1))
+        == Some(n))
+    .then_some(lo)
 }
 
 /// One output tensor of one kernel of one case.
@@ -495,7 +500,8 @@ mod tests {
             for e in 1..10 {
                 for b in 1..6 {
                     for n in 0..40 {
-                        let linear = (1..=e).find(|&k| static_block_count(t * k, e, b) == n);
+                        let linear =
+                            (1..=e).find(|&k| static_block_count(t * k, e, b, 1) == Some(n));
                         assert_eq!(top_k_for_blocks(t, e, b, n), linear, "{t} {e} {b} {n}");
                     }
                 }

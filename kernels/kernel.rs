@@ -183,6 +183,7 @@ impl Kernel {
                 let params = PermuteParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
                     block_size: required_param(Param::BlockSize, params.block_size)?,
+                    n_block_per_iter: params.n_block_per_iter.unwrap_or(1),
                 };
                 let out = backend.permute(&Permute::new(inputs, params)?)?;
                 vec![
@@ -276,6 +277,7 @@ pub enum Param {
     NormTopkProb,
     NumExperts,
     BlockSize,
+    NBlockPerIter,
     CheckpointActivations,
 }
 
@@ -286,6 +288,7 @@ impl Param {
         Param::NormTopkProb,
         Param::NumExperts,
         Param::BlockSize,
+        Param::NBlockPerIter,
         Param::CheckpointActivations,
     ];
 
@@ -296,6 +299,7 @@ impl Param {
             Param::NormTopkProb => "norm_topk_prob",
             Param::NumExperts => "num_experts",
             Param::BlockSize => "block_size",
+            Param::NBlockPerIter => "n_block_per_iter",
             Param::CheckpointActivations => "checkpoint_activations",
         }
     }
@@ -303,7 +307,7 @@ impl Param {
     /// Accepted values, for `moekit list`.
     pub fn values(self) -> &'static str {
         match self {
-            Param::TopK | Param::NumExperts | Param::BlockSize => "integer",
+            Param::TopK | Param::NumExperts | Param::BlockSize | Param::NBlockPerIter => "integer",
             Param::Activation => "softmax|sigmoid",
             Param::NormTopkProb | Param::CheckpointActivations => "true|false",
         }
@@ -318,6 +322,7 @@ pub struct Params {
     pub norm_topk_prob: Option<bool>,
     pub num_experts: Option<usize>,
     pub block_size: Option<usize>,
+    pub n_block_per_iter: Option<usize>,
     pub checkpoint_activations: Option<bool>,
 }
 
@@ -355,6 +360,7 @@ impl Params {
             Param::NormTopkProb => self.norm_topk_prob = Some(parse_bool(param, value)?),
             Param::NumExperts => self.num_experts = Some(parse_count(param, value)?),
             Param::BlockSize => self.block_size = Some(parse_count(param, value)?),
+            Param::NBlockPerIter => self.n_block_per_iter = Some(parse_count(param, value)?),
             Param::CheckpointActivations => {
                 self.checkpoint_activations = Some(parse_bool(param, value)?)
             }
@@ -411,7 +417,8 @@ pub fn catalog_table() -> String {
         out.push('\n');
     }
     out.push_str(
-        "[(T+1)·E] tensors are also accepted as [(T+1)·E, 1], the NKI layout.\n\
+        "[(T+1)·E, 1] tensors are also accepted as [(T+1)·E], and block_to_expert [N, 1] as [N].\n\
+         token_position_to_id holds T (the zero row of hidden_states) in padding slots.\n\
          Reference error bound: every value is computed in f64 and rounded once to f32 \
          (indices and counts are exact).\n",
     );
@@ -490,7 +497,7 @@ const LOAD_BALANCING_LOSS_BWD: KernelSpec = KernelSpec {
 
 const PERMUTE: KernelSpec = KernelSpec {
     name: "permute",
-    summary: "block plan: each expert's tokens (ascending) in blocks of B, blocks by expert id, N = min(ceil((T·K−(E−1))/B)+(E−1), T·K)",
+    summary: "block plan (moekit's own) in nki-library's convention: each expert's tokens (ascending) in blocks of B, blocks by expert id, padding T, unused blocks on E−1, N = ceil((T·K−(E−1))/B)+(E−1) rounded up to n_block_per_iter",
     inputs: &[
         tensor("expert_index", "[T, K]", "i32"),
         tensor("topk_affinities", "[T, K]", FLOAT),
@@ -498,11 +505,15 @@ const PERMUTE: KernelSpec = KernelSpec {
     outputs: &[
         tensor("expert_counts", "[E]", "i32"),
         tensor("token_position_to_id", "[N·B]", "i32"),
-        tensor("block_to_expert", "[N]", "i32"),
-        tensor("expert_affinities_masked", "[(T+1)·E]", "f32"),
+        tensor("block_to_expert", "[N, 1]", "i32"),
+        tensor("expert_affinities_masked", "[(T+1)·E, 1]", "f32"),
         tensor("num_used_blocks", "[1]", "i32"),
     ],
-    params: &[(Param::NumExperts, None), (Param::BlockSize, None)],
+    params: &[
+        (Param::NumExperts, None),
+        (Param::BlockSize, None),
+        (Param::NBlockPerIter, Some("1")),
+    ],
 };
 
 const PERMUTE_BWD: KernelSpec = KernelSpec {
@@ -510,7 +521,7 @@ const PERMUTE_BWD: KernelSpec = KernelSpec {
     summary: "maps an affinity gradient from the masked [(T+1)·E] layout back to [T, K]",
     inputs: &[
         tensor("expert_index", "[T, K]", "i32"),
-        tensor("expert_affinities_masked_grad", "[(T+1)·E]", FLOAT),
+        tensor("expert_affinities_masked_grad", "[(T+1)·E, 1]", FLOAT),
     ],
     outputs: &[tensor("d_topk_affinities", "[T, K]", "f32")],
     params: &[(Param::NumExperts, None)],
@@ -518,11 +529,11 @@ const PERMUTE_BWD: KernelSpec = KernelSpec {
 
 const BLOCKWISE_INPUTS: [TensorSpec; 6] = [
     tensor("hidden_states", "[T+1, H]", FLOAT),
-    tensor("expert_affinities_masked", "[(T+1)·E]", FLOAT),
+    tensor("expert_affinities_masked", "[(T+1)·E, 1]", FLOAT),
     tensor("gate_up_proj_weight", "[E, H, 2, I]", FLOAT),
     tensor("down_proj_weight", "[E, I, H]", FLOAT),
     tensor("token_position_to_id", "[N·B]", "i32"),
-    tensor("block_to_expert", "[N]", "i32"),
+    tensor("block_to_expert", "[N, 1]", "i32"),
 ];
 
 const BLOCKWISE_MM: KernelSpec = KernelSpec {
@@ -554,7 +565,7 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
     ],
     outputs: &[
         tensor("hidden_states_grad", "[T, H]", "f32"),
-        tensor("expert_affinities_masked_grad", "[(T+1)·E]", "f32"),
+        tensor("expert_affinities_masked_grad", "[(T+1)·E, 1]", "f32"),
         tensor("gate_up_proj_weight_grad", "[E, H, 2, I]", "f32"),
         tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
         optional("d_topk_affinities", "[T, K]", "f32"),

@@ -43,7 +43,7 @@
 //!         expert_index: &routed.expert_index,
 //!         topk_affinities: &routed.topk_affinities,
 //!     },
-//!     PermuteParams { num_experts: e, block_size: 2 },
+//!     PermuteParams::new(e, 2),
 //! )?)?;
 //!
 //! // hidden_states carries the all-zero padding token as row T.

@@ -83,10 +83,7 @@ fn build_case(s: Shape, seed: u64) -> Case {
                     expert_index: &i32_tensor(&[t, k], &index),
                     topk_affinities: &f32_tensor(&[t, k], &affinities),
                 },
-                PermuteParams {
-                    num_experts: e,
-                    block_size: b,
-                },
+                PermuteParams::new(e, b),
             )
             .unwrap(),
         )
@@ -159,11 +156,11 @@ impl Tensors {
         };
         Self {
             x: float(&[t + 1, h], &c.x),
-            masked: float(&[(t + 1) * e], &c.masked),
+            masked: float(&[(t + 1) * e, 1], &c.masked),
             gate_up: float(&[e, h, 2, i], &c.gate_up),
             down: float(&[e, i, h], &c.down),
             positions: i32_tensor(&[c.positions.len()], &c.positions),
-            blocks: i32_tensor(&[c.blocks.len()], &c.blocks),
+            blocks: i32_tensor(&[c.blocks.len(), 1], &c.blocks),
         }
     }
 
@@ -286,7 +283,7 @@ fn check_forward(c: &Case) -> Result<(), TestCaseError> {
 }
 
 fn check_checkpoints(c: &Case) -> Result<(), TestCaseError> {
-    let BlockwiseDims { h, e, i, b, n, .. } = c.dims;
+    let BlockwiseDims { t, h, i, b, n, .. } = c.dims;
     let out = Tensors::new(c).forward(true).unwrap();
     let gate_up_t = f32s(out.gate_up_activations_t.as_ref().unwrap());
     let down = f32s(out.down_activations.as_ref().unwrap());
@@ -299,12 +296,10 @@ fn check_checkpoints(c: &Case) -> Result<(), TestCaseError> {
     let mut expected_down = vec![0.0; n * b * h];
     for block in 0..n {
         for slot in 0..b {
-            let token = c.positions[block * b + slot];
-            let ex = c.blocks[block] as usize;
-            if token < 0 || ex == e {
-                continue;
-            }
-            let (gate, up, y) = expert(c, token as usize, ex);
+            // Padding slots (token T) go through their block's expert on the zero row T.
+            let token = c.positions[block * b + slot] as usize;
+            prop_assert!(token <= t);
+            let (gate, up, y) = expert(c, token, c.blocks[block] as usize);
             for col in 0..i {
                 expected_gu[((block * 2) * i + col) * b + slot] = gate[col];
                 expected_gu[((block * 2 + 1) * i + col) * b + slot] = up[col];
@@ -445,7 +440,7 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     .unwrap();
     let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
     prop_assert_eq!(g.hidden_states_grad.shape(), &[t, h]);
-    prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e]);
+    prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e, 1]);
     prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
     prop_assert_eq!(g.down_proj_weight_grad.shape(), &[e, i, h]);
 
@@ -612,11 +607,12 @@ fn valid() -> Tensors {
     masked[2 * 3 + 1] = 1.0;
     Tensors {
         x: f32_tensor(&[4, 2], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0, 0.0]),
-        masked: f32_tensor(&[12], &masked),
+        masked: f32_tensor(&[12, 1], &masked),
         gate_up: f32_tensor(&[3, 2, 2, 2], &[0.1; 24]),
         down: f32_tensor(&[3, 2, 2], &[0.2; 12]),
-        positions: i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, -1]),
-        blocks: i32_tensor(&[4], &[0, 1, 2, 3]),
+        // Padding is T = 3; the unused block 3 goes through expert E−1 = 2.
+        positions: i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 3]),
+        blocks: i32_tensor(&[4, 1], &[0, 1, 2, 2]),
     }
 }
 
@@ -647,47 +643,67 @@ fn plan_violations_are_clear_errors() {
         }),
         &["expert_affinities_masked", "row T = 3"],
     );
+    // E is not an expert id: unused blocks go through expert E−1.
     expect_err(
-        with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, 2, 4])),
-        &["block_to_expert", "block 3", "expert id 4"],
+        with(&|v| v.blocks = i32_tensor(&[4, 1], &[0, 1, 2, 3])),
+        &["block_to_expert", "block 3", "expert id 3", "[0, 3)"],
     );
     expect_err(
-        with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, -2, 3])),
+        with(&|v| v.blocks = i32_tensor(&[4, 1], &[0, 1, -2, 2])),
         &["block_to_expert", "-2"],
     );
+    // Padding is T; −1 (neuronx-distributed's host convention) is not a token id.
     expect_err(
-        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, 3, -1])),
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, 3, 3, 3])),
         &[
             "token_position_to_id",
-            "position 6",
-            "token id 3",
-            "[-1, 3)",
+            "position 3",
+            "token id -1",
+            "[0, 3]",
+            "padding row",
         ],
     );
     expect_err(
-        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -2, -1])),
-        &["token id -2"],
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 4, 3])),
+        &["position 6", "token id 4", "[0, 3]"],
     );
     expect_err(
-        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, 1])),
-        &["unused", "block 3"],
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 0])),
+        &["token 0 appears twice for expert 2", "position 7"],
     );
     expect_err(
-        with(&|v| v.positions = i32_tensor(&[8], &[0, 0, 2, -1, 0, -1, -1, -1])),
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 0, 2, 3, 0, 3, 3, 3])),
         &["token 0 appears twice for expert 0"],
     );
     expect_err(
-        with(&|v| v.positions = i32_tensor(&[8], &[0, -1, 2, -1, 0, -1, -1, -1])),
+        with(&|v| v.positions = i32_tensor(&[8], &[0, 3, 2, 3, 0, 3, 3, 3])),
         &["token 1", "expert 0", "no slot"],
     );
     expect_err(
-        with(&|v| v.positions = i32_tensor(&[7], &[0, 1, 2, -1, 0, -1, -1])),
+        with(&|v| v.positions = i32_tensor(&[7], &[0, 1, 2, 3, 0, 3, 3])),
         &["token_position_to_id", "[N·B]", "N = 4"],
     );
     expect_err(
-        with(&|v| v.blocks = i32_tensor(&[0], &[])),
-        &["block_to_expert", "N (blocks)"],
+        with(&|v| v.blocks = i32_tensor(&[0, 1], &[])),
+        &["block_to_expert", "[N, 1]", "N ≥ 1"],
     );
+    expect_err(
+        with(&|v| v.blocks = i32_tensor(&[2, 2], &[0, 1, 2, 2])),
+        &["block_to_expert", "[N, 1]", "[2, 2]"],
+    );
+    expect_err(
+        with(&|v| v.blocks = f32_tensor(&[4, 1], &[0.0, 1.0, 2.0, 2.0])),
+        &["block_to_expert", "i32"],
+    );
+    // nki-library's test generator makes block_to_expert [N]: accepted as well.
+    with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, 2, 2])).unwrap();
+    // Padding-only blocks may sit anywhere (the generator's split padding puts some on
+    // expert (E−1)/2, between the used blocks).
+    with(&|v| {
+        v.positions = i32_tensor(&[10], &[0, 1, 3, 3, 2, 3, 0, 3, 3, 3]);
+        v.blocks = i32_tensor(&[5, 1], &[0, 1, 1, 2, 2]);
+    })
+    .unwrap();
     expect_err(
         with(&|v| v.masked = f32_tensor(&[3, 4], &[0.0; 12])),
         &["expert_affinities_masked", "[(T+1)·E]"],
@@ -724,8 +740,8 @@ fn plan_violations_are_clear_errors() {
         with(&|v| v.x = f32_tensor(&[1, 2], &[0.0; 2])),
         &["hidden_states", "T+1 ≥ 2"],
     );
-    // The NKI layout [(T+1)·E, 1] is accepted.
-    with(&|v| v.masked = f32_tensor(&[12, 1], &v.masked.to_f64_vec())).unwrap();
+    // The flat layout [(T+1)·E] is accepted beside NKI's [(T+1)·E, 1].
+    with(&|v| v.masked = f32_tensor(&[12], &v.masked.to_f64_vec())).unwrap();
 }
 
 #[test]

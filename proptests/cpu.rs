@@ -242,8 +242,8 @@ proptest! {
 
 /// Rewrites `permute`'s plan into another valid plan of the same (token, expert) pairs, as a
 /// caller may build one: the blocks in random order (an expert's blocks apart, unused blocks
-/// between them), each block's slots in random order (padding between real slots), and unused
-/// blocks given to random experts (blocks of an expert that hold only padding).
+/// between them), each block's slots in random order (padding between real slots), and blocks
+/// of padding only given to random experts.
 fn rearrange_plan(rng: &mut SeededRng, layer: &mut Layer, s: Shape) {
     let positions = layer.tensors["token_position_to_id"].as_i32().unwrap();
     let blocks = layer.tensors["block_to_expert"].as_i32().unwrap();
@@ -251,11 +251,11 @@ fn rearrange_plan(rng: &mut SeededRng, layer: &mut Layer, s: Shape) {
     for block in rng.permutation(blocks.len()) {
         let slots = &positions[block * s.b..(block + 1) * s.b];
         new_positions.extend(rng.permutation(s.b).into_iter().map(|j| slots[j]));
-        let expert = blocks[block];
-        new_blocks.push(if expert as usize == s.e {
-            rng.below(s.e + 1) as i32
+        let padding_only = slots.iter().all(|&token| token as usize == s.t);
+        new_blocks.push(if padding_only {
+            rng.below(s.e) as i32
         } else {
-            expert
+            blocks[block]
         });
     }
     let n = new_blocks.len();
@@ -263,9 +263,10 @@ fn rearrange_plan(rng: &mut SeededRng, layer: &mut Layer, s: Shape) {
         "token_position_to_id".to_owned(),
         i32_tensor(&[n * s.b], &new_positions),
     );
-    layer
-        .tensors
-        .insert("block_to_expert".to_owned(), i32_tensor(&[n], &new_blocks));
+    layer.tensors.insert(
+        "block_to_expert".to_owned(),
+        i32_tensor(&[n, 1], &new_blocks),
+    );
 }
 
 /// Every kernel's outputs with 1, 2 and 3 threads, compared as bytes: bit-identical, so 0.0 vs
@@ -542,7 +543,7 @@ fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks()
 
 #[test]
 fn checkpoints_past_the_address_space_are_errors_naming_them() {
-    // A valid plan of one unused block of B = 2²² slots at H = 2²³: the inputs take 200 MB,
+    // A valid plan of one padding block of B = 2²² slots at H = 2²³: the inputs take 200 MB,
     // `down_activations [N, B, H]` would take 2⁴⁷ bytes in f32, more than a process can map.
     let (h, slots) = (1 << 23, 1 << 22);
     let tensors: BTreeMap<String, Tensor> = [
@@ -553,10 +554,10 @@ fn checkpoints_past_the_address_space_are_errors_naming_them() {
             f32_tensor(&[1, h, 2, 1], &vec![0.0; 2 * h]),
         ),
         ("down_proj_weight", f32_tensor(&[1, 1, h], &vec![0.0; h])),
-        ("block_to_expert", i32_tensor(&[1], &[1])),
+        ("block_to_expert", i32_tensor(&[1, 1], &[0])),
         (
             "token_position_to_id",
-            i32_tensor(&[slots], &vec![-1; slots]),
+            i32_tensor(&[slots], &vec![1; slots]),
         ),
     ]
     .into_iter()

@@ -192,7 +192,7 @@ proptest! {
         ).unwrap()).unwrap();
         let plan = reference.permute(&Permute::new(
             PermuteInputs { expert_index: &routed.expert_index, topk_affinities: &routed.topk_affinities },
-            PermuteParams { num_experts: e, block_size: b },
+            PermuteParams::new(e, b),
         ).unwrap()).unwrap();
         let mut padded = f32s(&x);
         padded.extend(vec![0.0; h]);
@@ -520,10 +520,7 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
             expert_index: &index,
             topk_affinities: &affinities,
         },
-        PermuteParams {
-            num_experts: 2,
-            block_size: 1,
-        },
+        PermuteParams::new(2, 1),
     )
     .unwrap();
     let err = no_neff.permute(&permute).unwrap_err();

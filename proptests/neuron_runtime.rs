@@ -270,13 +270,14 @@ input expert_affinities_masked f32 3
 input gate_up_proj_weight f32 1 2 2 1
 input down_proj_weight f32 1 1 2
 input token_position_to_id i32 2
-input block_to_expert i32 1
+input block_to_expert i32 1 1
 output output f32 2 2
 ";
     let model = runtime.load(neff.as_bytes(), "bwmm.neff", -1, -1).unwrap();
     let tensors = allocate_all(&runtime, &model);
     let (inputs, outputs) = bind_all(&runtime, &model, &tensors);
-    let ids: Vec<u8> = [0i32, 2].iter().flat_map(|v| v.to_le_bytes()).collect();
+    // Token id T = 2 is the padding row; 3 is past the end of hidden_states [T+1, H].
+    let ids: Vec<u8> = [0i32, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
     inputs
         .get("token_position_to_id")
         .unwrap()

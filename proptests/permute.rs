@@ -1,6 +1,8 @@
 //! `permute` invariants on random routings (including zero-token experts, all tokens on one
-//! expert, B = 1, B > T·K and skipped slots), tightness of the static block bound, `permute_bwd` as the exact
-//! adjoint of the affinity scatter, and error paths.
+//! expert, B = 1, B > T·K, skipped slots and `n_block_per_iter` > 1) in nki-library's plan
+//! convention (padding T, unused blocks on E−1, `block_to_expert [N, 1]`, N from its
+//! `get_n_blocks`), tightness of the static block bound, `permute_bwd` as the exact adjoint of
+//! the affinity scatter, and error paths.
 
 #![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
 
@@ -8,11 +10,11 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteOutputs,
-    PermuteParams, SKIP, static_block_count,
+    BlockwiseMm, BlockwiseMmInputs, BlockwiseMmParams, Permute, PermuteBwd, PermuteBwdInputs,
+    PermuteBwdParams, PermuteInputs, PermuteOutputs, PermuteParams, SKIP, static_block_count,
 };
 use moekit::reference::ReferenceBackend;
-use moekit::{Backend, Tensor};
+use moekit::{Backend, BackendKind, Tensor};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -21,6 +23,7 @@ struct Case {
     e: usize,
     k: usize,
     b: usize,
+    n_block_per_iter: usize,
     index: Vec<i32>,
     affinities: Vec<f64>,
 }
@@ -33,8 +36,10 @@ fn case() -> impl Strategy<Value = Case> {
         any::<u64>(),
         any::<bool>(),
     )
-        .prop_flat_map(|(t, e, r, seed, skips)| (Just((t, e, r, seed, skips)), 1..=e, 1usize..20))
-        .prop_map(|((t, e, routing, seed, skips), k, b)| {
+        .prop_flat_map(|(t, e, r, seed, skips)| {
+            (Just((t, e, r, seed, skips)), 1..=e, 1usize..20, 1usize..4)
+        })
+        .prop_map(|((t, e, routing, seed, skips), k, b, n_block_per_iter)| {
             let mut rng = SeededRng::new(seed);
             let mut index = expert_index(&mut rng, routing, t, e, k);
             let mut affinities = rng.values(t * k, 1.0);
@@ -47,6 +52,7 @@ fn case() -> impl Strategy<Value = Case> {
                 e,
                 k,
                 b,
+                n_block_per_iter,
                 index,
                 affinities,
             }
@@ -54,10 +60,14 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 fn run(index: &Tensor, affinities: &Tensor, e: usize, b: usize) -> moekit::Result<PermuteOutputs> {
-    let params = PermuteParams {
-        num_experts: e,
-        block_size: b,
-    };
+    run_with(index, affinities, PermuteParams::new(e, b))
+}
+
+fn run_with(
+    index: &Tensor,
+    affinities: &Tensor,
+    params: PermuteParams,
+) -> moekit::Result<PermuteOutputs> {
     ReferenceBackend.permute(&Permute::new(
         PermuteInputs {
             expert_index: index,
@@ -68,13 +78,22 @@ fn run(index: &Tensor, affinities: &Tensor, e: usize, b: usize) -> moekit::Resul
 }
 
 fn run_case(c: &Case) -> PermuteOutputs {
-    run(
+    run_with(
         &i32_tensor(&[c.t, c.k], &c.index),
         &f32_tensor(&[c.t, c.k], &c.affinities),
-        c.e,
-        c.b,
+        PermuteParams {
+            n_block_per_iter: c.n_block_per_iter,
+            ..PermuteParams::new(c.e, c.b)
+        },
     )
     .unwrap()
+}
+
+/// nki-library's `get_n_blocks`, in floating point as it computes it:
+/// `ceil((T·K − (E−1)) / B) + E − 1`, then `n_block_per_iter · ceil(N / n_block_per_iter)`.
+fn nki_block_count(assignments: usize, e: usize, b: usize, n_block_per_iter: usize) -> usize {
+    let n = ((assignments as f64 - (e as f64 - 1.0)) / b as f64).ceil() + e as f64 - 1.0;
+    (n_block_per_iter as f64 * (n / n_block_per_iter as f64).ceil()) as usize
 }
 
 /// Checks every documented property of the plan against the routing it came from.
@@ -86,7 +105,9 @@ fn check_plan(c: &Case, out: &PermuteOutputs) -> Result<(), TestCaseError> {
     let used = out.num_used_blocks.as_i32().unwrap()[0] as usize;
     let n = blocks.len();
 
-    prop_assert_eq!(n, static_block_count(t * k, e, b));
+    prop_assert_eq!(n, nki_block_count(t * k, e, b, c.n_block_per_iter));
+    prop_assert_eq!(n % c.n_block_per_iter, 0);
+    prop_assert_eq!(out.block_to_expert.shape(), &[n, 1]);
     prop_assert_eq!(positions.len(), n * b);
     let assigned = c.index.iter().filter(|&&id| id != SKIP).count();
     prop_assert_eq!(counts.iter().sum::<i32>() as usize, assigned);
@@ -94,19 +115,20 @@ fn check_plan(c: &Case, out: &PermuteOutputs) -> Result<(), TestCaseError> {
     prop_assert_eq!(used, expected_used);
     prop_assert!(used <= n, "static bound {} below used blocks {}", n, used);
 
-    // Blocks ordered by expert id; unused blocks (expert E) only after the used ones.
+    // Blocks ordered by expert id; the unused blocks follow the used ones, on expert E−1, and
+    // hold only padding (token id T).
     prop_assert!(
         blocks.windows(2).all(|w| w[0] <= w[1]),
         "blocks not sorted: {:?}",
         blocks
     );
     prop_assert!(blocks[..used].iter().all(|&x| (x as usize) < e));
-    prop_assert!(blocks[used..].iter().all(|&x| x as usize == e));
-    prop_assert!(positions[used * b..].iter().all(|&p| p == -1));
+    prop_assert!(blocks[used..].iter().all(|&x| x as usize == e - 1));
+    prop_assert!(positions[used * b..].iter().all(|&p| p as usize == t));
 
     for expert in 0..e {
-        // The expert's slots, in order, across its contiguous blocks.
-        let slots: Vec<i32> = blocks
+        // The expert's slots, in order, across its contiguous used blocks.
+        let slots: Vec<i32> = blocks[..used]
             .iter()
             .enumerate()
             .filter(|&(_, &x)| x as usize == expert)
@@ -126,11 +148,11 @@ fn check_plan(c: &Case, out: &PermuteOutputs) -> Result<(), TestCaseError> {
         );
         // Tokens ascending first, then padding only at the tail of the last block.
         prop_assert_eq!(&slots[..tokens.len()], &tokens[..]);
-        prop_assert!(slots[tokens.len()..].iter().all(|&p| p == -1));
+        prop_assert!(slots[tokens.len()..].iter().all(|&p| p as usize == t));
     }
 
     let masked = f32s(&out.expert_affinities_masked);
-    prop_assert_eq!(masked.len(), (t + 1) * e);
+    prop_assert_eq!(out.expert_affinities_masked.shape(), &[(t + 1) * e, 1]);
     let mut expected = vec![0.0; (t + 1) * e];
     for (pair, &id) in c.index.iter().enumerate().filter(|&(_, &id)| id != SKIP) {
         expected[(pair / k) * e + id as usize] = c.affinities[pair];
@@ -149,7 +171,12 @@ proptest! {
         // bf16 affinities give the same plan, with the affinities they hold.
         let bf16 = f32_tensor(&[c.t, c.k], &c.affinities).to_bf16();
         let c_bf16 = Case { affinities: bf16.to_f64_vec(), ..c.clone() };
-        let from_bf16 = run(&i32_tensor(&[c.t, c.k], &c.index), &bf16, c.e, c.b).unwrap();
+        let from_bf16 = run_with(
+            &i32_tensor(&[c.t, c.k], &c.index),
+            &bf16,
+            PermuteParams { n_block_per_iter: c.n_block_per_iter, ..PermuteParams::new(c.e, c.b) },
+        )
+        .unwrap();
         check_plan(&c_bf16, &from_bf16)?;
     }
 
@@ -186,17 +213,143 @@ proptest! {
     }
 }
 
+/// The plan nki-library's test generator (`generate_token_position_to_id_and_experts`) makes
+/// for a routing and a block count N: `(token_position_to_id [N·B], block_to_expert [N])`.
+/// Each expert gets `ceil(count / B)` blocks; the N − Σ padding blocks go to expert E−1, or,
+/// with `split_padding`, half (rounded down) to expert (E−1)/2 and the rest to E−1; experts'
+/// blocks follow in expert order, each expert's tokens ascending from its first slot, every
+/// other slot T.
+fn nki_generator_plan(c: &Case, n: usize, split_padding: bool) -> (Vec<i32>, Vec<i32>) {
+    let (t, e, k, b) = (c.t, c.e, c.k, c.b);
+    let tokens_of = |expert: usize| -> Vec<usize> {
+        (0..t)
+            .filter(|&tok| c.index[tok * k..(tok + 1) * k].contains(&(expert as i32)))
+            .collect()
+    };
+    let mut blocks_per_expert: Vec<usize> =
+        (0..e).map(|x| tokens_of(x).len().div_ceil(b)).collect();
+    let padding = n - blocks_per_expert.iter().sum::<usize>();
+    if split_padding {
+        blocks_per_expert[(e - 1) / 2] += padding / 2;
+        blocks_per_expert[e - 1] += padding - padding / 2;
+    } else {
+        blocks_per_expert[e - 1] += padding;
+    }
+    let mut positions = vec![t as i32; n * b];
+    let mut block_to_expert = Vec::new();
+    for expert in 0..e {
+        let first = block_to_expert.len() * b;
+        for (rank, token) in tokens_of(expert).into_iter().enumerate() {
+            positions[first + rank] = token as i32;
+        }
+        block_to_expert.extend(std::iter::repeat_n(
+            expert as i32,
+            blocks_per_expert[expert],
+        ));
+    }
+    (positions, block_to_expert)
+}
+
+proptest! {
+    #![proptest_config(config(1024))]
+
+    #[test]
+    fn plan_is_the_one_nki_librarys_test_generator_makes(c in case()) {
+        let n = nki_block_count(c.t * c.k, c.e, c.b, c.n_block_per_iter);
+        let (positions, blocks) = nki_generator_plan(&c, n, false);
+        let params = PermuteParams { n_block_per_iter: c.n_block_per_iter, ..PermuteParams::new(c.e, c.b) };
+        let index = i32_tensor(&[c.t, c.k], &c.index);
+        let affinities = f32_tensor(&[c.t, c.k], &c.affinities);
+        for backend in [BackendKind::Reference, BackendKind::Cpu] {
+            let out = backend
+                .create()
+                .permute(&Permute::new(
+                    PermuteInputs { expert_index: &index, topk_affinities: &affinities },
+                    params,
+                ).unwrap())
+                .unwrap();
+            prop_assert_eq!(out.token_position_to_id.as_i32().unwrap(), &positions[..], "{}", backend);
+            prop_assert_eq!(out.block_to_expert.as_i32().unwrap(), &blocks[..], "{}", backend);
+        }
+    }
+
+    #[test]
+    fn a_generator_plan_with_split_padding_gives_the_same_experts_output(
+        c in case(),
+        seed in any::<u64>(),
+        (h, i) in (1usize..6, 1usize..6),
+    ) {
+        // Padding blocks between the used ones (on expert (E−1)/2) change nothing: every
+        // backend's output is bit-identical to the one of permute's own plan.
+        let (t, e) = (c.t, c.e);
+        let n = nki_block_count(t * c.k, e, c.b, c.n_block_per_iter);
+        let (positions, blocks) = nki_generator_plan(&c, n, true);
+        let plan = run_case(&c);
+        let mut rng = SeededRng::new(seed);
+        let mut x = rng.values(t * h, 1.0);
+        x.extend(vec![0.0; h]);
+        let x = f32_tensor(&[t + 1, h], &x);
+        let gate_up = f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 1.0));
+        let down = f32_tensor(&[e, i, h], &rng.values(e * i * h, 1.0));
+        let generator_positions = i32_tensor(&[n * c.b], &positions);
+        let generator_blocks = i32_tensor(&[n], &blocks);
+        let plans = [
+            (&generator_positions, &generator_blocks),
+            (&plan.token_position_to_id, &plan.block_to_expert),
+        ];
+        for backend in [BackendKind::Reference, BackendKind::Cpu] {
+            let backend = backend.create();
+            let outputs: Vec<Tensor> = plans
+                .iter()
+                .map(|&(positions, blocks)| {
+                    let inputs = BlockwiseMmInputs {
+                        hidden_states: &x,
+                        expert_affinities_masked: &plan.expert_affinities_masked,
+                        gate_up_proj_weight: &gate_up,
+                        down_proj_weight: &down,
+                        token_position_to_id: positions,
+                        block_to_expert: blocks,
+                    };
+                    let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
+                    backend.blockwise_mm(&call).unwrap().output
+                })
+                .collect();
+            prop_assert_eq!(&outputs[0], &outputs[1], "{}", backend.name());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(config(4096))]
+
+    #[test]
+    fn static_block_count_is_nki_librarys_get_n_blocks(
+        assignments in 1usize..5000,
+        e in 1usize..600,
+        b in 1usize..1100,
+        n_block_per_iter in 1usize..5,
+    ) {
+        prop_assert_eq!(
+            static_block_count(assignments, e, b, n_block_per_iter),
+            Some(nki_block_count(assignments, e, b, n_block_per_iter))
+        );
+    }
+}
+
 #[test]
-fn static_block_count_matches_the_formula() {
-    // N = min(ceil((T·K − (E−1)) / B) + (E−1), T·K), including T·K < E−1.
-    assert_eq!(static_block_count(16, 4, 4), 3 + 4); // ceil(13/4) + 3
-    assert_eq!(static_block_count(2, 8, 4), 2); // capped at T·K
-    assert_eq!(static_block_count(1, 1, 1), 1);
-    assert_eq!(static_block_count(1, 1, 128), 1);
-    assert_eq!(static_block_count(2048 * 8, 128, 512), 32 + 127);
-    // Extreme arguments saturate instead of overflowing.
-    assert_eq!(static_block_count(8, usize::MAX, 4), 8);
-    assert_eq!(static_block_count(usize::MAX, 1, usize::MAX), 1);
+fn static_block_count_at_the_edges() {
+    // ceil((T·K − (E−1)) / B) + (E−1), no cap at T·K, including T·K < E−1.
+    assert_eq!(static_block_count(16, 4, 4, 1), Some(3 + 4)); // ceil(13/4) + 3
+    assert_eq!(static_block_count(2, 8, 4, 1), Some(6)); // ceil(−5/4) + 7
+    assert_eq!(static_block_count(2, 8, 4, 4), Some(8));
+    assert_eq!(static_block_count(1, 1, 1, 1), Some(1));
+    assert_eq!(static_block_count(1, 1, 128, 1), Some(1));
+    assert_eq!(static_block_count(2048 * 8, 128, 512, 1), Some(32 + 127));
+    assert_eq!(static_block_count(2048 * 8, 128, 512, 2), Some(160));
+    // Extreme arguments give a count or None, never an overflow.
+    assert_eq!(static_block_count(usize::MAX, 1, usize::MAX, 1), Some(1));
+    assert_eq!(static_block_count(usize::MAX, 2, 1, 1), Some(usize::MAX));
+    assert_eq!(static_block_count(usize::MAX, 2, 1, 2), None);
 }
 
 #[test]
@@ -211,6 +364,15 @@ fn bad_inputs_are_clear_errors() {
     };
     check(&index, &aff, 0, 4, &["num_experts", "at least 1"]);
     check(&index, &aff, 4, 0, &["block_size", "at least 1"]);
+    let params = PermuteParams {
+        n_block_per_iter: 0,
+        ..PermuteParams::new(4, 4)
+    };
+    let message = run_with(&index, &aff, params).unwrap_err().to_string();
+    assert!(
+        message.contains("n_block_per_iter") && message.contains("at least 1"),
+        "{message}"
+    );
     check(
         &index,
         &aff,

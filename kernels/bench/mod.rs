@@ -376,10 +376,7 @@ fn permute_call<'a>(routed: &'a RouterTopkOutputs, inputs: &LayerInputs) -> Resu
             expert_index: &routed.expert_index,
             topk_affinities: &routed.topk_affinities,
         },
-        PermuteParams {
-            num_experts: inputs.shape.e,
-            block_size: inputs.block_size,
-        },
+        PermuteParams::new(inputs.shape.e, inputs.block_size),
     )
 }
 

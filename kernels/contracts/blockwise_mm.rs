@@ -2,7 +2,8 @@
 //! SwiGLU), and its backward.
 //!
 //! For each block `n` of B slots, expert `e = block_to_expert[n]` and each slot holding token
-//! `t = token_position_to_id[n·B + j]` (padding slots hold −1 and contribute nothing):
+//! `t = token_position_to_id[n·B + j]` (padding slots hold T, the zero row, and contribute
+//! nothing):
 //! ```text
 //! gate = x_t · W[e, :, 0, :]      up = x_t · W[e, :, 1, :]         [I]
 //! y    = (silu(gate) ⊙ up) · D[e]                                   [H]
@@ -14,9 +15,9 @@
 //! scaling `down_activations [N, B, H]` (zeros in padding slots and unused blocks), which the
 //! backward consumes instead of recomputing.
 //!
-//! Plan rules checked on every call: token ids in `[−1, T)`, expert ids in `[0, E]` (E marks an
-//! unused block, which must hold only padding), no (token, expert) pair twice, every non-zero
-//! affinity of a real token covered by the plan, and the padding row T of `hidden_states` and of
+//! Plan rules checked on every call (see [`super::plan`]): token ids in `[0, T]` (T is padding),
+//! expert ids in `[0, E)`, no (token, expert) pair twice, every non-zero affinity of a real token
+//! covered by the plan, and the padding row T of `hidden_states` and of
 //! `expert_affinities_masked` all zeros.
 //!
 //! Error bound (reference backend): every output, checkpoint and gradient is computed in f64
@@ -24,7 +25,7 @@
 //! The backward reads the f32 checkpoints, so its gradients match the exact f64 ones to about
 //! 1e-6 relative.
 
-use super::{SKIP, validate};
+use super::{BlockPlan, SKIP, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -46,9 +47,9 @@ pub struct BlockwiseMmInputs<'a> {
     pub gate_up_proj_weight: &'a Tensor,
     /// `[E, I, H]`.
     pub down_proj_weight: &'a Tensor,
-    /// `[N·B]` i32, from `permute`.
+    /// `[N·B]` i32, T in padding slots, from `permute` (see [`super::plan`]).
     pub token_position_to_id: &'a Tensor,
-    /// `[N]` i32, from `permute`.
+    /// `[N, 1]` (or `[N]`) i32, from `permute`.
     pub block_to_expert: &'a Tensor,
 }
 
@@ -76,16 +77,18 @@ pub struct BlockwiseMm<'a> {
     inputs: BlockwiseMmInputs<'a>,
     params: BlockwiseMmParams,
     dims: BlockwiseDims,
+    plan: BlockPlan<'a>,
 }
 
 impl<'a> BlockwiseMm<'a> {
     /// Checks shapes, dtypes, finiteness and the plan rules in the module docs.
     pub fn new(inputs: BlockwiseMmInputs<'a>, params: BlockwiseMmParams) -> Result<Self> {
-        let (dims, _) = check(&inputs)?;
+        let (dims, plan, _) = check(&inputs)?;
         Ok(Self {
             inputs,
             params,
             dims,
+            plan,
         })
     }
 
@@ -100,11 +103,16 @@ impl<'a> BlockwiseMm<'a> {
     pub fn dims(&self) -> BlockwiseDims {
         self.dims
     }
+
+    /// The validated block plan.
+    pub fn plan(&self) -> BlockPlan<'a> {
+        self.plan
+    }
 }
 
-/// Validates the forward inputs; returns the dimensions and which (token, expert) pairs the plan
-/// covers (`[T·E]`, token-major).
-fn check(inputs: &BlockwiseMmInputs<'_>) -> Result<(BlockwiseDims, Vec<bool>)> {
+/// Validates the forward inputs; returns the dimensions, the plan and which (token, expert)
+/// pairs the plan covers (`[T·E]`, token-major).
+fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan<'a>, Vec<bool>)> {
     let hs = validate::float_tensor(
         "hidden_states",
         inputs.hidden_states,
@@ -140,39 +148,34 @@ fn check(inputs: &BlockwiseMmInputs<'_>) -> Result<(BlockwiseDims, Vec<bool>)> {
         inputs.expert_affinities_masked,
         Some((t + 1) * e),
     )?;
-    let (shape, block_experts) =
-        validate::index_tensor("block_to_expert", inputs.block_to_expert, "[N]", &[None])?;
-    let n = shape[0];
-    validate::non_empty("block_to_expert", "N (blocks)", n)?;
-    let (shape, positions) = validate::index_tensor(
-        "token_position_to_id",
-        inputs.token_position_to_id,
-        "[N·B]",
-        &[None],
-    )?;
-    if shape[0] == 0 || shape[0] % n != 0 {
-        return Err(Error::shape(
-            "token_position_to_id",
-            format!("[N·B] with N = {n} (from block_to_expert) and B ≥ 1"),
-            &shape,
-        ));
-    }
+    let (plan, covered) =
+        BlockPlan::new(inputs.token_position_to_id, inputs.block_to_expert, t, e)?;
     let dims = BlockwiseDims {
         t,
         h,
         e,
         i,
-        b: shape[0] / n,
-        n,
+        b: plan.block_size(),
+        n: plan.blocks(),
     };
     check_padding_row(inputs, dims)?;
-    let covered = check_plan(
-        inputs.expert_affinities_masked,
-        positions,
-        block_experts,
-        dims,
-    )?;
-    Ok((dims, covered))
+    if let Some(pair) = (0..t * e).find(|&pair| {
+        !covered[pair]
+            && inputs
+                .expert_affinities_masked
+                .get_f64(pair)
+                .is_some_and(|a| a != 0.0)
+    }) {
+        return Err(Error::invalid(
+            "expert_affinities_masked",
+            format!(
+                "token {} has a non-zero affinity for expert {} but no slot in the block plan",
+                pair / e,
+                pair % e
+            ),
+        ));
+    }
+    Ok((dims, plan, covered))
 }
 
 fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Result<()> {
@@ -199,71 +202,6 @@ fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Res
         ));
     }
     Ok(())
-}
-
-fn check_plan(
-    affinities: &Tensor,
-    positions: &[i32],
-    block_experts: &[i32],
-    dims: BlockwiseDims,
-) -> Result<Vec<bool>> {
-    let BlockwiseDims { t, e, b, .. } = dims;
-    let mut covered = vec![false; t * e];
-    for (block, &expert) in block_experts.iter().enumerate() {
-        if expert < 0 || expert as usize > e {
-            return Err(Error::invalid(
-                "block_to_expert",
-                format!(
-                    "block {block} has expert id {expert}, outside [0, {e}] (E = {e} marks an unused block)"
-                ),
-            ));
-        }
-        let expert = expert as usize;
-        for (slot, &token) in positions[block * b..(block + 1) * b].iter().enumerate() {
-            let position = block * b + slot;
-            if token == -1 {
-                continue;
-            }
-            if token < -1 || token as usize >= t {
-                return Err(Error::invalid(
-                    "token_position_to_id",
-                    format!(
-                        "position {position} holds token id {token}, outside [-1, {t}) (−1 is padding)"
-                    ),
-                ));
-            }
-            if expert == e {
-                return Err(Error::invalid(
-                    "token_position_to_id",
-                    format!(
-                        "position {position} holds token {token} in block {block}, which is unused (expert id E = {e})"
-                    ),
-                ));
-            }
-            let pair = token as usize * e + expert;
-            if std::mem::replace(&mut covered[pair], true) {
-                return Err(Error::invalid(
-                    "token_position_to_id",
-                    format!(
-                        "token {token} appears twice for expert {expert} (second time at position {position})"
-                    ),
-                ));
-            }
-        }
-    }
-    if let Some(pair) = (0..t * e)
-        .find(|&pair| !covered[pair] && affinities.get_f64(pair).is_some_and(|a| a != 0.0))
-    {
-        return Err(Error::invalid(
-            "expert_affinities_masked",
-            format!(
-                "token {} has a non-zero affinity for expert {} but no slot in the block plan",
-                pair / e,
-                pair % e
-            ),
-        ));
-    }
-    Ok(covered)
 }
 
 /// Outputs of `blockwise_mm`.
@@ -300,12 +238,13 @@ pub struct BlockwiseMmBwdInputs<'a> {
 pub struct BlockwiseMmBwd<'a> {
     inputs: BlockwiseMmBwdInputs<'a>,
     dims: BlockwiseDims,
+    plan: BlockPlan<'a>,
 }
 
 impl<'a> BlockwiseMmBwd<'a> {
     /// Checks everything [`BlockwiseMm::new`] checks, plus the checkpoints and gradients.
     pub fn new(inputs: BlockwiseMmBwdInputs<'a>) -> Result<Self> {
-        let (dims, covered) = check(&inputs.forward)?;
+        let (dims, plan, covered) = check(&inputs.forward)?;
         let BlockwiseDims { t, h, e, i, b, n } = dims;
         validate::float_tensor(
             "gate_up_activations_T",
@@ -346,7 +285,7 @@ impl<'a> BlockwiseMmBwd<'a> {
                 ));
             }
         }
-        Ok(Self { inputs, dims })
+        Ok(Self { inputs, dims, plan })
     }
 
     pub fn inputs(&self) -> BlockwiseMmBwdInputs<'a> {
@@ -355,6 +294,11 @@ impl<'a> BlockwiseMmBwd<'a> {
 
     pub fn dims(&self) -> BlockwiseDims {
         self.dims
+    }
+
+    /// The validated block plan.
+    pub fn plan(&self) -> BlockPlan<'a> {
+        self.plan
     }
 }
 

@@ -6,10 +6,12 @@
 pub mod blockwise_mm;
 pub mod load_balancing_loss;
 pub mod permute;
+pub mod plan;
 pub mod router_topk;
 pub(crate) mod validate;
 
 pub use blockwise_mm::*;
 pub use load_balancing_loss::*;
 pub use permute::*;
+pub use plan::BlockPlan;
 pub use router_topk::*;

@@ -1,20 +1,29 @@
-//! `permute`: the block plan that groups token copies by expert into fixed-size blocks (the
-//! input preparation of the NKI blockwise matmul), and its backward.
+//! `permute`: the block plan that groups token copies by expert into fixed-size blocks, and its
+//! backward. nki-library makes this plan on the host (its tests' generator); the plan is the
+//! input of its blockwise matmul kernels, in their convention, so a plan made here goes
+//! unchanged into an NKI kernel and one made by nki-library's generator goes unchanged into
+//! moekit's `blockwise_mm`. `permute` itself is moekit's own kernel.
 //!
 //! ```text
-//! expert_counts [E]                 i32  top-k assignments per expert (Σ = T·K minus skipped
-//!                                        slots, whose expert_index is SKIP = −1)
-//! token_position_to_id [N·B]        i32  token id per block slot, −1 for padding; each expert's
-//!                                        tokens in ascending token order, each expert starts a
-//!                                        new block, blocks ordered by expert id, padding only at
-//!                                        the tail of an expert's last block
-//! block_to_expert [N]               i32  expert of each block; unused blocks carry E
-//! expert_affinities_masked [(T+1)·E] f32 affinity of token t for expert e at t·E + e, 0 when t
-//!                                        did not choose e; row T (the padding token) all zeros
-//! num_used_blocks [1]               i32  Σ_e ceil(count_e / B); blocks past it are unused
+//! expert_counts [E]                      i32  top-k assignments per expert (Σ = T·K minus
+//!                                             skipped slots, whose expert_index is SKIP = −1)
+//! token_position_to_id [N·B]             i32  token id per block slot, T (the all-zero padding
+//!                                             row of hidden_states [T+1, H]) for padding; each
+//!                                             expert's tokens in ascending token order, each
+//!                                             expert starts a new block, blocks ordered by
+//!                                             expert id, padding only at the tail of an
+//!                                             expert's last block
+//! block_to_expert [N, 1]                 i32  expert of each block; the unused blocks follow
+//!                                             the last used one, on expert E−1, all padding
+//! expert_affinities_masked [(T+1)·E, 1]  f32  affinity of token t for expert e at t·E + e, 0
+//!                                             when t did not choose e; row T all zeros
+//! num_used_blocks [1]                    i32  Σ_e ceil(count_e / B); blocks past it are unused
+//!                                             (moekit's own)
 //! ```
-//! N is the static bound `N = min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`, the most blocks any
-//! routing of T·K assignments over E experts can need, so buffers can be sized before routing.
+//! N is nki-library's static bound `ceil((T·K − (E−1)) / B) + (E−1)`, the most blocks any
+//! routing of T·K assignments over E experts can need, rounded up to a multiple of
+//! `n_block_per_iter` (the blocks its shard-on-block kernel takes per iteration), so buffers can
+//! be sized before routing.
 //!
 //! Error bound: exact. Indices and counts are integers and affinities are copied, not computed.
 
@@ -22,15 +31,24 @@ use super::validate;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// Static block bound for `assignments = T·K` token copies over `experts` experts in blocks of
-/// `block_size` (B = 0 is treated as 1): `min(ceil((T·K − (E−1)) / B) + (E−1), T·K)`.
-pub fn static_block_count(assignments: usize, experts: usize, block_size: usize) -> usize {
+/// nki-library's static block count N for `assignments = T·K` token copies over `experts`
+/// experts in blocks of `block_size`: `ceil((T·K − (E−1)) / B) + (E−1)`, rounded up to a
+/// multiple of `n_block_per_iter` (B and `n_block_per_iter` of 0 are treated as 1). `None` when
+/// N does not fit in usize.
+pub fn static_block_count(
+    assignments: usize,
+    experts: usize,
+    block_size: usize,
+    n_block_per_iter: usize,
+) -> Option<usize> {
     // i128 holds every usize, so the possibly negative numerator cannot overflow.
     let m = assignments as i128;
     let spread = experts as i128 - 1;
     let b = block_size.max(1) as i128;
-    let blocks = -(spread - m).div_euclid(b); // ceil((m − spread) / b)
-    (blocks + spread).clamp(0, m) as usize
+    let blocks = -(spread - m).div_euclid(b) + spread; // ceil((m − spread) / b) + spread
+    let per_iter = n_block_per_iter.max(1) as i128;
+    let rounded = -(-blocks).div_euclid(per_iter) * per_iter;
+    usize::try_from(rounded.max(0)).ok()
 }
 
 /// Parameters of [`Permute`].
@@ -40,6 +58,20 @@ pub struct PermuteParams {
     pub num_experts: usize,
     /// B, token slots per block.
     pub block_size: usize,
+    /// N is rounded up to a multiple of this (nki-library's `n_block_per_iter`; 1 for the
+    /// shard-on-I kernels).
+    pub n_block_per_iter: usize,
+}
+
+impl PermuteParams {
+    /// `n_block_per_iter` = 1, as nki-library's `get_n_blocks` defaults it.
+    pub fn new(num_experts: usize, block_size: usize) -> Self {
+        Self {
+            num_experts,
+            block_size,
+            n_block_per_iter: 1,
+        }
+    }
 }
 
 /// The `expert_index` value of a slot with no assignment (`permute`, `permute_bwd`,
@@ -144,15 +176,27 @@ impl<'a> Permute<'a> {
                 ),
             ));
         }
-        let n = static_block_count(t * k, e, b);
-        if n.checked_mul(b)
-            .is_none_or(|slots| i32::try_from(slots).is_err())
-        {
+        if params.n_block_per_iter == 0 {
             return Err(Error::param(
-                "block_size",
-                format!("N·B = {n}·{b} block slots do not fit in i32 indices"),
+                "n_block_per_iter",
+                "must be at least 1, got 0",
             ));
         }
+        let n = static_block_count(t * k, e, b, params.n_block_per_iter)
+            .filter(|n| {
+                n.checked_mul(b)
+                    .is_some_and(|slots| i32::try_from(slots).is_ok())
+            })
+            .ok_or_else(|| {
+                Error::param(
+                    "block_size",
+                    format!(
+                        "the N·B block slots of T·K = {t}·{k} assignments over E = {e} experts in \
+                         blocks of {b} (n_block_per_iter = {}) do not fit in i32 indices",
+                        params.n_block_per_iter
+                    ),
+                )
+            })?;
         Ok(Self {
             inputs,
             dims: PermuteDims { t, k, e, b, n },
@@ -173,11 +217,11 @@ impl<'a> Permute<'a> {
 pub struct PermuteOutputs {
     /// `[E]` i32.
     pub expert_counts: Tensor,
-    /// `[N·B]` i32.
+    /// `[N·B]` i32, T in padding slots.
     pub token_position_to_id: Tensor,
-    /// `[N]` i32.
+    /// `[N, 1]` i32, E−1 for the unused blocks.
     pub block_to_expert: Tensor,
-    /// `[(T+1)·E]` f32.
+    /// `[(T+1)·E, 1]` f32.
     pub expert_affinities_masked: Tensor,
     /// `[1]` i32.
     pub num_used_blocks: Tensor,

@@ -38,7 +38,7 @@ use super::swiglu;
 use super::{f32_output, screened_f32_output};
 use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
-    BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
+    BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
     BlockwiseMmOutputs,
 };
 use crate::error::Result;
@@ -50,8 +50,9 @@ use crate::uninit::{assume_init, write_copy, zero};
 /// rows (the last one shorter).
 const TASK_ROWS: usize = 256;
 
-/// A forward task: consecutive blocks of the plan, either of one expert (`expert: Some`) or a
-/// single unused block (`None`, expert id E), whose checkpoint parts are zeros.
+/// A forward task: consecutive blocks of the plan, either of one expert with real slots
+/// (`expert: Some`) or a single block of padding only (`None`, such as the unused blocks after
+/// the used ones), whose checkpoint parts are zeros.
 struct BlockRun {
     expert: Option<usize>,
     blocks: Range<usize>,
@@ -63,26 +64,13 @@ struct BlockRun {
 
 /// Cuts the plan into [`BlockRun`]s covering every block, in block order: a run of an expert
 /// takes the next block of the same expert while its real rows stay within [`TASK_ROWS`].
-fn block_runs(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<BlockRun> {
-    let positions = inputs
-        .token_position_to_id
-        .as_i32()
-        .expect("validated as i32");
-    let blocks = inputs.block_to_expert.as_i32().expect("validated as i32");
+fn block_runs(plan: BlockPlan<'_>) -> Vec<BlockRun> {
     let mut runs: Vec<BlockRun> = Vec::new();
-    for (block, &expert) in blocks.iter().enumerate() {
-        let expert = usize::try_from(expert).ok().filter(|&x| x < dims.e);
-        let range = block * dims.b..(block + 1) * dims.b;
-        let real = || {
-            range
-                .clone()
-                .zip(&positions[range.clone()])
-                .filter_map(|(slot, &token)| usize::try_from(token).ok().map(|t| (slot, t)))
-        };
+    for block in 0..plan.blocks() {
+        let real = plan.real_slots(block).count();
+        let expert = (real > 0).then(|| plan.expert(block));
         let joins = runs.last().is_some_and(|run| {
-            expert.is_some()
-                && run.expert == expert
-                && run.slots.len() + real().count() <= TASK_ROWS
+            expert.is_some() && run.expert == expert && run.slots.len() + real <= TASK_ROWS
         });
         if !joins {
             runs.push(BlockRun {
@@ -94,11 +82,9 @@ fn block_runs(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<BlockR
         }
         let run = runs.last_mut().expect("a run was pushed above");
         run.blocks.end = block + 1;
-        if expert.is_some() {
-            for (slot, token) in real() {
-                run.slots.push(slot);
-                run.tokens.push(token);
-            }
+        for (slot, token) in plan.real_slots(block) {
+            run.slots.push(slot);
+            run.tokens.push(token);
         }
     }
     runs
@@ -130,7 +116,7 @@ struct ExpertRows {
 }
 
 /// Groups the plan's real slots by expert, in ascending expert id.
-fn group_by_expert(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<ExpertRows> {
+fn group_by_expert(plan: BlockPlan<'_>, dims: BlockwiseDims) -> Vec<ExpertRows> {
     let mut groups: Vec<ExpertRows> = (0..dims.e)
         .map(|expert| ExpertRows {
             expert,
@@ -138,7 +124,7 @@ fn group_by_expert(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<E
             tokens: Vec::new(),
         })
         .collect();
-    for run in block_runs(inputs, dims) {
+    for run in block_runs(plan) {
         if let Some(expert) = run.expert {
             groups[expert].slots.extend(run.slots);
             groups[expert].tokens.extend(run.tokens);
@@ -442,7 +428,7 @@ fn run_forward(
 pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let BlockwiseDims { t, h, e, i, b, n } = dims;
-    let runs = block_runs(&inputs, dims);
+    let runs = block_runs(call.plan());
     let checkpoint = call.params().checkpoint_activations;
 
     // The expert outputs land in `down [N, B, H]`, the checkpoint's layout, whether or not it
@@ -730,7 +716,7 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     let inputs = call.inputs();
     let dims = call.dims();
     let BlockwiseDims { t, h, e, i, .. } = dims;
-    let groups = group_by_expert(&inputs.forward, dims);
+    let groups = group_by_expert(call.plan(), dims);
     let mut group_of = vec![None; e];
     for (g, group) in groups.iter().enumerate() {
         group_of[group.expert] = Some(g);
@@ -799,7 +785,7 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         hidden_states_grad: f32_output("hidden_states_grad", &[t, h], d_hidden)?,
         expert_affinities_masked_grad: f32_output(
             "expert_affinities_masked_grad",
-            &[(t + 1) * e],
+            &[(t + 1) * e, 1],
             d_affinities,
         )?,
         gate_up_proj_weight_grad: f32_output(

@@ -17,7 +17,8 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     }
     // First slot of each expert: its blocks follow the previous experts' blocks.
     let mut next_slot = filled("output `expert_counts`", &[e], 0usize)?;
-    let mut block_to_expert = filled("output `block_to_expert`", &[n], e as i32)?;
+    // Unused blocks, after the used ones, go through the last expert (nki-library's layout).
+    let mut block_to_expert = filled("output `block_to_expert`", &[n], e as i32 - 1)?;
     let mut used = 0;
     for (expert, &count) in counts.iter().enumerate() {
         next_slot[expert] = used * b;
@@ -25,7 +26,7 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
         block_to_expert[used..used + blocks].fill(expert as i32);
         used += blocks;
     }
-    let mut positions = filled("output `token_position_to_id`", &[n * b], -1i32)?;
+    let mut positions = filled("output `token_position_to_id`", &[n * b], t as i32)?;
     let mut masked = filled("output `expert_affinities_masked`", &[(t + 1) * e], 0.0f32)?;
     for (pair, (&id, &a)) in ids.iter().zip(affinities.iter()).enumerate() {
         if id == SKIP {
@@ -39,9 +40,9 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     Ok(PermuteOutputs {
         expert_counts: Tensor::from_i32([e], counts.iter().map(|&c| c as i32).collect())?,
         token_position_to_id: Tensor::from_i32([n * b], positions)?,
-        block_to_expert: Tensor::from_i32([n], block_to_expert)?,
+        block_to_expert: Tensor::from_i32([n, 1], block_to_expert)?,
         // Copies of the validated (finite) affinities, and zeros: finite without a check.
-        expert_affinities_masked: Tensor::from_f32([(t + 1) * e], masked)?,
+        expert_affinities_masked: Tensor::from_f32([(t + 1) * e, 1], masked)?,
         num_used_blocks: Tensor::from_i32([1], vec![used as i32])?,
     })
 }

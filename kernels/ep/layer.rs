@@ -299,10 +299,7 @@ impl ShardedExperts<'_> {
                 expert_index: &dispatched.expert_index,
                 topk_affinities: &dispatched.topk_affinities,
             },
-            PermuteParams {
-                num_experts: local_experts,
-                block_size: self.block_size,
-            },
+            PermuteParams::new(local_experts, self.block_size),
         )?)?;
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
             forward_inputs(&hidden_states, &plan, inputs),

@@ -554,7 +554,7 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
         ],
         outputs: vec![
             OutputSpec::values("hidden_states_grad", &[t, h], true),
-            OutputSpec::values("expert_affinities_masked_grad", &[(t + 1) * e], true),
+            OutputSpec::values("expert_affinities_masked_grad", &[(t + 1) * e, 1], true),
             OutputSpec::values("gate_up_proj_weight_grad", &[e, h, 2, i], true),
             OutputSpec::values("down_proj_weight_grad", &[e, i, h], true),
         ],

@@ -22,25 +22,24 @@ pub struct BlockwiseOperands<'a> {
     pub gate_up_proj_weight: &'a [f64],
     /// `[E, I, H]`.
     pub down_proj_weight: &'a [f64],
-    /// `[N·B]`.
+    /// `[N·B]`, T for padding.
     pub token_position_to_id: &'a [i32],
-    /// `[N]`.
+    /// `[N]`, ids in `[0, E)`.
     pub block_to_expert: &'a [i32],
 }
 
 impl BlockwiseOperands<'_> {
-    /// `(block, slot, token, expert)` for every slot holding a real token of a used block, in
-    /// plan order.
+    /// `(block, slot, token, expert)` for every slot holding a real token (not the padding id
+    /// T), in plan order.
     fn assignments(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
-        let BlockwiseDims { e, b, .. } = self.dims;
+        let BlockwiseDims { t, b, .. } = self.dims;
         self.block_to_expert
             .iter()
             .enumerate()
-            .filter(move |&(_, &expert)| (expert as usize) < e)
             .flat_map(move |(block, &expert)| {
                 (0..b).filter_map(move |slot| {
-                    let token = self.token_position_to_id[block * b + slot];
-                    (token >= 0).then_some((block, slot, token as usize, expert as usize))
+                    let token = self.token_position_to_id[block * b + slot] as usize;
+                    (token < t).then_some((block, slot, token, expert as usize))
                 })
             })
     }

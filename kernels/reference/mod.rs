@@ -207,10 +207,10 @@ impl Backend for ReferenceBackend {
         Ok(PermuteOutputs {
             expert_counts: i32_output("expert_counts", &[e], plan.expert_counts)?,
             token_position_to_id: Tensor::from_i32([n * b], plan.token_position_to_id)?,
-            block_to_expert: Tensor::from_i32([n], plan.block_to_expert)?,
+            block_to_expert: Tensor::from_i32([n, 1], plan.block_to_expert)?,
             expert_affinities_masked: f32_output(
                 "expert_affinities_masked",
-                &[(t + 1) * e],
+                &[(t + 1) * e, 1],
                 &plan.expert_affinities_masked,
             )?,
             num_used_blocks: i32_output("num_used_blocks", &[1], [plan.num_used_blocks])?,
@@ -284,7 +284,7 @@ impl Backend for ReferenceBackend {
             )?,
             expert_affinities_masked_grad: f32_output(
                 "expert_affinities_masked_grad",
-                &[(t + 1) * e],
+                &[(t + 1) * e, 1],
                 &grads.expert_affinities_masked_grad,
             )?,
             gate_up_proj_weight_grad: f32_output(

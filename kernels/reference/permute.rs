@@ -9,9 +9,9 @@ use crate::tensor::try_filled as filled;
 pub struct BlockPlan {
     /// `[E]`.
     pub expert_counts: Vec<usize>,
-    /// `[N·B]`, −1 for padding.
+    /// `[N·B]`, T for padding.
     pub token_position_to_id: Vec<i32>,
-    /// `[N]`, E for unused blocks.
+    /// `[N]`, E−1 for the unused blocks after the used ones.
     pub block_to_expert: Vec<i32>,
     /// `[(T+1)·E]`.
     pub expert_affinities_masked: Vec<f64>,
@@ -33,8 +33,8 @@ pub fn permute(
     }
     let mut plan = BlockPlan {
         expert_counts: vec![0; e],
-        token_position_to_id: filled("output `token_position_to_id`", &[n * b], -1)?,
-        block_to_expert: filled("output `block_to_expert`", &[n], e as i32)?,
+        token_position_to_id: filled("output `token_position_to_id`", &[n * b], t as i32)?,
+        block_to_expert: filled("output `block_to_expert`", &[n], e as i32 - 1)?,
         expert_affinities_masked: masked,
         num_used_blocks: 0,
     };

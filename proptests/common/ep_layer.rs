@@ -103,10 +103,7 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
                     expert_index: &routed.expert_index,
                     topk_affinities: &routed.topk_affinities,
                 },
-                PermuteParams {
-                    num_experts: e,
-                    block_size: c.b,
-                },
+                PermuteParams::new(e, c.b),
             )
             .unwrap(),
         )

@@ -71,10 +71,7 @@ impl Experts for KernelExperts {
                 expert_index: &expert_index_i32,
                 topk_affinities: &topk,
             },
-            PermuteParams {
-                num_experts: experts,
-                block_size: self.block_size,
-            },
+            PermuteParams::new(experts, self.block_size),
         )?)?;
         let saved = Saved {
             hidden_states: lend("hidden_states", &padded)?,

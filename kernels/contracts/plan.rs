@@ -1,0 +1,149 @@
+//! The block plan as the blockwise kernels consume it, in nki-library's convention:
+//!
+//! ```text
+//! token_position_to_id [N·B]  i32  the token in each of the N·B block slots: an id in [0, T),
+//!                                  or T, the all-zero padding row of hidden_states [T+1, H]
+//! block_to_expert [N, 1]      i32  the expert in [0, E) whose weights every slot of the block
+//!                                  goes through ([N] is accepted too, as nki-library's test
+//!                                  generator makes it)
+//! ```
+//! A block may hold only padding (the unused blocks `permute` appends on expert E−1). Each
+//! (token, expert) pair has at most one slot, and every non-zero affinity of a real token has
+//! one; blocks need not be ordered by expert.
+
+use super::validate;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// A validated block plan: borrowed ids, every one checked against T and E.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockPlan<'a> {
+    positions: &'a [i32],
+    experts: &'a [i32],
+    /// T, real tokens; T is also the padding id.
+    t: usize,
+    /// B, slots per block.
+    b: usize,
+}
+
+impl<'a> BlockPlan<'a> {
+    /// Checks the shapes and ids of `token_position_to_id` and `block_to_expert` for T tokens
+    /// and E experts, and that no (token, expert) pair has two slots. Returns the plan and,
+    /// token-major `[T·E]`, which pairs it covers.
+    pub(crate) fn new(
+        token_position_to_id: &'a Tensor,
+        block_to_expert: &'a Tensor,
+        t: usize,
+        e: usize,
+    ) -> Result<(Self, Vec<bool>)> {
+        let experts = block_column(block_to_expert)?;
+        let n = experts.len();
+        let (shape, positions) = validate::index_tensor(
+            "token_position_to_id",
+            token_position_to_id,
+            "[N·B]",
+            &[None],
+        )?;
+        if shape[0] == 0 || shape[0] % n != 0 {
+            return Err(Error::shape(
+                "token_position_to_id",
+                format!("[N·B] with N = {n} (from block_to_expert) and B ≥ 1"),
+                &shape,
+            ));
+        }
+        let plan = Self {
+            positions,
+            experts,
+            t,
+            b: shape[0] / n,
+        };
+        let covered = plan.check(e)?;
+        Ok((plan, covered))
+    }
+
+    fn check(&self, e: usize) -> Result<Vec<bool>> {
+        let t = self.t;
+        let mut covered = vec![false; t * e];
+        for (block, &expert) in self.experts.iter().enumerate() {
+            if expert < 0 || expert as usize >= e {
+                return Err(Error::invalid(
+                    "block_to_expert",
+                    format!("block {block} has expert id {expert}, outside [0, {e})"),
+                ));
+            }
+            let slots = &self.positions[block * self.b..(block + 1) * self.b];
+            for (slot, &token) in slots.iter().enumerate() {
+                let position = block * self.b + slot;
+                if token < 0 || token as usize > t {
+                    return Err(Error::invalid(
+                        "token_position_to_id",
+                        format!(
+                            "position {position} holds token id {token}, outside [0, {t}] \
+                             (T = {t} is the padding row of hidden_states)"
+                        ),
+                    ));
+                }
+                if token as usize == t {
+                    continue;
+                }
+                let pair = token as usize * e + expert as usize;
+                if std::mem::replace(&mut covered[pair], true) {
+                    return Err(Error::invalid(
+                        "token_position_to_id",
+                        format!(
+                            "token {token} appears twice for expert {expert} (second time at \
+                             position {position})"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(covered)
+    }
+
+    /// N, blocks.
+    pub fn blocks(&self) -> usize {
+        self.experts.len()
+    }
+
+    /// B, slots per block.
+    pub fn block_size(&self) -> usize {
+        self.b
+    }
+
+    /// The expert of `block`, in `[0, E)`.
+    pub fn expert(&self, block: usize) -> usize {
+        self.experts[block] as usize
+    }
+
+    /// The token in slot `position` (`n·B + j`), or `None` for padding.
+    pub fn token(&self, position: usize) -> Option<usize> {
+        let token = self.positions[position] as usize;
+        (token < self.t).then_some(token)
+    }
+
+    /// `(position, token)` of every real (non-padding) slot of `block`, in slot order.
+    pub fn real_slots(&self, block: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (block * self.b..(block + 1) * self.b)
+            .filter_map(move |position| self.token(position).map(|token| (position, token)))
+    }
+}
+
+/// The ids of `block_to_expert`, `[N, 1]` or `[N]` with N ≥ 1.
+fn block_column(block_to_expert: &Tensor) -> Result<&[i32]> {
+    let Some(ids) = block_to_expert.as_i32() else {
+        return Err(Error::DType {
+            tensor: "block_to_expert".to_owned(),
+            expected: "i32".to_owned(),
+            actual: block_to_expert.dtype(),
+        });
+    };
+    match *block_to_expert.shape() {
+        [n, 1] | [n] if n > 0 => Ok(ids),
+        _ => Err(Error::shape(
+            "block_to_expert",
+            "[N, 1] (or [N]) with N ≥ 1",
+            block_to_expert.shape(),
+        )),
+    }
+}
