@@ -205,13 +205,14 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
         uint32_t n = dim(m, "block_to_expert", in, 0), nb = dim(m, "token_position_to_id", in, 0);
-        uint32_t b = n > 0 ? nb / n : 0, gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
+        uint32_t b = n > 0 ? nb / n : 0, gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows, h};
         uint32_t aff[2] = {masked_rows(rows, e), 1}, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
         return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
                 has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
-               has_shape(m, "gate_up_activations_T", in, 4, gut) && has_shape(m, "down_activations", in, 3, dna) &&
+               has_shape(m, "gate_up_proj_act_checkpoint_T", in, 4, gut) &&
+               has_shape(m, "down_proj_act_checkpoint", in, 3, dna) &&
                has_shape(m, "output_hidden_states_grad", in, 2, th) && has_shape(m, "hidden_states_grad", out, 2, th) &&
                (has_shape(m, "expert_affinities_masked_grad", out, 1, aff) ||
                 has_shape(m, "expert_affinities_masked_grad", out, 2, aff)) &&
@@ -222,7 +223,7 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
         uint32_t n = dim(m, "block_to_expert", in, 0);
         uint32_t nb = dim(m, "token_position_to_id", in, 0);
-        uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows - 1, h};
+        uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows, h};
         uint32_t aff[2] = {masked_rows(rows, e), 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
         uint32_t b = n > 0 ? nb / n : 0, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
         return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
@@ -665,7 +666,8 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     nrt_tensor_t *down_act = bound(b, "down_activations", out, &ddn);
     if (gate_up_t != NULL) memset(gate_up_t->data, 0, gate_up_t->size);
     if (down_act != NULL) memset(down_act->data, 0, down_act->size);
-    double *acc = calloc(t * h, sizeof *acc), *act = malloc(inter * sizeof *act);
+    /* output [T+1, H]: the padding slots' affinity is 0, so row T stays zero. */
+    double *acc = calloc((t + 1) * h, sizeof *acc), *act = malloc(inter * sizeof *act);
     if (acc == NULL || act == NULL) {
         free(acc), free(act);
         return NRT_FAIL_HOST_MEM_ALLOC;
@@ -701,7 +703,7 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
         }
     }
     if (status == NRT_SUCCESS)
-        for (size_t i = 0; i < t * h; i++) store(output, dout, i, acc[i]);
+        for (size_t i = 0; i < (t + 1) * h; i++) store(output, dout, i, acc[i]);
     free(acc), free(act);
     return status;
 }
@@ -716,14 +718,15 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
     nrt_dtype_t dx, da, dg, dd, dgt, ddn, dy, o1, o2, o3, o4;
     nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
     nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
-    nrt_tensor_t *gate_up_t = bound(b, "gate_up_activations_T", in, &dgt);
-    nrt_tensor_t *down_act = bound(b, "down_activations", in, &ddn);
+    nrt_tensor_t *gate_up_t = bound(b, "gate_up_proj_act_checkpoint_T", in, &dgt);
+    nrt_tensor_t *down_act = bound(b, "down_proj_act_checkpoint", in, &ddn);
     nrt_tensor_t *grad = bound(b, "output_hidden_states_grad", in, &dy);
     nrt_tensor_t *dx_out = bound(b, "hidden_states_grad", out, &o1);
     nrt_tensor_t *daff_out = bound(b, "expert_affinities_masked_grad", out, &o2);
     nrt_tensor_t *dgu_out = bound(b, "gate_up_proj_weight_grad", out, &o3);
     nrt_tensor_t *ddown_out = bound(b, "down_proj_weight_grad", out, &o4);
-    double *dxs = calloc(t * h, sizeof *dxs), *daff = calloc(rows * e, sizeof *daff);
+    /* hidden_states_grad [T+1, H]: the padding row's gradient is zero. */
+    double *dxs = calloc(rows * h, sizeof *dxs), *daff = calloc(rows * e, sizeof *daff);
     double *dgu = calloc(e * h * 2 * inter, sizeof *dgu), *ddown = calloc(e * inter * h, sizeof *ddown);
     double *dgate = malloc(inter * sizeof *dgate), *dup = malloc(inter * sizeof *dup);
     NRT_STATUS status = NRT_SUCCESS;
@@ -765,7 +768,7 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
         }
     }
     if (status == NRT_SUCCESS) {
-        for (size_t i = 0; i < t * h; i++) store(dx_out, o1, i, dxs[i]);
+        for (size_t i = 0; i < rows * h; i++) store(dx_out, o1, i, dxs[i]);
         for (size_t i = 0; i < rows * e; i++) store(daff_out, o2, i, daff[i]);
         for (size_t i = 0; i < e * h * 2 * inter; i++) store(dgu_out, o3, i, dgu[i]);
         for (size_t i = 0; i < e * inter * h; i++) store(ddown_out, o4, i, ddown[i]);

@@ -44,6 +44,14 @@ impl<T> Buffer<T> {
     pub fn is_lent(&self) -> bool {
         matches!(self.repr, Repr::Lent { .. })
     }
+
+    /// Keeps the first `len` elements (all of them if there are fewer), without copying.
+    pub fn truncate(&mut self, len: usize) {
+        match &mut self.repr {
+            Repr::Owned(values) => values.truncate(len),
+            Repr::Lent { len: lent, .. } => *lent = (*lent).min(len),
+        }
+    }
 }
 
 impl<T> From<Vec<T>> for Buffer<T> {
@@ -122,6 +130,22 @@ mod tests {
             Buffer::from((0..10).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
         );
         assert_eq!(format!("{copy:?}"), format!("{:?}", &copy[..]));
+    }
+
+    #[test]
+    fn truncating_keeps_the_leading_elements_of_owned_and_lent_buffers() {
+        let values: Arc<Vec<i32>> = Arc::new((0..6).collect());
+        let owner: Arc<dyn Any + Send + Sync> = values.clone();
+        // SAFETY: `values` holds 6 i32 that `owner` keeps alive and nobody writes.
+        let mut lent = unsafe { Buffer::lent(values.as_ptr(), values.len(), owner) };
+        let mut owned = Buffer::from(values.to_vec());
+        for buffer in [&mut lent, &mut owned] {
+            buffer.truncate(9);
+            assert_eq!(buffer[..], [0, 1, 2, 3, 4, 5]);
+            buffer.truncate(4);
+            assert_eq!(buffer[..], [0, 1, 2, 3]);
+        }
+        assert!(lent.is_lent() && !owned.is_lent());
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::fmt::Write as _;
 
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{Layer, LayerInputs, MoeShape};
-use crate::contracts::{Activation, static_block_count};
+use crate::contracts::{Activation, CHECKPOINT_NAMES, static_block_count};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
 use crate::neuron::manifest::{Manifest, Value};
@@ -138,11 +138,13 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
     .into_iter()
     .map(|(name, tensor)| (name.to_owned(), tensor))
     .collect();
+    // The forward's checkpoints, under the names the backward takes them by.
+    let [(_, gate_up), (_, down)] = CHECKPOINT_NAMES;
     if let Some(t) = checkpoints.gate_up_activations_t {
-        tensors.insert("gate_up_activations_T".to_owned(), t);
+        tensors.insert(gate_up.to_owned(), t);
     }
     if let Some(t) = checkpoints.down_activations {
-        tensors.insert("down_activations".to_owned(), t);
+        tensors.insert(down.to_owned(), t);
     }
     tensors
 }
@@ -190,7 +192,7 @@ pub fn random_cases(
                 num_experts: Some(sizes.e),
                 block_size: Some(sizes.b),
                 n_block_per_iter: Some(1),
-                checkpoint_activations: Some(true),
+                checkpoint_activation: Some(true),
             };
             CheckCase::new(
                 sizes,
@@ -274,7 +276,7 @@ pub fn manifest_cases(
                     b,
                 };
                 let params = Params {
-                    checkpoint_activations: Some(flag("checkpoint_activations")),
+                    checkpoint_activation: Some(flag("checkpoint_activation")),
                     ..Params::default()
                 };
                 (sizes, params)

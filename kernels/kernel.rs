@@ -208,7 +208,7 @@ impl Kernel {
             Kernel::BlockwiseMm => {
                 let inputs = blockwise_inputs(&required)?;
                 let params = BlockwiseMmParams {
-                    checkpoint_activations: params.checkpoint_activations.unwrap_or(false),
+                    checkpoint_activation: params.checkpoint_activation.unwrap_or(false),
                 };
                 let out = backend.blockwise_mm(&BlockwiseMm::new(inputs, params)?)?;
                 let mut named = vec![("output", out.output)];
@@ -222,8 +222,8 @@ impl Kernel {
             Kernel::BlockwiseMmBwd => {
                 let inputs = BlockwiseMmBwdInputs {
                     forward: blockwise_inputs(&required)?,
-                    gate_up_activations_t: required("gate_up_activations_T")?,
-                    down_activations: required("down_activations")?,
+                    gate_up_proj_act_checkpoint_t: required("gate_up_proj_act_checkpoint_T")?,
+                    down_proj_act_checkpoint: required("down_proj_act_checkpoint")?,
                     output_hidden_states_grad: required("output_hidden_states_grad")?,
                     expert_index: optional("expert_index"),
                 };
@@ -278,7 +278,7 @@ pub enum Param {
     NumExperts,
     BlockSize,
     NBlockPerIter,
-    CheckpointActivations,
+    CheckpointActivation,
 }
 
 impl Param {
@@ -289,7 +289,7 @@ impl Param {
         Param::NumExperts,
         Param::BlockSize,
         Param::NBlockPerIter,
-        Param::CheckpointActivations,
+        Param::CheckpointActivation,
     ];
 
     pub fn name(self) -> &'static str {
@@ -300,7 +300,7 @@ impl Param {
             Param::NumExperts => "num_experts",
             Param::BlockSize => "block_size",
             Param::NBlockPerIter => "n_block_per_iter",
-            Param::CheckpointActivations => "checkpoint_activations",
+            Param::CheckpointActivation => "checkpoint_activation",
         }
     }
 
@@ -309,7 +309,7 @@ impl Param {
         match self {
             Param::TopK | Param::NumExperts | Param::BlockSize | Param::NBlockPerIter => "integer",
             Param::Activation => "softmax|sigmoid",
-            Param::NormTopkProb | Param::CheckpointActivations => "true|false",
+            Param::NormTopkProb | Param::CheckpointActivation => "true|false",
         }
     }
 }
@@ -323,7 +323,7 @@ pub struct Params {
     pub num_experts: Option<usize>,
     pub block_size: Option<usize>,
     pub n_block_per_iter: Option<usize>,
-    pub checkpoint_activations: Option<bool>,
+    pub checkpoint_activation: Option<bool>,
 }
 
 /// A parameter the kernel cannot run without.
@@ -361,8 +361,8 @@ impl Params {
             Param::NumExperts => self.num_experts = Some(parse_count(param, value)?),
             Param::BlockSize => self.block_size = Some(parse_count(param, value)?),
             Param::NBlockPerIter => self.n_block_per_iter = Some(parse_count(param, value)?),
-            Param::CheckpointActivations => {
-                self.checkpoint_activations = Some(parse_bool(param, value)?)
+            Param::CheckpointActivation => {
+                self.checkpoint_activation = Some(parse_bool(param, value)?)
             }
         }
         Ok(())
@@ -422,6 +422,48 @@ pub fn catalog_table() -> String {
          Reference error bound: every value is computed in f64 and rounded once to f32 \
          (indices and counts are exact).\n",
     );
+    out
+}
+
+/// Where the README's kernel table ([`catalog_markdown`]) starts and ends.
+pub const README_TABLE_MARKERS: (&str, &str) = (
+    "<!-- kernel table: moekit list --markdown -->\n",
+    "<!-- end of kernel table -->\n",
+);
+
+/// The catalog as the Markdown table of the README (`moekit list --markdown`): each kernel's
+/// tensors with their layouts (`?` marks optional ones) and its parameters with their defaults.
+pub fn catalog_markdown() -> String {
+    let tensors = |list: &[TensorSpec]| {
+        list.iter()
+            .map(|t| {
+                let optional = if t.required { "" } else { "?" };
+                format!("`{} {}`{optional}", t.name, t.shape)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut out =
+        String::from("| kernel | inputs | outputs | params (default) |\n|---|---|---|---|\n");
+    for kernel in Kernel::ALL {
+        let spec = kernel.spec();
+        let params: Vec<String> = spec
+            .params
+            .iter()
+            .map(|(param, default)| match default {
+                Some(default) => format!("`{}` ({default})", param.name()),
+                None => format!("`{}`", param.name()),
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "| `{}` | {} | {} | {} |",
+            spec.name,
+            tensors(spec.inputs),
+            tensors(spec.outputs),
+            params.join(", ")
+        );
+    }
     out
 }
 
@@ -541,11 +583,11 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
     summary: "per block: gather, gate_up matmul, silu(gate)⊙up, down matmul, scale by affinity, scatter-add",
     inputs: &BLOCKWISE_INPUTS,
     outputs: &[
-        tensor("output", "[T, H]", "f32"),
+        tensor("output", "[T+1, H]", "f32"),
         optional("gate_up_activations_T", "[N, 2, I, B]", "f32"),
         optional("down_activations", "[N, B, H]", "f32"),
     ],
-    params: &[(Param::CheckpointActivations, Some("false"))],
+    params: &[(Param::CheckpointActivation, Some("false"))],
 };
 
 const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
@@ -558,13 +600,13 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         BLOCKWISE_INPUTS[3],
         BLOCKWISE_INPUTS[4],
         BLOCKWISE_INPUTS[5],
-        tensor("gate_up_activations_T", "[N, 2, I, B]", FLOAT),
-        tensor("down_activations", "[N, B, H]", FLOAT),
-        tensor("output_hidden_states_grad", "[T, H]", FLOAT),
+        tensor("gate_up_proj_act_checkpoint_T", "[N, 2, I, B]", FLOAT),
+        tensor("down_proj_act_checkpoint", "[N, B, H]", FLOAT),
+        tensor("output_hidden_states_grad", "[T+1, H]", FLOAT),
         optional("expert_index", "[T, K]", "i32"),
     ],
     outputs: &[
-        tensor("hidden_states_grad", "[T, H]", "f32"),
+        tensor("hidden_states_grad", "[T+1, H]", "f32"),
         tensor("expert_affinities_masked_grad", "[(T+1)·E, 1]", "f32"),
         tensor("gate_up_proj_weight_grad", "[E, H, 2, I]", "f32"),
         tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
@@ -572,3 +614,26 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
     ],
     params: &[],
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readme_kernel_table_is_the_catalog() {
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
+        let (begin, end) = README_TABLE_MARKERS;
+        let start = readme
+            .find(begin)
+            .expect("README.md has the table's start marker")
+            + begin.len();
+        let len = readme[start..]
+            .find(end)
+            .expect("README.md has the table's end marker");
+        assert_eq!(
+            &readme[start..start + len],
+            catalog_markdown(),
+            "README.md's kernel table differs from the catalog: paste `moekit list --markdown`"
+        );
+    }
+}

@@ -63,7 +63,8 @@
 //!     },
 //!     BlockwiseMmParams::default(),
 //! )?)?;
-//! assert_eq!(out.output.shape(), &[t, h]);
+//! // output [T+1, H], as nki-library's kernels write it: row T is the padding token's (zero).
+//! assert_eq!(out.output.shape(), &[t + 1, h]);
 //!
 //! // Invalid input is an error naming the tensor, never a panic.
 //! let err = RouterTopk::new(

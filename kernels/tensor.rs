@@ -209,6 +209,28 @@ impl Tensor {
         }
     }
 
+    /// The first `rows` rows of tensor `name` (rank ≥ 1), without copying: e.g. the `[T, H]`
+    /// of an `[T+1, H]` kernel output, its padding row T dropped. An error naming the tensor if
+    /// it has fewer rows.
+    pub fn into_leading_rows(mut self, name: &str, rows: usize) -> Result<Tensor> {
+        if self.shape.first().is_none_or(|&available| rows > available) {
+            return Err(Error::shape(
+                name,
+                format!("at least {rows} rows"),
+                &self.shape,
+            ));
+        }
+        let row_len: usize = self.shape[1..].iter().product();
+        let len = rows * row_len;
+        match &mut self.storage {
+            Storage::F32(v) => v.truncate(len),
+            Storage::BF16(v) => v.truncate(len),
+            Storage::I32(v) => v.truncate(len),
+        }
+        self.shape[0] = rows;
+        Ok(self)
+    }
+
     /// The raw little-endian bytes of the buffer.
     pub fn to_le_bytes(&self) -> Vec<u8> {
         match &self.storage {
@@ -216,5 +238,32 @@ impl Tensor {
             Storage::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Storage::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leading_rows_drop_the_trailing_ones_and_too_many_is_an_error_naming_the_tensor() {
+        let padded = Tensor::from_f32([3, 2], vec![1.0, 2.0, 3.0, 4.0, 0.0, 0.0]).unwrap();
+        let rows = padded.clone().into_leading_rows("output", 2).unwrap();
+        assert_eq!(
+            rows,
+            Tensor::from_f32([2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap()
+        );
+        let bf16 = padded.to_bf16().into_leading_rows("output", 0).unwrap();
+        assert_eq!(bf16.shape(), &[0, 2]);
+        let err = padded
+            .into_leading_rows("output", 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`output`") && err.contains("at least 4 rows"),
+            "{err}"
+        );
+        let scalar = Tensor::from_f32(Vec::<usize>::new(), vec![1.0]).unwrap();
+        assert!(scalar.into_leading_rows("x", 0).is_err());
     }
 }

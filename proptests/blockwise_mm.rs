@@ -180,11 +180,11 @@ impl Tensors {
         BlockwiseMm::new(self.inputs(), BlockwiseMmParams::default()).map(|_| ())
     }
 
-    fn forward(&self, checkpoint_activations: bool) -> moekit::Result<BlockwiseMmOutputs> {
+    fn forward(&self, checkpoint_activation: bool) -> moekit::Result<BlockwiseMmOutputs> {
         ReferenceBackend.blockwise_mm(&BlockwiseMm::new(
             self.inputs(),
             BlockwiseMmParams {
-                checkpoint_activations,
+                checkpoint_activation,
             },
         )?)
     }
@@ -253,7 +253,8 @@ proptest! {
 
 fn check_forward(c: &Case) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, .. } = c.dims;
-    let mut dense = vec![0.0; t * h];
+    // `[T+1, H]`: the padding row T stays zero.
+    let mut dense = vec![0.0; (t + 1) * h];
     for token in 0..t {
         for ex in 0..e {
             let (_, _, y) = expert(c, token, ex);
@@ -326,7 +327,7 @@ fn check_checkpoints(c: &Case) -> Result<(), TestCaseError> {
 
 fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, .. } = c.dims;
-    let d_out = SeededRng::new(seed).values(t * h, 1.0);
+    let d_out = output_gradient(t, h, seed);
     let ops = operands(c);
     let fwd = blockwise_forward(&ops).unwrap();
     let grads = blockwise_backward(
@@ -347,12 +348,15 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     assert_close(
         "hidden_states_grad",
         &grads.hidden_states_grad,
-        &fd_x[..t * h],
+        &fd_x,
         FD_TOL,
         FD_TOL,
     )?;
     prop_assert!(
-        fd_x[t * h..].iter().all(|&g| g == 0.0),
+        fd_x[t * h..]
+            .iter()
+            .chain(&grads.hidden_states_grad[t * h..])
+            .all(|&g| g == 0.0),
         "padding row must not matter"
     );
     let fd_a = finite_differences(&c.masked, FD_STEP, |a| {
@@ -428,18 +432,18 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, i, .. } = c.dims;
     let tensors = Tensors::new(c);
     let fwd = tensors.forward(true).unwrap();
-    let d_out = f32_tensor(&[t, h], &SeededRng::new(seed).values(t * h, 1.0));
+    let d_out = f32_tensor(&[t + 1, h], &output_gradient(t, h, seed));
     let index = i32_tensor(&[t, c.k], &c.index);
     let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
         forward: tensors.inputs(),
-        gate_up_activations_t: fwd.gate_up_activations_t.as_ref().unwrap(),
-        down_activations: fwd.down_activations.as_ref().unwrap(),
+        gate_up_proj_act_checkpoint_t: fwd.gate_up_activations_t.as_ref().unwrap(),
+        down_proj_act_checkpoint: fwd.down_activations.as_ref().unwrap(),
         output_hidden_states_grad: &d_out,
         expert_index: Some(&index),
     })
     .unwrap();
     let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
-    prop_assert_eq!(g.hidden_states_grad.shape(), &[t, h]);
+    prop_assert_eq!(g.hidden_states_grad.shape(), &[t + 1, h]);
     prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e, 1]);
     prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
     prop_assert_eq!(g.down_proj_weight_grad.shape(), &[e, i, h]);
@@ -494,6 +498,13 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         1e-5 * scale(&exact_topk),
     )?;
     Ok(())
+}
+
+/// A random `output_hidden_states_grad [T+1, H]`, its padding row T zero.
+fn output_gradient(t: usize, h: usize, seed: u64) -> Vec<f64> {
+    let mut d_out = SeededRng::new(seed).values(t * h, 1.0);
+    d_out.extend(vec![0.0; h]);
+    d_out
 }
 
 /// Entries `t·E + expert_index[t, k]` of a masked `[(T+1)·E]` tensor, as `[T, K]`.
@@ -750,12 +761,12 @@ fn backward_rejects_bad_checkpoints_and_gradients() {
     let inputs = v.inputs();
     let gu = f32_tensor(&[4, 2, 2, 2], &[0.0; 32]);
     let down = f32_tensor(&[4, 2, 2], &[0.0; 16]);
-    let grad = f32_tensor(&[3, 2], &[1.0; 6]);
+    let grad = f32_tensor(&[4, 2], &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]);
     let bwd = |gu: &Tensor, down: &Tensor, grad: &Tensor, index: Option<&Tensor>| {
         BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
             forward: inputs,
-            gate_up_activations_t: gu,
-            down_activations: down,
+            gate_up_proj_act_checkpoint_t: gu,
+            down_proj_act_checkpoint: down,
             output_hidden_states_grad: grad,
             expert_index: index,
         })
@@ -764,21 +775,31 @@ fn backward_rejects_bad_checkpoints_and_gradients() {
     bwd(&gu, &down, &grad, None).unwrap();
     expect_err(
         bwd(&f32_tensor(&[4, 2, 2, 1], &[0.0; 16]), &down, &grad, None),
-        &["gate_up_activations_T", "[N, 2, I, B]"],
+        &["gate_up_proj_act_checkpoint_T", "[N, 2, I, B]"],
     );
     expect_err(
         bwd(&gu, &f32_tensor(&[4, 2, 3], &[0.0; 24]), &grad, None),
-        &["down_activations", "[N, B, H]"],
+        &["down_proj_act_checkpoint", "[N, B, H]"],
     );
+    // NKI's [T+1, H], not [T, H]; its padding row zero, as the forward's output's is.
     expect_err(
-        bwd(&gu, &down, &f32_tensor(&[4, 2], &[0.0; 8]), None),
-        &["output_hidden_states_grad", "[T, H]"],
+        bwd(&gu, &down, &f32_tensor(&[3, 2], &[0.0; 6]), None),
+        &["output_hidden_states_grad", "[T+1, H]", "[4, 2]"],
     );
     expect_err(
         bwd(
             &gu,
             &down,
-            &f32_tensor(&[3, 2], &[0.0, 0.0, f64::INFINITY, 0.0, 0.0, 0.0]),
+            &f32_tensor(&[4, 2], &[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]),
+            None,
+        ),
+        &["output_hidden_states_grad", "row T = 3", "column 1"],
+    );
+    expect_err(
+        bwd(
+            &gu,
+            &down,
+            &f32_tensor(&[4, 2], &[0.0, 0.0, f64::INFINITY, 0.0, 0.0, 0.0, 0.0, 0.0]),
             None,
         ),
         &["output_hidden_states_grad", "non-finite"],

@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 use common::*;
 use moekit::contracts::{Activation, RouterTopk, RouterTopkInputs, RouterTopkParams};
 use moekit::golden::TensorFile;
-use moekit::kernel::{Kernel, Params};
+use moekit::kernel::{Kernel, Params, catalog_markdown};
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, Tensor};
 
@@ -125,6 +125,10 @@ fn list_prints_every_kernel_contract() {
         }
     }
     assert!(text.contains("Backends: reference"));
+
+    let out = moekit(&["list", "--markdown"]);
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), catalog_markdown());
 }
 
 #[test]
@@ -209,7 +213,7 @@ fn bf16_inputs_unused_tensors_and_unused_params_are_accepted() {
         "router_topk",
         &inputs,
         &dir.join("out.safetensors"),
-        &["top_k=2", "block_size=64", "checkpoint_activations=true"],
+        &["top_k=2", "block_size=64", "checkpoint_activation=true"],
     );
     let tensors: BTreeMap<String, Tensor> = [("x".to_owned(), xb), ("w".to_owned(), wb)].into();
     let mut params = Params::default();
@@ -267,13 +271,19 @@ fn forward_and_backward_pipeline_through_files() {
         ("token_position_to_id", &plan["token_position_to_id"]),
         ("block_to_expert", &plan["block_to_expert"]),
     ];
-    let fwd = step("blockwise_mm", &mm_inputs, &["checkpoint_activations=true"]);
-    assert_eq!(fwd["output"].shape(), &[t, h]);
-    let grad = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+    let fwd = step("blockwise_mm", &mm_inputs, &["checkpoint_activation=true"]);
+    assert_eq!(fwd["output"].shape(), &[t + 1, h]);
+    // The gradient of `output [T+1, H]`, zero in the padding row.
+    let mut grad = rng.values(t * h, 1.0);
+    grad.extend(vec![0.0; h]);
+    let grad = f32_tensor(&[t + 1, h], &grad);
     let mut bwd_inputs = mm_inputs.to_vec();
     bwd_inputs.extend([
-        ("gate_up_activations_T", &fwd["gate_up_activations_T"]),
-        ("down_activations", &fwd["down_activations"]),
+        (
+            "gate_up_proj_act_checkpoint_T",
+            &fwd["gate_up_activations_T"],
+        ),
+        ("down_proj_act_checkpoint", &fwd["down_activations"]),
         ("output_hidden_states_grad", &grad),
         ("expert_index", &router["expert_index"]),
     ]);
@@ -697,13 +707,13 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         output expert_affinities f32 6 4\n";
     let blockwise = "moekit-fake-neff 1\nkernel blockwise_mm\ninput hidden_states f32 7 5\n\
         input expert_affinities_masked f32 28 1\ninput gate_up_proj_weight f32 4 5 2 3\n\
-        input down_proj_weight f32 4 3 5\ninput token_position_to_id i32 16\ninput block_to_expert i32 8\n\
-        output output f32 6 5\n";
+        input down_proj_weight f32 4 3 5\ninput token_position_to_id i32 16\ninput block_to_expert i32 8 1\n\
+        output output f32 7 5\n";
     let blockwise_bwd = "moekit-fake-neff 1\nkernel blockwise_mm_bwd\ninput hidden_states f32 7 5\n\
         input expert_affinities_masked f32 28\ninput gate_up_proj_weight f32 4 5 2 3\n\
         input down_proj_weight f32 4 3 5\ninput token_position_to_id i32 16\ninput block_to_expert i32 8\n\
-        input gate_up_activations_T f32 8 2 3 2\ninput down_activations f32 8 2 5\n\
-        input output_hidden_states_grad f32 6 5\noutput hidden_states_grad f32 6 5\n\
+        input gate_up_proj_act_checkpoint_T f32 8 2 3 2\ninput down_proj_act_checkpoint f32 8 2 5\n\
+        input output_hidden_states_grad f32 7 5\noutput hidden_states_grad f32 7 5\n\
         output expert_affinities_masked_grad f32 28\noutput gate_up_proj_weight_grad f32 4 5 2 3\n\
         output down_proj_weight_grad f32 4 3 5\n";
     std::fs::write(dir.join("router.neff"), router).unwrap();
@@ -776,7 +786,7 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     );
     assert_eq!(
         rows[6],
-        ["output", "output", "f32", "[6,", "5]", "120"],
+        ["output", "output", "f32", "[7,", "5]", "140"],
         "{stdout}"
     );
     let out = moekit(&[
@@ -865,22 +875,20 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
         ("input", "token_position_to_id", "i32 40"),
         ("input", "block_to_expert", "i32 10"),
     ]);
-    let checkpoints = |usage| {
-        decls(&[
-            (usage, "gate_up_activations_T", "f32 10 2 32 4"),
-            (usage, "down_activations", "f32 10 4 64"),
-        ])
-    };
     let blockwise = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n")
         + &forward_inputs
-        + &decls(&[("output", "output", "f32 8 64")])
-        + &checkpoints("output");
+        + &decls(&[
+            ("output", "output", "f32 9 64"),
+            ("output", "gate_up_activations_T", "f32 10 2 32 4"),
+            ("output", "down_activations", "f32 10 4 64"),
+        ]);
     let blockwise_bwd = String::from("moekit-fake-neff 1\nkernel blockwise_mm_bwd\n")
         + &forward_inputs
-        + &checkpoints("input")
         + &decls(&[
-            ("input", "output_hidden_states_grad", "f32 8 64"),
-            ("output", "hidden_states_grad", "f32 8 64"),
+            ("input", "gate_up_proj_act_checkpoint_T", "f32 10 2 32 4"),
+            ("input", "down_proj_act_checkpoint", "f32 10 4 64"),
+            ("input", "output_hidden_states_grad", "f32 9 64"),
+            ("output", "hidden_states_grad", "f32 9 64"),
             ("output", "expert_affinities_masked_grad", "f32 72"),
             ("output", "gate_up_proj_weight_grad", "f32 8 64 2 32"),
             ("output", "down_proj_weight_grad", "f32 8 32 64"),
@@ -892,7 +900,7 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
     std::fs::write(
         &manifest,
         "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 8\n\n\
-         [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 8\ncheckpoint_activations = true\n\n\
+         [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 8\ncheckpoint_activation = true\n\n\
          [[kernel]]\nname = \"blockwise_mm_bwd\"\nneff = \"blockwise_bwd.neff\"\nt = 8\n",
     )
     .unwrap();

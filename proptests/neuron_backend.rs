@@ -207,7 +207,7 @@ proptest! {
             token_position_to_id: &plan.token_position_to_id,
             block_to_expert: &plan.block_to_expert,
         };
-        let call = BlockwiseMm::new(inputs, BlockwiseMmParams { checkpoint_activations: checkpoint }).unwrap();
+        let call = BlockwiseMm::new(inputs, BlockwiseMmParams { checkpoint_activation: checkpoint }).unwrap();
         let n = call.dims().n;
         let mut neff = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n");
         for (name, tensor) in [
@@ -220,21 +220,21 @@ proptest! {
         ] {
             neff += &decl("input", name, &tensor.dtype().to_string(), tensor.shape());
         }
-        neff += &decl("output", "output", "f32", &[t, h]);
+        neff += &decl("output", "output", "f32", &[t + 1, h]);
         if checkpoint {
             neff += &decl("output", "gate_up_activations_T", "f32", &[n, 2, i, b]);
             neff += &decl("output", "down_activations", "bf16", &[n, b, h]);
         }
         let entry = format!(
-            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activations = {checkpoint}\n"
+            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\n"
         );
         // The backward's NEFF: the forward's inputs, its checkpoints and the output gradient.
         let mut bwd_neff = neff.replace("kernel blockwise_mm\n", "kernel blockwise_mm_bwd\n");
         bwd_neff.truncate(bwd_neff.find("output output").unwrap());
-        bwd_neff += &decl("input", "gate_up_activations_T", "f32", &[n, 2, i, b]);
-        bwd_neff += &decl("input", "down_activations", "f32", &[n, b, h]);
-        bwd_neff += &decl("input", "output_hidden_states_grad", "f32", &[t, h]);
-        bwd_neff += &decl("output", "hidden_states_grad", "f32", &[t, h]);
+        bwd_neff += &decl("input", "gate_up_proj_act_checkpoint_T", "f32", &[n, 2, i, b]);
+        bwd_neff += &decl("input", "down_proj_act_checkpoint", "f32", &[n, b, h]);
+        bwd_neff += &decl("input", "output_hidden_states_grad", "f32", &[t + 1, h]);
+        bwd_neff += &decl("output", "hidden_states_grad", "f32", &[t + 1, h]);
         bwd_neff += &decl("output", "expert_affinities_masked_grad", "f32", &[(t + 1) * e, 1]);
         bwd_neff += &decl("output", "gate_up_proj_weight_grad", "f32", &[e, h, 2, i]);
         bwd_neff += &decl("output", "down_proj_weight_grad", "f32", &[e, i, h]);
@@ -259,11 +259,13 @@ proptest! {
                 let expected = f32s(want);
                 assert_close(name, &f32s(got), &expected, rtol, rtol * scale(&expected))?;
             }
-            let d_output = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+            let mut d_output = rng.values(t * h, 1.0);
+            d_output.extend(vec![0.0; h]);
+            let d_output = f32_tensor(&[t + 1, h], &d_output);
             let bwd = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
                 forward: inputs,
-                gate_up_activations_t: want.gate_up_activations_t.as_ref().unwrap(),
-                down_activations: want.down_activations.as_ref().unwrap(),
+                gate_up_proj_act_checkpoint_t: want.gate_up_activations_t.as_ref().unwrap(),
+                down_proj_act_checkpoint: want.down_activations.as_ref().unwrap(),
                 output_hidden_states_grad: &d_output,
                 expert_index: Some(&routed.expert_index),
             }).unwrap();

@@ -271,7 +271,7 @@ input gate_up_proj_weight f32 1 2 2 1
 input down_proj_weight f32 1 1 2
 input token_position_to_id i32 2
 input block_to_expert i32 1 1
-output output f32 2 2
+output output f32 3 2
 ";
     let model = runtime.load(neff.as_bytes(), "bwmm.neff", -1, -1).unwrap();
     let tensors = allocate_all(&runtime, &model);

@@ -321,9 +321,8 @@ impl LayerInputs {
         let x_values = uniform("x", &[t, h], 1.0, 1)?;
         // hidden_states [T+1, H]: x, then the zero padding row (T+1 cannot overflow: x holds
         // T rows).
-        let mut padded = try_capacity("benchmark input `hidden_states`", &[t + 1, h])?;
-        padded.extend_from_slice(&x_values);
-        padded.extend(std::iter::repeat_n(0.0, h));
+        let padded = with_padding_row("hidden_states", &x_values, [t, h])?;
+        let output_grad = uniform("output_hidden_states_grad", &[t, h], 1.0, 5)?;
         Ok(Self {
             shape,
             block_size,
@@ -346,8 +345,8 @@ impl LayerInputs {
             )?,
             d_aux_loss: Tensor::from_f32([1], vec![1.0])?,
             output_hidden_states_grad: float_tensor(
-                &[t, h],
-                uniform("output_hidden_states_grad", &[t, h], 1.0, 5)?,
+                &[t + 1, h],
+                with_padding_row("output_hidden_states_grad", &output_grad, [t, h])?,
                 dtype,
             )?,
         })
@@ -368,6 +367,15 @@ impl LayerInputs {
             },
         )
     }
+}
+
+/// `rows [T, H]` followed by the zero padding row T, as the blockwise kernels' `[T+1, H]`
+/// tensors hold them (T+1 rows cannot overflow: `rows` holds T).
+fn with_padding_row(name: &str, rows: &[f32], [t, h]: [usize; 2]) -> Result<Vec<f32>> {
+    let mut padded = try_capacity(&format!("benchmark input `{name}`"), &[t + 1, h])?;
+    padded.extend_from_slice(rows);
+    padded.extend(std::iter::repeat_n(0.0, h));
+    Ok(padded)
 }
 
 fn permute_call<'a>(routed: &'a RouterTopkOutputs, inputs: &LayerInputs) -> Result<Permute<'a>> {
@@ -402,7 +410,7 @@ fn blockwise_call<'a>(
     BlockwiseMm::new(
         blockwise_inputs(inputs, plan),
         BlockwiseMmParams {
-            checkpoint_activations: true,
+            checkpoint_activation: true,
         },
     )
 }
@@ -486,12 +494,12 @@ impl Layer {
         let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
         BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
             forward: blockwise_inputs(&self.inputs, &self.plan),
-            gate_up_activations_t: self
+            gate_up_proj_act_checkpoint_t: self
                 .checkpoints
                 .gate_up_activations_t
                 .as_ref()
                 .ok_or_else(missing)?,
-            down_activations: self
+            down_proj_act_checkpoint: self
                 .checkpoints
                 .down_activations
                 .as_ref()

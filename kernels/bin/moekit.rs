@@ -20,7 +20,7 @@ use moekit::bench::{BenchConfig, MoeShape, RowSelection};
 use moekit::check::{self, CheckRow, Tolerance};
 use moekit::ep::{Communicator, LocalComm};
 use moekit::golden::TensorFile;
-use moekit::kernel::{Kernel, Params, catalog_table};
+use moekit::kernel::{Kernel, Params, catalog_markdown, catalog_table};
 use moekit::neuron::manifest::Manifest;
 use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime, Usage};
 use moekit::{Backend, BackendKind, DType, Result};
@@ -44,7 +44,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Print every kernel with its tensor contract and the available backends.
-    List,
+    List {
+        /// Print the kernel table of README.md instead (Markdown).
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Run one kernel on tensors read by contract name from a safetensors file.
     Run {
         /// Kernel name, e.g. `router_topk` or `blockwise_mm_bwd` (see `moekit list`).
@@ -470,7 +474,11 @@ fn run(
 fn main() -> ExitCode {
     moekit::memory::retain_freed_buffers();
     match Cli::parse().command {
-        Command::List => {
+        Command::List { markdown: true } => {
+            print!("{}", catalog_markdown());
+            ExitCode::SUCCESS
+        }
+        Command::List { markdown: false } => {
             print!("{}", catalog_table());
             let backends: Vec<&str> = BackendKind::ALL.iter().map(|b| b.name()).collect();
             println!("Backends: {}", backends.join(", "));

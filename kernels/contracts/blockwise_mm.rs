@@ -1,19 +1,23 @@
-//! `blockwise_mm`: the NKI MoE context-encoding kernel (blockwise expert matmul with fused
-//! SwiGLU), and its backward.
+//! `blockwise_mm`: nki-library's MoE context-encoding kernel (`moe_cte`: blockwise expert
+//! matmul with fused SwiGLU), and its backward (`blockwise_mm_bwd`), with their tensor names and
+//! shapes.
 //!
 //! For each block `n` of B slots, expert `e = block_to_expert[n]` and each slot holding token
-//! `t = token_position_to_id[n·B + j]` (padding slots hold T, the zero row, and contribute
-//! nothing):
+//! `t = token_position_to_id[n·B + j]` (padding slots hold T, the zero row, whose affinity is
+//! 0, so they add nothing):
 //! ```text
 //! gate = x_t · W[e, :, 0, :]      up = x_t · W[e, :, 1, :]         [I]
 //! y    = (silu(gate) ⊙ up) · D[e]                                   [H]
 //! output[t] += expert_affinities_masked[t·E + e] · y                 affinity after the down proj
 //! ```
-//! so `output[t] = Σ_e a[t, e] · down_e(silu(x_t W_gate_e) ⊙ x_t W_up_e)` for a plan made by
-//! `permute`. With `checkpoint_activations` the kernel also returns the pre-activation gate/up
-//! projections `gate_up_activations_T [N, 2, I, B]` and the down projection before affinity
-//! scaling `down_activations [N, B, H]` (zeros in padding slots and unused blocks), which the
-//! backward consumes instead of recomputing.
+//! so `output [T+1, H]` holds `Σ_e a[t, e] · down_e(silu(x_t W_gate_e) ⊙ x_t W_up_e)` in row t
+//! and zeros in the padding row T. With `checkpoint_activation` the kernel also returns the
+//! pre-activation gate/up projections `gate_up_activations_T [N, 2, I, B]` and the down
+//! projection before affinity scaling `down_activations [N, B, H]` (zeros in padding slots),
+//! which the backward takes as `gate_up_proj_act_checkpoint_T` and `down_proj_act_checkpoint`
+//! instead of recomputing them. The backward's `output_hidden_states_grad` and
+//! `hidden_states_grad` are `[T+1, H]` like the forward's `output` and `hidden_states`, with
+//! zero padding rows.
 //!
 //! Plan rules checked on every call (see [`super::plan`]): token ids in `[0, T]` (T is padding),
 //! expert ids in `[0, E)`, no (token, expert) pair twice, every non-zero affinity of a real token
@@ -29,11 +33,19 @@ use super::{BlockPlan, SKIP, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+/// The forward's checkpoint outputs and the backward inputs they become, by name (nki-library
+/// names them differently on each side).
+pub const CHECKPOINT_NAMES: [(&str, &str); 2] = [
+    ("gate_up_activations_T", "gate_up_proj_act_checkpoint_T"),
+    ("down_activations", "down_proj_act_checkpoint"),
+];
+
 /// Parameters of [`BlockwiseMm`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockwiseMmParams {
-    /// Also return `gate_up_activations_T` and `down_activations`.
-    pub checkpoint_activations: bool,
+    /// Also return `gate_up_activations_T` and `down_activations` (nki-library's
+    /// `checkpoint_activation`, default false).
+    pub checkpoint_activation: bool,
 }
 
 /// Inputs of [`BlockwiseMm`]. Floating-point tensors may be f32 or bf16.
@@ -180,34 +192,20 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
 
 fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Result<()> {
     let BlockwiseDims { t, h, e, .. } = dims;
-    let nonzero = |tensor: &Tensor, start: usize, len: usize| {
-        (start..start + len).find(|&j| tensor.get_f64(j).is_some_and(|v| v != 0.0))
-    };
-    if let Some(j) = nonzero(inputs.hidden_states, t * h, h) {
-        return Err(Error::invalid(
-            "hidden_states",
-            format!(
-                "row T = {t} is the padding token and must be zero; column {} is not",
-                j - t * h
-            ),
-        ));
-    }
-    if let Some(j) = nonzero(inputs.expert_affinities_masked, t * e, e) {
-        return Err(Error::invalid(
-            "expert_affinities_masked",
-            format!(
-                "row T = {t} (the padding token) must be zero; expert {} is not",
-                j - t * e
-            ),
-        ));
-    }
-    Ok(())
+    validate::zero_padding_row("hidden_states", inputs.hidden_states, t, h)?;
+    validate::zero_padding_row(
+        "expert_affinities_masked",
+        inputs.expert_affinities_masked,
+        t,
+        e,
+    )
 }
 
 /// Outputs of `blockwise_mm`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseMmOutputs {
-    /// `[T, H]` f32.
+    /// `[T+1, H]` f32, as nki-library's kernels write it: row t the token's combined expert
+    /// outputs, row T what the padding slots add (zero: their affinity is 0).
     pub output: Tensor,
     /// `[N, 2, I, B]` f32 pre-activation gate/up projections, when checkpointing.
     pub gate_up_activations_t: Option<Tensor>,
@@ -215,15 +213,16 @@ pub struct BlockwiseMmOutputs {
     pub down_activations: Option<Tensor>,
 }
 
-/// Inputs of [`BlockwiseMmBwd`]: the forward's inputs, its checkpoints and the output gradient.
+/// Inputs of [`BlockwiseMmBwd`]: the forward's inputs, its checkpoints and the output
+/// gradient, named as nki-library's `blockwise_mm_bwd` names them.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockwiseMmBwdInputs<'a> {
     pub forward: BlockwiseMmInputs<'a>,
-    /// `[N, 2, I, B]`, the forward's checkpoint.
-    pub gate_up_activations_t: &'a Tensor,
-    /// `[N, B, H]`, the forward's checkpoint.
-    pub down_activations: &'a Tensor,
-    /// `[T, H]`.
+    /// `gate_up_proj_act_checkpoint_T [N, 2, I, B]`: the forward's `gate_up_activations_T`.
+    pub gate_up_proj_act_checkpoint_t: &'a Tensor,
+    /// `[N, B, H]`: the forward's `down_activations`.
+    pub down_proj_act_checkpoint: &'a Tensor,
+    /// `[T+1, H]`, the gradient of the forward's `output`; row T (the padding row) zero.
     pub output_hidden_states_grad: &'a Tensor,
     /// `[T, K]` i32 (ids or [`SKIP`](super::SKIP)); when given, the affinity gradient is also
     /// returned as `d_topk_affinities` (0 in skipped slots).
@@ -247,22 +246,28 @@ impl<'a> BlockwiseMmBwd<'a> {
         let (dims, plan, covered) = check(&inputs.forward)?;
         let BlockwiseDims { t, h, e, i, b, n } = dims;
         validate::float_tensor(
-            "gate_up_activations_T",
-            inputs.gate_up_activations_t,
+            "gate_up_proj_act_checkpoint_T",
+            inputs.gate_up_proj_act_checkpoint_t,
             "[N, 2, I, B]",
             &[Some(n), Some(2), Some(i), Some(b)],
         )?;
         validate::float_tensor(
-            "down_activations",
-            inputs.down_activations,
+            "down_proj_act_checkpoint",
+            inputs.down_proj_act_checkpoint,
             "[N, B, H]",
             &[Some(n), Some(b), Some(h)],
         )?;
         validate::float_tensor(
             "output_hidden_states_grad",
             inputs.output_hidden_states_grad,
-            "[T, H]",
-            &[Some(t), Some(h)],
+            "[T+1, H]",
+            &[Some(t + 1), Some(h)],
+        )?;
+        validate::zero_padding_row(
+            "output_hidden_states_grad",
+            inputs.output_hidden_states_grad,
+            t,
+            h,
         )?;
         if let Some(index) = inputs.expert_index {
             let (shape, ids) =
@@ -302,12 +307,12 @@ impl<'a> BlockwiseMmBwd<'a> {
     }
 }
 
-/// Gradients produced by `blockwise_mm_bwd`.
+/// Gradients produced by `blockwise_mm_bwd`, shaped like the inputs they belong to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseMmGrads {
-    /// `[T, H]` f32.
+    /// `[T+1, H]` f32; row T (the padding row) zero.
     pub hidden_states_grad: Tensor,
-    /// `[(T+1)·E]` f32; zero outside the plan's (token, expert) pairs and in row T.
+    /// `[(T+1)·E, 1]` f32; zero outside the plan's (token, expert) pairs and in row T.
     pub expert_affinities_masked_grad: Tensor,
     /// `[E, H, 2, I]` f32.
     pub gate_up_proj_weight_grad: Tensor,

@@ -213,6 +213,22 @@ fn check_ids(name: &str, ids: &[i32], shape: &[usize], experts: usize, skip: boo
     Ok(())
 }
 
+/// Requires row T of a `[T+1, width]` tensor (the padding token's row, as the NKI kernels lay
+/// it out) to be zero.
+pub(crate) fn zero_padding_row(name: &str, tensor: &Tensor, t: usize, width: usize) -> Result<()> {
+    let start = t * width;
+    match (start..start + width).find(|&j| tensor.get_f64(j).is_some_and(|v| v != 0.0)) {
+        None => Ok(()),
+        Some(j) => Err(Error::invalid(
+            name,
+            format!(
+                "row T = {t} belongs to the padding token and must be zero; column {} is not",
+                j - start
+            ),
+        )),
+    }
+}
+
 /// Accepts an `expert_affinities_masked`-style tensor of `[(T+1)·E]` or `[(T+1)·E, 1]` (the NKI
 /// layout) and returns its length.
 pub(crate) fn masked_affinities(name: &str, tensor: &Tensor, len: Option<usize>) -> Result<usize> {

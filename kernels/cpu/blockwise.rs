@@ -429,7 +429,7 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let BlockwiseDims { t, h, e, i, b, n } = dims;
     let runs = block_runs(call.plan());
-    let checkpoint = call.params().checkpoint_activations;
+    let checkpoint = call.params().checkpoint_activation;
 
     // The expert outputs land in `down [N, B, H]`, the checkpoint's layout, whether or not it
     // is returned.
@@ -466,15 +466,18 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
             .map(move |(&token, &slot)| (token, (expert, slot)))
     });
     let affinities = inputs.expert_affinities_masked.f32_values();
-    let mut output = output_buffer("output", &[t, h])?;
+    let mut output = output_buffer("output", &[t + 1, h])?;
+    let (tokens, padding) = output.split_at_mut(t * h);
     TokenRows::new(t, rows).combine(
-        &mut output,
+        tokens,
         h,
         |token, (expert, _)| affinities[token * e + expert],
         |(_, slot)| &down[slot * h..(slot + 1) * h],
     );
-    // SAFETY: `combine` wrote every token's row.
-    let output = f32_output("output", &[t, h], unsafe { assume_init(output) })?;
+    // The padding slots' affinity is 0: they add nothing to row T.
+    zero(padding);
+    // SAFETY: `combine` wrote every token's row, and row T is zeroed.
+    let output = f32_output("output", &[t + 1, h], unsafe { assume_init(output) })?;
 
     // Checked after `output`, as the reference checks them. Intermediates the caller does not
     // keep are not checked: a non-finite one reaches `output`.
@@ -575,7 +578,7 @@ fn rows_backward(
 
     // d y = affinity · d output; d affinity = ⟨d output, y⟩.
     let y = resized(&mut s.y, m * h);
-    gather_rows(inputs.down_activations, piece.slots, h, y);
+    gather_rows(inputs.down_proj_act_checkpoint, piece.slots, h, y);
     gather_rows(inputs.output_hidden_states_grad, piece.tokens, h, piece.d_y);
     for (row, &token) in piece.tokens.iter().enumerate() {
         let a = affinities[token * e + expert];
@@ -724,7 +727,7 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
 
     // Read once here, not once per expert (bf16 inputs are widened).
     let affinities = inputs.forward.expert_affinities_masked.f32_values();
-    let checkpoint = inputs.gate_up_activations_t.f32_values();
+    let checkpoint = inputs.gate_up_proj_act_checkpoint_t.f32_values();
     // Each expert writes its own slices of the weight gradients whole: its products, or zeros
     // when it has no tokens. Nothing clears them first.
     let mut d_gate_up_weight = output_buffer("gate_up_proj_weight_grad", &[e, h, 2, i])?;
@@ -761,7 +764,8 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
             d_affinities[token * e + group.expert] = d;
         }
     }
-    let mut d_hidden = output_buffer("hidden_states_grad", &[t, h])?;
+    let mut d_hidden = output_buffer("hidden_states_grad", &[t + 1, h])?;
+    let (tokens, padding) = d_hidden.split_at_mut(t * h);
     let rows = groups.iter().enumerate().flat_map(|(g, group)| {
         group
             .tokens
@@ -770,19 +774,21 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
             .map(move |(row, &token)| (token, (g, row)))
     });
     TokenRows::new(t, rows).combine(
-        &mut d_hidden,
+        tokens,
         h,
         |_, _| 1.0,
         |(g, row)| &results[g].d_x[row * h..(row + 1) * h],
     );
-    // SAFETY: `combine` wrote every token's row.
+    // The padding row is zero: so is its gradient.
+    zero(padding);
+    // SAFETY: `combine` wrote every token's row, and row T is zeroed.
     let d_hidden = unsafe { assume_init(d_hidden) };
     let d_topk_affinities = inputs
         .expert_index
         .map(|index| topk_gradient(index, &d_affinities, e))
         .transpose()?;
     Ok(BlockwiseMmGrads {
-        hidden_states_grad: f32_output("hidden_states_grad", &[t, h], d_hidden)?,
+        hidden_states_grad: f32_output("hidden_states_grad", &[t + 1, h], d_hidden)?,
         expert_affinities_masked_grad: f32_output(
             "expert_affinities_masked_grad",
             &[(t + 1) * e, 1],

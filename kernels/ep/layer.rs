@@ -291,9 +291,7 @@ impl ShardedExperts<'_> {
         if m == 0 {
             return Ok(None);
         }
-        let mut padded = dispatched.hidden_states.f32_values().into_owned();
-        padded.extend(std::iter::repeat_n(0.0, h));
-        let hidden_states = Tensor::from_f32([m + 1, h], padded)?;
+        let hidden_states = with_padding_row(&dispatched.hidden_states)?;
         let plan = self.backend.permute(&Permute::new(
             PermuteInputs {
                 expert_index: &dispatched.expert_index,
@@ -304,7 +302,7 @@ impl ShardedExperts<'_> {
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
             forward_inputs(&hidden_states, &plan, inputs),
             BlockwiseMmParams {
-                checkpoint_activations: true,
+                checkpoint_activation: true,
             },
         )?)?;
         let (Some(gate_up_activations_t), Some(down_activations)) =
@@ -316,7 +314,7 @@ impl ShardedExperts<'_> {
             ));
         };
         Ok(Some((
-            out.output,
+            out.output.into_leading_rows("output", m)?,
             LocalExperts {
                 hidden_states,
                 plan,
@@ -385,9 +383,9 @@ impl ShardedExperts<'_> {
             .backend
             .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
                 forward: forward_inputs(&local.hidden_states, &local.plan, inputs),
-                gate_up_activations_t: &local.gate_up_activations_t,
-                down_activations: &local.down_activations,
-                output_hidden_states_grad: d_expert_output,
+                gate_up_proj_act_checkpoint_t: &local.gate_up_activations_t,
+                down_proj_act_checkpoint: &local.down_activations,
+                output_hidden_states_grad: &with_padding_row(d_expert_output)?,
                 expert_index: Some(&dispatched.expert_index),
             })?)?;
         let d_affinities = grads.d_topk_affinities.ok_or_else(|| {
@@ -396,13 +394,25 @@ impl ShardedExperts<'_> {
                 "the backend returned no d_topk_affinities",
             )
         })?;
+        let m = d_expert_output.shape()[0];
         Ok((
-            grads.hidden_states_grad,
+            grads
+                .hidden_states_grad
+                .into_leading_rows("hidden_states_grad", m)?,
             d_affinities,
             grads.gate_up_proj_weight_grad,
             grads.down_proj_weight_grad,
         ))
     }
+}
+
+/// `rows [M, H]` as f32 followed by a zero row: the `[M+1, H]` layout of the blockwise kernels,
+/// whose row M is the padding token's.
+fn with_padding_row(rows: &Tensor) -> Result<Tensor> {
+    let (m, h) = (rows.shape()[0], rows.shape()[1]);
+    let mut padded = rows.f32_values().into_owned();
+    padded.extend(std::iter::repeat_n(0.0, h));
+    Tensor::from_f32([m + 1, h], padded)
 }
 
 fn forward_inputs<'a>(

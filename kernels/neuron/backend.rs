@@ -489,7 +489,7 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
 
 fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
     let (inputs, dims) = (call.inputs(), call.dims());
-    let checkpoint = call.params().checkpoint_activations;
+    let checkpoint = call.params().checkpoint_activation;
     let (t, h, i, b, n) = (dims.t, dims.h, dims.i, dims.b, dims.n);
     Call {
         kernel: Kernel::BlockwiseMm,
@@ -500,7 +500,7 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
             ("i", Value::Int(i)),
             ("block_size", Value::Int(b)),
             ("num_blocks", Value::Int(n)),
-            ("checkpoint_activations", Value::Bool(checkpoint)),
+            ("checkpoint_activation", Value::Bool(checkpoint)),
         ],
         inputs: vec![
             ("hidden_states", Some(inputs.hidden_states)),
@@ -514,7 +514,7 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
             ("block_to_expert", Some(inputs.block_to_expert)),
         ],
         outputs: vec![
-            OutputSpec::values("output", &[t, h], true),
+            OutputSpec::values("output", &[t + 1, h], true),
             OutputSpec::values("gate_up_activations_T", &[n, 2, i, b], checkpoint),
             OutputSpec::values("down_activations", &[n, b, h], checkpoint),
         ],
@@ -545,15 +545,21 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
             ("down_proj_weight", Some(forward.down_proj_weight)),
             ("token_position_to_id", Some(forward.token_position_to_id)),
             ("block_to_expert", Some(forward.block_to_expert)),
-            ("gate_up_activations_T", Some(inputs.gate_up_activations_t)),
-            ("down_activations", Some(inputs.down_activations)),
+            (
+                "gate_up_proj_act_checkpoint_T",
+                Some(inputs.gate_up_proj_act_checkpoint_t),
+            ),
+            (
+                "down_proj_act_checkpoint",
+                Some(inputs.down_proj_act_checkpoint),
+            ),
             (
                 "output_hidden_states_grad",
                 Some(inputs.output_hidden_states_grad),
             ),
         ],
         outputs: vec![
-            OutputSpec::values("hidden_states_grad", &[t, h], true),
+            OutputSpec::values("hidden_states_grad", &[t + 1, h], true),
             OutputSpec::values("expert_affinities_masked_grad", &[(t + 1) * e, 1], true),
             OutputSpec::values("gate_up_proj_weight_grad", &[e, h, 2, i], true),
             OutputSpec::values("down_proj_weight_grad", &[e, i, h], true),
@@ -664,7 +670,7 @@ impl Backend for NeuronBackend {
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
-        let checkpoint = call.params().checkpoint_activations;
+        let checkpoint = call.params().checkpoint_activation;
         Ok(BlockwiseMmOutputs {
             output: take(&mut out, "output")?,
             gate_up_activations_t: out.remove("gate_up_activations_T").filter(|_| checkpoint),

@@ -75,7 +75,7 @@ const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     ("i", ValueKind::Int),
     ("block_size", ValueKind::Int),
     ("num_blocks", ValueKind::Int),
-    ("checkpoint_activations", ValueKind::Bool),
+    ("checkpoint_activation", ValueKind::Bool),
 ];
 
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does

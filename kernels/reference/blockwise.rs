@@ -72,7 +72,7 @@ fn silu_grad(x: f64) -> f64 {
 /// Forward results in f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseForward {
-    /// `[T, H]`.
+    /// `[T+1, H]`, row T (the padding token's) zero.
     pub output: Vec<f64>,
     /// `[N, 2, I, B]`.
     pub gate_up_activations_t: Vec<f64>,
@@ -84,7 +84,7 @@ pub struct BlockwiseForward {
 pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> Result<BlockwiseForward> {
     let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
     let mut out = BlockwiseForward {
-        output: zeros("output", &[t, h])?,
+        output: zeros("output", &[t + 1, h])?,
         gate_up_activations_t: zeros("gate_up_activations_T", &[n, 2, i, b])?,
         down_activations: zeros("down_activations", &[n, b, h])?,
     };
@@ -111,7 +111,7 @@ pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> Result<BlockwiseForward
 /// Gradients in f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseGrads {
-    /// `[T, H]`.
+    /// `[T+1, H]`, row T zero.
     pub hidden_states_grad: Vec<f64>,
     /// `[(T+1)·E]`.
     pub expert_affinities_masked_grad: Vec<f64>,
@@ -122,7 +122,8 @@ pub struct BlockwiseGrads {
 }
 
 /// Blockwise backward from the forward's checkpoints `gate_up_activations_t [N, 2, I, B]` and
-/// `down_activations [N, B, H]` and the output gradient `d_output [T, H]`.
+/// `down_activations [N, B, H]` and the output gradient `d_output [T+1, H]` (row T unread: the
+/// padding slots have affinity 0).
 pub fn blockwise_backward(
     ops: &BlockwiseOperands<'_>,
     gate_up_activations_t: &[f64],
@@ -131,7 +132,7 @@ pub fn blockwise_backward(
 ) -> Result<BlockwiseGrads> {
     let BlockwiseDims { t, h, e, i, b, .. } = ops.dims;
     let mut grads = BlockwiseGrads {
-        hidden_states_grad: zeros("hidden_states_grad", &[t, h])?,
+        hidden_states_grad: zeros("hidden_states_grad", &[t + 1, h])?,
         expert_affinities_masked_grad: zeros("expert_affinities_masked_grad", &[(t + 1) * e])?,
         gate_up_proj_weight_grad: zeros("gate_up_proj_weight_grad", &[e, h, 2, i])?,
         down_proj_weight_grad: zeros("down_proj_weight_grad", &[e, i, h])?,

@@ -235,9 +235,9 @@ impl Backend for ReferenceBackend {
         let BlockwiseDims { t, h, i, b, n, .. } = dims;
         let owned = OwnedOperands::new(&inputs);
         let fwd = blockwise::blockwise_forward(&owned.borrow(&inputs, dims))?;
-        let checkpoint = call.params().checkpoint_activations;
+        let checkpoint = call.params().checkpoint_activation;
         Ok(BlockwiseMmOutputs {
-            output: f32_output("output", &[t, h], &fwd.output)?,
+            output: f32_output("output", &[t + 1, h], &fwd.output)?,
             gate_up_activations_t: checkpoint
                 .then(|| {
                     f32_output(
@@ -259,8 +259,8 @@ impl Backend for ReferenceBackend {
         let owned = OwnedOperands::new(&inputs.forward);
         let grads = blockwise::blockwise_backward(
             &owned.borrow(&inputs.forward, dims),
-            &inputs.gate_up_activations_t.to_f64_vec(),
-            &inputs.down_activations.to_f64_vec(),
+            &inputs.gate_up_proj_act_checkpoint_t.to_f64_vec(),
+            &inputs.down_proj_act_checkpoint.to_f64_vec(),
             &inputs.output_hidden_states_grad.to_f64_vec(),
         )?;
         let d_topk_affinities = inputs
@@ -279,7 +279,7 @@ impl Backend for ReferenceBackend {
         Ok(BlockwiseMmGrads {
             hidden_states_grad: f32_output(
                 "hidden_states_grad",
-                &[t, h],
+                &[t + 1, h],
                 &grads.hidden_states_grad,
             )?,
             expert_affinities_masked_grad: f32_output(

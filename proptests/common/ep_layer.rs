@@ -121,12 +121,16 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         token_position_to_id: &plan.token_position_to_id,
         block_to_expert: &plan.block_to_expert,
     };
+    // The blockwise kernels' `[T+1, H]` output gradient: the rank's, then the padding row.
+    let mut d_output = data.d_output[rank].to_f64_vec();
+    d_output.extend(vec![0.0; h]);
+    let d_output = f32_tensor(&[t + 1, h], &d_output);
     let out = backend
         .blockwise_mm(
             &BlockwiseMm::new(
                 inputs,
                 BlockwiseMmParams {
-                    checkpoint_activations: true,
+                    checkpoint_activation: true,
                 },
             )
             .unwrap(),
@@ -136,9 +140,9 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         .blockwise_mm_bwd(
             &BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
                 forward: inputs,
-                gate_up_activations_t: out.gate_up_activations_t.as_ref().unwrap(),
-                down_activations: out.down_activations.as_ref().unwrap(),
-                output_hidden_states_grad: &data.d_output[rank],
+                gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
+                down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
+                output_hidden_states_grad: &d_output,
                 expert_index: Some(&routed.expert_index),
             })
             .unwrap(),
@@ -170,8 +174,11 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         .zip(grads.hidden_states_grad.to_f64_vec())
         .map(|(a, b)| a + b)
         .collect();
+    // Row T of `output [T+1, H]` is the padding token's.
+    let mut output = out.output.to_f64_vec();
+    output.truncate(t * h);
     [
-        out.output.to_f64_vec(),
+        output,
         d_x,
         router.d_w.to_f64_vec(),
         grads.gate_up_proj_weight_grad.to_f64_vec(),

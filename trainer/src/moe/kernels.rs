@@ -55,13 +55,7 @@ impl Experts for KernelExperts {
             x.device()
         );
         let experts = gate_up.size()[0] as usize;
-        let padded = Tensor::cat(
-            &[
-                x.detach(),
-                x.new_zeros([1, x.size()[1]], (x.kind(), x.device())),
-            ],
-            0,
-        );
+        let padded = with_padding_row(&x.detach());
         // From here to the output, moekit's kernels run and libtorch waits.
         release_openmp_workers();
         let expert_index_i32 = from_tch("expert_index", expert_index)?;
@@ -87,10 +81,12 @@ impl Experts for KernelExperts {
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
             saved.forward_inputs(),
             BlockwiseMmParams {
-                checkpoint_activations: differentiable,
+                checkpoint_activation: differentiable,
             },
         )?)?;
-        let output = to_tch(&out.output).to_kind(x.kind());
+        // `output [T+1, H]` without its padding row.
+        let tokens = x.size()[0] as usize;
+        let output = to_tch(&out.output.into_leading_rows("output", tokens)?).to_kind(x.kind());
         if !differentiable {
             return Ok(output);
         }
@@ -110,6 +106,18 @@ impl Experts for KernelExperts {
         }));
         Ok(output)
     }
+}
+
+/// `rows [T, H]` followed by a zero row: the blockwise kernels' `[T+1, H]` layout, whose row T
+/// is the padding token's.
+fn with_padding_row(rows: &Tensor) -> Tensor {
+    Tensor::cat(
+        &[
+            rows,
+            &rows.new_zeros([1, rows.size()[1]], (rows.kind(), rows.device())),
+        ],
+        0,
+    )
 }
 
 /// The forward's inputs in moekit's layout.
@@ -158,23 +166,28 @@ impl ExternalBackward for KernelBackward {
 
     fn backward(&self, output_grad: &Tensor) -> Result<Vec<(Tensor, moekit::Tensor)>> {
         release_openmp_workers();
-        let output_grad = lend("output_hidden_states_grad", output_grad)?;
+        // `[T+1, H]`: the padding row's gradient is zero.
+        let output_grad = with_padding_row(output_grad);
+        let output_grad = lend("output_hidden_states_grad", &output_grad)?;
         let grads = self
             .backend
             .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
                 forward: self.saved.forward_inputs(),
-                gate_up_activations_t: &self.gate_up_activations_t,
-                down_activations: &self.down_activations,
+                gate_up_proj_act_checkpoint_t: &self.gate_up_activations_t,
+                down_proj_act_checkpoint: &self.down_activations,
                 output_hidden_states_grad: &output_grad,
                 expert_index: Some(&self.saved.expert_index),
             })?)?;
+        let tokens = output_grad.shape()[0] - 1;
         let d_affinities = grads
             .d_topk_affinities
             .context("blockwise_mm_bwd returned no d_topk_affinities")?;
         Ok(input_gradients(
             &self.inputs,
             [
-                grads.hidden_states_grad,
+                grads
+                    .hidden_states_grad
+                    .into_leading_rows("hidden_states_grad", tokens)?,
                 d_affinities,
                 grads.gate_up_proj_weight_grad,
                 grads.down_proj_weight_grad,
