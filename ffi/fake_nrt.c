@@ -12,8 +12,10 @@
  *     moekit-fake-neff 1
  *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, or copy: each output = the
  *                                    same-index input)
- *     param activation softmax      (router_topk: softmax | sigmoid)
+ *     param act_fn SOFTMAX          (router_topk: SOFTMAX | SIGMOID)
+ *     param router_pre_norm 1       (router_topk: 1 = ACT1, the default | 0 = ACT2)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
+ *     param x_hbm_layout 1          (router_topk: 1 = x [T, H], the default | 0 = x [H, T])
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -72,7 +74,9 @@ typedef struct {
 struct nrt_model {
     kernel_t kernel;
     int sigmoid;
+    int act2; /* router_pre_norm = 0 */
     int norm_topk_prob;
+    int x_h_t; /* x_hbm_layout = 0: x [H, T] */
     int count;
     decl_t decls[MAX_TENSORS];
 };
@@ -190,16 +194,16 @@ static uint32_t masked_rows(uint32_t rows, uint32_t e) {
 static int kernel_tensors_consistent(const nrt_model_t *m) {
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
     if (m->kernel == KERNEL_ROUTER_TOPK) {
-        uint32_t t = dim(m, "x", in, 0), h = dim(m, "x", in, 1), e = dim(m, "w", in, 1);
+        uint32_t t = dim(m, "x", in, m->x_h_t), h = dim(m, "x", in, !m->x_h_t), e = dim(m, "w", in, 1);
         uint32_t k = dim(m, "expert_index", out, 1);
-        uint32_t te[2] = {t, e}, tk[2] = {t, k}, hw[2] = {h, e}, eb[1] = {e};
-        const decl_t *bias = find_decl(m, "bias", in), *selection = find_decl(m, "selection_bias", in);
+        uint32_t te[2] = {t, e}, tk[2] = {t, k}, hw[2] = {h, e}, eb[2] = {1, e};
+        const decl_t *bias = find_decl(m, "w_bias", in), *selection = find_decl(m, "selection_bias", in);
         return t > 0 && h > 0 && e > 0 && k > 0 && k <= e && has_shape(m, "w", in, 2, hw) &&
                has_shape(m, "router_logits", out, 2, te) && has_shape(m, "expert_index", out, 2, tk) &&
                has_shape(m, "expert_affinities", out, 2, te) &&
                (find_decl(m, "topk_affinities", out) == NULL || has_shape(m, "topk_affinities", out, 2, tk)) &&
-               (bias == NULL || has_shape(m, "bias", in, 1, eb)) &&
-               (selection == NULL || has_shape(m, "selection_bias", in, 1, eb));
+               (bias == NULL || has_shape(m, "w_bias", in, 1, eb + 1) || has_shape(m, "w_bias", in, 2, eb)) &&
+               (selection == NULL || has_shape(m, "selection_bias", in, 1, eb + 1));
     }
     if (m->kernel == KERNEL_BLOCKWISE_MM_BWD) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
@@ -290,10 +294,12 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(value, "blockwise_mm_bwd") == 0) m->kernel = KERNEL_BLOCKWISE_MM_BWD;
             else status = NRT_INVALID;
         } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
-            if (strcmp(name, "activation") == 0 && strcmp(value, "softmax") == 0) m->sigmoid = 0;
-            else if (strcmp(name, "activation") == 0 && strcmp(value, "sigmoid") == 0) m->sigmoid = 1;
-            else if (strcmp(name, "norm_topk_prob") == 0 && (strcmp(value, "0") == 0 || strcmp(value, "1") == 0))
-                m->norm_topk_prob = value[0] == '1';
+            int flag = strcmp(value, "0") == 0 || strcmp(value, "1") == 0;
+            if (strcmp(name, "act_fn") == 0 && strcmp(value, "SOFTMAX") == 0) m->sigmoid = 0;
+            else if (strcmp(name, "act_fn") == 0 && strcmp(value, "SIGMOID") == 0) m->sigmoid = 1;
+            else if (strcmp(name, "router_pre_norm") == 0 && flag) m->act2 = value[0] == '0';
+            else if (strcmp(name, "norm_topk_prob") == 0 && flag) m->norm_topk_prob = value[0] == '1';
+            else if (strcmp(name, "x_hbm_layout") == 0 && flag) m->x_h_t = value[0] == '0';
             else status = NRT_INVALID;
         } else if ((strcmp(word, "input") == 0 || strcmp(word, "output") == 0) && m->count < MAX_TENSORS) {
             decl_t *d = &m->decls[m->count++];
@@ -561,10 +567,10 @@ static nrt_tensor_t *bound(const bound_t *b, const char *name, nrt_tensor_usage_
 static NRT_STATUS run_router_topk(const bound_t *b) {
     const nrt_model_t *m = b->model;
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
-    size_t t = dim(m, "x", in, 0), h = dim(m, "x", in, 1), e = dim(m, "w", in, 1);
+    size_t t = dim(m, "x", in, m->x_h_t), h = dim(m, "x", in, !m->x_h_t), e = dim(m, "w", in, 1);
     size_t k = dim(m, "expert_index", out, 1);
     nrt_dtype_t dx, dw, db = NRT_DTYPE_FLOAT32, ds = NRT_DTYPE_FLOAT32, dl, di, da, dt = NRT_DTYPE_FLOAT32;
-    nrt_tensor_t *x = bound(b, "x", in, &dx), *w = bound(b, "w", in, &dw), *bias = bound(b, "bias", in, &db);
+    nrt_tensor_t *x = bound(b, "x", in, &dx), *w = bound(b, "w", in, &dw), *bias = bound(b, "w_bias", in, &db);
     nrt_tensor_t *selection = bound(b, "selection_bias", in, &ds);
     nrt_tensor_t *logits = bound(b, "router_logits", out, &dl), *index = bound(b, "expert_index", out, &di);
     nrt_tensor_t *aff = bound(b, "expert_affinities", out, &da), *topk = bound(b, "topk_affinities", out, &dt);
@@ -578,7 +584,8 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
         double max = -INFINITY, sum = 0.0, chosen_sum = 0.0;
         for (size_t j = 0; j < e; j++) {
             double dot = bias != NULL ? load(bias, db, j) : 0.0;
-            for (size_t c = 0; c < h; c++) dot += load(x, dx, tok * h + c) * load(w, dw, c * e + j);
+            for (size_t c = 0; c < h; c++)
+                dot += load(x, dx, m->x_h_t ? c * t + tok : tok * h + c) * load(w, dw, c * e + j);
             row[j] = (float)dot;
             if (row[j] > max) max = row[j];
         }
@@ -593,20 +600,30 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
             for (size_t j = 0; j < e; j++) {
                 int taken = 0;
                 for (size_t s = 0; s < slot; s++) taken |= chosen[s] == j;
-                /* The selection bias moves the choice, never the affinities. */
-                double score = p[j] + (selection != NULL ? load(selection, ds, j) : 0.0);
-                double best_score = best == e ? 0.0 : p[best] + (selection != NULL ? load(selection, ds, best) : 0.0);
+                /* ACT1 chooses by affinity, ACT2 by logit; the selection bias moves the choice,
+                 * never the affinities. */
+                const double *by = m->act2 ? row : p;
+                double score = by[j] + (selection != NULL ? load(selection, ds, j) : 0.0);
+                double best_score = best == e ? 0.0 : by[best] + (selection != NULL ? load(selection, ds, best) : 0.0);
                 if (!taken && (best == e || score > best_score)) best = j;
             }
             chosen[slot] = best;
-            chosen_sum += p[best];
         }
+        /* ACT2 activates the K chosen logits: a softmax over them, or a sigmoid of each. */
+        if (m->act2)
+            for (size_t slot = 0; slot < k; slot++) {
+                double l = row[chosen[slot]];
+                p[chosen[slot]] = m->sigmoid ? 1.0 / (1.0 + exp(-l)) : exp(l - row[chosen[0]]);
+            }
+        for (size_t slot = 0; slot < k; slot++) chosen_sum += p[chosen[slot]];
+        /* Renormalised: ACT1 with norm_topk_prob, ACT2's softmax; dense: ACT1 without it. */
+        int renormalise = m->act2 ? !m->sigmoid : m->norm_topk_prob, dense = !m->act2 && !m->norm_topk_prob;
         for (size_t j = 0; j < e; j++) {
             store(logits, dl, tok * e + j, row[j]);
-            store(aff, da, tok * e + j, 0.0);
+            store(aff, da, tok * e + j, dense ? p[j] : 0.0);
         }
         for (size_t slot = 0; slot < k; slot++) {
-            double a = m->norm_topk_prob ? p[chosen[slot]] / chosen_sum : p[chosen[slot]];
+            double a = renormalise ? p[chosen[slot]] / chosen_sum : p[chosen[slot]];
             store(index, di, tok * k + slot, (double)chosen[slot]);
             store(aff, da, tok * e + chosen[slot], a);
             if (topk != NULL) store(topk, dt, tok * k + slot, a);

@@ -15,7 +15,7 @@ use std::fmt::Write as _;
 
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{Layer, LayerInputs, MoeShape};
-use crate::contracts::{Activation, CHECKPOINT_NAMES, static_block_count};
+use crate::contracts::{CHECKPOINT_NAMES, RouterActFnType, XHbmLayout, static_block_count};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
 use crate::neuron::manifest::{Manifest, Value};
@@ -182,13 +182,15 @@ pub fn random_cases(
                 b: draw(1, 16),
             };
             let params = Params {
-                top_k: Some(sizes.k),
-                activation: Some(if draw(0, 1) == 0 {
-                    Activation::Softmax
+                k: Some(sizes.k),
+                act_fn: Some(if draw(0, 1) == 0 {
+                    RouterActFnType::Softmax
                 } else {
-                    Activation::Sigmoid
+                    RouterActFnType::Sigmoid
                 }),
+                router_pre_norm: Some(draw(0, 1) == 1),
                 norm_topk_prob: Some(draw(0, 1) == 1),
+                x_hbm_layout: Some(XHbmLayout::TH),
                 num_experts: Some(sizes.e),
                 block_size: Some(sizes.b),
                 n_block_per_iter: Some(1),
@@ -206,7 +208,7 @@ pub fn random_cases(
 }
 
 /// `cases` layers per manifest entry (of `kernel`, if given), at the entry's shape. Entries
-/// must name every size: `t`, `h`, `e`, `top_k` (router_topk) or `t`, `h`, `e`, `i`,
+/// must name every size: `t`, `h`, `e`, `k` (router_topk) or `t`, `h`, `e`, `i`,
 /// `block_size`, `num_blocks` (blockwise_mm; K is the smallest top-k whose static block count
 /// is `num_blocks`).
 pub fn manifest_cases(
@@ -236,11 +238,15 @@ pub fn manifest_cases(
         let flag = |key: &str| matches!(entry.params.get(key), Some(Value::Bool(true)));
         let (sizes, params) = match entry.kernel {
             Kernel::RouterTopk => {
-                let activation = match entry.params.get("activation") {
+                let act_fn = match entry.params.get("act_fn") {
                     Some(Value::Str(name)) => name.parse()?,
-                    _ => Activation::Softmax,
+                    _ => RouterActFnType::Softmax,
                 };
-                let k = int("top_k")?;
+                let x_hbm_layout = match entry.params.get("x_hbm_layout") {
+                    Some(&Value::Int(0)) => XHbmLayout::HT,
+                    _ => XHbmLayout::TH,
+                };
+                let k = int("k")?;
                 let sizes = Sizes {
                     t: int("t")?,
                     h: int("h")?,
@@ -250,9 +256,15 @@ pub fn manifest_cases(
                     b: 1,
                 };
                 let params = Params {
-                    top_k: Some(k),
-                    activation: Some(activation),
+                    k: Some(k),
+                    act_fn: Some(act_fn),
+                    // nki-library's default is ACT1.
+                    router_pre_norm: Some(!matches!(
+                        entry.params.get("router_pre_norm"),
+                        Some(Value::Bool(false))
+                    )),
                     norm_topk_prob: Some(flag("norm_topk_prob")),
+                    x_hbm_layout: Some(x_hbm_layout),
                     ..Params::default()
                 };
                 (sizes, params)

@@ -8,11 +8,11 @@ use std::str::FromStr;
 
 use crate::backend::Backend;
 use crate::contracts::{
-    Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
-    BlockwiseMmParams, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs,
-    LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
-    PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
+    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
+    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
+    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -123,13 +123,12 @@ impl Kernel {
                 let inputs = RouterTopkInputs {
                     x: required("x")?,
                     w: required("w")?,
-                    bias: optional("bias"),
+                    w_bias: optional("w_bias"),
                     selection_bias: optional("selection_bias"),
                 };
                 let params = RouterTopkParams {
-                    top_k: required_param(Param::TopK, params.top_k)?,
-                    activation: params.activation.unwrap_or_default(),
-                    norm_topk_prob: params.norm_topk_prob.unwrap_or(false),
+                    k: required_param(Param::K, params.k)?,
+                    pipeline: params.router_pipeline(),
                 };
                 let out = backend.router_topk(&RouterTopk::new(inputs, params)?)?;
                 vec![
@@ -149,11 +148,14 @@ impl Kernel {
                     d_router_logits: optional("d_router_logits"),
                 };
                 let params = RouterTopkBwdParams {
-                    activation: params.activation.unwrap_or_default(),
-                    norm_topk_prob: params.norm_topk_prob.unwrap_or(false),
+                    pipeline: params.router_pipeline(),
                 };
                 let out = backend.router_topk_bwd(&RouterTopkBwd::new(inputs, params)?)?;
-                vec![("d_x", out.d_x), ("d_w", out.d_w), ("d_bias", out.d_bias)]
+                vec![
+                    ("d_x", out.d_x),
+                    ("d_w", out.d_w),
+                    ("d_w_bias", out.d_w_bias),
+                ]
             }
             Kernel::LoadBalancingLoss => {
                 let inputs = LoadBalancingLossInputs {
@@ -272,9 +274,11 @@ impl FromStr for Kernel {
 /// The parameter names kernels accept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Param {
-    TopK,
-    Activation,
+    K,
+    ActFn,
+    RouterPreNorm,
     NormTopkProb,
+    XHbmLayout,
     NumExperts,
     BlockSize,
     NBlockPerIter,
@@ -283,9 +287,11 @@ pub enum Param {
 
 impl Param {
     pub const ALL: &'static [Param] = &[
-        Param::TopK,
-        Param::Activation,
+        Param::K,
+        Param::ActFn,
+        Param::RouterPreNorm,
         Param::NormTopkProb,
+        Param::XHbmLayout,
         Param::NumExperts,
         Param::BlockSize,
         Param::NBlockPerIter,
@@ -294,9 +300,11 @@ impl Param {
 
     pub fn name(self) -> &'static str {
         match self {
-            Param::TopK => "top_k",
-            Param::Activation => "activation",
+            Param::K => "k",
+            Param::ActFn => "act_fn",
+            Param::RouterPreNorm => "router_pre_norm",
             Param::NormTopkProb => "norm_topk_prob",
+            Param::XHbmLayout => "x_hbm_layout",
             Param::NumExperts => "num_experts",
             Param::BlockSize => "block_size",
             Param::NBlockPerIter => "n_block_per_iter",
@@ -307,9 +315,12 @@ impl Param {
     /// Accepted values, for `moekit list`.
     pub fn values(self) -> &'static str {
         match self {
-            Param::TopK | Param::NumExperts | Param::BlockSize | Param::NBlockPerIter => "integer",
-            Param::Activation => "softmax|sigmoid",
-            Param::NormTopkProb | Param::CheckpointActivation => "true|false",
+            Param::K | Param::NumExperts | Param::BlockSize | Param::NBlockPerIter => "integer",
+            Param::ActFn => "SOFTMAX|SIGMOID",
+            Param::XHbmLayout => "0 [H,T]|1 [T,H]",
+            Param::RouterPreNorm | Param::NormTopkProb | Param::CheckpointActivation => {
+                "true|false"
+            }
         }
     }
 }
@@ -317,9 +328,11 @@ impl Param {
 /// Parameter values given to a kernel run; a kernel reads those it uses and ignores the rest.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Params {
-    pub top_k: Option<usize>,
-    pub activation: Option<Activation>,
+    pub k: Option<usize>,
+    pub act_fn: Option<RouterActFnType>,
+    pub router_pre_norm: Option<bool>,
     pub norm_topk_prob: Option<bool>,
+    pub x_hbm_layout: Option<XHbmLayout>,
     pub num_experts: Option<usize>,
     pub block_size: Option<usize>,
     pub n_block_per_iter: Option<usize>,
@@ -349,15 +362,47 @@ fn parse_bool(param: Param, value: &str) -> Result<bool> {
     }
 }
 
+/// nki-library `router_topk` parameters that only choose its on-chip schedule or SBUF layout
+/// (or, for `return_eager_affi`, an output moekit always returns): accepted with any value so
+/// the same call works on both sides, and without effect on moekit's results.
+pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
+    "x_sb_layout",
+    "use_column_tiling",
+    "use_indirect_dma_scatter",
+    "return_eager_affi",
+    "use_PE_broadcast_w_bias",
+    "shard_on_tokens",
+    "skip_store_expert_index",
+    "skip_store_router_logits",
+];
+
 impl Params {
-    /// Sets `name` from its textual `value`; an unknown name is an error.
+    /// The router pipeline these parameters choose, with nki-library's defaults (SOFTMAX, ACT1,
+    /// no renormalisation) and moekit's `x [T, H]` where a parameter is not given.
+    pub fn router_pipeline(&self) -> RouterPipeline {
+        let default = RouterPipeline::default();
+        RouterPipeline {
+            act_fn: self.act_fn.unwrap_or(default.act_fn),
+            router_pre_norm: self.router_pre_norm.unwrap_or(default.router_pre_norm),
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(default.norm_topk_prob),
+            x_hbm_layout: self.x_hbm_layout.unwrap_or(default.x_hbm_layout),
+        }
+    }
+
+    /// Sets `name` from its textual `value`; an unknown name is an error. The
+    /// [`SCHEDULE_ONLY_PARAMS`] are accepted and change nothing.
     pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        if SCHEDULE_ONLY_PARAMS.contains(&name) {
+            return Ok(());
+        }
         let param = find_named(Param::ALL, Param::name, name)
             .map_err(|known| Error::param(name, format!("unknown parameter; known: {known}")))?;
         match param {
-            Param::TopK => self.top_k = Some(parse_count(param, value)?),
-            Param::Activation => self.activation = Some(value.trim().parse()?),
+            Param::K => self.k = Some(parse_count(param, value)?),
+            Param::ActFn => self.act_fn = Some(value.trim().parse()?),
+            Param::RouterPreNorm => self.router_pre_norm = Some(parse_bool(param, value)?),
             Param::NormTopkProb => self.norm_topk_prob = Some(parse_bool(param, value)?),
+            Param::XHbmLayout => self.x_hbm_layout = Some(value.trim().parse()?),
             Param::NumExperts => self.num_experts = Some(parse_count(param, value)?),
             Param::BlockSize => self.block_size = Some(parse_count(param, value)?),
             Param::NBlockPerIter => self.n_block_per_iter = Some(parse_count(param, value)?),
@@ -377,7 +422,7 @@ impl Params {
         let mut params = Self::default();
         let mut ignored = Vec::new();
         for (key, value) in metadata {
-            if Param::ALL.iter().any(|p| p.name() == key) {
+            if Param::ALL.iter().any(|p| p.name() == key) || SCHEDULE_ONLY_PARAMS.contains(&key) {
                 params.set(key, value)?;
             } else {
                 ignored.push(key);
@@ -416,6 +461,11 @@ pub fn catalog_table() -> String {
         }
         out.push('\n');
     }
+    let _ = writeln!(
+        out,
+        "router_topk also accepts, without effect on the results: {}.",
+        SCHEDULE_ONLY_PARAMS.join(", ")
+    );
     out.push_str(
         "[(T+1)·E, 1] tensors are also accepted as [(T+1)·E], and block_to_expert [N, 1] as [N].\n\
          token_position_to_id holds T (the zero row of hidden_states) in padding slots.\n\
@@ -438,7 +488,8 @@ pub fn catalog_markdown() -> String {
         list.iter()
             .map(|t| {
                 let optional = if t.required { "" } else { "?" };
-                format!("`{} {}`{optional}", t.name, t.shape)
+                // A `|` in a layout would end the table cell.
+                format!("`{} {}`{optional}", t.name, t.shape.replace('|', "\\|"))
             })
             .collect::<Vec<_>>()
             .join(", ")
@@ -469,11 +520,11 @@ pub fn catalog_markdown() -> String {
 
 const ROUTER_TOPK: KernelSpec = KernelSpec {
     name: "router_topk",
-    summary: "logits = x·w (+bias); softmax|sigmoid; top-K by affinity (+selection_bias), ties to the lower id; optional renormalisation",
+    summary: "nki-library's router: logits = x·w (+w_bias); ACT1: act_fn over all E, top-K (+selection_bias), optional renormalisation, dense affinities without it; ACT2: top-K logits, act_fn over the K; ties to the lower id",
     inputs: &[
-        tensor("x", "[T, H]", FLOAT),
+        tensor("x", "[T, H]|[H, T]", FLOAT),
         tensor("w", "[H, E]", FLOAT),
-        optional("bias", "[E]", FLOAT),
+        optional("w_bias", "[E]|[1, E]", FLOAT),
         optional("selection_bias", "[E]", FLOAT),
     ],
     outputs: &[
@@ -483,17 +534,19 @@ const ROUTER_TOPK: KernelSpec = KernelSpec {
         tensor("expert_affinities", "[T, E]", "f32"),
     ],
     params: &[
-        (Param::TopK, None),
-        (Param::Activation, Some("softmax")),
+        (Param::K, None),
+        (Param::ActFn, Some("SOFTMAX")),
+        (Param::RouterPreNorm, Some("true")),
         (Param::NormTopkProb, Some("false")),
+        (Param::XHbmLayout, Some("1")),
     ],
 };
 
 const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
     name: "router_topk_bwd",
-    summary: "gradients of router_topk w.r.t. x, w and bias from d_topk_affinities (+ d_router_logits)",
+    summary: "moekit's own: gradients of router_topk w.r.t. x (in its layout), w and w_bias from d_topk_affinities (+ d_router_logits)",
     inputs: &[
-        tensor("x", "[T, H]", FLOAT),
+        tensor("x", "[T, H]|[H, T]", FLOAT),
         tensor("w", "[H, E]", FLOAT),
         tensor("router_logits", "[T, E]", FLOAT),
         tensor("expert_index", "[T, K]", "i32"),
@@ -501,13 +554,15 @@ const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
         optional("d_router_logits", "[T, E]", FLOAT),
     ],
     outputs: &[
-        tensor("d_x", "[T, H]", "f32"),
+        tensor("d_x", "[T, H]|[H, T]", "f32"),
         tensor("d_w", "[H, E]", "f32"),
-        tensor("d_bias", "[E]", "f32"),
+        tensor("d_w_bias", "[E]", "f32"),
     ],
     params: &[
-        (Param::Activation, Some("softmax")),
+        (Param::ActFn, Some("SOFTMAX")),
+        (Param::RouterPreNorm, Some("true")),
         (Param::NormTopkProb, Some("false")),
+        (Param::XHbmLayout, Some("1")),
     ],
 };
 

@@ -35,8 +35,8 @@
 //! let w = Tensor::from_f32([h, e], values(h * e))?;
 //!
 //! let routed = backend.router_topk(&RouterTopk::new(
-//!     RouterTopkInputs { x: &x, w: &w, bias: None, selection_bias: None },
-//!     RouterTopkParams { top_k: k, activation: Activation::Softmax, norm_topk_prob: true },
+//!     RouterTopkInputs { x: &x, w: &w, w_bias: None, selection_bias: None },
+//!     RouterTopkParams { k, pipeline: RouterPipeline::QWEN3_MOE },
 //! )?)?;
 //! let plan = backend.permute(&Permute::new(
 //!     PermuteInputs {
@@ -68,8 +68,8 @@
 //!
 //! // Invalid input is an error naming the tensor, never a panic.
 //! let err = RouterTopk::new(
-//!     RouterTopkInputs { x: &x, w: &x, bias: None, selection_bias: None },
-//!     RouterTopkParams { top_k: k, activation: Activation::Softmax, norm_topk_prob: true },
+//!     RouterTopkInputs { x: &x, w: &x, w_bias: None, selection_bias: None },
+//!     RouterTopkParams { k, pipeline: RouterPipeline::QWEN3_MOE },
 //! )
 //! .unwrap_err();
 //! assert!(err.to_string().starts_with("tensor `w`: expected shape [H, E] = [8, _]"));

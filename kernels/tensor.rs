@@ -231,6 +231,30 @@ impl Tensor {
         Ok(self)
     }
 
+    /// The transpose of a 2-D tensor (`[a, b]` becomes `[b, a]`), in the same dtype, copied.
+    /// An error naming `name` if the tensor is not 2-D or cannot be allocated.
+    pub fn transposed(&self, name: &str) -> Result<Tensor> {
+        let &[rows, cols] = self.shape() else {
+            return Err(Error::shape(name, "a 2-D tensor", self.shape()));
+        };
+        fn transpose<T: Copy>(
+            name: &str,
+            values: &[T],
+            rows: usize,
+            cols: usize,
+        ) -> Result<Vec<T>> {
+            let mut out = try_capacity(&format!("the transpose of `{name}`"), &[cols, rows])?;
+            out.extend((0..cols).flat_map(|c| (0..rows).map(move |r| values[r * cols + c])));
+            Ok(out)
+        }
+        let storage = match &self.storage {
+            Storage::F32(v) => Storage::F32(transpose(name, v, rows, cols)?.into()),
+            Storage::BF16(v) => Storage::BF16(transpose(name, v, rows, cols)?.into()),
+            Storage::I32(v) => Storage::I32(transpose(name, v, rows, cols)?.into()),
+        };
+        Tensor::new([cols, rows], storage)
+    }
+
     /// The raw little-endian bytes of the buffer.
     pub fn to_le_bytes(&self) -> Vec<u8> {
         match &self.storage {
@@ -265,5 +289,20 @@ mod tests {
         );
         let scalar = Tensor::from_f32(Vec::<usize>::new(), vec![1.0]).unwrap();
         assert!(scalar.into_leading_rows("x", 0).is_err());
+    }
+
+    #[test]
+    fn the_transpose_swaps_rows_and_columns_in_every_dtype() {
+        let x = Tensor::from_f32([2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let want = Tensor::from_f32([3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]).unwrap();
+        assert_eq!(x.transposed("x").unwrap(), want);
+        assert_eq!(x.to_bf16().transposed("x").unwrap(), want.to_bf16());
+        let ids = Tensor::from_i32([1, 2], vec![7, 8]).unwrap();
+        assert_eq!(
+            ids.transposed("ids").unwrap(),
+            Tensor::from_i32([2, 1], vec![7, 8]).unwrap()
+        );
+        let err = Tensor::from_f32([2], vec![0.0; 2]).unwrap().transposed("x");
+        assert!(err.unwrap_err().to_string().contains("`x`"));
     }
 }

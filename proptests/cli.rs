@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use common::*;
-use moekit::contracts::{Activation, RouterTopk, RouterTopkInputs, RouterTopkParams};
+use moekit::contracts::{RouterPipeline, RouterTopk, RouterTopkInputs, RouterTopkParams};
 use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_markdown};
 use moekit::reference::ReferenceBackend;
@@ -140,7 +140,7 @@ fn router_topk_from_file_equals_the_library_call() {
     write(
         &inputs,
         &[("x", &x), ("w", &w)],
-        &[("top_k", "2"), ("norm_topk_prob", "true"), ("format", "pt")],
+        &[("k", "2"), ("norm_topk_prob", "true"), ("format", "pt")],
     );
     let got = run_ok("router_topk", &inputs, &output, &[]);
     let expected = ReferenceBackend
@@ -149,13 +149,12 @@ fn router_topk_from_file_equals_the_library_call() {
                 RouterTopkInputs {
                     x: &x,
                     w: &w,
-                    bias: None,
+                    w_bias: None,
                     selection_bias: None,
                 },
                 RouterTopkParams {
-                    top_k: 2,
-                    activation: Activation::Softmax,
-                    norm_topk_prob: true,
+                    k: 2,
+                    pipeline: RouterPipeline::QWEN3_MOE,
                 },
             )
             .unwrap(),
@@ -170,7 +169,7 @@ fn router_topk_from_file_equals_the_library_call() {
     write(
         &inputs,
         &[("x", &x), ("w", &w)],
-        &[("top_k", "2"), ("norm_topk", "true")],
+        &[("k", "2"), ("norm_topk", "true")],
     );
     let out = moekit(&[
         "run",
@@ -188,12 +187,7 @@ fn router_topk_from_file_equals_the_library_call() {
     );
 
     // --param overrides metadata.
-    let got = run_ok(
-        "router_topk",
-        &inputs,
-        &output,
-        &["top_k=3", "activation=sigmoid"],
-    );
+    let got = run_ok("router_topk", &inputs, &output, &["k=3", "act_fn=SIGMOID"]);
     assert_eq!(got["expert_index"].shape(), &[5, 3]);
 }
 
@@ -213,11 +207,11 @@ fn bf16_inputs_unused_tensors_and_unused_params_are_accepted() {
         "router_topk",
         &inputs,
         &dir.join("out.safetensors"),
-        &["top_k=2", "block_size=64", "checkpoint_activation=true"],
+        &["k=2", "block_size=64", "checkpoint_activation=true"],
     );
     let tensors: BTreeMap<String, Tensor> = [("x".to_owned(), xb), ("w".to_owned(), wb)].into();
     let mut params = Params::default();
-    params.set("top_k", "2").unwrap();
+    params.set("k", "2").unwrap();
     let expected = Kernel::RouterTopk
         .run(&ReferenceBackend, &tensors, &params)
         .unwrap();
@@ -245,7 +239,7 @@ fn forward_and_backward_pipeline_through_files() {
     let router = step(
         "router_topk",
         &[("x", &x), ("w", &w)],
-        &["top_k=2", "norm_topk_prob=true"],
+        &["k=2", "norm_topk_prob=true"],
     );
     let plan = step(
         "permute",
@@ -359,26 +353,23 @@ fn errors_exit_non_zero_with_a_clear_message() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         run_err(&args, needles);
     };
-    check(run("router_topk", &[]), &["top_k", "required"]);
+    check(run("router_topk", &[]), &["`k`", "required"]);
     check(
-        run("router_topk", &["--param", "top_k=9"]),
-        &["top_k", "1..=6", "got 9"],
+        run("router_topk", &["--param", "k=9"]),
+        &["`k`", "1..=6", "got 9"],
     );
-    check(
-        run("router_topk", &["--param", "top_k=two"]),
-        &["top_k", "`two`"],
-    );
+    check(run("router_topk", &["--param", "k=two"]), &["`k`", "`two`"]);
     check(
         run("router_topk", &["--param", "topk=2"]),
         &["topk", "unknown parameter"],
     );
-    check(run("router_topk", &["--param", "top_k"]), &["NAME=VALUE"]);
+    check(run("router_topk", &["--param", "k"]), &["NAME=VALUE"]);
     check(
-        run("router_topk", &["--param", "activation=relu"]),
-        &["activation", "relu"],
+        run("router_topk", &["--param", "act_fn=relu"]),
+        &["act_fn", "relu", "SOFTMAX or SIGMOID"],
     );
     check(
-        run("router_topk", &["--param", "top_k=2", "--backend", "gpu"]),
+        run("router_topk", &["--param", "k=2", "--backend", "gpu"]),
         &["unknown backend `gpu`", "reference"],
     );
     check(
@@ -409,7 +400,7 @@ fn errors_exit_non_zero_with_a_clear_message() {
         &[],
     );
     check(
-        run("router_topk", &["--param", "top_k=2"]),
+        run("router_topk", &["--param", "k=2"]),
         &["`w`", "[H, E]", "[3, 6]"],
     );
     write(
@@ -418,7 +409,7 @@ fn errors_exit_non_zero_with_a_clear_message() {
         &[],
     );
     check(
-        run("router_topk", &["--param", "top_k=2"]),
+        run("router_topk", &["--param", "k=2"]),
         &["`x`", "f32 or bf16", "i32"],
     );
 
@@ -435,24 +426,21 @@ fn errors_exit_non_zero_with_a_clear_message() {
     let f64_bytes: Vec<u8> = [1.0f64, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
     write_x(safetensors::Dtype::F64, vec![2], &f64_bytes);
     check(
-        run("router_topk", &["--param", "top_k=2"]),
+        run("router_topk", &["--param", "k=2"]),
         &["tensor `x`", "F64"],
     );
     write_x(safetensors::Dtype::F32, vec![0, 1 << 63], &[]);
     check(
-        run("router_topk", &["--param", "top_k=2"]),
+        run("router_topk", &["--param", "k=2"]),
         &["in.safetensors", "tensor `x`", "i64::MAX"],
     );
     std::fs::write(&inputs, b"definitely not safetensors").unwrap();
     check(
-        run("router_topk", &["--param", "top_k=2"]),
+        run("router_topk", &["--param", "k=2"]),
         &["in.safetensors", "not a valid safetensors file"],
     );
     std::fs::remove_file(&inputs).unwrap();
-    check(
-        run("router_topk", &["--param", "top_k=2"]),
-        &["in.safetensors"],
-    );
+    check(run("router_topk", &["--param", "k=2"]), &["in.safetensors"]);
 
     // An output directory that does not exist.
     write(&inputs, &[("x", &x), ("w", &w)], &[]);
@@ -466,7 +454,7 @@ fn errors_exit_non_zero_with_a_clear_message() {
             "--output",
             missing.to_str().unwrap(),
             "--param",
-            "top_k=2",
+            "k=2",
         ],
         &["no-such-dir"],
     );
@@ -483,7 +471,7 @@ fn errors_exit_non_zero_with_a_clear_message() {
             "--output",
             blocked.to_str().unwrap(),
             "--param",
-            "top_k=2",
+            "k=2",
         ],
         &["blocked"],
     );
@@ -702,7 +690,7 @@ fn neuron_info_reports_the_runtime_or_why_it_cannot() {
 fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     let dir = scratch("neuron-check");
     // router_topk at T=6, H=5, E=4, K=2; blockwise_mm at T=6, H=5, E=4, I=3, B=2 (K=2: N=8).
-    let router = "moekit-fake-neff 1\nkernel router_topk\nparam activation softmax\nparam norm_topk_prob 1\n\
+    let router = "moekit-fake-neff 1\nkernel router_topk\nparam act_fn SOFTMAX\nparam norm_topk_prob 1\n\
         input x f32 6 5\ninput w f32 5 4\noutput router_logits f32 6 4\noutput expert_index i32 6 2\n\
         output expert_affinities f32 6 4\n";
     let blockwise = "moekit-fake-neff 1\nkernel blockwise_mm\ninput hidden_states f32 7 5\n\
@@ -722,8 +710,8 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     let manifest = dir.join("kernels.toml");
     std::fs::write(
         &manifest,
-        "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 6\nh = 5\ne = 4\ntop_k = 2\n\
-         activation = \"softmax\"\nnorm_topk_prob = true\n\n\
+        "[[kernel]]\nname = \"router_topk\"\nneff = \"router.neff\"\nt = 6\nh = 5\ne = 4\nk = 2\n\
+         act_fn = \"SOFTMAX\"\nnorm_topk_prob = true\n\n\
          [[kernel]]\nname = \"blockwise_mm\"\nneff = \"blockwise.neff\"\nt = 6\nh = 5\ne = 4\ni = 3\n\
          block_size = 2\nnum_blocks = 8\n\n\
          [[kernel]]\nname = \"blockwise_mm_bwd\"\nneff = \"blockwise_bwd.neff\"\nt = 6\nh = 5\ne = 4\n\
@@ -858,7 +846,7 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
             .collect()
     };
     let router = String::from(
-        "moekit-fake-neff 1\nkernel router_topk\nparam activation softmax\nparam norm_topk_prob 1\n",
+        "moekit-fake-neff 1\nkernel router_topk\nparam act_fn SOFTMAX\nparam norm_topk_prob 1\n",
     ) + &decls(&[
         ("input", "x", "f32 8 64"),
         ("input", "w", "f32 64 8"),

@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use moekit::contracts::{Activation, CHECKPOINT_NAMES};
+use moekit::contracts::{CHECKPOINT_NAMES, RouterActFnType};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
 use proptest::prelude::*;
@@ -30,7 +30,9 @@ struct Shape {
     i: usize,
     k: usize,
     b: usize,
-    activation: Activation,
+    act_fn: RouterActFnType,
+    /// ACT1 (true) or ACT2.
+    router_pre_norm: bool,
     norm_topk_prob: bool,
     biases: bool,
     bf16: bool,
@@ -39,22 +41,28 @@ struct Shape {
 fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
     (
         (1..max_t, 1usize..24, 1usize..9, 1usize..16, 1usize..12),
-        prop_oneof![Just(Activation::Softmax), Just(Activation::Sigmoid)],
-        any::<(bool, bool, bool)>(),
+        prop_oneof![
+            Just(RouterActFnType::Softmax),
+            Just(RouterActFnType::Sigmoid)
+        ],
+        any::<(bool, bool, bool, bool)>(),
     )
-        .prop_flat_map(|(dims, activation, flags)| (Just((dims, activation, flags)), 1..=dims.2))
+        .prop_flat_map(|(dims, act_fn, flags)| (Just((dims, act_fn, flags)), 1..=dims.2))
         .prop_map(
-            |(((t, h, e, i, b), activation, (norm_topk_prob, biases, bf16)), k)| Shape {
-                t,
-                h,
-                e,
-                i,
-                k,
-                b,
-                activation,
-                norm_topk_prob,
-                biases,
-                bf16,
+            |(((t, h, e, i, b), act_fn, (router_pre_norm, norm_topk_prob, biases, bf16)), k)| {
+                Shape {
+                    t,
+                    h,
+                    e,
+                    i,
+                    k,
+                    b,
+                    act_fn,
+                    router_pre_norm,
+                    norm_topk_prob,
+                    biases,
+                    bf16,
+                }
             },
         )
 }
@@ -67,8 +75,11 @@ fn layer(s: Shape, seed: u64) -> Layer {
     } = s;
     let mut rng = SeededRng::new(seed);
     let mut params = Params::default();
-    params.set("top_k", &k.to_string()).unwrap();
-    params.set("activation", &s.activation.to_string()).unwrap();
+    params.set("k", &k.to_string()).unwrap();
+    params.set("act_fn", &s.act_fn.to_string()).unwrap();
+    params
+        .set("router_pre_norm", &s.router_pre_norm.to_string())
+        .unwrap();
     params
         .set("norm_topk_prob", &s.norm_topk_prob.to_string())
         .unwrap();
@@ -87,7 +98,7 @@ fn layer(s: Shape, seed: u64) -> Layer {
     put("x", float(&[t, h], &x));
     put("w", float(&[h, e], &rng.values(h * e, 1.0)));
     if s.biases {
-        put("bias", float(&[e], &rng.values(e, 0.5)));
+        put("w_bias", float(&[e], &rng.values(e, 0.5)));
         put("selection_bias", float(&[e], &rng.values(e, 0.2)));
     }
     let mut padded = x.clone();
@@ -139,13 +150,15 @@ fn selection_margin(layer: &Layer, s: Shape) -> f64 {
     logits
         .chunks(s.e)
         .map(|row| {
-            let probs: Vec<f64> = match s.activation {
-                Activation::Softmax => {
+            // ACT1 chooses by affinity, ACT2 by logit.
+            let probs: Vec<f64> = match s.act_fn {
+                _ if !s.router_pre_norm => row.to_vec(),
+                RouterActFnType::Softmax => {
                     let max = row.iter().cloned().fold(f64::MIN, f64::max);
                     let z: f64 = row.iter().map(|l| (l - max).exp()).sum();
                     row.iter().map(|l| (l - max).exp() / z).collect()
                 }
-                Activation::Sigmoid => row.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+                RouterActFnType::Sigmoid => row.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
             };
             let mut scores: Vec<f64> = probs
                 .iter()
@@ -313,7 +326,8 @@ fn crowded_experts() -> Vec<(&'static str, Shape)> {
         i: 5,
         k: 1,
         b: 16,
-        activation: Activation::Softmax,
+        act_fn: RouterActFnType::Softmax,
+        router_pre_norm: true,
         norm_topk_prob: true,
         biases: false,
         bf16: false,
@@ -365,7 +379,8 @@ fn products_on_streamed_panels_ignore_thread_counts() {
         i: 70,
         k: 2,
         b: 8,
-        activation: Activation::Softmax,
+        act_fn: RouterActFnType::Softmax,
+        router_pre_norm: true,
         norm_topk_prob: true,
         biases: false,
         bf16: false,
@@ -387,7 +402,8 @@ fn edge_cases_match_the_reference() {
         i: 3,
         k: 2,
         b: 2,
-        activation: Activation::Softmax,
+        act_fn: RouterActFnType::Softmax,
+        router_pre_norm: true,
         norm_topk_prob: true,
         biases: false,
         bf16: false,
@@ -441,7 +457,8 @@ fn errors_are_the_reference_errors() {
             i: 2,
             k: 2,
             b: 2,
-            activation: Activation::Softmax,
+            act_fn: RouterActFnType::Softmax,
+            router_pre_norm: true,
             norm_topk_prob: true,
             biases: true,
             bf16: false,
@@ -499,7 +516,7 @@ fn errors_are_the_reference_errors() {
             kernel.name()
         );
     }
-    layer.params.set("top_k", "9").unwrap();
+    layer.params.set("k", "9").unwrap();
     let err = Kernel::RouterTopk
         .run(
             BackendKind::Cpu.create().as_ref(),
@@ -507,7 +524,7 @@ fn errors_are_the_reference_errors() {
             &layer.params,
         )
         .unwrap_err();
-    assert!(err.to_string().contains("top_k"), "{err}");
+    assert!(err.to_string().contains("`k`"), "{err}");
 }
 
 #[test]
@@ -519,7 +536,8 @@ fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks()
         i: 4,
         k: 2,
         b: 4,
-        activation: Activation::Softmax,
+        act_fn: RouterActFnType::Softmax,
+        router_pre_norm: true,
         norm_topk_prob: true,
         biases: false,
         bf16: false,

@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    Activation, LoadBalancingDims, LoadBalancingLoss, LoadBalancingLossBwd,
-    LoadBalancingLossBwdInputs, LoadBalancingLossInputs, LoadBalancingLossOutputs, RouterTopk,
+    LoadBalancingDims, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs,
+    LoadBalancingLossInputs, LoadBalancingLossOutputs, RouterPipeline, RouterTopk,
     RouterTopkInputs, RouterTopkParams,
 };
 use moekit::reference::ReferenceBackend;
@@ -104,8 +104,8 @@ proptest! {
         let identity: Vec<f64> = (0..n * n).map(|i| if i % (n + 1) == 0 { 1.0 } else { 0.0 }).collect();
         let (x, w) = (f32_tensor(&[n, n], &identity), f32_tensor(&[n, c.e], &c.logits));
         let routed = ReferenceBackend.router_topk(&RouterTopk::new(
-            RouterTopkInputs { x: &x, w: &w, bias: None, selection_bias: None },
-            RouterTopkParams { top_k: c.k, activation: Activation::Softmax, norm_topk_prob: true },
+            RouterTopkInputs { x: &x, w: &w, w_bias: None, selection_bias: None },
+            RouterTopkParams { k: c.k, pipeline: RouterPipeline::QWEN3_MOE },
         ).unwrap()).unwrap();
         prop_assert_eq!(routed.expert_index.as_i32().unwrap(), &hf.index[..]);
         let logits = f32_tensor(&[c.l, c.t, c.e], &c.logits);

@@ -60,16 +60,24 @@ fn router_neff(
     params: RouterTopkParams,
     with_topk: bool,
 ) -> String {
-    let (t, e) = (x.shape()[0], w.shape()[1]);
+    let p = params.pipeline;
+    let t = match p.x_hbm_layout {
+        XHbmLayout::TH => x.shape()[0],
+        XHbmLayout::HT => x.shape()[1],
+    };
+    let e = w.shape()[1];
     let mut neff = format!(
-        "moekit-fake-neff 1\nkernel router_topk\nparam activation {}\nparam norm_topk_prob {}\n",
-        params.activation,
-        u8::from(params.norm_topk_prob)
+        "moekit-fake-neff 1\nkernel router_topk\nparam act_fn {}\nparam router_pre_norm {}\n\
+         param norm_topk_prob {}\nparam x_hbm_layout {}\n",
+        p.act_fn,
+        u8::from(p.router_pre_norm),
+        u8::from(p.norm_topk_prob),
+        p.x_hbm_layout
     );
     neff += &decl("input", "x", &x.dtype().to_string(), x.shape());
     neff += &decl("input", "w", &w.dtype().to_string(), w.shape());
     if let Some(bias) = bias {
-        neff += &decl("input", "bias", &bias.dtype().to_string(), bias.shape());
+        neff += &decl("input", "w_bias", &bias.dtype().to_string(), bias.shape());
     }
     neff += &decl("output", "router_logits", "f32", &[t, e]);
     neff += &decl("output", "expert_index", "i32", &[t, k]);
@@ -81,9 +89,11 @@ fn router_neff(
 }
 
 fn router_entry(t: usize, h: usize, e: usize, params: RouterTopkParams) -> String {
+    let p = params.pipeline;
     format!(
-        "name = \"router_topk\"\nt = {t}\nh = {h}\ne = {e}\ntop_k = {}\nactivation = \"{}\"\nnorm_topk_prob = {}\n",
-        params.top_k, params.activation, params.norm_topk_prob
+        "name = \"router_topk\"\nt = {t}\nh = {h}\ne = {e}\nk = {}\nact_fn = \"{}\"\n\
+         router_pre_norm = {}\nnorm_topk_prob = {}\nx_hbm_layout = {}\n",
+        params.k, p.act_fn, p.router_pre_norm, p.norm_topk_prob, p.x_hbm_layout
     )
 }
 
@@ -93,8 +103,7 @@ struct RouterCase {
     h: usize,
     e: usize,
     k: usize,
-    activation: Activation,
-    norm_topk_prob: bool,
+    pipeline: RouterPipeline,
     bias: bool,
     bf16: bool,
     with_topk: bool,
@@ -108,22 +117,35 @@ fn router_case() -> impl Strategy<Value = RouterCase> {
         1usize..20,
         1usize..10,
         any::<(bool, bool, bool, bool, bool, bool)>(),
-        any::<u64>(),
+        any::<(bool, bool, u64)>(),
     )
-        .prop_flat_map(|(t, h, e, flags, seed)| (Just((t, h, e, flags, seed)), 1..=e))
+        .prop_flat_map(|(t, h, e, flags, more)| (Just((t, h, e, flags, more)), 1..=e))
         .prop_map(
-            |((t, h, e, (sigmoid, norm_topk_prob, bias, bf16, with_topk, selection), seed), k)| {
+            |(
+                (
+                    t,
+                    h,
+                    e,
+                    (sigmoid, norm_topk_prob, bias, bf16, with_topk, selection),
+                    (act2, h_t, seed),
+                ),
+                k,
+            )| {
                 RouterCase {
                     t,
                     h,
                     e,
                     k,
-                    activation: if sigmoid {
-                        Activation::Sigmoid
-                    } else {
-                        Activation::Softmax
+                    pipeline: RouterPipeline {
+                        act_fn: if sigmoid {
+                            RouterActFnType::Sigmoid
+                        } else {
+                            RouterActFnType::Softmax
+                        },
+                        router_pre_norm: !act2,
+                        norm_topk_prob,
+                        x_hbm_layout: if h_t { XHbmLayout::HT } else { XHbmLayout::TH },
                     },
-                    norm_topk_prob,
                     bias,
                     bf16,
                     with_topk,
@@ -146,19 +168,21 @@ proptest! {
         let _guard = exclusive();
         let mut rng = SeededRng::new(case.seed);
         let (t, h, e, k) = (case.t, case.h, case.e, case.k);
-        let x = maybe_bf16(f32_tensor(&[t, h], &rng.values(t * h, 1.0)), case.bf16);
+        let x = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+        let x = case.pipeline.x_hbm_layout.from_tokens_major(x).unwrap();
+        let x = maybe_bf16(x, case.bf16);
         let w = maybe_bf16(f32_tensor(&[h, e], &rng.values(h * e, 1.0)), case.bf16);
         let bias = case.bias.then(|| f32_tensor(&[e], &rng.values(e, 0.5)));
         // Aux-loss-free balancing's bias: it moves the choice only.
         let selection = case.selection.then(|| f32_tensor(&[e], &rng.values(e, 0.2)));
-        let params = RouterTopkParams { top_k: k, activation: case.activation, norm_topk_prob: case.norm_topk_prob };
+        let params = RouterTopkParams { k, pipeline: case.pipeline };
         let mut neff = router_neff(&x, &w, bias.as_ref(), k, params, case.with_topk);
         if selection.is_some() {
             neff += &decl("input", "selection_bias", "f32", &[e]);
         }
         let dir = workdir("router");
         let backend = backend_with(&dir, &[("router.neff", neff, router_entry(t, h, e, params))]);
-        let inputs = RouterTopkInputs { x: &x, w: &w, bias: bias.as_ref(), selection_bias: selection.as_ref() };
+        let inputs = RouterTopkInputs { x: &x, w: &w, w_bias: bias.as_ref(), selection_bias: selection.as_ref() };
         let call = RouterTopk::new(inputs, params).unwrap();
         let got = backend.router_topk(&call).unwrap();
         let want = BackendKind::Reference.create().router_topk(&call).unwrap();
@@ -187,8 +211,8 @@ proptest! {
         let x = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
         let w = f32_tensor(&[h, e], &rng.values(h * e, 1.0));
         let routed = reference.router_topk(&RouterTopk::new(
-            RouterTopkInputs { x: &x, w: &w, bias: None, selection_bias: None },
-            RouterTopkParams { top_k: k, activation: Activation::Softmax, norm_topk_prob: true },
+            RouterTopkInputs { x: &x, w: &w, w_bias: None, selection_bias: None },
+            RouterTopkParams { k, pipeline: RouterPipeline::QWEN3_MOE },
         ).unwrap()).unwrap();
         let plan = reference.permute(&Permute::new(
             PermuteInputs { expert_index: &routed.expert_index, topk_affinities: &routed.topk_affinities },
@@ -303,14 +327,13 @@ fn small_router() -> SmallRouter {
         w: f32_tensor(&[6, 5], &rng.values(30, 1.0)),
         bias: f32_tensor(&[5], &rng.values(5, 0.5)),
         params: RouterTopkParams {
-            top_k: 2,
-            activation: Activation::Softmax,
-            norm_topk_prob: true,
+            k: 2,
+            pipeline: RouterPipeline::QWEN3_MOE,
         },
     }
 }
 
-/// Runs the small router call (with `bias` if asked) on a backend whose only NEFF is `neff`.
+/// Runs the small router call (with `w_bias` if asked) on a backend whose only NEFF is `neff`.
 fn run_small(
     name: &str,
     neff: String,
@@ -326,7 +349,7 @@ fn run_small(
         RouterTopkInputs {
             x: &r.x,
             w: &r.w,
-            bias,
+            w_bias: bias,
             selection_bias: None,
         },
         r.params,
@@ -381,13 +404,13 @@ fn inputs_and_outputs_outside_the_contract_or_missing_are_refused() {
     // The call gives a bias the NEFF does not take: it would silently be ignored.
     expect_neff_error(
         run_small("ignored-bias", base.clone(), None, true),
-        &["`bias`", "does not take"],
+        &["`w_bias`", "does not take"],
     );
     // The NEFF takes a bias the call does not give.
     let with_bias = router_neff(&r.x, &r.w, Some(&r.bias), 2, r.params, true);
     expect_neff_error(
         run_small("missing-bias", with_bias, None, false),
-        &["needs input `bias`"],
+        &["needs input `w_bias`"],
     );
     let no_logits = base.replace("output router_logits f32 4 5\n", "");
     let err = run_small("no-logits", no_logits, None, false)
@@ -412,7 +435,7 @@ fn a_bias_run_and_a_run_without_topk_affinities_match_the_reference() {
         RouterTopkInputs {
             x: &r.x,
             w: &r.w,
-            bias: Some(&r.bias),
+            w_bias: Some(&r.bias),
             selection_bias: None,
         },
         r.params,
@@ -436,10 +459,7 @@ fn manifest_lookup_failures_name_the_manifest_and_what_it_registers() {
     let _guard = exclusive();
     let r = small_router();
     let neff = router_neff(&r.x, &r.w, None, 2, r.params, true);
-    let other = RouterTopkParams {
-        top_k: 3,
-        ..r.params
-    };
+    let other = RouterTopkParams { k: 3, ..r.params };
     let err = run_small(
         "no-entry",
         neff.clone(),
@@ -451,10 +471,10 @@ fn manifest_lookup_failures_name_the_manifest_and_what_it_registers() {
     let message = err.to_string();
     assert!(message.contains("kernels.toml"), "{message}");
     assert!(
-        message.contains("no NEFF for router_topk with t=4 h=6 e=5 top_k=2"),
+        message.contains("no NEFF for router_topk with t=4 h=6 e=5 k=2"),
         "{message}"
     );
-    assert!(message.contains("top_k=3"), "{message}");
+    assert!(message.contains("k=3"), "{message}");
 
     let bad_key = format!("{}\nheads = 4\n", router_entry(4, 6, 5, r.params));
     let err = run_small("bad-key", neff.clone(), Some(bad_key), false)
@@ -479,7 +499,7 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         RouterTopkInputs {
             x: &r.x,
             w: &r.w,
-            bias: None,
+            w_bias: None,
             selection_bias: None,
         },
         r.params,
@@ -544,8 +564,8 @@ fn a_bias_key_picks_the_neff_that_takes_the_bias() {
     let backend = backend_with(
         &dir,
         &[
-            ("plain.neff", plain, format!("{entry}bias = false\n")),
-            ("biased.neff", with_bias, format!("{entry}bias = true\n")),
+            ("plain.neff", plain, format!("{entry}w_bias = false\n")),
+            ("biased.neff", with_bias, format!("{entry}w_bias = true\n")),
         ],
     );
     let reference = BackendKind::Reference.create();
@@ -553,7 +573,7 @@ fn a_bias_key_picks_the_neff_that_takes_the_bias() {
         let inputs = RouterTopkInputs {
             x: &r.x,
             w: &r.w,
-            bias,
+            w_bias: bias,
             selection_bias: None,
         };
         let call = RouterTopk::new(inputs, r.params).unwrap();

@@ -1,5 +1,7 @@
-//! `router_topk` forward against a direct softmax/sigmoid + sort formulation, its backward
-//! against central finite differences, tie-breaking, edge cases and error paths.
+//! `router_topk` forward against a direct softmax/sigmoid + sort formulation in every
+//! nki-library mode (ACT1 with dense or renormalised affinities, ACT2, SOFTMAX and SIGMOID,
+//! `x [T, H]` and `[H, T]`, `w_bias`), its backward against central finite differences,
+//! tie-breaking, edge cases and error paths.
 
 #![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
 
@@ -7,8 +9,8 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    Activation, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
-    RouterTopkInputs, RouterTopkParams,
+    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use moekit::reference::router::{router_backward, router_forward};
 use moekit::{Backend, Error, Tensor, reference::ReferenceBackend};
@@ -20,6 +22,7 @@ struct Case {
     h: usize,
     e: usize,
     params: RouterTopkParams,
+    /// `[T, H]`, whatever the layout the tensors are given in.
     x: Vec<f64>,
     w: Vec<f64>,
     bias: Option<Vec<f64>>,
@@ -32,24 +35,31 @@ fn case() -> impl Strategy<Value = Case> {
             (
                 Just((t, h, e)),
                 1..=e,
-                prop_oneof![Just(Activation::Softmax), Just(Activation::Sigmoid)],
-                any::<bool>(),
+                prop_oneof![
+                    Just(RouterActFnType::Softmax),
+                    Just(RouterActFnType::Sigmoid)
+                ],
+                any::<(bool, bool, bool)>(),
                 any::<bool>(),
                 any::<bool>(),
                 any::<u64>(),
             )
         })
         .prop_map(
-            |((t, h, e), top_k, activation, norm_topk_prob, bias, sel, seed)| {
+            |((t, h, e), k, act_fn, (router_pre_norm, norm_topk_prob, h_t), bias, sel, seed)| {
                 let mut rng = SeededRng::new(seed);
                 Case {
                     t,
                     h,
                     e,
                     params: RouterTopkParams {
-                        top_k,
-                        activation,
-                        norm_topk_prob,
+                        k,
+                        pipeline: RouterPipeline {
+                            act_fn,
+                            router_pre_norm,
+                            norm_topk_prob,
+                            x_hbm_layout: if h_t { XHbmLayout::HT } else { XHbmLayout::TH },
+                        },
                     },
                     x: rng.values(t * h, 2.0),
                     w: rng.values(h * e, 1.0),
@@ -66,17 +76,34 @@ struct Oracle {
     scores: Vec<f64>,
     expert_index: Vec<usize>,
     topk: Vec<f64>,
+    /// `[T, E]`.
+    expert_affinities: Vec<f64>,
 }
 
-/// Direct formulation: logits by explicit dot products, probabilities by the textbook formulas,
-/// selection by a full stable sort on (score descending, expert id ascending).
+fn activate(act_fn: RouterActFnType, logits: &[f64]) -> Vec<f64> {
+    match act_fn {
+        RouterActFnType::Softmax => {
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+            logits.iter().map(|l| (l - max).exp() / z).collect()
+        }
+        RouterActFnType::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+    }
+}
+
+/// Direct formulation of nki-library's two pipelines: logits by explicit dot products,
+/// activations by the textbook formulas, selection by a full stable sort on (score descending,
+/// expert id ascending). ACT1 activates all E and selects by affinity; ACT2 selects by logit
+/// and activates the K selected logits.
 fn oracle(c: &Case) -> Oracle {
-    let (t, h, e, k) = (c.t, c.h, c.e, c.params.top_k);
+    let (t, h, e, k) = (c.t, c.h, c.e, c.params.k);
+    let p = c.params.pipeline;
     let mut o = Oracle {
         logits: vec![],
         scores: vec![],
         expert_index: vec![],
         topk: vec![],
+        expert_affinities: vec![],
     };
     for token in 0..t {
         let logits: Vec<f64> = (0..e)
@@ -88,25 +115,32 @@ fn oracle(c: &Case) -> Oracle {
                 acc
             })
             .collect();
-        let probs: Vec<f64> = match c.params.activation {
-            Activation::Softmax => {
-                let max = logits.iter().cloned().fold(f64::MIN, f64::max);
-                let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-                logits.iter().map(|l| (l - max).exp() / z).collect()
-            }
-            Activation::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
-        };
+        let probs = activate(p.act_fn, &logits);
+        let by = if p.router_pre_norm { &probs } else { &logits };
         let scores: Vec<f64> = (0..e)
-            .map(|ex| probs[ex] + c.selection_bias.as_ref().map_or(0.0, |b| b[ex]))
+            .map(|ex| by[ex] + c.selection_bias.as_ref().map_or(0.0, |b| b[ex]))
             .collect();
         let mut order: Vec<usize> = (0..e).collect();
         order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
         let chosen = &order[..k];
-        let sum: f64 = chosen.iter().map(|&ex| probs[ex]).sum();
-        for &ex in chosen {
-            o.topk
-                .push(probs[ex] / if c.params.norm_topk_prob { sum } else { 1.0 });
+        let topk: Vec<f64> = if p.router_pre_norm {
+            let sum: f64 = chosen.iter().map(|&ex| probs[ex]).sum();
+            let norm = if p.norm_topk_prob { sum } else { 1.0 };
+            chosen.iter().map(|&ex| probs[ex] / norm).collect()
+        } else {
+            let selected: Vec<f64> = chosen.iter().map(|&ex| logits[ex]).collect();
+            activate(p.act_fn, &selected)
+        };
+        let mut affinities = vec![0.0; e];
+        if p.router_pre_norm && !p.norm_topk_prob {
+            affinities.copy_from_slice(&probs);
+        } else {
+            for (&ex, &a) in chosen.iter().zip(&topk) {
+                affinities[ex] = a;
+            }
         }
+        o.topk.extend(topk);
+        o.expert_affinities.extend(affinities);
         o.expert_index.extend_from_slice(chosen);
         o.logits.extend(logits);
         o.scores.extend(scores);
@@ -129,9 +163,15 @@ fn selection_margin(scores: &[f64], e: usize, k: usize) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// `values [T, H]` laid out as `layout` says.
+fn in_layout(values: &[f64], (t, h): (usize, usize), layout: XHbmLayout) -> Tensor {
+    let tokens_major = f32_tensor(&[t, h], values);
+    layout.from_tokens_major(tokens_major).unwrap()
+}
+
 fn tensors(c: &Case) -> (Tensor, Tensor, Option<Tensor>, Option<Tensor>) {
     (
-        f32_tensor(&[c.t, c.h], &c.x),
+        in_layout(&c.x, (c.t, c.h), c.params.pipeline.x_hbm_layout),
         f32_tensor(&[c.h, c.e], &c.w),
         c.bias.as_ref().map(|b| f32_tensor(&[c.e], b)),
         c.selection_bias.as_ref().map(|b| f32_tensor(&[c.e], b)),
@@ -149,7 +189,7 @@ fn run(
         RouterTopkInputs {
             x,
             w,
-            bias,
+            w_bias: bias,
             selection_bias,
         },
         params,
@@ -163,25 +203,17 @@ proptest! {
     #[test]
     fn forward_matches_direct_formulation(c in case()) {
         let o = oracle(&c);
-        prop_assume!(selection_margin(&o.scores, c.e, c.params.top_k) > 1e-9);
+        prop_assume!(selection_margin(&o.scores, c.e, c.params.k) > 1e-9);
         let (x, w, bias, sel) = tensors(&c);
         let out = run(&x, &w, bias.as_ref(), sel.as_ref(), c.params).unwrap();
-        let k = c.params.top_k;
+        let k = c.params.k;
         prop_assert_eq!(out.expert_index.shape(), &[c.t, k]);
         let ids: Vec<usize> = out.expert_index.as_i32().unwrap().iter().map(|&i| i as usize).collect();
         prop_assert_eq!(&ids, &o.expert_index);
         assert_close("router_logits", &f32s(&out.router_logits), &o.logits, 1e-6, 1e-6)?;
         assert_close("topk_affinities", &f32s(&out.topk_affinities), &o.topk, 1e-6, 1e-7)?;
-        let scattered = f32s(&out.expert_affinities);
-        for token in 0..c.t {
-            for ex in 0..c.e {
-                let expected = (0..k)
-                    .find(|&slot| ids[token * k + slot] == ex)
-                    .map_or(0.0, |slot| f32s(&out.topk_affinities)[token * k + slot]);
-                prop_assert_eq!(scattered[token * c.e + ex], expected);
-            }
-        }
-        if c.params.norm_topk_prob {
+        assert_close("expert_affinities", &f32s(&out.expert_affinities), &o.expert_affinities, 1e-6, 1e-7)?;
+        if c.params.pipeline.renormalises() {
             for row in f32s(&out.topk_affinities).chunks(k) {
                 prop_assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6);
             }
@@ -212,11 +244,16 @@ proptest! {
         for j in 0..h {
             w[j * e + hi] = w[j * e + lo];
         }
-        for activation in [Activation::Softmax, Activation::Sigmoid] {
-            for top_k in 1..=e {
-                let params = RouterTopkParams { top_k, activation, norm_topk_prob: false };
+        for (act_fn, router_pre_norm) in [
+            (RouterActFnType::Softmax, true),
+            (RouterActFnType::Sigmoid, true),
+            (RouterActFnType::Softmax, false),
+        ] {
+            for k in 1..=e {
+                let pipeline = RouterPipeline { act_fn, router_pre_norm, ..RouterPipeline::default() };
+                let params = RouterTopkParams { k, pipeline };
                 let out = run(&f32_tensor(&[t, h], &x), &f32_tensor(&[h, e], &w), None, None, params).unwrap();
-                for row in out.expert_index.as_i32().unwrap().chunks(top_k) {
+                for row in out.expert_index.as_i32().unwrap().chunks(k) {
                     let pos = |id: usize| row.iter().position(|&r| r as usize == id);
                     match (pos(lo), pos(hi)) {
                         (Some(a), Some(b)) => prop_assert!(a < b, "row {:?}: {} after {}", row, lo, hi),
@@ -231,8 +268,9 @@ proptest! {
     #[test]
     fn backward_matches_finite_differences(c in case(), seed in any::<u64>(), with_d_logits in any::<bool>()) {
         let o = oracle(&c);
-        prop_assume!(selection_margin(&o.scores, c.e, c.params.top_k) > 1e-3);
-        let (t, h, e, k) = (c.t, c.h, c.e, c.params.top_k);
+        prop_assume!(selection_margin(&o.scores, c.e, c.params.k) > 1e-3);
+        let (t, h, e, k) = (c.t, c.h, c.e, c.params.k);
+        let pipeline = c.params.pipeline;
         let mut rng = SeededRng::new(seed);
         let d_topk = rng.values(t * k, 1.0);
         let d_logits = with_d_logits.then(|| rng.values(t * e, 1.0));
@@ -240,48 +278,53 @@ proptest! {
         let sel = c.selection_bias.as_deref();
         // L(x, w, bias) = Σ d_topk ⊙ topk_affinities + Σ d_logits ⊙ router_logits.
         let loss = |x: &[f64], w: &[f64], b: &[f64]| {
-            let f = router_forward(x, w, Some(b), sel, (t, h, e), c.params);
+            let f = router_forward(x, w, Some(b), sel, (t, h, e, k), pipeline);
             dot(&d_topk, &f.topk_affinities) + d_logits.as_ref().map_or(0.0, |d| dot(d, &f.logits))
         };
-        let bwd_params = RouterTopkBwdParams { activation: c.params.activation, norm_topk_prob: c.params.norm_topk_prob };
-        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e), c.params);
+        let bwd_params = RouterTopkBwdParams { pipeline };
+        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e, k), pipeline);
         let grads = router_backward(&c.x, &c.w, &fwd.logits, &fwd.expert_index, &d_topk,
-            d_logits.as_deref(), (t, h, e, k), bwd_params);
+            d_logits.as_deref(), (t, h, e, k), pipeline);
         let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(x, &c.w, &bias));
         let fd_w = finite_differences(&c.w, FD_STEP, |w| loss(&c.x, w, &bias));
         let fd_b = finite_differences(&bias, FD_STEP, |b| loss(&c.x, &c.w, b));
         assert_close("d_x", &grads.d_x, &fd_x, FD_TOL, FD_TOL)?;
         assert_close("d_w", &grads.d_w, &fd_w, FD_TOL, FD_TOL)?;
-        assert_close("d_bias", &grads.d_bias, &fd_b, FD_TOL, FD_TOL)?;
+        assert_close("d_w_bias", &grads.d_w_bias, &fd_b, FD_TOL, FD_TOL)?;
 
-        // The f32 kernel returns the same gradients, rounded once.
-        let out = run(&f32_tensor(&[t, h], &c.x), &f32_tensor(&[h, e], &c.w),
-            Some(&f32_tensor(&[e], &bias)), c.selection_bias.as_ref().map(|b| f32_tensor(&[e], b)).as_ref(),
-            c.params).unwrap();
+        // The f32 kernel returns the same gradients, rounded once, d_x in x's layout.
+        let x = in_layout(&c.x, (t, h), pipeline.x_hbm_layout);
+        let w = f32_tensor(&[h, e], &c.w);
+        let out = run(&x, &w, Some(&f32_tensor(&[1, e], &bias)),
+            c.selection_bias.as_ref().map(|b| f32_tensor(&[e], b)).as_ref(), c.params).unwrap();
         let d_topk_t = f32_tensor(&[t, k], &d_topk);
         let d_logits_t = d_logits.as_ref().map(|d| f32_tensor(&[t, e], d));
-        let (x, w) = (f32_tensor(&[t, h], &c.x), f32_tensor(&[h, e], &c.w));
         let call = RouterTopkBwd::new(RouterTopkBwdInputs {
             x: &x, w: &w, router_logits: &out.router_logits, expert_index: &out.expert_index,
             d_topk_affinities: &d_topk_t, d_router_logits: d_logits_t.as_ref(),
         }, bwd_params).unwrap();
         let g = ReferenceBackend.router_topk_bwd(&call).unwrap();
         // router_logits passed through f32: allow for that rounding.
-        assert_close("d_x (f32)", &f32s(&g.d_x), &grads.d_x, 1e-5, 1e-5)?;
+        prop_assert_eq!(g.d_x.shape(), x.shape());
+        let d_x = f32s(&in_layout(&grads.d_x, (t, h), pipeline.x_hbm_layout));
+        assert_close("d_x (f32)", &f32s(&g.d_x), &d_x, 1e-5, 1e-5)?;
         assert_close("d_w (f32)", &f32s(&g.d_w), &grads.d_w, 1e-5, 1e-5)?;
-        assert_close("d_bias (f32)", &f32s(&g.d_bias), &grads.d_bias, 1e-5, 1e-5)?;
+        assert_close("d_w_bias (f32)", &f32s(&g.d_w_bias), &grads.d_w_bias, 1e-5, 1e-5)?;
     }
 }
 
 #[test]
 fn one_expert_gets_everything() {
-    for activation in [Activation::Softmax, Activation::Sigmoid] {
+    for act_fn in [RouterActFnType::Softmax, RouterActFnType::Sigmoid] {
         let x = f32_tensor(&[3, 2], &[0.5, -1.0, 2.0, 0.25, -0.75, 1.5]);
         let w = f32_tensor(&[2, 1], &[0.3, -0.2]);
         let params = RouterTopkParams {
-            top_k: 1,
-            activation,
-            norm_topk_prob: true,
+            k: 1,
+            pipeline: RouterPipeline {
+                act_fn,
+                norm_topk_prob: true,
+                ..RouterPipeline::default()
+            },
         };
         let out = run(&x, &w, None, None, params).unwrap();
         assert_eq!(out.expert_index.as_i32().unwrap(), &[0, 0, 0]);
@@ -296,9 +339,12 @@ fn extreme_sigmoid_logits_renormalise_without_nan() {
     let x = f32_tensor(&[1, 1], &[1.0]);
     let w = f32_tensor(&[1, 3], &[-200.0, -300.0, -1000.0]);
     let params = RouterTopkParams {
-        top_k: 2,
-        activation: Activation::Sigmoid,
-        norm_topk_prob: true,
+        k: 2,
+        pipeline: RouterPipeline {
+            act_fn: RouterActFnType::Sigmoid,
+            norm_topk_prob: true,
+            ..RouterPipeline::default()
+        },
     };
     let out = run(&x, &w, None, None, params).unwrap();
     assert_eq!(out.expert_index.as_i32().unwrap(), &[0, 1]);
@@ -319,20 +365,48 @@ fn expect_err(result: moekit::Result<impl std::fmt::Debug>, needles: &[&str]) {
 fn bad_inputs_are_clear_errors() {
     let x = f32_tensor(&[2, 3], &[0.1; 6]);
     let w = f32_tensor(&[3, 4], &[0.2; 12]);
-    let p = |top_k| RouterTopkParams {
-        top_k,
-        activation: Activation::Softmax,
-        norm_topk_prob: true,
+    let p = |k| RouterTopkParams {
+        k,
+        pipeline: RouterPipeline::QWEN3_MOE,
     };
-    expect_err(run(&x, &w, None, None, p(0)), &["top_k", "1..=4", "got 0"]);
-    expect_err(run(&x, &w, None, None, p(5)), &["top_k", "got 5"]);
+    expect_err(run(&x, &w, None, None, p(0)), &["`k`", "1..=4", "got 0"]);
+    expect_err(run(&x, &w, None, None, p(5)), &["`k`", "got 5"]);
+    // x [H, T] with x_hbm_layout = 0: the [2, 3] x reads as T = 3 tokens of H = 2.
+    let h_t = RouterTopkParams {
+        k: 2,
+        pipeline: RouterPipeline {
+            x_hbm_layout: XHbmLayout::HT,
+            ..RouterPipeline::QWEN3_MOE
+        },
+    };
+    expect_err(run(&x, &w, None, None, h_t), &["`w`", "[H, E] = [2, _]"]);
+    let x_h_t = f32_tensor(&[3, 2], &[0.1; 6]);
+    assert_eq!(
+        run(&x_h_t, &w, None, None, h_t)
+            .unwrap()
+            .router_logits
+            .shape(),
+        &[2, 4]
+    );
+    expect_err(run(&x, &w, None, None, h_t), &["`w`", "[H, E]"]);
+    // w_bias is [E] or [1, E].
+    let bias_row = f32_tensor(&[1, 4], &[0.5, 0.0, 0.0, 0.0]);
+    let bias_flat = f32_tensor(&[4], &[0.5, 0.0, 0.0, 0.0]);
+    assert_eq!(
+        run(&x, &w, Some(&bias_row), None, p(2)).unwrap(),
+        run(&x, &w, Some(&bias_flat), None, p(2)).unwrap()
+    );
+    expect_err(
+        run(&x, &w, Some(&f32_tensor(&[2, 4], &[0.0; 8])), None, p(2)),
+        &["`w_bias`", "[E] or [1, E]"],
+    );
     let w_bad = f32_tensor(&[2, 4], &[0.2; 8]);
     expect_err(
         run(&x, &w_bad, None, None, p(2)),
         &["`w`", "[H, E]", "[2, 4]"],
     );
     let bias = f32_tensor(&[3], &[0.0; 3]);
-    expect_err(run(&x, &w, Some(&bias), None, p(2)), &["`bias`", "[E]"]);
+    expect_err(run(&x, &w, Some(&bias), None, p(2)), &["`w_bias`", "[E]"]);
     expect_err(run(&x, &w, None, Some(&bias), p(2)), &["`selection_bias`"]);
     let x_int = i32_tensor(&[2, 3], &[0; 6]);
     let err = run(&x_int, &w, None, None, p(2)).unwrap_err();
@@ -360,10 +434,7 @@ fn backward_rejects_inconsistent_inputs() {
     let w = f32_tensor(&[3, 4], &[0.2; 12]);
     let logits = f32_tensor(&[2, 4], &[0.0; 8]);
     let d = f32_tensor(&[2, 2], &[1.0; 4]);
-    let params = RouterTopkBwdParams {
-        activation: Activation::Softmax,
-        norm_topk_prob: false,
-    };
+    let params = RouterTopkBwdParams::default();
     let bwd = |index: &Tensor, d: &Tensor| {
         RouterTopkBwd::new(
             RouterTopkBwdInputs {

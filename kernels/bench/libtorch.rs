@@ -99,7 +99,12 @@ impl Operands {
             expert_index: to_tch(&routed.expert_index).to_kind(Kind::Int64),
             topk: grad(to_tch(&routed.topk_affinities).to_kind(dtype)),
             d_topk: to_tch(&inputs.d_topk_affinities),
-            d_output: to_tch(&inputs.output_hidden_states_grad),
+            // `[T+1, H]` without its padding row.
+            d_output: to_tch(&inputs.output_hidden_states_grad).narrow(
+                0,
+                0,
+                inputs.x.shape()[0] as i64,
+            ),
         }
     }
 

@@ -357,13 +357,12 @@ impl LayerInputs {
             RouterTopkInputs {
                 x: &self.x,
                 w: &self.w,
-                bias: None,
+                w_bias: None,
                 selection_bias: None,
             },
             RouterTopkParams {
-                top_k: self.shape.k,
-                activation: Activation::Softmax,
-                norm_topk_prob: true,
+                k: self.shape.k,
+                pipeline: RouterPipeline::QWEN3_MOE,
             },
         )
     }
@@ -449,8 +448,7 @@ impl Layer {
                 d_router_logits: None,
             },
             RouterTopkBwdParams {
-                activation: Activation::Softmax,
-                norm_topk_prob: true,
+                pipeline: RouterPipeline::QWEN3_MOE,
             },
         )
     }

@@ -1,18 +1,27 @@
-//! `router_topk`: token-choice top-k routing (the NKI `router_topk` kernel), and its backward.
+//! `router_topk`: token-choice top-k routing, nki-library's `router_topk` kernel with its
+//! parameter names and modes, and its backward (moekit's own).
 //!
-//! Forward, per token `t`:
+//! Forward, per token `t` (`x` is `[T, H]` with `x_hbm_layout = 1`, `[H, T]` with 0):
 //! ```text
-//! router_logits[t]      = x[t] · w (+ bias)                          [T, E]  f32
-//! p[t]                  = softmax(router_logits[t]) or sigmoid(...)  over all E experts
-//! expert_index[t]       = the K experts with the largest p[t] (+ selection_bias), in descending
-//!                         order, ties to the lower expert id                        [T, K]  i32
-//! topk_affinities[t, k] = p[t, expert_index[t, k]], divided by Σ_k of those values if
-//!                         norm_topk_prob                                            [T, K]  f32
-//! expert_affinities[t]  = topk_affinities scattered to their experts, 0 elsewhere   [T, E]  f32
+//! router_logits[t]      = x[t] · w (+ w_bias)                                  [T, E]  f32
+//! ACT1 (router_pre_norm = true, the default):
+//!   p[t]                = act_fn(router_logits[t]) over all E (SOFTMAX or SIGMOID)
+//!   expert_index[t]     = the K experts with the largest p[t] (+ selection_bias)
+//!   topk_affinities[t]  = p[t, expert_index[t]], divided by their sum if norm_topk_prob
+//!   expert_affinities[t]= p[t] itself (dense) without norm_topk_prob, else topk_affinities
+//!                         scattered to their experts, zeros elsewhere
+//! ACT2 (router_pre_norm = false):
+//!   expert_index[t]     = the K experts with the largest logits (+ selection_bias)
+//!   topk_affinities[t]  = act_fn of the K selected logits (a softmax over the K, or a sigmoid
+//!                         of each); norm_topk_prob has no effect, as in nki-library
+//!   expert_affinities[t]= topk_affinities scattered, zeros elsewhere
 //! ```
-//! `selection_bias` only changes which experts are chosen, never the affinities (aux-loss-free
-//! balancing). With softmax, no biases and `norm_topk_prob` this is Hugging Face Qwen3-MoE's
-//! router formula: softmax over all experts, top-k, divide by the top-k sum (no epsilon).
+//! `expert_index` is `[T, K]` i32 in descending order, ties to the lower expert id;
+//! `topk_affinities [T, K]` is nki-library's `return_eager_affi` output, always returned.
+//! `selection_bias` (moekit's own) only changes which experts are chosen, never the affinities
+//! (aux-loss-free balancing). With SOFTMAX, ACT1, no biases and `norm_topk_prob` this is
+//! Hugging Face Qwen3-MoE's router formula: softmax over all experts, top-k, divide by the
+//! top-k sum (no epsilon).
 //!
 //! Error bound (reference backend): every value is computed in f64 and rounded once to f32, so
 //! each output is within 0.5 ulp (f32) of the f64 result; `expert_index` is exact except where
@@ -21,6 +30,7 @@
 //! values agree with these to f32 (or bf16) rounding, and its choice can differ only at such
 //! near-ties.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
@@ -28,59 +38,177 @@ use super::validate;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// The function that turns router logits into affinities.
+/// The function that turns router logits into affinities: nki-library's `RouterActFnType`,
+/// spelled as its members (`SOFTMAX`, `SIGMOID`; its lower-case string forms are accepted too).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Activation {
-    /// Softmax over all E experts (Qwen3-MoE, Mixtral).
+pub enum RouterActFnType {
+    /// Softmax (over all E experts under ACT1, over the K selected under ACT2): Qwen3-MoE,
+    /// Mixtral.
     #[default]
     Softmax,
     /// Independent sigmoid per expert (DeepSeek-V3 style).
     Sigmoid,
 }
 
-impl FromStr for Activation {
+impl FromStr for RouterActFnType {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
         match s {
-            "softmax" => Ok(Self::Softmax),
-            "sigmoid" => Ok(Self::Sigmoid),
+            "SOFTMAX" | "softmax" => Ok(Self::Softmax),
+            "SIGMOID" | "sigmoid" => Ok(Self::Sigmoid),
             other => Err(Error::param(
-                "activation",
-                format!("expected `softmax` or `sigmoid`, got `{other}`"),
+                "act_fn",
+                format!("expected SOFTMAX or SIGMOID (RouterActFnType), got `{other}`"),
             )),
         }
     }
 }
 
-impl fmt::Display for Activation {
+impl fmt::Display for RouterActFnType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::Softmax => "softmax",
-            Self::Sigmoid => "sigmoid",
+            Self::Softmax => "SOFTMAX",
+            Self::Sigmoid => "SIGMOID",
         })
     }
 }
 
-/// Parameters of [`RouterTopk`].
+/// How `x` lies in memory: nki-library's `x_hbm_layout` (0 = `[H, T]`, 1 = `[T, H]`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum XHbmLayout {
+    /// 0: `x [H, T]`.
+    HT,
+    /// 1: `x [T, H]`, moekit's default.
+    #[default]
+    TH,
+}
+
+impl FromStr for XHbmLayout {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "0" => Ok(Self::HT),
+            "1" => Ok(Self::TH),
+            other => Err(Error::param(
+                "x_hbm_layout",
+                format!("expected 0 ([H, T]) or 1 ([T, H]), got `{other}`"),
+            )),
+        }
+    }
+}
+
+impl fmt::Display for XHbmLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.value())
+    }
+}
+
+impl XHbmLayout {
+    /// nki-library's value: 0 for `[H, T]`, 1 for `[T, H]`.
+    pub fn value(self) -> usize {
+        match self {
+            Self::HT => 0,
+            Self::TH => 1,
+        }
+    }
+
+    /// The human form of `x`'s layout.
+    fn layout(self) -> &'static str {
+        match self {
+            Self::HT => "[H, T]",
+            Self::TH => "[T, H]",
+        }
+    }
+
+    /// `x` (in this layout) as `[T, H]`: itself, or its transpose.
+    pub fn tokens_major(self, x: &Tensor) -> Result<Cow<'_, Tensor>> {
+        match self {
+            Self::TH => Ok(Cow::Borrowed(x)),
+            Self::HT => x.transposed("x").map(Cow::Owned),
+        }
+    }
+
+    /// A `[T, H]` gradient of `x`, laid out as `x` is.
+    pub fn from_tokens_major(self, d_x: Tensor) -> Result<Tensor> {
+        match self {
+            Self::TH => Ok(d_x),
+            Self::HT => d_x.transposed("d_x"),
+        }
+    }
+}
+
+/// The activation pipeline every router call and its backward share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouterPipeline {
+    pub act_fn: RouterActFnType,
+    /// ACT1 (activate over all E, then top-k) when true, ACT2 (top-k of the logits, then
+    /// activate the K) when false; nki-library's default is true.
+    pub router_pre_norm: bool,
+    /// L1-normalise the K selected affinities (ACT1 only, as in nki-library).
+    pub norm_topk_prob: bool,
+    /// The layout of `x` (and of the backward's `d_x`).
+    pub x_hbm_layout: XHbmLayout,
+}
+
+impl Default for RouterPipeline {
+    /// nki-library's defaults: SOFTMAX, ACT1, no renormalisation; moekit's `[T, H]` layout.
+    fn default() -> Self {
+        Self {
+            act_fn: RouterActFnType::Softmax,
+            router_pre_norm: true,
+            norm_topk_prob: false,
+            x_hbm_layout: XHbmLayout::TH,
+        }
+    }
+}
+
+impl RouterPipeline {
+    /// Hugging Face Qwen3-MoE's router (with `norm_topk_prob`, as its configs set it): SOFTMAX
+    /// over all experts, top-k, renormalised; `x [T, H]`.
+    pub const QWEN3_MOE: Self = Self {
+        act_fn: RouterActFnType::Softmax,
+        router_pre_norm: true,
+        norm_topk_prob: true,
+        x_hbm_layout: XHbmLayout::TH,
+    };
+
+    /// Whether the K selected affinities are the activation renormalised over the selection
+    /// (a softmax over the selected log-affinities): ACT1 with `norm_topk_prob`, and ACT2 with
+    /// SOFTMAX (a softmax over the K selected logits is exactly that).
+    pub fn renormalises(&self) -> bool {
+        if self.router_pre_norm {
+            self.norm_topk_prob
+        } else {
+            self.act_fn == RouterActFnType::Softmax
+        }
+    }
+
+    /// Whether `expert_affinities` is the activation of every logit (ACT1 without
+    /// `norm_topk_prob`) rather than the K selected affinities scattered.
+    pub fn dense_affinities(&self) -> bool {
+        self.router_pre_norm && !self.norm_topk_prob
+    }
+}
+
+/// Parameters of [`RouterTopk`], named as nki-library's `router_topk` names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouterTopkParams {
-    /// K, experts per token; `1 ≤ K ≤ E`.
-    pub top_k: usize,
-    pub activation: Activation,
-    /// Divide the K selected affinities by their sum.
-    pub norm_topk_prob: bool,
+    /// K, experts per token; `1 ≤ K ≤ E` (nki-library's hardware also needs K ≤ 8).
+    pub k: usize,
+    pub pipeline: RouterPipeline,
 }
 
 /// Inputs of [`RouterTopk`]. Floating-point tensors may be f32 or bf16.
 #[derive(Clone, Copy, Debug)]
 pub struct RouterTopkInputs<'a> {
-    /// `[T, H]` token activations.
+    /// Token activations: `[T, H]`, or `[H, T]` with `x_hbm_layout = 0`.
     pub x: &'a Tensor,
     /// `[H, E]` router weight (the transpose of Hugging Face's `mlp.gate.weight [E, H]`).
     pub w: &'a Tensor,
-    /// `[E]`, added to the logits.
-    pub bias: Option<&'a Tensor>,
+    /// `[E]` or `[1, E]`, added to the logits.
+    pub w_bias: Option<&'a Tensor>,
     /// `[E]`, added to the affinities only when choosing experts.
     pub selection_bias: Option<&'a Tensor>,
 }
@@ -110,23 +238,20 @@ pub struct RouterTopk<'a> {
 }
 
 impl<'a> RouterTopk<'a> {
-    /// Checks shapes, dtypes, finiteness and `1 ≤ top_k ≤ E`.
+    /// Checks shapes, dtypes, finiteness and `1 ≤ k ≤ E`.
     pub fn new(inputs: RouterTopkInputs<'a>, params: RouterTopkParams) -> Result<Self> {
-        let x = validate::float_tensor("x", inputs.x, "[T, H]", &[None, None])?;
-        let (t, h) = (x[0], x[1]);
-        validate::non_empty("x", "T (tokens)", t)?;
-        validate::non_empty("x", "H (hidden size)", h)?;
+        let (t, h) = check_x(inputs.x, params.pipeline.x_hbm_layout)?;
         let w = validate::float_tensor("w", inputs.w, "[H, E]", &[Some(h), None])?;
         let e = w[1];
         validate::non_empty("w", "E (experts)", e)?;
-        if let Some(bias) = inputs.bias {
-            validate::float_tensor("bias", bias, "[E]", &[Some(e)])?;
+        if let Some(bias) = inputs.w_bias {
+            check_bias(bias, e)?;
         }
         if let Some(bias) = inputs.selection_bias {
             validate::float_tensor("selection_bias", bias, "[E]", &[Some(e)])?;
         }
-        check_top_k(params.top_k, e)?;
-        let k = params.top_k;
+        check_top_k(params.k, e)?;
+        let k = params.k;
         Ok(Self {
             inputs,
             params,
@@ -147,14 +272,36 @@ impl<'a> RouterTopk<'a> {
     }
 }
 
-pub(crate) fn check_top_k(top_k: usize, experts: usize) -> Result<()> {
-    if top_k == 0 || top_k > experts {
+pub(crate) fn check_top_k(k: usize, experts: usize) -> Result<()> {
+    if k == 0 || k > experts {
         return Err(Error::param(
-            "top_k",
-            format!("must be in 1..={experts} (E, the number of experts), got {top_k}"),
+            "k",
+            format!("must be in 1..={experts} (E, the number of experts), got {k}"),
         ));
     }
     Ok(())
+}
+
+/// Checks `x` in `layout` (`[T, H]` or `[H, T]`) and returns `(T, H)`.
+fn check_x(x: &Tensor, layout: XHbmLayout) -> Result<(usize, usize)> {
+    let shape = validate::float_tensor("x", x, layout.layout(), &[None, None])?;
+    let (t, h) = match layout {
+        XHbmLayout::TH => (shape[0], shape[1]),
+        XHbmLayout::HT => (shape[1], shape[0]),
+    };
+    validate::non_empty("x", "T (tokens)", t)?;
+    validate::non_empty("x", "H (hidden size)", h)?;
+    Ok((t, h))
+}
+
+/// Checks `w_bias`: `[E]`, or `[1, E]` as nki-library also takes it.
+fn check_bias(bias: &Tensor, e: usize) -> Result<()> {
+    let dims: &[Option<usize>] = if bias.shape().len() == 2 {
+        &[Some(1), Some(e)]
+    } else {
+        &[Some(e)]
+    };
+    validate::float_tensor("w_bias", bias, "[E] or [1, E]", dims).map(|_| ())
 }
 
 /// Outputs of `router_topk`.
@@ -162,25 +309,26 @@ pub(crate) fn check_top_k(top_k: usize, experts: usize) -> Result<()> {
 pub struct RouterTopkOutputs {
     /// `[T, E]` f32.
     pub router_logits: Tensor,
-    /// `[T, K]` i32, descending affinity, ties to the lower expert id.
+    /// `[T, K]` i32, descending selection score, ties to the lower expert id.
     pub expert_index: Tensor,
-    /// `[T, K]` f32.
+    /// `[T, K]` f32, the selected experts' affinities (nki-library's eager affinities).
     pub topk_affinities: Tensor,
-    /// `[T, E]` f32, `topk_affinities` scattered, zeros elsewhere.
+    /// `[T, E]` f32: the activation of every logit under ACT1 without `norm_topk_prob`,
+    /// otherwise `topk_affinities` scattered, zeros elsewhere.
     pub expert_affinities: Tensor,
 }
 
-/// Parameters of [`RouterTopkBwd`]; K is read from `expert_index`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Parameters of [`RouterTopkBwd`] (moekit's own kernel): the forward's pipeline; K is read
+/// from `expert_index`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouterTopkBwdParams {
-    pub activation: Activation,
-    pub norm_topk_prob: bool,
+    pub pipeline: RouterPipeline,
 }
 
 /// Inputs of the router backward: the forward's inputs and outputs it needs, plus gradients.
 #[derive(Clone, Copy, Debug)]
 pub struct RouterTopkBwdInputs<'a> {
-    /// `[T, H]`.
+    /// `[T, H]`, or `[H, T]` with `x_hbm_layout = 0`.
     pub x: &'a Tensor,
     /// `[H, E]`.
     pub w: &'a Tensor,
@@ -208,10 +356,7 @@ pub struct RouterTopkBwd<'a> {
 impl<'a> RouterTopkBwd<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: RouterTopkBwdInputs<'a>, params: RouterTopkBwdParams) -> Result<Self> {
-        let x = validate::float_tensor("x", inputs.x, "[T, H]", &[None, None])?;
-        let (t, h) = (x[0], x[1]);
-        validate::non_empty("x", "T (tokens)", t)?;
-        validate::non_empty("x", "H (hidden size)", h)?;
+        let (t, h) = check_x(inputs.x, params.pipeline.x_hbm_layout)?;
         let e = validate::float_tensor("w", inputs.w, "[H, E]", &[Some(h), None])?[1];
         validate::non_empty("w", "E (experts)", e)?;
         validate::float_tensor(
@@ -267,10 +412,10 @@ impl<'a> RouterTopkBwd<'a> {
 /// Gradients produced by `router_topk_bwd`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterTopkGrads {
-    /// `[T, H]` f32.
+    /// f32, in `x`'s layout: `[T, H]`, or `[H, T]` with `x_hbm_layout = 0`.
     pub d_x: Tensor,
     /// `[H, E]` f32.
     pub d_w: Tensor,
-    /// `[E]` f32.
-    pub d_bias: Tensor,
+    /// `[E]` f32, the gradient of `w_bias`.
+    pub d_w_bias: Tensor,
 }

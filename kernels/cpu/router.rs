@@ -8,7 +8,7 @@ use super::bf16_matmul::{self, matmul_bf16};
 use super::matmul::{MatRef, matmul};
 use super::{ROW_TILE, ensure_finite, f32_output};
 use crate::contracts::{
-    Activation, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    RouterActFnType, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
@@ -19,9 +19,9 @@ fn softplus(x: f32) -> f32 {
 }
 
 /// Log-affinities of one row of logits, written into `out`.
-fn log_affinities(logits: &[f32], activation: Activation, out: &mut [f32]) {
-    match activation {
-        Activation::Softmax => {
+fn log_affinities(logits: &[f32], act_fn: RouterActFnType, out: &mut [f32]) {
+    match act_fn {
+        RouterActFnType::Softmax => {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
             let lse = max + sum.ln();
@@ -29,7 +29,7 @@ fn log_affinities(logits: &[f32], activation: Activation, out: &mut [f32]) {
                 *o = l - lse;
             }
         }
-        Activation::Sigmoid => {
+        RouterActFnType::Sigmoid => {
             for (o, &l) in out.iter_mut().zip(logits) {
                 *o = -softplus(-l);
             }
@@ -103,11 +103,13 @@ fn row_tiled_product(a: &[f32], k: usize, b: MatRef<'_>, rows: usize) -> Vec<f32
 }
 
 pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
-    let (inputs, params) = (call.inputs(), call.params());
+    let inputs = call.inputs();
+    let pipeline = call.params().pipeline;
     let RouterDims { t, h, e, k } = call.dims();
-    let bias = inputs.bias.map(Tensor::f32_values);
+    let bias = inputs.w_bias.map(Tensor::f32_values);
     let selection_bias = inputs.selection_bias.map(Tensor::f32_values);
-    let logits = logits(inputs.x, inputs.w, bias.as_deref(), (t, h, e));
+    let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
+    let logits = logits(&x, inputs.w, bias.as_deref(), (t, h, e));
     ensure_finite("router_logits", &[t, e], &logits)?;
 
     let mut expert_index = vec![0i32; t * k];
@@ -121,9 +123,15 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
         .for_each_init(
             || (vec![0.0f32; e], vec![0.0f32; e]),
             |(log_aff, scores), (((index, aff), scattered), row)| {
-                log_affinities(row, params.activation, log_aff);
-                for (expert, (s, la)) in scores.iter_mut().zip(log_aff.iter()).enumerate() {
-                    *s = la.exp() + selection_bias.as_ref().map_or(0.0, |b| b[expert]);
+                log_affinities(row, pipeline.act_fn, log_aff);
+                // ACT1 chooses by affinity, ACT2 by logit; selection_bias shifts either.
+                for (expert, s) in scores.iter_mut().enumerate() {
+                    let score = if pipeline.router_pre_norm {
+                        log_aff[expert].exp()
+                    } else {
+                        row[expert]
+                    };
+                    *s = score + selection_bias.as_ref().map_or(0.0, |b| b[expert]);
                 }
                 // K passes of argmax; the strict `>` keeps the lower id on ties.
                 for slot in 0..k {
@@ -137,9 +145,15 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
                     }
                     index[slot] = best as i32;
                 }
-                selected_affinities(log_aff, index, params.norm_topk_prob, aff);
-                for (&expert, &a) in index.iter().zip(aff.iter()) {
-                    scattered[expert as usize] = a;
+                selected_affinities(log_aff, index, pipeline.renormalises(), aff);
+                if pipeline.dense_affinities() {
+                    for (a, la) in scattered.iter_mut().zip(log_aff.iter()) {
+                        *a = la.exp();
+                    }
+                } else {
+                    for (&expert, &a) in index.iter().zip(aff.iter()) {
+                        scattered[expert as usize] = a;
+                    }
                 }
             },
         );
@@ -152,7 +166,9 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
 }
 
 pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
-    let (inputs, params) = (call.inputs(), call.params());
+    let inputs = call.inputs();
+    let pipeline = call.params().pipeline;
+    let norm = pipeline.renormalises();
     let RouterDims { t, h, e, k } = call.dims();
     let logits = inputs.router_logits.f32_values();
     let expert_index = inputs.expert_index.as_i32().expect("validated as i32");
@@ -167,9 +183,9 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
             let row = &logits[token * e..(token + 1) * e];
             let selected = &expert_index[token * k..(token + 1) * k];
             let d_aff = &d_topk[token * k..(token + 1) * k];
-            log_affinities(row, params.activation, log_aff);
-            selected_affinities(log_aff, selected, params.norm_topk_prob, aff);
-            let centre: f32 = if params.norm_topk_prob {
+            log_affinities(row, pipeline.act_fn, log_aff);
+            selected_affinities(log_aff, selected, norm, aff);
+            let centre: f32 = if norm {
                 d_aff.iter().zip(aff.iter()).map(|(d, a)| d * a).sum()
             } else {
                 0.0
@@ -179,14 +195,17 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
             for ((&expert, &d), &a) in selected.iter().zip(d_aff).zip(aff.iter()) {
                 d_row[expert as usize] = (d - centre) * a;
             }
-            match params.activation {
-                Activation::Softmax => {
+            match pipeline.act_fn {
+                RouterActFnType::Softmax if pipeline.router_pre_norm => {
                     let total: f32 = d_row.iter().sum();
                     for (dl, &la) in d_row.iter_mut().zip(log_aff.iter()) {
                         *dl -= la.exp() * total;
                     }
                 }
-                Activation::Sigmoid => {
+                // ACT2's softmax over the K selected logits: its log-affinities are the
+                // logits up to a shift, which the renormalisation's centring removed.
+                RouterActFnType::Softmax => {}
+                RouterActFnType::Sigmoid => {
                     for (dl, &l) in d_row.iter_mut().zip(row) {
                         *dl *= (-softplus(l)).exp();
                     }
@@ -200,7 +219,8 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         },
     );
 
-    let x = inputs.x.f32_values();
+    let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
+    let x = x.f32_values();
     let w = inputs.w.f32_values();
     // d_x [T, H] = d_logits · wᵀ, in row tiles.
     let d_x = row_tiled_product(&d_logits, e, MatRef::row_major(&w, h, e).t(), t);
@@ -219,16 +239,18 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
                 false,
             );
         });
-    // d_bias [E] = Σ_t d_logits, in token order.
-    let mut d_bias = vec![0.0f32; e];
+    // d_w_bias [E] = Σ_t d_logits, in token order.
+    let mut d_w_bias = vec![0.0f32; e];
     for row in d_logits.chunks(e) {
-        for (db, d) in d_bias.iter_mut().zip(row) {
+        for (db, d) in d_w_bias.iter_mut().zip(row) {
             *db += d;
         }
     }
     Ok(RouterTopkGrads {
-        d_x: f32_output("d_x", &[t, h], d_x)?,
+        d_x: pipeline
+            .x_hbm_layout
+            .from_tokens_major(f32_output("d_x", &[t, h], d_x)?)?,
         d_w: f32_output("d_w", &[h, e], d_w)?,
-        d_bias: f32_output("d_bias", &[e], d_bias)?,
+        d_w_bias: f32_output("d_w_bias", &[e], d_w_bias)?,
     })
 }

@@ -19,10 +19,10 @@ use super::comm::Communicator;
 use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch, dispatch_bwd};
 use crate::backend::Backend;
 use crate::contracts::{
-    Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
-    BlockwiseMmParams, Permute, PermuteInputs, PermuteOutputs, PermuteParams, RouterTopk,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
+    Permute, PermuteInputs, PermuteOutputs, PermuteParams, RouterPipeline, RouterTopk,
     RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs,
-    RouterTopkParams,
+    RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -32,9 +32,10 @@ use crate::tensor::Tensor;
 pub struct EpParams {
     /// E, experts over all ranks (a multiple of R).
     pub num_experts: usize,
-    pub top_k: usize,
-    pub activation: Activation,
-    pub norm_topk_prob: bool,
+    /// K, experts per token.
+    pub k: usize,
+    /// The router's activation pipeline; `x` is `[T, H]` (`x_hbm_layout` must be 1).
+    pub router: RouterPipeline,
     /// B of the local block plan.
     pub block_size: usize,
 }
@@ -92,17 +93,22 @@ impl ExpertParallelMoe<'_> {
     /// `output [T, H]` f32 and what the backward needs.
     pub fn forward(&self, inputs: EpInputs<'_>) -> Result<(Tensor, EpSaved)> {
         let p = self.params;
+        if p.router.x_hbm_layout != XHbmLayout::TH {
+            return Err(Error::param(
+                "x_hbm_layout",
+                "the expert-parallel layer takes x [T, H] (x_hbm_layout = 1)",
+            ));
+        }
         let routed = RouterTopk::new(
             RouterTopkInputs {
                 x: inputs.x,
                 w: inputs.w,
-                bias: None,
+                w_bias: None,
                 selection_bias: None,
             },
             RouterTopkParams {
-                top_k: p.top_k,
-                activation: p.activation,
-                norm_topk_prob: p.norm_topk_prob,
+                k: p.k,
+                pipeline: p.router,
             },
         )
         .and_then(|call| self.backend.router_topk(&call));
@@ -134,10 +140,7 @@ impl ExpertParallelMoe<'_> {
                 d_topk_affinities: &experts.d_topk_affinities,
                 d_router_logits: None,
             },
-            RouterTopkBwdParams {
-                activation: p.activation,
-                norm_topk_prob: p.norm_topk_prob,
-            },
+            RouterTopkBwdParams { pipeline: p.router },
         )
         .and_then(|call| self.backend.router_topk_bwd(&call));
         let router = super::comm::agree(self.comm, router)?;

@@ -455,7 +455,8 @@ fn execute(
 }
 
 fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
-    let (inputs, params, dims) = (call.inputs(), call.params(), call.dims());
+    let (inputs, dims) = (call.inputs(), call.dims());
+    let pipeline = call.params().pipeline;
     let (t, e, k) = (dims.t, dims.e, dims.k);
     Call {
         kernel: Kernel::RouterTopk,
@@ -463,10 +464,12 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
             ("t", Value::Int(t)),
             ("h", Value::Int(dims.h)),
             ("e", Value::Int(e)),
-            ("top_k", Value::Int(k)),
-            ("activation", Value::Str(params.activation.to_string())),
-            ("norm_topk_prob", Value::Bool(params.norm_topk_prob)),
-            ("bias", Value::Bool(inputs.bias.is_some())),
+            ("k", Value::Int(k)),
+            ("act_fn", Value::Str(pipeline.act_fn.to_string())),
+            ("router_pre_norm", Value::Bool(pipeline.router_pre_norm)),
+            ("norm_topk_prob", Value::Bool(pipeline.norm_topk_prob)),
+            ("x_hbm_layout", Value::Int(pipeline.x_hbm_layout.value())),
+            ("w_bias", Value::Bool(inputs.w_bias.is_some())),
             (
                 "selection_bias",
                 Value::Bool(inputs.selection_bias.is_some()),
@@ -475,7 +478,7 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
         inputs: vec![
             ("x", Some(inputs.x)),
             ("w", Some(inputs.w)),
-            ("bias", inputs.bias),
+            ("w_bias", inputs.w_bias),
             ("selection_bias", inputs.selection_bias),
         ],
         outputs: vec![

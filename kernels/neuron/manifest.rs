@@ -10,8 +10,8 @@
 //! t = 512
 //! h = 2048
 //! e = 128
-//! top_k = 8
-//! activation = "softmax"
+//! k = 8
+//! act_fn = "SOFTMAX"
 //! norm_topk_prob = true
 //! ```
 //!
@@ -49,7 +49,10 @@ impl fmt::Display for Value {
 /// The kind of value a manifest key takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ValueKind {
+    /// A positive integer (a size).
     Int,
+    /// A non-negative integer (an enum value such as `x_hbm_layout`).
+    Index,
     Bool,
     Str,
 }
@@ -59,11 +62,15 @@ const ROUTER_TOPK_KEYS: &[(&str, ValueKind)] = &[
     ("t", ValueKind::Int),
     ("h", ValueKind::Int),
     ("e", ValueKind::Int),
-    ("top_k", ValueKind::Int),
-    ("activation", ValueKind::Str),
+    ("k", ValueKind::Int),
+    // SOFTMAX or SIGMOID, as `RouterActFnType` spells them.
+    ("act_fn", ValueKind::Str),
+    ("router_pre_norm", ValueKind::Bool),
     ("norm_topk_prob", ValueKind::Bool),
-    // Whether the NEFF takes a `bias` / `selection_bias` input.
-    ("bias", ValueKind::Bool),
+    // 0 = x [H, T], 1 = x [T, H].
+    ("x_hbm_layout", ValueKind::Index),
+    // Whether the NEFF takes a `w_bias` / `selection_bias` input.
+    ("w_bias", ValueKind::Bool),
     ("selection_bias", ValueKind::Bool),
 ];
 
@@ -183,11 +190,15 @@ impl Manifest {
                             (ValueKind::Int, toml::Value::Integer(v)) if *v > 0 => {
                                 Value::Int(*v as usize)
                             }
+                            (ValueKind::Index, toml::Value::Integer(v)) if *v >= 0 => {
+                                Value::Int(*v as usize)
+                            }
                             (ValueKind::Bool, toml::Value::Boolean(v)) => Value::Bool(*v),
                             (ValueKind::Str, toml::Value::String(v)) => Value::Str(v.clone()),
                             (kind, _) => {
                                 let expected = match kind {
                                     ValueKind::Int => "a positive integer",
+                                    ValueKind::Index => "a non-negative integer",
                                     ValueKind::Bool => "true or false",
                                     ValueKind::Str => "a string",
                                 };

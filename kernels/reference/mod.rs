@@ -113,50 +113,44 @@ impl Backend for ReferenceBackend {
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
         let (inputs, RouterDims { t, h, e, k }) = (call.inputs(), call.dims());
-        let bias = inputs.bias.map(Tensor::to_f64_vec);
+        let pipeline = call.params().pipeline;
+        let w_bias = inputs.w_bias.map(Tensor::to_f64_vec);
         let selection_bias = inputs.selection_bias.map(Tensor::to_f64_vec);
         let fwd = router::router_forward(
-            &inputs.x.to_f64_vec(),
+            &pipeline.x_hbm_layout.tokens_major(inputs.x)?.to_f64_vec(),
             &inputs.w.to_f64_vec(),
-            bias.as_deref(),
+            w_bias.as_deref(),
             selection_bias.as_deref(),
-            (t, h, e),
-            call.params(),
+            (t, h, e, k),
+            pipeline,
         );
-        let mut scattered = vec![0.0; t * e];
-        for (pair, (&id, &a)) in fwd
-            .expert_index
-            .iter()
-            .zip(&fwd.topk_affinities)
-            .enumerate()
-        {
-            scattered[(pair / k) * e + id] = a;
-        }
         Ok(RouterTopkOutputs {
             router_logits: f32_output("router_logits", &[t, e], &fwd.logits)?,
             expert_index: i32_output("expert_index", &[t, k], fwd.expert_index)?,
             topk_affinities: f32_output("topk_affinities", &[t, k], &fwd.topk_affinities)?,
-            expert_affinities: f32_output("expert_affinities", &[t, e], &scattered)?,
+            expert_affinities: f32_output("expert_affinities", &[t, e], &fwd.expert_affinities)?,
         })
     }
 
     fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         let (inputs, RouterDims { t, h, e, k }) = (call.inputs(), call.dims());
+        let pipeline = call.params().pipeline;
         let d_router_logits = inputs.d_router_logits.map(Tensor::to_f64_vec);
         let grads = router::router_backward(
-            &inputs.x.to_f64_vec(),
+            &pipeline.x_hbm_layout.tokens_major(inputs.x)?.to_f64_vec(),
             &inputs.w.to_f64_vec(),
             &inputs.router_logits.to_f64_vec(),
             &expert_ids(inputs.expert_index),
             &inputs.d_topk_affinities.to_f64_vec(),
             d_router_logits.as_deref(),
             (t, h, e, k),
-            call.params(),
+            pipeline,
         );
+        let d_x = f32_output("d_x", &[t, h], &grads.d_x)?;
         Ok(RouterTopkGrads {
-            d_x: f32_output("d_x", &[t, h], &grads.d_x)?,
+            d_x: pipeline.x_hbm_layout.from_tokens_major(d_x)?,
             d_w: f32_output("d_w", &[h, e], &grads.d_w)?,
-            d_bias: f32_output("d_bias", &[e], &grads.d_bias)?,
+            d_w_bias: f32_output("d_w_bias", &[e], &grads.d_w_bias)?,
         })
     }
 

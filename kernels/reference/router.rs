@@ -3,7 +3,7 @@
 //! Affinities are computed from log-affinities (`log softmax` or `log sigmoid`), so the
 //! renormalised top-k values stay exact even when the selected probabilities underflow.
 
-use crate::contracts::{Activation, RouterTopkBwdParams, RouterTopkParams};
+use crate::contracts::{RouterActFnType, RouterPipeline};
 
 /// Forward results in f64.
 #[derive(Clone, Debug, PartialEq)]
@@ -14,6 +14,9 @@ pub struct RouterForward {
     pub expert_index: Vec<usize>,
     /// `[T, K]`.
     pub topk_affinities: Vec<f64>,
+    /// `[T, E]`: every expert's affinity (ACT1 without renormalisation) or the selected ones
+    /// scattered.
+    pub expert_affinities: Vec<f64>,
 }
 
 /// `ln(1 + eˣ)` without overflow.
@@ -27,13 +30,13 @@ fn log_sum_exp(values: impl Iterator<Item = f64> + Clone) -> f64 {
 }
 
 /// Log-affinity of every expert for one row of logits.
-fn log_affinities(logits: &[f64], activation: Activation) -> Vec<f64> {
-    match activation {
-        Activation::Softmax => {
+fn log_affinities(logits: &[f64], act_fn: RouterActFnType) -> Vec<f64> {
+    match act_fn {
+        RouterActFnType::Softmax => {
             let lse = log_sum_exp(logits.iter().copied());
             logits.iter().map(|&l| l - lse).collect()
         }
-        Activation::Sigmoid => logits.iter().map(|&l| -softplus(-l)).collect(),
+        RouterActFnType::Sigmoid => logits.iter().map(|&l| -softplus(-l)).collect(),
     }
 }
 
@@ -68,39 +71,53 @@ fn selected_affinities(log_aff: &[f64], selected: &[usize], norm_topk_prob: bool
         .collect()
 }
 
-/// Router forward. `x [T, H]`, `w [H, E]`, optional `bias [E]` and `selection_bias [E]`.
+/// Router forward. `x [T, H]` (already in that layout), `w [H, E]`, optional `w_bias [E]` and
+/// `selection_bias [E]`; K experts per token through `pipeline`.
 pub fn router_forward(
     x: &[f64],
     w: &[f64],
-    bias: Option<&[f64]>,
+    w_bias: Option<&[f64]>,
     selection_bias: Option<&[f64]>,
-    (t, h, e): (usize, usize, usize),
-    params: RouterTopkParams,
+    (t, h, e, k): (usize, usize, usize, usize),
+    pipeline: RouterPipeline,
 ) -> RouterForward {
-    let k = params.top_k;
     let mut out = RouterForward {
         logits: vec![0.0; t * e],
         expert_index: Vec::with_capacity(t * k),
         topk_affinities: Vec::with_capacity(t * k),
+        expert_affinities: vec![0.0; t * e],
     };
     for token in 0..t {
         let row = &mut out.logits[token * e..(token + 1) * e];
         for (expert, logit) in row.iter_mut().enumerate() {
             let dot: f64 = (0..h).map(|j| x[token * h + j] * w[j * e + expert]).sum();
-            *logit = dot + bias.map_or(0.0, |b| b[expert]);
+            *logit = dot + w_bias.map_or(0.0, |b| b[expert]);
         }
-        let log_aff = log_affinities(row, params.activation);
-        let scores: Vec<f64> = log_aff
-            .iter()
-            .enumerate()
-            .map(|(expert, la)| la.exp() + selection_bias.map_or(0.0, |b| b[expert]))
+        let log_aff = log_affinities(row, pipeline.act_fn);
+        // ACT1 chooses by affinity, ACT2 by logit; selection_bias shifts either.
+        let scores: Vec<f64> = (0..e)
+            .map(|expert| {
+                let score = if pipeline.router_pre_norm {
+                    log_aff[expert].exp()
+                } else {
+                    row[expert]
+                };
+                score + selection_bias.map_or(0.0, |b| b[expert])
+            })
             .collect();
         let selected = top_k(&scores, k);
-        out.topk_affinities.extend(selected_affinities(
-            &log_aff,
-            &selected,
-            params.norm_topk_prob,
-        ));
+        let affinities = selected_affinities(&log_aff, &selected, pipeline.renormalises());
+        let dense = &mut out.expert_affinities[token * e..(token + 1) * e];
+        if pipeline.dense_affinities() {
+            for (a, la) in dense.iter_mut().zip(&log_aff) {
+                *a = la.exp();
+            }
+        } else {
+            for (&expert, &a) in selected.iter().zip(&affinities) {
+                dense[expert] = a;
+            }
+        }
+        out.topk_affinities.extend(affinities);
         out.expert_index.extend(selected);
     }
     out
@@ -114,11 +131,11 @@ pub struct RouterGrads {
     /// `[H, E]`.
     pub d_w: Vec<f64>,
     /// `[E]`.
-    pub d_bias: Vec<f64>,
+    pub d_w_bias: Vec<f64>,
 }
 
 /// Router backward: `d_topk_affinities [T, K]` (and `d_router_logits [T, E]`) through the
-/// affinities, activation and logits GEMM to `x`, `w` and `bias`.
+/// affinities, activation and logits GEMM to `x [T, H]` (in that layout), `w` and `w_bias`.
 #[allow(clippy::too_many_arguments)] // the backward consumes eight distinct tensors
 pub fn router_backward(
     x: &[f64],
@@ -128,18 +145,15 @@ pub fn router_backward(
     d_topk_affinities: &[f64],
     d_router_logits: Option<&[f64]>,
     (t, h, e, k): (usize, usize, usize, usize),
-    params: RouterTopkBwdParams,
+    pipeline: RouterPipeline,
 ) -> RouterGrads {
-    let RouterTopkBwdParams {
-        activation,
-        norm_topk_prob,
-    } = params;
+    let (act_fn, norm_topk_prob) = (pipeline.act_fn, pipeline.renormalises());
     let mut d_logits = vec![0.0; t * e];
     for token in 0..t {
         let logits = &router_logits[token * e..(token + 1) * e];
         let selected = &expert_index[token * k..(token + 1) * k];
         let d_aff = &d_topk_affinities[token * k..(token + 1) * k];
-        let log_aff = log_affinities(logits, activation);
+        let log_aff = log_affinities(logits, act_fn);
         let aff = selected_affinities(&log_aff, selected, norm_topk_prob);
         // Gradient w.r.t. the log-affinities of the selected experts.
         let mut d_log_aff = vec![0.0; e];
@@ -152,14 +166,17 @@ pub fn router_backward(
             d_log_aff[expert] = (d - centre) * a;
         }
         let row = &mut d_logits[token * e..(token + 1) * e];
-        match activation {
-            Activation::Softmax => {
+        match act_fn {
+            RouterActFnType::Softmax if pipeline.router_pre_norm => {
                 let total: f64 = d_log_aff.iter().sum();
                 for ((dl, &dla), &la) in row.iter_mut().zip(&d_log_aff).zip(&log_aff) {
                     *dl = dla - la.exp() * total;
                 }
             }
-            Activation::Sigmoid => {
+            // ACT2's softmax over the K selected logits: its log-affinities are the logits
+            // up to a shift, which the renormalisation's centring already removed.
+            RouterActFnType::Softmax => row.copy_from_slice(&d_log_aff),
+            RouterActFnType::Sigmoid => {
                 // d log σ(l) / dl = 1 − σ(l) = σ(−l).
                 for ((dl, &dla), &l) in row.iter_mut().zip(&d_log_aff).zip(logits) {
                     *dl = dla * (-softplus(l)).exp();
@@ -175,12 +192,12 @@ pub fn router_backward(
     let mut grads = RouterGrads {
         d_x: vec![0.0; t * h],
         d_w: vec![0.0; h * e],
-        d_bias: vec![0.0; e],
+        d_w_bias: vec![0.0; e],
     };
     for token in 0..t {
         for expert in 0..e {
             let dl = d_logits[token * e + expert];
-            grads.d_bias[expert] += dl;
+            grads.d_w_bias[expert] += dl;
             for j in 0..h {
                 grads.d_x[token * h + j] += dl * w[j * e + expert];
                 grads.d_w[j * e + expert] += x[token * h + j] * dl;

@@ -2,8 +2,8 @@
 //! expert (shared by the `LocalComm` and the MPI tests).
 
 use moekit::contracts::{
-    Activation, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
-    BlockwiseMmParams, Permute, PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
+    Permute, PermuteInputs, PermuteParams, RouterPipeline, RouterTopk, RouterTopkBwd,
     RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
 use moekit::ep::{Communicator, EpGrads, EpInputs, EpParams, ExpertParallelMoe};
@@ -27,6 +27,16 @@ pub struct EpCase {
     pub one_rank: bool,
     pub norm_topk_prob: bool,
     pub seed: u64,
+}
+
+impl EpCase {
+    /// Qwen3-MoE's router, with or without renormalisation.
+    pub fn router(&self) -> RouterPipeline {
+        RouterPipeline {
+            norm_topk_prob: self.norm_topk_prob,
+            ..RouterPipeline::QWEN3_MOE
+        }
+    }
 }
 
 /// Every rank's tokens and the full weights.
@@ -84,13 +94,12 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
                 RouterTopkInputs {
                     x,
                     w: &data.w,
-                    bias: None,
+                    w_bias: None,
                     selection_bias: None,
                 },
                 RouterTopkParams {
-                    top_k: c.k,
-                    activation: Activation::Softmax,
-                    norm_topk_prob: c.norm_topk_prob,
+                    k: c.k,
+                    pipeline: c.router(),
                 },
             )
             .unwrap(),
@@ -160,8 +169,7 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
                     d_router_logits: None,
                 },
                 RouterTopkBwdParams {
-                    activation: Activation::Softmax,
-                    norm_topk_prob: c.norm_topk_prob,
+                    pipeline: c.router(),
                 },
             )
             .unwrap(),
@@ -211,9 +219,8 @@ pub fn run_rank(
         comm,
         params: EpParams {
             num_experts: c.r * c.local,
-            top_k: c.k,
-            activation: Activation::Softmax,
-            norm_topk_prob: c.norm_topk_prob,
+            k: c.k,
+            router: c.router(),
             block_size: c.b,
         },
     };
