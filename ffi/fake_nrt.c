@@ -16,6 +16,9 @@
  *     param router_pre_norm 1       (router_topk: 1 = ACT1, the default | 0 = ACT2)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
  *     param x_hbm_layout 1          (router_topk: 1 = x [T, H], the default | 0 = x [H, T])
+ *     param activation_function GELU  (blockwise_mm, or activation_type for blockwise_mm_bwd:
+ *                                    SiLU, the default | GELU | GELU_Tanh_Approx | Swish | ReLU |
+ *                                    SquaredReLU)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -62,6 +65,43 @@ struct nrt_tensor_set {
 
 typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM, KERNEL_BLOCKWISE_MM_BWD } kernel_t;
 
+/* nki-library's ActFnType members, in its order. */
+static const char *const ACT_FN_NAMES[] = {"SiLU", "GELU", "GELU_Tanh_Approx", "Swish", "ReLU", "SquaredReLU"};
+#define ACT_FN_COUNT ((int)(sizeof ACT_FN_NAMES / sizeof ACT_FN_NAMES[0]))
+
+/* The gate activation f(g) of member `fn`, and its derivative in *deriv. */
+static double gate_act(int fn, double g, double *deriv) {
+    const double pi = 3.14159265358979323846;
+    switch (fn) {
+    case 1: { /* GELU */
+        double cdf = 0.5 * (1.0 + erf(g / sqrt(2.0))), pdf = exp(-0.5 * g * g) / sqrt(2.0 * pi);
+        *deriv = cdf + g * pdf;
+        return g * cdf;
+    }
+    case 2: { /* GELU_Tanh_Approx */
+        double c = sqrt(2.0 / pi), t = tanh(c * (g + 0.044715 * g * g * g));
+        *deriv = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * g * g);
+        return 0.5 * g * (1.0 + t);
+    }
+    case 3: { /* Swish: g·σ(1.702 g) */
+        double s = 1.0 / (1.0 + exp(-1.702 * g));
+        *deriv = s + 1.702 * g * s * (1.0 - s);
+        return g * s;
+    }
+    case 4: /* ReLU */
+        *deriv = g > 0.0 ? 1.0 : 0.0;
+        return g > 0.0 ? g : 0.0;
+    case 5: /* SquaredReLU */
+        *deriv = g > 0.0 ? 2.0 * g : 0.0;
+        return g > 0.0 ? g * g : 0.0;
+    default: { /* SiLU */
+        double s = 1.0 / (1.0 + exp(-g));
+        *deriv = s * (1.0 + g * (1.0 - s));
+        return g * s;
+    }
+    }
+}
+
 typedef struct {
     char name[NRT_TENSOR_NAME_MAX];
     nrt_tensor_usage_t usage;
@@ -77,6 +117,7 @@ struct nrt_model {
     int act2; /* router_pre_norm = 0 */
     int norm_topk_prob;
     int x_h_t; /* x_hbm_layout = 0: x [H, T] */
+    int act_fn; /* the blockwise kernels' gate activation: an index into ACT_FN_NAMES */
     int count;
     decl_t decls[MAX_TENSORS];
 };
@@ -300,7 +341,12 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(name, "router_pre_norm") == 0 && flag) m->act2 = value[0] == '0';
             else if (strcmp(name, "norm_topk_prob") == 0 && flag) m->norm_topk_prob = value[0] == '1';
             else if (strcmp(name, "x_hbm_layout") == 0 && flag) m->x_h_t = value[0] == '0';
-            else status = NRT_INVALID;
+            else if (strcmp(name, "activation_function") == 0 || strcmp(name, "activation_type") == 0) {
+                m->act_fn = -1;
+                for (int f = 0; f < ACT_FN_COUNT; f++)
+                    if (strcmp(value, ACT_FN_NAMES[f]) == 0) m->act_fn = f;
+                if (m->act_fn < 0) status = NRT_INVALID;
+            } else status = NRT_INVALID;
         } else if ((strcmp(word, "input") == 0 || strcmp(word, "output") == 0) && m->count < MAX_TENSORS) {
             decl_t *d = &m->decls[m->count++];
             char dtype[16];
@@ -704,7 +750,8 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
                     gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
                     up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
                 }
-                act[j] = gate / (1.0 + exp(-gate)) * up;
+                double unused;
+                act[j] = gate_act(b->model->act_fn, gate, &unused) * up;
                 if (gate_up_t != NULL) {
                     store(gate_up_t, dgt, ((blockn * 2 + 0) * inter + j) * bs + slot, gate);
                     store(gate_up_t, dgt, ((blockn * 2 + 1) * inter + j) * bs + slot, up);
@@ -763,14 +810,14 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
             for (size_t j = 0; j < inter; j++) {
                 double gate = load(gate_up_t, dgt, ((blockn * 2 + 0) * inter + j) * bs + slot);
                 double up = load(gate_up_t, dgt, ((blockn * 2 + 1) * inter + j) * bs + slot);
-                double sig = 1.0 / (1.0 + exp(-gate)), d_act = 0.0;
+                double f_grad, f = gate_act(b->model->act_fn, gate, &f_grad), d_act = 0.0;
                 for (size_t c = 0; c < h; c++) {
                     double g = a * load(grad, dy, tok * h + c);
                     d_act += load(down, dd, (ex * inter + j) * h + c) * g;
-                    ddown[(ex * inter + j) * h + c] += gate * sig * up * g;
+                    ddown[(ex * inter + j) * h + c] += f * up * g;
                 }
-                dgate[j] = d_act * up * sig * (1.0 + gate * (1.0 - sig));
-                dup[j] = d_act * gate * sig;
+                dgate[j] = d_act * up * f_grad;
+                dup[j] = d_act * f;
             }
             for (size_t c = 0; c < h; c++) {
                 double xv = load(x, dx, tok * h + c), acc = 0.0;

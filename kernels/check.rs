@@ -15,7 +15,9 @@ use std::fmt::Write as _;
 
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{Layer, LayerInputs, MoeShape};
-use crate::contracts::{CHECKPOINT_NAMES, RouterActFnType, XHbmLayout, static_block_count};
+use crate::contracts::{
+    ActFnType, CHECKPOINT_NAMES, RouterActFnType, XHbmLayout, static_block_count,
+};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
 use crate::neuron::manifest::{Manifest, Value};
@@ -181,6 +183,7 @@ pub fn random_cases(
                 i: draw(1, 32),
                 b: draw(1, 16),
             };
+            let activation = ActFnType::ALL[draw(0, ActFnType::ALL.len() - 1)];
             let params = Params {
                 k: Some(sizes.k),
                 act_fn: Some(if draw(0, 1) == 0 {
@@ -195,6 +198,8 @@ pub fn random_cases(
                 block_size: Some(sizes.b),
                 n_block_per_iter: Some(1),
                 checkpoint_activation: Some(true),
+                activation_function: Some(activation),
+                activation_type: Some(activation),
             };
             CheckCase::new(
                 sizes,
@@ -287,8 +292,14 @@ pub fn manifest_cases(
                     i: int("i")?,
                     b,
                 };
+                let activation = |key: &str| match entry.params.get(key) {
+                    Some(Value::Str(name)) => ActFnType::parse(key, name).map(Some),
+                    _ => Ok(None),
+                };
                 let params = Params {
                     checkpoint_activation: Some(flag("checkpoint_activation")),
+                    activation_function: activation("activation_function")?,
+                    activation_type: activation("activation_type")?,
                     ..Params::default()
                 };
                 (sizes, params)

@@ -8,11 +8,12 @@ use std::str::FromStr;
 
 use crate::backend::Backend;
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
-    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
-    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
-    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    ActFnType, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams,
+    BlockwiseMmInputs, BlockwiseMmParams, LoadBalancingLoss, LoadBalancingLossBwd,
+    LoadBalancingLossBwdInputs, LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs,
+    PermuteBwdParams, PermuteInputs, PermuteParams, RouterActFnType, RouterPipeline, RouterTopk,
+    RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+    XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -211,6 +212,7 @@ impl Kernel {
                 let inputs = blockwise_inputs(&required)?;
                 let params = BlockwiseMmParams {
                     checkpoint_activation: params.checkpoint_activation.unwrap_or(false),
+                    activation_function: params.activation_function.unwrap_or_default(),
                 };
                 let out = backend.blockwise_mm(&BlockwiseMm::new(inputs, params)?)?;
                 let mut named = vec![("output", out.output)];
@@ -229,7 +231,10 @@ impl Kernel {
                     output_hidden_states_grad: required("output_hidden_states_grad")?,
                     expert_index: optional("expert_index"),
                 };
-                let out = backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(inputs)?)?;
+                let params = BlockwiseMmBwdParams {
+                    activation_type: params.activation_type.unwrap_or_default(),
+                };
+                let out = backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(inputs, params)?)?;
                 let mut named = vec![
                     ("hidden_states_grad", out.hidden_states_grad),
                     (
@@ -283,6 +288,8 @@ pub enum Param {
     BlockSize,
     NBlockPerIter,
     CheckpointActivation,
+    ActivationFunction,
+    ActivationType,
 }
 
 impl Param {
@@ -296,6 +303,8 @@ impl Param {
         Param::BlockSize,
         Param::NBlockPerIter,
         Param::CheckpointActivation,
+        Param::ActivationFunction,
+        Param::ActivationType,
     ];
 
     pub fn name(self) -> &'static str {
@@ -309,6 +318,8 @@ impl Param {
             Param::BlockSize => "block_size",
             Param::NBlockPerIter => "n_block_per_iter",
             Param::CheckpointActivation => "checkpoint_activation",
+            Param::ActivationFunction => "activation_function",
+            Param::ActivationType => "activation_type",
         }
     }
 
@@ -318,6 +329,9 @@ impl Param {
             Param::K | Param::NumExperts | Param::BlockSize | Param::NBlockPerIter => "integer",
             Param::ActFn => "SOFTMAX|SIGMOID",
             Param::XHbmLayout => "0 [H,T]|1 [T,H]",
+            Param::ActivationFunction | Param::ActivationType => {
+                "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU"
+            }
             Param::RouterPreNorm | Param::NormTopkProb | Param::CheckpointActivation => {
                 "true|false"
             }
@@ -337,6 +351,8 @@ pub struct Params {
     pub block_size: Option<usize>,
     pub n_block_per_iter: Option<usize>,
     pub checkpoint_activation: Option<bool>,
+    pub activation_function: Option<ActFnType>,
+    pub activation_type: Option<ActFnType>,
 }
 
 /// A parameter the kernel cannot run without.
@@ -408,6 +424,12 @@ impl Params {
             Param::NBlockPerIter => self.n_block_per_iter = Some(parse_count(param, value)?),
             Param::CheckpointActivation => {
                 self.checkpoint_activation = Some(parse_bool(param, value)?)
+            }
+            Param::ActivationFunction => {
+                self.activation_function = Some(ActFnType::parse(name, value.trim())?)
+            }
+            Param::ActivationType => {
+                self.activation_type = Some(ActFnType::parse(name, value.trim())?)
             }
         }
         Ok(())
@@ -635,19 +657,22 @@ const BLOCKWISE_INPUTS: [TensorSpec; 6] = [
 
 const BLOCKWISE_MM: KernelSpec = KernelSpec {
     name: "blockwise_mm",
-    summary: "per block: gather, gate_up matmul, silu(gate)⊙up, down matmul, scale by affinity, scatter-add",
+    summary: "nki-library's moe_cte: per block, gather, gate_up matmul, act(gate)⊙up, down matmul, scale by affinity, scatter-add into [T+1, H]",
     inputs: &BLOCKWISE_INPUTS,
     outputs: &[
         tensor("output", "[T+1, H]", "f32"),
         optional("gate_up_activations_T", "[N, 2, I, B]", "f32"),
         optional("down_activations", "[N, B, H]", "f32"),
     ],
-    params: &[(Param::CheckpointActivation, Some("false"))],
+    params: &[
+        (Param::CheckpointActivation, Some("false")),
+        (Param::ActivationFunction, Some("SiLU")),
+    ],
 };
 
 const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
     name: "blockwise_mm_bwd",
-    summary: "gradients of blockwise_mm from its checkpoints; with expert_index also d_topk_affinities",
+    summary: "nki-library's blockwise_mm_bwd: gradients of blockwise_mm from its checkpoints; with expert_index also d_topk_affinities (moekit's own)",
     inputs: &[
         BLOCKWISE_INPUTS[0],
         BLOCKWISE_INPUTS[1],
@@ -667,7 +692,7 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
         optional("d_topk_affinities", "[T, K]", "f32"),
     ],
-    params: &[],
+    params: &[(Param::ActivationType, Some("SiLU"))],
 };
 
 #[cfg(test)]

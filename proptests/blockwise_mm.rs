@@ -1,6 +1,7 @@
 //! `blockwise_mm` against the dense "every token through every expert, weighted by its masked
 //! affinity" formulation, its checkpoints against per-slot recomputation, its backward against
-//! central finite differences for every input and weight, and every plan-violation error.
+//! central finite differences for every input and weight, each with every nki-library gate
+//! activation (`ActFnType`), and every plan-violation error.
 
 #![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
 
@@ -8,8 +9,9 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs,
-    BlockwiseMmOutputs, BlockwiseMmParams, Permute, PermuteInputs, PermuteParams,
+    ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
+    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams, Permute,
+    PermuteInputs, PermuteParams,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::reference::blockwise::{BlockwiseOperands, blockwise_backward, blockwise_forward};
@@ -22,6 +24,7 @@ struct Case {
     dims: BlockwiseDims,
     k: usize,
     bf16: bool,
+    act_fn: ActFnType,
     /// `[T+1, H]`, row T zero.
     x: Vec<f64>,
     /// `[T, K]`.
@@ -47,6 +50,7 @@ struct Shape {
     k: usize,
     routing: Routing,
     bf16: bool,
+    act_fn: ActFnType,
 }
 
 fn build_case(s: Shape, seed: u64) -> Case {
@@ -59,6 +63,7 @@ fn build_case(s: Shape, seed: u64) -> Case {
         k,
         routing,
         bf16,
+        act_fn,
     } = s;
     let mut rng = SeededRng::new(seed);
     // Values on the bf16 grid when testing bf16 inputs, so the oracle sees them exactly.
@@ -100,6 +105,7 @@ fn build_case(s: Shape, seed: u64) -> Case {
         },
         k,
         bf16,
+        act_fn,
         x,
         index,
         masked: f32s(&plan.expert_affinities_masked),
@@ -115,12 +121,12 @@ fn case() -> impl Strategy<Value = Case> {
         (1usize..8, 1usize..10, 1usize..6, 1usize..8, 1usize..12),
         routing(),
         any::<bool>(),
-        any::<u64>(),
+        (any::<u64>(), 0..ActFnType::ALL.len()),
     )
         .prop_flat_map(|(dims, routing, bf16, seed)| {
             (Just((dims, routing, bf16, seed)), 1..=dims.2)
         })
-        .prop_map(|(((t, h, e, i, b), routing, bf16, seed), k)| {
+        .prop_map(|(((t, h, e, i, b), routing, bf16, (seed, act_fn)), k)| {
             build_case(
                 Shape {
                     t,
@@ -131,6 +137,7 @@ fn case() -> impl Strategy<Value = Case> {
                     k,
                     routing,
                     bf16,
+                    act_fn: ActFnType::ALL[act_fn],
                 },
                 seed,
             )
@@ -145,6 +152,7 @@ struct Tensors {
     down: Tensor,
     positions: Tensor,
     blocks: Tensor,
+    act_fn: ActFnType,
 }
 
 impl Tensors {
@@ -161,6 +169,7 @@ impl Tensors {
             down: float(&[e, i, h], &c.down),
             positions: i32_tensor(&[c.positions.len()], &c.positions),
             blocks: i32_tensor(&[c.blocks.len(), 1], &c.blocks),
+            act_fn: c.act_fn,
         }
     }
 
@@ -185,13 +194,30 @@ impl Tensors {
             self.inputs(),
             BlockwiseMmParams {
                 checkpoint_activation,
+                activation_function: self.act_fn,
             },
         )?)
     }
 }
 
+/// The gate activations by their definitions (erf for GELU through libm's f64).
+fn activate(act_fn: ActFnType, g: f64) -> f64 {
+    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+    match act_fn {
+        ActFnType::Silu => g * sigmoid(g),
+        ActFnType::Gelu => 0.5 * g * (1.0 + libm::erf(g / 2f64.sqrt())),
+        ActFnType::GeluTanhApprox => {
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
+            0.5 * g * (1.0 + inner.tanh())
+        }
+        ActFnType::Swish => g * sigmoid(1.702 * g),
+        ActFnType::Relu => g.max(0.0),
+        ActFnType::SquaredRelu => g.max(0.0).powi(2),
+    }
+}
+
 fn silu(v: f64) -> f64 {
-    v / (1.0 + (-v).exp())
+    activate(ActFnType::Silu, v)
 }
 
 /// Expert `e` applied to token `t` the textbook way: `(gate [I], up [I], y [H])`.
@@ -208,7 +234,7 @@ fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let y = (0..h)
         .map(|j| {
             (0..i)
-                .map(|r| silu(gate[r]) * up[r] * c.down[(ex * i + r) * h + j])
+                .map(|r| activate(c.act_fn, gate[r]) * up[r] * c.down[(ex * i + r) * h + j])
                 .sum()
         })
         .collect();
@@ -329,15 +355,18 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, .. } = c.dims;
     let d_out = output_gradient(t, h, seed);
     let ops = operands(c);
-    let fwd = blockwise_forward(&ops).unwrap();
+    let fwd = blockwise_forward(&ops, c.act_fn).unwrap();
     let grads = blockwise_backward(
         &ops,
         &fwd.gate_up_activations_t,
         &fwd.down_activations,
         &d_out,
+        c.act_fn,
     )
     .unwrap();
-    let loss = |ops: BlockwiseOperands<'_>| dot(&d_out, &blockwise_forward(&ops).unwrap().output);
+    let loss = |ops: BlockwiseOperands<'_>| {
+        dot(&d_out, &blockwise_forward(&ops, c.act_fn).unwrap().output)
+    };
 
     let fd_x = finite_differences(&c.x, FD_STEP, |x| {
         loss(BlockwiseOperands {
@@ -434,13 +463,18 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let fwd = tensors.forward(true).unwrap();
     let d_out = f32_tensor(&[t + 1, h], &output_gradient(t, h, seed));
     let index = i32_tensor(&[t, c.k], &c.index);
-    let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
-        forward: tensors.inputs(),
-        gate_up_proj_act_checkpoint_t: fwd.gate_up_activations_t.as_ref().unwrap(),
-        down_proj_act_checkpoint: fwd.down_activations.as_ref().unwrap(),
-        output_hidden_states_grad: &d_out,
-        expert_index: Some(&index),
-    })
+    let call = BlockwiseMmBwd::new(
+        BlockwiseMmBwdInputs {
+            forward: tensors.inputs(),
+            gate_up_proj_act_checkpoint_t: fwd.gate_up_activations_t.as_ref().unwrap(),
+            down_proj_act_checkpoint: fwd.down_activations.as_ref().unwrap(),
+            output_hidden_states_grad: &d_out,
+            expert_index: Some(&index),
+        },
+        BlockwiseMmBwdParams {
+            activation_type: c.act_fn,
+        },
+    )
     .unwrap();
     let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
     prop_assert_eq!(g.hidden_states_grad.shape(), &[t + 1, h]);
@@ -450,12 +484,13 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
 
     // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
     let ops = operands(c);
-    let exact_fwd = blockwise_forward(&ops).unwrap();
+    let exact_fwd = blockwise_forward(&ops, c.act_fn).unwrap();
     let exact = blockwise_backward(
         &ops,
         &exact_fwd.gate_up_activations_t,
         &exact_fwd.down_activations,
         &d_out.to_f64_vec(),
+        c.act_fn,
     )
     .unwrap();
     for (name, got, want) in [
@@ -529,6 +564,7 @@ fn edge_cases() {
         k,
         routing,
         bf16: false,
+        act_fn: ActFnType::Silu,
     };
     let cases = [
         ("T = 1", shape(1, 3, 2, 2, Routing::Random)),
@@ -562,14 +598,24 @@ fn edge_cases() {
         ),
     ];
     for (name, shape) in cases {
-        for bf16 in [false, true] {
-            let c = build_case(Shape { bf16, ..shape }, 7);
+        for (bf16, act_fn) in [false, true]
+            .into_iter()
+            .flat_map(|bf16| ActFnType::ALL.map(|act_fn| (bf16, act_fn)))
+        {
+            let c = build_case(
+                Shape {
+                    bf16,
+                    act_fn,
+                    ..shape
+                },
+                7,
+            );
             let all = check_forward(&c)
                 .and_then(|_| check_checkpoints(&c))
                 .and_then(|_| check_finite_differences(&c, 11))
                 .and_then(|_| check_kernel_backward(&c, 13));
             if let Err(e) = all {
-                panic!("{name} (bf16: {bf16}): {e}");
+                panic!("{name} (bf16: {bf16}, {act_fn}): {e}");
             }
         }
     }
@@ -624,6 +670,7 @@ fn valid() -> Tensors {
         // Padding is T = 3; the unused block 3 goes through expert E−1 = 2.
         positions: i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 3]),
         blocks: i32_tensor(&[4, 1], &[0, 1, 2, 2]),
+        act_fn: ActFnType::Silu,
     }
 }
 
@@ -763,13 +810,16 @@ fn backward_rejects_bad_checkpoints_and_gradients() {
     let down = f32_tensor(&[4, 2, 2], &[0.0; 16]);
     let grad = f32_tensor(&[4, 2], &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]);
     let bwd = |gu: &Tensor, down: &Tensor, grad: &Tensor, index: Option<&Tensor>| {
-        BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
-            forward: inputs,
-            gate_up_proj_act_checkpoint_t: gu,
-            down_proj_act_checkpoint: down,
-            output_hidden_states_grad: grad,
-            expert_index: index,
-        })
+        BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
+                forward: inputs,
+                gate_up_proj_act_checkpoint_t: gu,
+                down_proj_act_checkpoint: down,
+                output_hidden_states_grad: grad,
+                expert_index: index,
+            },
+            BlockwiseMmBwdParams::default(),
+        )
         .map(|_| ())
     };
     bwd(&gu, &down, &grad, None).unwrap();

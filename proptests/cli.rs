@@ -368,6 +368,19 @@ fn errors_exit_non_zero_with_a_clear_message() {
         run("router_topk", &["--param", "act_fn=relu"]),
         &["act_fn", "relu", "SOFTMAX or SIGMOID"],
     );
+    // Enum values are nki-library's member names, spelled as it spells them.
+    check(
+        run("router_topk", &["--param", "activation_function=silu"]),
+        &[
+            "activation_function",
+            "`silu`",
+            "SiLU, GELU, GELU_Tanh_Approx",
+        ],
+    );
+    check(
+        run("router_topk", &["--param", "x_hbm_layout=2"]),
+        &["x_hbm_layout", "0 ([H, T]) or 1 ([T, H])"],
+    );
     check(
         run("router_topk", &["--param", "k=2", "--backend", "gpu"]),
         &["unknown backend `gpu`", "reference"],

@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use moekit::contracts::{CHECKPOINT_NAMES, RouterActFnType};
+use moekit::contracts::{ActFnType, CHECKPOINT_NAMES, RouterActFnType};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
 use proptest::prelude::*;
@@ -36,6 +36,8 @@ struct Shape {
     norm_topk_prob: bool,
     biases: bool,
     bf16: bool,
+    /// The experts' gate activation.
+    activation: ActFnType,
 }
 
 fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
@@ -46,25 +48,28 @@ fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
             Just(RouterActFnType::Sigmoid)
         ],
         any::<(bool, bool, bool, bool)>(),
+        0..ActFnType::ALL.len(),
     )
-        .prop_flat_map(|(dims, act_fn, flags)| (Just((dims, act_fn, flags)), 1..=dims.2))
-        .prop_map(
-            |(((t, h, e, i, b), act_fn, (router_pre_norm, norm_topk_prob, biases, bf16)), k)| {
-                Shape {
-                    t,
-                    h,
-                    e,
-                    i,
-                    k,
-                    b,
-                    act_fn,
-                    router_pre_norm,
-                    norm_topk_prob,
-                    biases,
-                    bf16,
-                }
-            },
-        )
+        .prop_flat_map(|(dims, act_fn, flags, activation)| {
+            (Just((dims, act_fn, flags, activation)), 1..=dims.2)
+        })
+        .prop_map(|(((t, h, e, i, b), act_fn, flags, activation), k)| {
+            let (router_pre_norm, norm_topk_prob, biases, bf16) = flags;
+            Shape {
+                t,
+                h,
+                e,
+                i,
+                k,
+                b,
+                act_fn,
+                router_pre_norm,
+                norm_topk_prob,
+                biases,
+                bf16,
+                activation: ActFnType::ALL[activation],
+            }
+        })
 }
 
 /// A full layer's tensors: router inputs, the reference's router, plan and checkpoints (so each
@@ -86,6 +91,9 @@ fn layer(s: Shape, seed: u64) -> Layer {
     params.set("num_experts", &e.to_string()).unwrap();
     params.set("block_size", &b.to_string()).unwrap();
     params.set("checkpoint_activation", "true").unwrap();
+    for name in ["activation_function", "activation_type"] {
+        params.set(name, s.activation.name()).unwrap();
+    }
     let float = |shape: &[usize], v: &[f64]| {
         let t = f32_tensor(shape, v);
         if s.bf16 { t.to_bf16() } else { t }
@@ -329,6 +337,7 @@ fn crowded_experts() -> Vec<(&'static str, Shape)> {
         act_fn: RouterActFnType::Softmax,
         router_pre_norm: true,
         norm_topk_prob: true,
+        activation: ActFnType::Silu,
         biases: false,
         bf16: false,
     };
@@ -382,6 +391,7 @@ fn products_on_streamed_panels_ignore_thread_counts() {
         act_fn: RouterActFnType::Softmax,
         router_pre_norm: true,
         norm_topk_prob: true,
+        activation: ActFnType::Silu,
         biases: false,
         bf16: false,
     };
@@ -405,6 +415,7 @@ fn edge_cases_match_the_reference() {
         act_fn: RouterActFnType::Softmax,
         router_pre_norm: true,
         norm_topk_prob: true,
+        activation: ActFnType::Silu,
         biases: false,
         bf16: false,
     };
@@ -460,6 +471,7 @@ fn errors_are_the_reference_errors() {
             act_fn: RouterActFnType::Softmax,
             router_pre_norm: true,
             norm_topk_prob: true,
+            activation: ActFnType::Silu,
             biases: true,
             bf16: false,
         },
@@ -539,6 +551,7 @@ fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks()
         act_fn: RouterActFnType::Softmax,
         router_pre_norm: true,
         norm_topk_prob: true,
+        activation: ActFnType::Silu,
         biases: false,
         bf16: false,
     };

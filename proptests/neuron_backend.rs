@@ -203,7 +203,9 @@ proptest! {
         (t, h, e, i, k, b) in (1usize..10, 1usize..12, 1usize..6, 1usize..10, 1usize..4, 1usize..6),
         seed in any::<u64>(),
         checkpoint in any::<bool>(),
+        activation in 0..ActFnType::ALL.len(),
     ) {
+        let activation = ActFnType::ALL[activation];
         let _guard = exclusive();
         let k = k.min(e);
         let mut rng = SeededRng::new(seed);
@@ -231,9 +233,10 @@ proptest! {
             token_position_to_id: &plan.token_position_to_id,
             block_to_expert: &plan.block_to_expert,
         };
-        let call = BlockwiseMm::new(inputs, BlockwiseMmParams { checkpoint_activation: checkpoint }).unwrap();
+        let params = BlockwiseMmParams { checkpoint_activation: checkpoint, activation_function: activation };
+        let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
-        let mut neff = String::from("moekit-fake-neff 1\nkernel blockwise_mm\n");
+        let mut neff = format!("moekit-fake-neff 1\nkernel blockwise_mm\nparam activation_function {activation}\n");
         for (name, tensor) in [
             ("hidden_states", &hidden_states),
             ("expert_affinities_masked", &plan.expert_affinities_masked),
@@ -250,7 +253,7 @@ proptest! {
             neff += &decl("output", "down_activations", "bf16", &[n, b, h]);
         }
         let entry = format!(
-            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\n"
+            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\nactivation_function = \"{activation}\"\n"
         );
         // The backward's NEFF: the forward's inputs, its checkpoints and the output gradient.
         let mut bwd_neff = neff.replace("kernel blockwise_mm\n", "kernel blockwise_mm_bwd\n");
@@ -262,7 +265,9 @@ proptest! {
         bwd_neff += &decl("output", "expert_affinities_masked_grad", "f32", &[(t + 1) * e, 1]);
         bwd_neff += &decl("output", "gate_up_proj_weight_grad", "f32", &[e, h, 2, i]);
         bwd_neff += &decl("output", "down_proj_weight_grad", "f32", &[e, i, h]);
-        let bwd_entry = format!("name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\n");
+        let bwd_entry = format!(
+            "name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\nactivation_type = \"{activation}\"\n"
+        );
         let dir = workdir("blockwise");
         let backend = backend_with(
             &dir,
@@ -286,13 +291,16 @@ proptest! {
             let mut d_output = rng.values(t * h, 1.0);
             d_output.extend(vec![0.0; h]);
             let d_output = f32_tensor(&[t + 1, h], &d_output);
-            let bwd = BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+            let bwd = BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
                 forward: inputs,
                 gate_up_proj_act_checkpoint_t: want.gate_up_activations_t.as_ref().unwrap(),
                 down_proj_act_checkpoint: want.down_activations.as_ref().unwrap(),
                 output_hidden_states_grad: &d_output,
                 expert_index: Some(&routed.expert_index),
-            }).unwrap();
+            },
+            BlockwiseMmBwdParams { activation_type: activation },
+            ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
             let want = reference.blockwise_mm_bwd(&bwd).unwrap();
             for (name, got, want) in [

@@ -410,6 +410,7 @@ fn blockwise_call<'a>(
         blockwise_inputs(inputs, plan),
         BlockwiseMmParams {
             checkpoint_activation: true,
+            ..BlockwiseMmParams::default()
         },
     )
 }
@@ -490,21 +491,24 @@ impl Layer {
 
     pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {
         let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
-        BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
-            forward: blockwise_inputs(&self.inputs, &self.plan),
-            gate_up_proj_act_checkpoint_t: self
-                .checkpoints
-                .gate_up_activations_t
-                .as_ref()
-                .ok_or_else(missing)?,
-            down_proj_act_checkpoint: self
-                .checkpoints
-                .down_activations
-                .as_ref()
-                .ok_or_else(missing)?,
-            output_hidden_states_grad: &self.inputs.output_hidden_states_grad,
-            expert_index: Some(&self.routed.expert_index),
-        })
+        BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
+                forward: blockwise_inputs(&self.inputs, &self.plan),
+                gate_up_proj_act_checkpoint_t: self
+                    .checkpoints
+                    .gate_up_activations_t
+                    .as_ref()
+                    .ok_or_else(missing)?,
+                down_proj_act_checkpoint: self
+                    .checkpoints
+                    .down_activations
+                    .as_ref()
+                    .ok_or_else(missing)?,
+                output_hidden_states_grad: &self.inputs.output_hidden_states_grad,
+                expert_index: Some(&self.routed.expert_index),
+            },
+            BlockwiseMmBwdParams::default(),
+        )
     }
 }
 

@@ -1,17 +1,19 @@
 //! `blockwise_mm`: nki-library's MoE context-encoding kernel (`moe_cte`: blockwise expert
-//! matmul with fused SwiGLU), and its backward (`blockwise_mm_bwd`), with their tensor names and
-//! shapes.
+//! matmul with a fused gated activation), and its backward (`blockwise_mm_bwd`), with their
+//! tensor names, shapes and parameters.
 //!
 //! For each block `n` of B slots, expert `e = block_to_expert[n]` and each slot holding token
 //! `t = token_position_to_id[n·B + j]` (padding slots hold T, the zero row, whose affinity is
 //! 0, so they add nothing):
 //! ```text
 //! gate = x_t · W[e, :, 0, :]      up = x_t · W[e, :, 1, :]         [I]
-//! y    = (silu(gate) ⊙ up) · D[e]                                   [H]
+//! y    = (act(gate) ⊙ up) · D[e]                                    [H]
 //! output[t] += expert_affinities_masked[t·E + e] · y                 affinity after the down proj
 //! ```
-//! so `output [T+1, H]` holds `Σ_e a[t, e] · down_e(silu(x_t W_gate_e) ⊙ x_t W_up_e)` in row t
-//! and zeros in the padding row T. With `checkpoint_activation` the kernel also returns the
+//! so `output [T+1, H]` holds `Σ_e a[t, e] · down_e(act(x_t W_gate_e) ⊙ x_t W_up_e)` in row t
+//! and zeros in the padding row T, where `act` is `activation_function` (nki-library's
+//! `ActFnType`: SiLU by default, GELU, GELU_Tanh_Approx, Swish, ReLU, SquaredReLU; the backward
+//! takes it as `activation_type`). With `checkpoint_activation` the kernel also returns the
 //! pre-activation gate/up projections `gate_up_activations_T [N, 2, I, B]` and the down
 //! projection before affinity scaling `down_activations [N, B, H]` (zeros in padding slots),
 //! which the backward takes as `gate_up_proj_act_checkpoint_T` and `down_proj_act_checkpoint`
@@ -29,6 +31,8 @@
 //! The backward reads the f32 checkpoints, so its gradients match the exact f64 ones to about
 //! 1e-6 relative.
 
+use std::fmt;
+
 use super::{BlockPlan, SKIP, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -40,12 +44,86 @@ pub const CHECKPOINT_NAMES: [(&str, &str); 2] = [
     ("down_activations", "down_proj_act_checkpoint"),
 ];
 
-/// Parameters of [`BlockwiseMm`].
+/// The activation of the gate projection, which then multiplies the up projection:
+/// nki-library's `ActFnType`, spelled as its members.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActFnType {
+    /// `SiLU`: `g · σ(g)` (SwiGLU; Qwen3, Mixtral, DeepSeek). nki-library's default.
+    #[default]
+    Silu,
+    /// `GELU`: `g · Φ(g) = ½ g (1 + erf(g / √2))`.
+    Gelu,
+    /// `GELU_Tanh_Approx`: `½ g (1 + tanh(√(2/π) (g + 0.044715 g³)))`.
+    GeluTanhApprox,
+    /// `Swish`: `g · σ(1.702 g)`, the sigmoid approximation of GELU.
+    Swish,
+    /// `ReLU`: `max(g, 0)`.
+    Relu,
+    /// `SquaredReLU`: `max(g, 0)²`.
+    SquaredRelu,
+}
+
+impl ActFnType {
+    /// Every member, in nki-library's order.
+    pub const ALL: [ActFnType; 6] = [
+        Self::Silu,
+        Self::Gelu,
+        Self::GeluTanhApprox,
+        Self::Swish,
+        Self::Relu,
+        Self::SquaredRelu,
+    ];
+
+    /// The member's name in nki-library.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Silu => "SiLU",
+            Self::Gelu => "GELU",
+            Self::GeluTanhApprox => "GELU_Tanh_Approx",
+            Self::Swish => "Swish",
+            Self::Relu => "ReLU",
+            Self::SquaredRelu => "SquaredReLU",
+        }
+    }
+
+    /// Parses a member name for parameter `param`.
+    pub fn parse(param: &str, name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Self::ALL.iter().map(|f| f.name()).collect();
+                Error::param(
+                    param,
+                    format!(
+                        "expected one of {} (ActFnType), got `{name}`",
+                        known.join(", ")
+                    ),
+                )
+            })
+    }
+}
+
+impl fmt::Display for ActFnType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Parameters of [`BlockwiseMm`], named as nki-library's `moe_cte` names them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockwiseMmParams {
-    /// Also return `gate_up_activations_T` and `down_activations` (nki-library's
-    /// `checkpoint_activation`, default false).
+    /// Also return `gate_up_activations_T` and `down_activations` (default false).
     pub checkpoint_activation: bool,
+    /// The gate's activation (default SiLU).
+    pub activation_function: ActFnType,
+}
+
+/// Parameters of [`BlockwiseMmBwd`], named as nki-library's `blockwise_mm_bwd` names them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockwiseMmBwdParams {
+    /// The forward's `activation_function` (default SiLU).
+    pub activation_type: ActFnType,
 }
 
 /// Inputs of [`BlockwiseMm`]. Floating-point tensors may be f32 or bf16.
@@ -236,13 +314,14 @@ pub struct BlockwiseMmBwdInputs<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct BlockwiseMmBwd<'a> {
     inputs: BlockwiseMmBwdInputs<'a>,
+    params: BlockwiseMmBwdParams,
     dims: BlockwiseDims,
     plan: BlockPlan<'a>,
 }
 
 impl<'a> BlockwiseMmBwd<'a> {
     /// Checks everything [`BlockwiseMm::new`] checks, plus the checkpoints and gradients.
-    pub fn new(inputs: BlockwiseMmBwdInputs<'a>) -> Result<Self> {
+    pub fn new(inputs: BlockwiseMmBwdInputs<'a>, params: BlockwiseMmBwdParams) -> Result<Self> {
         let (dims, plan, covered) = check(&inputs.forward)?;
         let BlockwiseDims { t, h, e, i, b, n } = dims;
         validate::float_tensor(
@@ -290,11 +369,20 @@ impl<'a> BlockwiseMmBwd<'a> {
                 ));
             }
         }
-        Ok(Self { inputs, dims, plan })
+        Ok(Self {
+            inputs,
+            params,
+            dims,
+            plan,
+        })
     }
 
     pub fn inputs(&self) -> BlockwiseMmBwdInputs<'a> {
         self.inputs
+    }
+
+    pub fn params(&self) -> BlockwiseMmBwdParams {
+        self.params
     }
 
     pub fn dims(&self) -> BlockwiseDims {

@@ -32,9 +32,9 @@ use rayon::prelude::*;
 use super::alloc::output_buffer;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
+use super::gated;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use super::permute::topk_gradient;
-use super::swiglu;
 use super::{f32_output, screened_f32_output};
 use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
@@ -358,12 +358,13 @@ fn gate_up_product(
 /// zeros in padding slots) and its blocks of `gate_up_t`. Returns whether every value it wrote
 /// is finite.
 fn run_forward(
-    inputs: &BlockwiseMmInputs<'_>,
-    dims: BlockwiseDims,
+    call: &BlockwiseMm<'_>,
     run: &BlockRun,
     out: RunOutputs<'_>,
     scratch: &mut Scratch,
 ) -> bool {
+    let (inputs, dims) = (&call.inputs(), call.dims());
+    let act_fn = call.params().activation_function;
     let BlockwiseDims { h, i, b, .. } = dims;
     let m = run.tokens.len();
     let Some(expert) = run.expert.filter(|_| m > 0) else {
@@ -376,7 +377,7 @@ fn run_forward(
     let act = resized(&mut scratch.act, m * i);
     for (gu, act) in scratch.gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
         let (gate, up) = gu.split_at(i);
-        swiglu::forward(gate, up, act);
+        gated::forward(act_fn, gate, up, act);
     }
     let act = MatRef::row_major(&scratch.act, m, i);
     let weights = inputs.down_proj_weight;
@@ -449,7 +450,7 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         .zip(gate_up_parts)
         .zip(&runs)
         .map_init(Scratch::default, |scratch, ((down, gate_up_t), run)| {
-            run_forward(&inputs, dims, run, RunOutputs { down, gate_up_t }, scratch)
+            run_forward(call, run, RunOutputs { down, gate_up_t }, scratch)
         })
         .reduce(|| true, |a, b| a && b);
     // SAFETY: the runs cover every block, and each run wrote its blocks of both buffers whole.
@@ -616,14 +617,18 @@ fn rows_backward(
     for row in 0..m {
         let (gate, up) = s.gate_up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
         let (d_gate, d_up) = piece.d_gate_up[row * 2 * i..(row + 1) * 2 * i].split_at_mut(i);
-        swiglu::backward(swiglu::Backward {
-            gate,
-            up,
-            d_act: &s.d_act[row * i..(row + 1) * i],
-            act: &mut piece.act[row * i..(row + 1) * i],
-            d_gate,
-            d_up,
-        });
+        let act_fn = call.params().activation_type;
+        gated::backward(
+            act_fn,
+            gated::Backward {
+                gate,
+                up,
+                d_act: &s.d_act[row * i..(row + 1) * i],
+                act: &mut piece.act[row * i..(row + 1) * i],
+                d_gate,
+                d_up,
+            },
+        );
     }
     // d x [m, H] = d gate_up · Wᵀ.
     weight_nt(

@@ -10,6 +10,7 @@ mod blockwise;
 mod dot;
 mod exp;
 mod f32_tiles;
+mod gated;
 mod load_balancing;
 mod matmul;
 mod permute;

@@ -19,10 +19,10 @@ use super::comm::Communicator;
 use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch, dispatch_bwd};
 use crate::backend::Backend;
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
-    Permute, PermuteInputs, PermuteOutputs, PermuteParams, RouterPipeline, RouterTopk,
-    RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs,
-    RouterTopkParams, XHbmLayout,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
+    BlockwiseMmParams, Permute, PermuteInputs, PermuteOutputs, PermuteParams, RouterPipeline,
+    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
+    RouterTopkOutputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -306,6 +306,7 @@ impl ShardedExperts<'_> {
             forward_inputs(&hidden_states, &plan, inputs),
             BlockwiseMmParams {
                 checkpoint_activation: true,
+                ..BlockwiseMmParams::default()
             },
         )?)?;
         let (Some(gate_up_activations_t), Some(down_activations)) =
@@ -382,15 +383,16 @@ impl ShardedExperts<'_> {
                 zeros(inputs.down_proj_weight.shape())?,
             ));
         };
-        let grads = self
-            .backend
-            .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+        let grads = self.backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
                 forward: forward_inputs(&local.hidden_states, &local.plan, inputs),
                 gate_up_proj_act_checkpoint_t: &local.gate_up_activations_t,
                 down_proj_act_checkpoint: &local.down_activations,
                 output_hidden_states_grad: &with_padding_row(d_expert_output)?,
                 expert_index: Some(&dispatched.expert_index),
-            })?)?;
+            },
+            BlockwiseMmBwdParams::default(),
+        )?)?;
         let d_affinities = grads.d_topk_affinities.ok_or_else(|| {
             Error::invalid(
                 "blockwise_mm_bwd",

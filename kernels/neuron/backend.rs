@@ -503,6 +503,10 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
             ("i", Value::Int(i)),
             ("block_size", Value::Int(b)),
             ("num_blocks", Value::Int(n)),
+            (
+                "activation_function",
+                Value::Str(call.params().activation_function.to_string()),
+            ),
             ("checkpoint_activation", Value::Bool(checkpoint)),
         ],
         inputs: vec![
@@ -537,6 +541,10 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
             ("i", Value::Int(i)),
             ("block_size", Value::Int(dims.b)),
             ("num_blocks", Value::Int(dims.n)),
+            (
+                "activation_type",
+                Value::Str(call.params().activation_type.to_string()),
+            ),
         ],
         inputs: vec![
             ("hidden_states", Some(forward.hidden_states)),

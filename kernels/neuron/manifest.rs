@@ -74,7 +74,7 @@ const ROUTER_TOPK_KEYS: &[(&str, ValueKind)] = &[
     ("selection_bias", ValueKind::Bool),
 ];
 
-/// `blockwise_mm`'s keys; `blockwise_mm_bwd` takes all but the last.
+/// `blockwise_mm`'s keys.
 const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     ("t", ValueKind::Int),
     ("h", ValueKind::Int),
@@ -82,7 +82,20 @@ const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     ("i", ValueKind::Int),
     ("block_size", ValueKind::Int),
     ("num_blocks", ValueKind::Int),
+    // An `ActFnType` member: SiLU, GELU, GELU_Tanh_Approx, Swish, ReLU or SquaredReLU.
+    ("activation_function", ValueKind::Str),
     ("checkpoint_activation", ValueKind::Bool),
+];
+
+/// `blockwise_mm_bwd`'s keys.
+const BLOCKWISE_MM_BWD_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    ("e", ValueKind::Int),
+    ("i", ValueKind::Int),
+    ("block_size", ValueKind::Int),
+    ("num_blocks", ValueKind::Int),
+    ("activation_type", ValueKind::Str),
 ];
 
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does
@@ -91,7 +104,7 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
     match kernel {
         Kernel::RouterTopk => Some(ROUTER_TOPK_KEYS),
         Kernel::BlockwiseMm => Some(BLOCKWISE_MM_KEYS),
-        Kernel::BlockwiseMmBwd => Some(&BLOCKWISE_MM_KEYS[..BLOCKWISE_MM_KEYS.len() - 1]),
+        Kernel::BlockwiseMmBwd => Some(BLOCKWISE_MM_BWD_KEYS),
         _ => None,
     }
 }

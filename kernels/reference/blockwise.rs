@@ -1,7 +1,7 @@
-//! f64 blockwise expert matmul with SwiGLU, forward and backward (see
+//! f64 blockwise expert matmul with a gated activation, forward and backward (see
 //! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
 
-use crate::contracts::BlockwiseDims;
+use crate::contracts::{ActFnType, BlockwiseDims};
 use crate::error::Result;
 use crate::tensor::try_filled;
 
@@ -59,14 +59,40 @@ fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
-fn silu(x: f64) -> f64 {
-    x * sigmoid(x)
-}
-
-/// `d silu(x) / dx`.
-fn silu_grad(x: f64) -> f64 {
-    let s = sigmoid(x);
-    s * (1.0 + x * (1.0 - s))
+/// The gate activation `f(g)` and its derivative `f'(g)`, by their textbook formulas.
+pub fn gate_activation(act_fn: ActFnType, g: f64) -> (f64, f64) {
+    match act_fn {
+        ActFnType::Silu => {
+            let s = sigmoid(g);
+            (g * s, s * (1.0 + g * (1.0 - s)))
+        }
+        ActFnType::Gelu => {
+            let cdf = 0.5 * (1.0 + libm::erf(g / std::f64::consts::SQRT_2));
+            let pdf = (-0.5 * g * g).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            (g * cdf, cdf + g * pdf)
+        }
+        ActFnType::GeluTanhApprox => {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let t = (c * (g + 0.044715 * g.powi(3))).tanh();
+            let dt = (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * g * g);
+            (0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * dt)
+        }
+        ActFnType::Swish => {
+            let s = sigmoid(1.702 * g);
+            (g * s, s + 1.702 * g * s * (1.0 - s))
+        }
+        ActFnType::Relu => {
+            if g > 0.0 {
+                (g, 1.0)
+            } else {
+                (0.0, 0.0)
+            }
+        }
+        ActFnType::SquaredRelu => {
+            let r = g.max(0.0);
+            (r * r, 2.0 * r)
+        }
+    }
 }
 
 /// Forward results in f64.
@@ -80,8 +106,11 @@ pub struct BlockwiseForward {
     pub down_activations: Vec<f64>,
 }
 
-/// Blockwise forward with both checkpoints.
-pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> Result<BlockwiseForward> {
+/// Blockwise forward with both checkpoints, the gate through `act_fn`.
+pub fn blockwise_forward(
+    ops: &BlockwiseOperands<'_>,
+    act_fn: ActFnType,
+) -> Result<BlockwiseForward> {
     let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
     let mut out = BlockwiseForward {
         output: zeros("output", &[t + 1, h])?,
@@ -96,7 +125,7 @@ pub fn blockwise_forward(ops: &BlockwiseOperands<'_>) -> Result<BlockwiseForward
             let up: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 1, col)).sum();
             out.gate_up_activations_t[((block * 2) * i + col) * b + slot] = gate;
             out.gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot] = up;
-            *a = silu(gate) * up;
+            *a = gate_activation(act_fn, gate).0 * up;
         }
         let affinity = ops.expert_affinities_masked[token * e + expert];
         for j in 0..h {
@@ -123,12 +152,13 @@ pub struct BlockwiseGrads {
 
 /// Blockwise backward from the forward's checkpoints `gate_up_activations_t [N, 2, I, B]` and
 /// `down_activations [N, B, H]` and the output gradient `d_output [T+1, H]` (row T unread: the
-/// padding slots have affinity 0).
+/// padding slots have affinity 0), the gate through `act_fn`.
 pub fn blockwise_backward(
     ops: &BlockwiseOperands<'_>,
     gate_up_activations_t: &[f64],
     down_activations: &[f64],
     d_output: &[f64],
+    act_fn: ActFnType,
 ) -> Result<BlockwiseGrads> {
     let BlockwiseDims { t, h, e, i, b, .. } = ops.dims;
     let mut grads = BlockwiseGrads {
@@ -147,7 +177,8 @@ pub fn blockwise_backward(
         let gate = |col: usize| gate_up_activations_t[((block * 2) * i + col) * b + slot];
         let up = |col: usize| gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot];
         for row in 0..i {
-            let act = silu(gate(row)) * up(row);
+            let (f, f_grad) = gate_activation(act_fn, gate(row));
+            let act = f * up(row);
             // d act[row] = Σ_j D[e, row, j] · affinity · d_out[j]
             let mut d_act = 0.0;
             for j in 0..h {
@@ -155,8 +186,8 @@ pub fn blockwise_backward(
                 grads.down_proj_weight_grad[(expert * i + row) * h + j] += act * d_y;
                 d_act += ops.down(expert, row, j) * d_y;
             }
-            let d_gate = d_act * up(row) * silu_grad(gate(row));
-            let d_up = d_act * silu(gate(row));
+            let d_gate = d_act * up(row) * f_grad;
+            let d_up = d_act * f;
             for j in 0..h {
                 let base = ((expert * h + j) * 2) * i + row;
                 grads.gate_up_proj_weight_grad[base] += x[j] * d_gate;

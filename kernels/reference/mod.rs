@@ -228,7 +228,10 @@ impl Backend for ReferenceBackend {
         let (inputs, dims) = (call.inputs(), call.dims());
         let BlockwiseDims { t, h, i, b, n, .. } = dims;
         let owned = OwnedOperands::new(&inputs);
-        let fwd = blockwise::blockwise_forward(&owned.borrow(&inputs, dims))?;
+        let fwd = blockwise::blockwise_forward(
+            &owned.borrow(&inputs, dims),
+            call.params().activation_function,
+        )?;
         let checkpoint = call.params().checkpoint_activation;
         Ok(BlockwiseMmOutputs {
             output: f32_output("output", &[t + 1, h], &fwd.output)?,
@@ -256,6 +259,7 @@ impl Backend for ReferenceBackend {
             &inputs.gate_up_proj_act_checkpoint_t.to_f64_vec(),
             &inputs.down_proj_act_checkpoint.to_f64_vec(),
             &inputs.output_hidden_states_grad.to_f64_vec(),
+            call.params().activation_type,
         )?;
         let d_topk_affinities = inputs
             .expert_index

@@ -2,9 +2,9 @@
 //! expert (shared by the `LocalComm` and the MPI tests).
 
 use moekit::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
-    Permute, PermuteInputs, PermuteParams, RouterPipeline, RouterTopk, RouterTopkBwd,
-    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
+    BlockwiseMmParams, Permute, PermuteInputs, PermuteParams, RouterPipeline, RouterTopk,
+    RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
 use moekit::ep::{Communicator, EpGrads, EpInputs, EpParams, ExpertParallelMoe};
 use moekit::{BackendKind, Tensor};
@@ -140,6 +140,7 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
                 inputs,
                 BlockwiseMmParams {
                     checkpoint_activation: true,
+                    ..BlockwiseMmParams::default()
                 },
             )
             .unwrap(),
@@ -147,13 +148,16 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         .unwrap();
     let grads = backend
         .blockwise_mm_bwd(
-            &BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
-                forward: inputs,
-                gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
-                down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
-                output_hidden_states_grad: &d_output,
-                expert_index: Some(&routed.expert_index),
-            })
+            &BlockwiseMmBwd::new(
+                BlockwiseMmBwdInputs {
+                    forward: inputs,
+                    gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
+                    down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
+                    output_hidden_states_grad: &d_output,
+                    expert_index: Some(&routed.expert_index),
+                },
+                BlockwiseMmBwdParams::default(),
+            )
             .unwrap(),
         )
         .unwrap();

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use moekit::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmInputs, BlockwiseMmParams,
-    Permute, PermuteInputs, PermuteOutputs, PermuteParams,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
+    BlockwiseMmParams, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
 };
 use moekit::torch::{from_tch, to_tch};
 use moekit::{Backend, BackendKind};
@@ -82,6 +82,7 @@ impl Experts for KernelExperts {
             saved.forward_inputs(),
             BlockwiseMmParams {
                 checkpoint_activation: differentiable,
+                ..BlockwiseMmParams::default()
             },
         )?)?;
         // `output [T+1, H]` without its padding row.
@@ -169,15 +170,16 @@ impl ExternalBackward for KernelBackward {
         // `[T+1, H]`: the padding row's gradient is zero.
         let output_grad = with_padding_row(output_grad);
         let output_grad = lend("output_hidden_states_grad", &output_grad)?;
-        let grads = self
-            .backend
-            .blockwise_mm_bwd(&BlockwiseMmBwd::new(BlockwiseMmBwdInputs {
+        let grads = self.backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
                 forward: self.saved.forward_inputs(),
                 gate_up_proj_act_checkpoint_t: &self.gate_up_activations_t,
                 down_proj_act_checkpoint: &self.down_activations,
                 output_hidden_states_grad: &output_grad,
                 expert_index: Some(&self.saved.expert_index),
-            })?)?;
+            },
+            BlockwiseMmBwdParams::default(),
+        )?)?;
         let tokens = output_grad.shape()[0] - 1;
         let d_affinities = grads
             .d_topk_affinities
