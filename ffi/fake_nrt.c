@@ -19,6 +19,8 @@
  *     param activation_function GELU  (blockwise_mm, or activation_type for blockwise_mm_bwd:
  *                                    SiLU, the default | GELU | GELU_Tanh_Approx | Swish | ReLU |
  *                                    SquaredReLU)
+ *     param expert_affinities_scaling_mode NO_SCALE  (blockwise_mm and its backward: POST_SCALE,
+ *                                    the default | NO_SCALE | PRE_SCALE | PRE_SCALE_DELAYED)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -69,6 +71,10 @@ typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM, KERNEL_BLOC
 static const char *const ACT_FN_NAMES[] = {"SiLU", "GELU", "GELU_Tanh_Approx", "Swish", "ReLU", "SquaredReLU"};
 #define ACT_FN_COUNT ((int)(sizeof ACT_FN_NAMES / sizeof ACT_FN_NAMES[0]))
 
+/* nki-library's ExpertAffinityScaleMode members, POST_SCALE (the default) first. */
+static const char *const SCALE_MODE_NAMES[] = {"POST_SCALE", "NO_SCALE", "PRE_SCALE", "PRE_SCALE_DELAYED"};
+#define SCALE_MODE_COUNT ((int)(sizeof SCALE_MODE_NAMES / sizeof SCALE_MODE_NAMES[0]))
+
 /* The gate activation f(g) of member `fn`, and its derivative in *deriv. */
 static double gate_act(int fn, double g, double *deriv) {
     const double pi = 3.14159265358979323846;
@@ -118,6 +124,7 @@ struct nrt_model {
     int norm_topk_prob;
     int x_h_t; /* x_hbm_layout = 0: x [H, T] */
     int act_fn; /* the blockwise kernels' gate activation: an index into ACT_FN_NAMES */
+    int scaling; /* an index into SCALE_MODE_NAMES; 0 is POST_SCALE */
     int count;
     decl_t decls[MAX_TENSORS];
 };
@@ -346,6 +353,11 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
                 for (int f = 0; f < ACT_FN_COUNT; f++)
                     if (strcmp(value, ACT_FN_NAMES[f]) == 0) m->act_fn = f;
                 if (m->act_fn < 0) status = NRT_INVALID;
+            } else if (strcmp(name, "expert_affinities_scaling_mode") == 0) {
+                m->scaling = -1;
+                for (int s = 0; s < SCALE_MODE_COUNT; s++)
+                    if (strcmp(value, SCALE_MODE_NAMES[s]) == 0) m->scaling = s;
+                if (m->scaling < 0) status = NRT_INVALID;
             } else status = NRT_INVALID;
         } else if ((strcmp(word, "input") == 0 || strcmp(word, "output") == 0) && m->count < MAX_TENSORS) {
             decl_t *d = &m->decls[m->count++];
@@ -743,10 +755,13 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
             status = plan_slot(&plan, blockn, slot, &used, &tok, &ex);
             if (status != NRT_SUCCESS) break;
             if (!used) continue;
+            /* PRE_SCALE multiplies the token row by the affinity, POST_SCALE the output. */
+            double a = load(aff, da, tok * e + ex);
+            double row_scale = b->model->scaling >= 2 ? a : 1.0, out_scale = b->model->scaling == 0 ? a : 1.0;
             for (size_t j = 0; j < inter; j++) {
                 double gate = 0.0, up = 0.0;
                 for (size_t c = 0; c < h; c++) {
-                    double xv = load(x, dx, tok * h + c);
+                    double xv = row_scale * load(x, dx, tok * h + c);
                     gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
                     up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
                 }
@@ -757,11 +772,10 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
                     store(gate_up_t, dgt, ((blockn * 2 + 1) * inter + j) * bs + slot, up);
                 }
             }
-            double a = load(aff, da, tok * e + ex);
             for (size_t c = 0; c < h; c++) {
                 double y = 0.0;
                 for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
-                acc[tok * h + c] += a * y;
+                acc[tok * h + c] += out_scale * y;
                 if (down_act != NULL) store(down_act, ddn, (blockn * bs + slot) * h + c, y);
             }
         }
@@ -804,31 +818,37 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
             if (status != NRT_SUCCESS) break;
             if (!used) continue;
             double a = load(aff, da, tok * e + ex), d_a = 0.0;
-            for (size_t c = 0; c < h; c++)
-                d_a += load(grad, dy, tok * h + c) * load(down_act, ddn, (blockn * bs + slot) * h + c);
-            daff[tok * e + ex] += d_a;
+            int pre = b->model->scaling >= 2, post = b->model->scaling == 0;
+            double row_scale = pre ? a : 1.0, out_scale = post ? a : 1.0;
+            if (post)
+                for (size_t c = 0; c < h; c++)
+                    d_a += load(grad, dy, tok * h + c) * load(down_act, ddn, (blockn * bs + slot) * h + c);
             for (size_t j = 0; j < inter; j++) {
                 double gate = load(gate_up_t, dgt, ((blockn * 2 + 0) * inter + j) * bs + slot);
                 double up = load(gate_up_t, dgt, ((blockn * 2 + 1) * inter + j) * bs + slot);
                 double f_grad, f = gate_act(b->model->act_fn, gate, &f_grad), d_act = 0.0;
                 for (size_t c = 0; c < h; c++) {
-                    double g = a * load(grad, dy, tok * h + c);
+                    double g = out_scale * load(grad, dy, tok * h + c);
                     d_act += load(down, dd, (ex * inter + j) * h + c) * g;
                     ddown[(ex * inter + j) * h + c] += f * up * g;
                 }
                 dgate[j] = d_act * up * f_grad;
                 dup[j] = d_act * f;
             }
+            /* The projection saw x' = row_scale · x: d x = row_scale · d x', and under PRE_SCALE
+             * d affinity = <d x', x>. */
             for (size_t c = 0; c < h; c++) {
-                double xv = load(x, dx, tok * h + c), acc = 0.0;
+                double raw = load(x, dx, tok * h + c), xv = row_scale * raw, acc = 0.0;
                 for (size_t j = 0; j < inter; j++) {
                     dgu[((ex * h + c) * 2 + 0) * inter + j] += xv * dgate[j];
                     dgu[((ex * h + c) * 2 + 1) * inter + j] += xv * dup[j];
                     acc += load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j) * dgate[j] +
                            load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j) * dup[j];
                 }
-                dxs[tok * h + c] += acc;
+                dxs[tok * h + c] += row_scale * acc;
+                if (pre) d_a += raw * acc;
             }
+            daff[tok * e + ex] += d_a;
         }
     }
     if (status == NRT_SUCCESS) {

@@ -16,7 +16,8 @@ use std::fmt::Write as _;
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{Layer, LayerInputs, MoeShape};
 use crate::contracts::{
-    ActFnType, CHECKPOINT_NAMES, RouterActFnType, XHbmLayout, static_block_count,
+    ActFnType, CHECKPOINT_NAMES, ExpertAffinityScaleMode, RouterActFnType, XHbmLayout,
+    static_block_count,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
@@ -184,6 +185,8 @@ pub fn random_cases(
                 b: draw(1, 16),
             };
             let activation = ActFnType::ALL[draw(0, ActFnType::ALL.len() - 1)];
+            let scaling =
+                ExpertAffinityScaleMode::ALL[draw(0, ExpertAffinityScaleMode::ALL.len() - 1)];
             let params = Params {
                 k: Some(sizes.k),
                 act_fn: Some(if draw(0, 1) == 0 {
@@ -200,6 +203,7 @@ pub fn random_cases(
                 checkpoint_activation: Some(true),
                 activation_function: Some(activation),
                 activation_type: Some(activation),
+                scaling_mode: Some(scaling),
             };
             CheckCase::new(
                 sizes,
@@ -296,10 +300,18 @@ pub fn manifest_cases(
                     Some(Value::Str(name)) => ActFnType::parse(key, name).map(Some),
                     _ => Ok(None),
                 };
+                let scaling = match entry.params.get("expert_affinities_scaling_mode") {
+                    Some(Value::Str(name)) => Some(ExpertAffinityScaleMode::parse(
+                        "expert_affinities_scaling_mode",
+                        name,
+                    )?),
+                    _ => None,
+                };
                 let params = Params {
                     checkpoint_activation: Some(flag("checkpoint_activation")),
                     activation_function: activation("activation_function")?,
                     activation_type: activation("activation_type")?,
+                    scaling_mode: scaling,
                     ..Params::default()
                 };
                 (sizes, params)

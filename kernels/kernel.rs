@@ -9,11 +9,11 @@ use std::str::FromStr;
 use crate::backend::Backend;
 use crate::contracts::{
     ActFnType, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams,
-    BlockwiseMmInputs, BlockwiseMmParams, LoadBalancingLoss, LoadBalancingLossBwd,
-    LoadBalancingLossBwdInputs, LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs,
-    PermuteBwdParams, PermuteInputs, PermuteParams, RouterActFnType, RouterPipeline, RouterTopk,
-    RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
-    XHbmLayout,
+    BlockwiseMmInputs, BlockwiseMmParams, ExpertAffinityScaleMode, LoadBalancingLoss,
+    LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, Permute, PermuteBwd,
+    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RouterActFnType,
+    RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
+    RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -213,6 +213,7 @@ impl Kernel {
                 let params = BlockwiseMmParams {
                     checkpoint_activation: params.checkpoint_activation.unwrap_or(false),
                     activation_function: params.activation_function.unwrap_or_default(),
+                    expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                 };
                 let out = backend.blockwise_mm(&BlockwiseMm::new(inputs, params)?)?;
                 let mut named = vec![("output", out.output)];
@@ -233,6 +234,7 @@ impl Kernel {
                 };
                 let params = BlockwiseMmBwdParams {
                     activation_type: params.activation_type.unwrap_or_default(),
+                    expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                 };
                 let out = backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(inputs, params)?)?;
                 let mut named = vec![
@@ -290,6 +292,7 @@ pub enum Param {
     CheckpointActivation,
     ActivationFunction,
     ActivationType,
+    ExpertAffinitiesScalingMode,
 }
 
 impl Param {
@@ -305,6 +308,7 @@ impl Param {
         Param::CheckpointActivation,
         Param::ActivationFunction,
         Param::ActivationType,
+        Param::ExpertAffinitiesScalingMode,
     ];
 
     pub fn name(self) -> &'static str {
@@ -320,6 +324,7 @@ impl Param {
             Param::CheckpointActivation => "checkpoint_activation",
             Param::ActivationFunction => "activation_function",
             Param::ActivationType => "activation_type",
+            Param::ExpertAffinitiesScalingMode => "expert_affinities_scaling_mode",
         }
     }
 
@@ -332,6 +337,7 @@ impl Param {
             Param::ActivationFunction | Param::ActivationType => {
                 "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU"
             }
+            Param::ExpertAffinitiesScalingMode => "NO_SCALE|POST_SCALE|PRE_SCALE|PRE_SCALE_DELAYED",
             Param::RouterPreNorm | Param::NormTopkProb | Param::CheckpointActivation => {
                 "true|false"
             }
@@ -353,6 +359,8 @@ pub struct Params {
     pub checkpoint_activation: Option<bool>,
     pub activation_function: Option<ActFnType>,
     pub activation_type: Option<ActFnType>,
+    /// `expert_affinities_scaling_mode`, for the forward and the backward.
+    pub scaling_mode: Option<ExpertAffinityScaleMode>,
 }
 
 /// A parameter the kernel cannot run without.
@@ -430,6 +438,9 @@ impl Params {
             }
             Param::ActivationType => {
                 self.activation_type = Some(ActFnType::parse(name, value.trim())?)
+            }
+            Param::ExpertAffinitiesScalingMode => {
+                self.scaling_mode = Some(ExpertAffinityScaleMode::parse(name, value.trim())?)
             }
         }
         Ok(())
@@ -667,6 +678,7 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
     params: &[
         (Param::CheckpointActivation, Some("false")),
         (Param::ActivationFunction, Some("SiLU")),
+        (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
     ],
 };
 
@@ -692,7 +704,10 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
         optional("d_topk_affinities", "[T, K]", "f32"),
     ],
-    params: &[(Param::ActivationType, Some("SiLU"))],
+    params: &[
+        (Param::ActivationType, Some("SiLU")),
+        (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
+    ],
 };
 
 #[cfg(test)]

@@ -10,11 +10,13 @@ mod common;
 use common::*;
 use moekit::contracts::{
     ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
-    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams, Permute,
-    PermuteInputs, PermuteParams,
+    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams,
+    ExpertAffinityScaleMode, Permute, PermuteInputs, PermuteParams,
 };
 use moekit::reference::ReferenceBackend;
-use moekit::reference::blockwise::{BlockwiseOperands, blockwise_backward, blockwise_forward};
+use moekit::reference::blockwise::{
+    BlockwiseOperands, ExpertOptions, blockwise_backward, blockwise_forward,
+};
 use moekit::{Backend, Tensor};
 use proptest::prelude::*;
 
@@ -25,6 +27,7 @@ struct Case {
     k: usize,
     bf16: bool,
     act_fn: ActFnType,
+    scaling: ExpertAffinityScaleMode,
     /// `[T+1, H]`, row T zero.
     x: Vec<f64>,
     /// `[T, K]`.
@@ -51,6 +54,7 @@ struct Shape {
     routing: Routing,
     bf16: bool,
     act_fn: ActFnType,
+    scaling: ExpertAffinityScaleMode,
 }
 
 fn build_case(s: Shape, seed: u64) -> Case {
@@ -64,6 +68,7 @@ fn build_case(s: Shape, seed: u64) -> Case {
         routing,
         bf16,
         act_fn,
+        scaling,
     } = s;
     let mut rng = SeededRng::new(seed);
     // Values on the bf16 grid when testing bf16 inputs, so the oracle sees them exactly.
@@ -106,6 +111,7 @@ fn build_case(s: Shape, seed: u64) -> Case {
         k,
         bf16,
         act_fn,
+        scaling,
         x,
         index,
         masked: f32s(&plan.expert_affinities_masked),
@@ -121,27 +127,34 @@ fn case() -> impl Strategy<Value = Case> {
         (1usize..8, 1usize..10, 1usize..6, 1usize..8, 1usize..12),
         routing(),
         any::<bool>(),
-        (any::<u64>(), 0..ActFnType::ALL.len()),
+        (
+            any::<u64>(),
+            0..ActFnType::ALL.len(),
+            0..ExpertAffinityScaleMode::ALL.len(),
+        ),
     )
         .prop_flat_map(|(dims, routing, bf16, seed)| {
             (Just((dims, routing, bf16, seed)), 1..=dims.2)
         })
-        .prop_map(|(((t, h, e, i, b), routing, bf16, (seed, act_fn)), k)| {
-            build_case(
-                Shape {
-                    t,
-                    h,
-                    e,
-                    i,
-                    b,
-                    k,
-                    routing,
-                    bf16,
-                    act_fn: ActFnType::ALL[act_fn],
-                },
-                seed,
-            )
-        })
+        .prop_map(
+            |(((t, h, e, i, b), routing, bf16, (seed, act_fn, scaling)), k)| {
+                build_case(
+                    Shape {
+                        t,
+                        h,
+                        e,
+                        i,
+                        b,
+                        k,
+                        routing,
+                        bf16,
+                        act_fn: ActFnType::ALL[act_fn],
+                        scaling: ExpertAffinityScaleMode::ALL[scaling],
+                    },
+                    seed,
+                )
+            },
+        )
 }
 
 /// The case's float inputs as tensors (bf16 when the case says so) and its plan.
@@ -153,6 +166,7 @@ struct Tensors {
     positions: Tensor,
     blocks: Tensor,
     act_fn: ActFnType,
+    scaling: ExpertAffinityScaleMode,
 }
 
 impl Tensors {
@@ -170,6 +184,7 @@ impl Tensors {
             positions: i32_tensor(&[c.positions.len()], &c.positions),
             blocks: i32_tensor(&[c.blocks.len(), 1], &c.blocks),
             act_fn: c.act_fn,
+            scaling: c.scaling,
         }
     }
 
@@ -195,6 +210,7 @@ impl Tensors {
             BlockwiseMmParams {
                 checkpoint_activation,
                 activation_function: self.act_fn,
+                expert_affinities_scaling_mode: self.scaling,
             },
         )?)
     }
@@ -222,8 +238,17 @@ fn silu(v: f64) -> f64 {
 
 /// Expert `e` applied to token `t` the textbook way: `(gate [I], up [I], y [H])`.
 fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let BlockwiseDims { h, i, .. } = c.dims;
-    let x = &c.x[token * h..(token + 1) * h];
+    let BlockwiseDims { h, i, e, .. } = c.dims;
+    // PRE_SCALE: the expert sees the token's row times its affinity.
+    let scale = if c.scaling.scales_rows() {
+        c.masked[token * e + ex]
+    } else {
+        1.0
+    };
+    let x: Vec<f64> = c.x[token * h..(token + 1) * h]
+        .iter()
+        .map(|v| scale * v)
+        .collect();
     let w = |j: usize, which: usize, col: usize| c.gate_up[((ex * h + j) * 2 + which) * i + col];
     let gate: Vec<f64> = (0..i)
         .map(|col| (0..h).rev().map(|j| x[j] * w(j, 0, col)).sum())
@@ -239,6 +264,15 @@ fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         })
         .collect();
     (gate, up, y)
+}
+
+impl Case {
+    fn options(&self) -> ExpertOptions {
+        ExpertOptions {
+            act_fn: self.act_fn,
+            scaling: self.scaling,
+        }
+    }
 }
 
 fn operands(c: &Case) -> BlockwiseOperands<'_> {
@@ -283,9 +317,18 @@ fn check_forward(c: &Case) -> Result<(), TestCaseError> {
     let mut dense = vec![0.0; (t + 1) * h];
     for token in 0..t {
         for ex in 0..e {
+            // Only the experts the token chose; POST_SCALE weights them by the affinity.
+            if !c.index[token * c.k..(token + 1) * c.k].contains(&(ex as i32)) {
+                continue;
+            }
+            let weight = if c.scaling.scales_outputs() {
+                c.masked[token * e + ex]
+            } else {
+                1.0
+            };
             let (_, _, y) = expert(c, token, ex);
             for j in 0..h {
-                dense[token * h + j] += c.masked[token * e + ex] * y[j];
+                dense[token * h + j] += weight * y[j];
             }
         }
     }
@@ -355,17 +398,20 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, .. } = c.dims;
     let d_out = output_gradient(t, h, seed);
     let ops = operands(c);
-    let fwd = blockwise_forward(&ops, c.act_fn).unwrap();
+    let fwd = blockwise_forward(&ops, c.options()).unwrap();
     let grads = blockwise_backward(
         &ops,
         &fwd.gate_up_activations_t,
         &fwd.down_activations,
         &d_out,
-        c.act_fn,
+        c.options(),
     )
     .unwrap();
     let loss = |ops: BlockwiseOperands<'_>| {
-        dot(&d_out, &blockwise_forward(&ops, c.act_fn).unwrap().output)
+        dot(
+            &d_out,
+            &blockwise_forward(&ops, c.options()).unwrap().output,
+        )
     };
 
     let fd_x = finite_differences(&c.x, FD_STEP, |x| {
@@ -473,6 +519,7 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         },
         BlockwiseMmBwdParams {
             activation_type: c.act_fn,
+            expert_affinities_scaling_mode: c.scaling,
         },
     )
     .unwrap();
@@ -484,13 +531,13 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
 
     // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
     let ops = operands(c);
-    let exact_fwd = blockwise_forward(&ops, c.act_fn).unwrap();
+    let exact_fwd = blockwise_forward(&ops, c.options()).unwrap();
     let exact = blockwise_backward(
         &ops,
         &exact_fwd.gate_up_activations_t,
         &exact_fwd.down_activations,
         &d_out.to_f64_vec(),
-        c.act_fn,
+        c.options(),
     )
     .unwrap();
     for (name, got, want) in [
@@ -565,6 +612,7 @@ fn edge_cases() {
         routing,
         bf16: false,
         act_fn: ActFnType::Silu,
+        scaling: ExpertAffinityScaleMode::PostScale,
     };
     let cases = [
         ("T = 1", shape(1, 3, 2, 2, Routing::Random)),
@@ -598,14 +646,17 @@ fn edge_cases() {
         ),
     ];
     for (name, shape) in cases {
-        for (bf16, act_fn) in [false, true]
+        // Every activation with and without bf16, the scaling modes in turn.
+        let options = [false, true]
             .into_iter()
-            .flat_map(|bf16| ActFnType::ALL.map(|act_fn| (bf16, act_fn)))
-        {
+            .flat_map(|bf16| ActFnType::ALL.map(|act_fn| (bf16, act_fn)));
+        for (n, (bf16, act_fn)) in options.enumerate() {
+            let scaling = ExpertAffinityScaleMode::ALL[n % ExpertAffinityScaleMode::ALL.len()];
             let c = build_case(
                 Shape {
                     bf16,
                     act_fn,
+                    scaling,
                     ..shape
                 },
                 7,
@@ -615,7 +666,7 @@ fn edge_cases() {
                 .and_then(|_| check_finite_differences(&c, 11))
                 .and_then(|_| check_kernel_backward(&c, 13));
             if let Err(e) = all {
-                panic!("{name} (bf16: {bf16}, {act_fn}): {e}");
+                panic!("{name} (bf16: {bf16}, {act_fn}, {scaling}): {e}");
             }
         }
     }
@@ -671,6 +722,7 @@ fn valid() -> Tensors {
         positions: i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 3]),
         blocks: i32_tensor(&[4, 1], &[0, 1, 2, 2]),
         act_fn: ActFnType::Silu,
+        scaling: ExpertAffinityScaleMode::PostScale,
     }
 }
 

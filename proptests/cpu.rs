@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use moekit::contracts::{ActFnType, CHECKPOINT_NAMES, RouterActFnType};
+use moekit::contracts::{ActFnType, CHECKPOINT_NAMES, ExpertAffinityScaleMode, RouterActFnType};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
 use proptest::prelude::*;
@@ -38,6 +38,7 @@ struct Shape {
     bf16: bool,
     /// The experts' gate activation.
     activation: ActFnType,
+    scaling: ExpertAffinityScaleMode,
 }
 
 fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
@@ -48,28 +49,34 @@ fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
             Just(RouterActFnType::Sigmoid)
         ],
         any::<(bool, bool, bool, bool)>(),
-        0..ActFnType::ALL.len(),
+        (
+            0..ActFnType::ALL.len(),
+            0..ExpertAffinityScaleMode::ALL.len(),
+        ),
     )
-        .prop_flat_map(|(dims, act_fn, flags, activation)| {
-            (Just((dims, act_fn, flags, activation)), 1..=dims.2)
+        .prop_flat_map(|(dims, act_fn, flags, experts)| {
+            (Just((dims, act_fn, flags, experts)), 1..=dims.2)
         })
-        .prop_map(|(((t, h, e, i, b), act_fn, flags, activation), k)| {
-            let (router_pre_norm, norm_topk_prob, biases, bf16) = flags;
-            Shape {
-                t,
-                h,
-                e,
-                i,
-                k,
-                b,
-                act_fn,
-                router_pre_norm,
-                norm_topk_prob,
-                biases,
-                bf16,
-                activation: ActFnType::ALL[activation],
-            }
-        })
+        .prop_map(
+            |(((t, h, e, i, b), act_fn, flags, (activation, scaling)), k)| {
+                let (router_pre_norm, norm_topk_prob, biases, bf16) = flags;
+                Shape {
+                    t,
+                    h,
+                    e,
+                    i,
+                    k,
+                    b,
+                    act_fn,
+                    router_pre_norm,
+                    norm_topk_prob,
+                    biases,
+                    bf16,
+                    activation: ActFnType::ALL[activation],
+                    scaling: ExpertAffinityScaleMode::ALL[scaling],
+                }
+            },
+        )
 }
 
 /// A full layer's tensors: router inputs, the reference's router, plan and checkpoints (so each
@@ -94,6 +101,9 @@ fn layer(s: Shape, seed: u64) -> Layer {
     for name in ["activation_function", "activation_type"] {
         params.set(name, s.activation.name()).unwrap();
     }
+    params
+        .set("expert_affinities_scaling_mode", s.scaling.name())
+        .unwrap();
     let float = |shape: &[usize], v: &[f64]| {
         let t = f32_tensor(shape, v);
         if s.bf16 { t.to_bf16() } else { t }
@@ -338,6 +348,7 @@ fn crowded_experts() -> Vec<(&'static str, Shape)> {
         router_pre_norm: true,
         norm_topk_prob: true,
         activation: ActFnType::Silu,
+        scaling: ExpertAffinityScaleMode::PostScale,
         biases: false,
         bf16: false,
     };
@@ -392,6 +403,7 @@ fn products_on_streamed_panels_ignore_thread_counts() {
         router_pre_norm: true,
         norm_topk_prob: true,
         activation: ActFnType::Silu,
+        scaling: ExpertAffinityScaleMode::PostScale,
         biases: false,
         bf16: false,
     };
@@ -416,6 +428,7 @@ fn edge_cases_match_the_reference() {
         router_pre_norm: true,
         norm_topk_prob: true,
         activation: ActFnType::Silu,
+        scaling: ExpertAffinityScaleMode::PostScale,
         biases: false,
         bf16: false,
     };
@@ -472,6 +485,7 @@ fn errors_are_the_reference_errors() {
             router_pre_norm: true,
             norm_topk_prob: true,
             activation: ActFnType::Silu,
+            scaling: ExpertAffinityScaleMode::PostScale,
             biases: true,
             bf16: false,
         },
@@ -552,6 +566,7 @@ fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks()
         router_pre_norm: true,
         norm_topk_prob: true,
         activation: ActFnType::Silu,
+        scaling: ExpertAffinityScaleMode::PostScale,
         biases: false,
         bf16: false,
     };

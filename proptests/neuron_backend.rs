@@ -203,9 +203,9 @@ proptest! {
         (t, h, e, i, k, b) in (1usize..10, 1usize..12, 1usize..6, 1usize..10, 1usize..4, 1usize..6),
         seed in any::<u64>(),
         checkpoint in any::<bool>(),
-        activation in 0..ActFnType::ALL.len(),
+        (activation, scaling) in (0..ActFnType::ALL.len(), 0..ExpertAffinityScaleMode::ALL.len()),
     ) {
-        let activation = ActFnType::ALL[activation];
+        let (activation, scaling) = (ActFnType::ALL[activation], ExpertAffinityScaleMode::ALL[scaling]);
         let _guard = exclusive();
         let k = k.min(e);
         let mut rng = SeededRng::new(seed);
@@ -233,10 +233,17 @@ proptest! {
             token_position_to_id: &plan.token_position_to_id,
             block_to_expert: &plan.block_to_expert,
         };
-        let params = BlockwiseMmParams { checkpoint_activation: checkpoint, activation_function: activation };
+        let params = BlockwiseMmParams {
+            checkpoint_activation: checkpoint,
+            activation_function: activation,
+            expert_affinities_scaling_mode: scaling,
+        };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
-        let mut neff = format!("moekit-fake-neff 1\nkernel blockwise_mm\nparam activation_function {activation}\n");
+        let mut neff = format!(
+            "moekit-fake-neff 1\nkernel blockwise_mm\nparam activation_function {activation}\n\
+             param expert_affinities_scaling_mode {scaling}\n"
+        );
         for (name, tensor) in [
             ("hidden_states", &hidden_states),
             ("expert_affinities_masked", &plan.expert_affinities_masked),
@@ -253,7 +260,8 @@ proptest! {
             neff += &decl("output", "down_activations", "bf16", &[n, b, h]);
         }
         let entry = format!(
-            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\nactivation_function = \"{activation}\"\n"
+            "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\nactivation_function = \"{activation}\"\n\
+             expert_affinities_scaling_mode = \"{scaling}\"\n"
         );
         // The backward's NEFF: the forward's inputs, its checkpoints and the output gradient.
         let mut bwd_neff = neff.replace("kernel blockwise_mm\n", "kernel blockwise_mm_bwd\n");
@@ -266,7 +274,8 @@ proptest! {
         bwd_neff += &decl("output", "gate_up_proj_weight_grad", "f32", &[e, h, 2, i]);
         bwd_neff += &decl("output", "down_proj_weight_grad", "f32", &[e, i, h]);
         let bwd_entry = format!(
-            "name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\nactivation_type = \"{activation}\"\n"
+            "name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\nactivation_type = \"{activation}\"\n\
+             expert_affinities_scaling_mode = \"{scaling}\"\n"
         );
         let dir = workdir("blockwise");
         let backend = backend_with(
@@ -299,7 +308,7 @@ proptest! {
                 output_hidden_states_grad: &d_output,
                 expert_index: Some(&routed.expert_index),
             },
-            BlockwiseMmBwdParams { activation_type: activation },
+            BlockwiseMmBwdParams { activation_type: activation, expert_affinities_scaling_mode: scaling },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
             let want = reference.blockwise_mm_bwd(&bwd).unwrap();

@@ -8,12 +8,14 @@
 //! ```text
 //! gate = x_t · W[e, :, 0, :]      up = x_t · W[e, :, 1, :]         [I]
 //! y    = (act(gate) ⊙ up) · D[e]                                    [H]
-//! output[t] += expert_affinities_masked[t·E + e] · y                 affinity after the down proj
+//! output[t] += expert_affinities_masked[t·E + e] · y                 POST_SCALE (the default)
 //! ```
 //! so `output [T+1, H]` holds `Σ_e a[t, e] · down_e(act(x_t W_gate_e) ⊙ x_t W_up_e)` in row t
 //! and zeros in the padding row T, where `act` is `activation_function` (nki-library's
 //! `ActFnType`: SiLU by default, GELU, GELU_Tanh_Approx, Swish, ReLU, SquaredReLU; the backward
-//! takes it as `activation_type`). With `checkpoint_activation` the kernel also returns the
+//! takes it as `activation_type`). `expert_affinities_scaling_mode` (nki-library's
+//! `ExpertAffinityScaleMode`) moves the affinity: POST_SCALE as above, NO_SCALE drops it,
+//! PRE_SCALE and PRE_SCALE_DELAYED multiply `x_t` by it before the gate/up projection instead. With `checkpoint_activation` the kernel also returns the
 //! pre-activation gate/up projections `gate_up_activations_T [N, 2, I, B]` and the down
 //! projection before affinity scaling `down_activations [N, B, H]` (zeros in padding slots),
 //! which the backward takes as `gate_up_proj_act_checkpoint_T` and `down_proj_act_checkpoint`
@@ -110,6 +112,76 @@ impl fmt::Display for ActFnType {
     }
 }
 
+/// Where the affinity multiplies: nki-library's `ExpertAffinityScaleMode`, spelled as its
+/// members.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertAffinityScaleMode {
+    /// `NO_SCALE`: the expert outputs are summed unweighted.
+    NoScale,
+    /// `POST_SCALE`: each expert's down projection is multiplied by the affinity (`moe_cte`'s
+    /// default).
+    #[default]
+    PostScale,
+    /// `PRE_SCALE`: each gathered token row is multiplied by the affinity before the gate/up
+    /// projection.
+    PreScale,
+    /// `PRE_SCALE_DELAYED`: PRE_SCALE's result, the multiplication scheduled later on chip.
+    PreScaleDelayed,
+}
+
+impl ExpertAffinityScaleMode {
+    /// Every member, in nki-library's order.
+    pub const ALL: [ExpertAffinityScaleMode; 4] = [
+        Self::NoScale,
+        Self::PostScale,
+        Self::PreScale,
+        Self::PreScaleDelayed,
+    ];
+
+    /// The member's name in nki-library.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NoScale => "NO_SCALE",
+            Self::PostScale => "POST_SCALE",
+            Self::PreScale => "PRE_SCALE",
+            Self::PreScaleDelayed => "PRE_SCALE_DELAYED",
+        }
+    }
+
+    /// Parses a member name for parameter `param`.
+    pub fn parse(param: &str, name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
+                Error::param(
+                    param,
+                    format!(
+                        "expected one of {} (ExpertAffinityScaleMode), got `{name}`",
+                        known.join(", ")
+                    ),
+                )
+            })
+    }
+
+    /// Whether the token rows are multiplied by the affinity before the gate/up projection.
+    pub fn scales_rows(self) -> bool {
+        matches!(self, Self::PreScale | Self::PreScaleDelayed)
+    }
+
+    /// Whether the down projection is multiplied by the affinity.
+    pub fn scales_outputs(self) -> bool {
+        self == Self::PostScale
+    }
+}
+
+impl fmt::Display for ExpertAffinityScaleMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Parameters of [`BlockwiseMm`], named as nki-library's `moe_cte` names them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockwiseMmParams {
@@ -117,6 +189,8 @@ pub struct BlockwiseMmParams {
     pub checkpoint_activation: bool,
     /// The gate's activation (default SiLU).
     pub activation_function: ActFnType,
+    /// Where the affinity multiplies (default POST_SCALE).
+    pub expert_affinities_scaling_mode: ExpertAffinityScaleMode,
 }
 
 /// Parameters of [`BlockwiseMmBwd`], named as nki-library's `blockwise_mm_bwd` names them.
@@ -124,6 +198,9 @@ pub struct BlockwiseMmParams {
 pub struct BlockwiseMmBwdParams {
     /// The forward's `activation_function` (default SiLU).
     pub activation_type: ActFnType,
+    /// The forward's scaling mode (default POST_SCALE). moekit's own: nki-library's backward
+    /// scales after the down projection only (`affinity_option`).
+    pub expert_affinities_scaling_mode: ExpertAffinityScaleMode,
 }
 
 /// Inputs of [`BlockwiseMm`]. Floating-point tensors may be f32 or bf16.

@@ -245,6 +245,15 @@ fn weight_nt(
 
 /// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
 /// matrix `[rows.len(), width]`.
+/// Multiplies each `width`-long row of `rows` by its entry of `scales`.
+fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
+    for (row, &scale) in rows.chunks_mut(width).zip(scales) {
+        for v in row {
+            *v *= scale;
+        }
+    }
+}
+
 fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize, dst: &mut [f32]) {
     for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
         let range = row * width..(row + 1) * width;
@@ -306,11 +315,13 @@ struct RunOutputs<'a> {
     gate_up_t: Option<&'a mut [MaybeUninit<f32>]>,
 }
 
-/// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored.
+/// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored, each row
+/// multiplied first by its entry of `row_scales` when given (PRE_SCALE).
 fn gate_up_product(
     inputs: &BlockwiseMmInputs<'_>,
     dims: BlockwiseDims,
     (expert, tokens): (usize, &[usize]),
+    row_scales: Option<&[f32]>,
     scratch: &mut Scratch,
 ) {
     let BlockwiseDims { h, i, .. } = dims;
@@ -329,7 +340,9 @@ fn gate_up_product(
     ) {
         // Both operands stored in bf16: their products are exact in f32, so the pairwise bf16
         // dot product gives the f32 sums at twice the f32 rate, without widening the weights.
-        (Storage::BF16(x), Storage::BF16(w)) if bf16_matmul::available() => {
+        (Storage::BF16(x), Storage::BF16(w))
+            if bf16_matmul::available() && row_scales.is_none() =>
+        {
             let lda = h.next_multiple_of(2);
             rows.clear();
             for &token in tokens {
@@ -342,6 +355,9 @@ fn gate_up_product(
         _ => {
             let x = resized(x, m * h);
             gather_rows(inputs.hidden_states, tokens, h, x);
+            if let Some(scales) = row_scales {
+                scale_rows(x, h, scales);
+            }
             weight_product(
                 gate_up,
                 MatRef::row_major(x, m, h),
@@ -372,7 +388,21 @@ fn run_forward(
         out.gate_up_t.map(zero);
         return true;
     };
-    gate_up_product(inputs, dims, (expert, &run.tokens), scratch);
+    let scaling = call.params().expert_affinities_scaling_mode;
+    let row_scales: Option<Vec<f32>> = scaling.scales_rows().then(|| {
+        let affinities = inputs.expert_affinities_masked.f32_values();
+        run.tokens
+            .iter()
+            .map(|&token| affinities[token * dims.e + expert])
+            .collect()
+    });
+    gate_up_product(
+        inputs,
+        dims,
+        (expert, &run.tokens),
+        row_scales.as_deref(),
+        scratch,
+    );
     let mut finite = all_finite_f32(&scratch.gate_up);
     let act = resized(&mut scratch.act, m * i);
     for (gu, act) in scratch.gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
@@ -472,7 +502,17 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     TokenRows::new(t, rows).combine(
         tokens,
         h,
-        |token, (expert, _)| affinities[token * e + expert],
+        |token, (expert, _)| {
+            if call
+                .params()
+                .expert_affinities_scaling_mode
+                .scales_outputs()
+            {
+                affinities[token * e + expert]
+            } else {
+                1.0
+            }
+        },
         |(_, slot)| &down[slot * h..(slot + 1) * h],
     );
     // The padding slots' affinity is 0: they add nothing to row T.
@@ -549,11 +589,12 @@ struct ExpertBackward {
 struct RowPiece<'a> {
     slots: &'a [usize],
     tokens: &'a [usize],
-    /// `[m, H]`: the piece's token rows.
+    /// `[m, H]`: the piece's token rows as the gate/up projection saw them (multiplied by the
+    /// affinity under PRE_SCALE).
     x: &'a mut [f32],
-    /// `[m, H]`: affinity · d output.
+    /// `[m, H]`: d output, times the affinity under POST_SCALE.
     d_y: &'a mut [f32],
-    /// `[m, I]`: SiLU(gate) ⊙ up, recomputed from the checkpoint.
+    /// `[m, I]`: act(gate) ⊙ up, recomputed from the checkpoint.
     act: &'a mut [f32],
     /// `[m, 2I]`.
     d_gate_up: &'a mut [f32],
@@ -576,22 +617,28 @@ fn rows_backward(
     let forward = inputs.forward;
     let BlockwiseDims { e, h, i, b, .. } = call.dims();
     let m = piece.tokens.len();
+    let scaling = call.params().expert_affinities_scaling_mode;
+    let affinity = |row: usize| affinities[piece.tokens[row] * e + expert];
 
-    // d y = affinity · d output; d affinity = ⟨d output, y⟩.
-    let y = resized(&mut s.y, m * h);
-    gather_rows(inputs.down_proj_act_checkpoint, piece.slots, h, y);
+    // POST_SCALE: d y = affinity · d output, d affinity = ⟨d output, y⟩. Otherwise d y is
+    // d output, and the affinity's gradient comes through the rows (PRE_SCALE) or is zero.
     gather_rows(inputs.output_hidden_states_grad, piece.tokens, h, piece.d_y);
-    for (row, &token) in piece.tokens.iter().enumerate() {
-        let a = affinities[token * e + expert];
-        let d_y = &mut piece.d_y[row * h..(row + 1) * h];
-        piece.d_affinity[row] = d_y
-            .iter()
-            .zip(&y[row * h..(row + 1) * h])
-            .map(|(d, y)| d * y)
-            .sum();
-        for d in d_y.iter_mut() {
-            *d *= a;
+    if scaling.scales_outputs() {
+        let y = resized(&mut s.y, m * h);
+        gather_rows(inputs.down_proj_act_checkpoint, piece.slots, h, y);
+        for row in 0..m {
+            let d_y = &mut piece.d_y[row * h..(row + 1) * h];
+            piece.d_affinity[row] = d_y
+                .iter()
+                .zip(&y[row * h..(row + 1) * h])
+                .map(|(d, y)| d * y)
+                .sum();
+            for d in d_y.iter_mut() {
+                *d *= affinity(row);
+            }
         }
+    } else {
+        piece.d_affinity.fill(0.0);
     }
     // gate/up rows from the transposed checkpoint [N, 2, I, B]: slot n·B + j's column c
     // (gate, then up) is at (n·2I + c)·B + j.
@@ -640,6 +687,22 @@ fn rows_backward(
         (&mut s.panel, &mut s.tile),
     );
     gather_rows(forward.hidden_states, piece.tokens, h, piece.x);
+    if scaling.scales_rows() {
+        // The projection saw x' = affinity · x: d affinity = ⟨d x', x⟩, d x = affinity · d x',
+        // and the weight gradient reads x'.
+        for row in 0..m {
+            let a = affinity(row);
+            let (x, d_x) = (
+                &mut piece.x[row * h..(row + 1) * h],
+                &mut piece.d_x[row * h..(row + 1) * h],
+            );
+            piece.d_affinity[row] = d_x.iter().zip(x.iter()).map(|(d, v)| d * v).sum();
+            for (d, v) in d_x.iter_mut().zip(x.iter_mut()) {
+                *d *= a;
+                *v *= a;
+            }
+        }
+    }
 }
 
 /// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), written whole into

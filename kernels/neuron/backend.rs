@@ -507,6 +507,10 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
                 "activation_function",
                 Value::Str(call.params().activation_function.to_string()),
             ),
+            (
+                "expert_affinities_scaling_mode",
+                Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
+            ),
             ("checkpoint_activation", Value::Bool(checkpoint)),
         ],
         inputs: vec![
@@ -544,6 +548,10 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
             (
                 "activation_type",
                 Value::Str(call.params().activation_type.to_string()),
+            ),
+            (
+                "expert_affinities_scaling_mode",
+                Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
             ),
         ],
         inputs: vec![

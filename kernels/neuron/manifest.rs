@@ -84,6 +84,8 @@ const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     ("num_blocks", ValueKind::Int),
     // An `ActFnType` member: SiLU, GELU, GELU_Tanh_Approx, Swish, ReLU or SquaredReLU.
     ("activation_function", ValueKind::Str),
+    // An `ExpertAffinityScaleMode` member: NO_SCALE, POST_SCALE, PRE_SCALE, PRE_SCALE_DELAYED.
+    ("expert_affinities_scaling_mode", ValueKind::Str),
     ("checkpoint_activation", ValueKind::Bool),
 ];
 
@@ -96,6 +98,7 @@ const BLOCKWISE_MM_BWD_KEYS: &[(&str, ValueKind)] = &[
     ("block_size", ValueKind::Int),
     ("num_blocks", ValueKind::Int),
     ("activation_type", ValueKind::Str),
+    ("expert_affinities_scaling_mode", ValueKind::Str),
 ];
 
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does

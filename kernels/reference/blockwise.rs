@@ -1,7 +1,7 @@
 //! f64 blockwise expert matmul with a gated activation, forward and backward (see
 //! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
 
-use crate::contracts::{ActFnType, BlockwiseDims};
+use crate::contracts::{ActFnType, BlockwiseDims, ExpertAffinityScaleMode};
 use crate::error::Result;
 use crate::tensor::try_filled;
 
@@ -59,6 +59,18 @@ fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// `(row scale, output scale)` of an assignment with `affinity` under `scaling`.
+fn scales(scaling: ExpertAffinityScaleMode, affinity: f64) -> (f64, f64) {
+    (
+        if scaling.scales_rows() { affinity } else { 1.0 },
+        if scaling.scales_outputs() {
+            affinity
+        } else {
+            1.0
+        },
+    )
+}
+
 /// The gate activation `f(g)` and its derivative `f'(g)`, by their textbook formulas.
 pub fn gate_activation(act_fn: ActFnType, g: f64) -> (f64, f64) {
     match act_fn {
@@ -95,6 +107,13 @@ pub fn gate_activation(act_fn: ActFnType, g: f64) -> (f64, f64) {
     }
 }
 
+/// The experts' options: the gate activation and where the affinity multiplies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertOptions {
+    pub act_fn: ActFnType,
+    pub scaling: ExpertAffinityScaleMode,
+}
+
 /// Forward results in f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseForward {
@@ -106,10 +125,10 @@ pub struct BlockwiseForward {
     pub down_activations: Vec<f64>,
 }
 
-/// Blockwise forward with both checkpoints, the gate through `act_fn`.
+/// Blockwise forward with both checkpoints.
 pub fn blockwise_forward(
     ops: &BlockwiseOperands<'_>,
-    act_fn: ActFnType,
+    options: ExpertOptions,
 ) -> Result<BlockwiseForward> {
     let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
     let mut out = BlockwiseForward {
@@ -118,20 +137,25 @@ pub fn blockwise_forward(
         down_activations: zeros("down_activations", &[n, b, h])?,
     };
     for (block, slot, token, expert) in ops.assignments() {
-        let x = &ops.hidden_states[token * h..(token + 1) * h];
+        let affinity = ops.expert_affinities_masked[token * e + expert];
+        // PRE_SCALE multiplies the token row, POST_SCALE the down projection.
+        let (row_scale, output_scale) = scales(options.scaling, affinity);
+        let x: Vec<f64> = ops.hidden_states[token * h..(token + 1) * h]
+            .iter()
+            .map(|&v| row_scale * v)
+            .collect();
         let mut act = vec![0.0; i];
         for (col, a) in act.iter_mut().enumerate() {
             let gate: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 0, col)).sum();
             let up: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 1, col)).sum();
             out.gate_up_activations_t[((block * 2) * i + col) * b + slot] = gate;
             out.gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot] = up;
-            *a = gate_activation(act_fn, gate).0 * up;
+            *a = gate_activation(options.act_fn, gate).0 * up;
         }
-        let affinity = ops.expert_affinities_masked[token * e + expert];
         for j in 0..h {
             let y: f64 = (0..i).map(|row| act[row] * ops.down(expert, row, j)).sum();
             out.down_activations[(block * b + slot) * h + j] = y;
-            out.output[token * h + j] += affinity * y;
+            out.output[token * h + j] += output_scale * y;
         }
     }
     Ok(out)
@@ -152,13 +176,13 @@ pub struct BlockwiseGrads {
 
 /// Blockwise backward from the forward's checkpoints `gate_up_activations_t [N, 2, I, B]` and
 /// `down_activations [N, B, H]` and the output gradient `d_output [T+1, H]` (row T unread: the
-/// padding slots have affinity 0), the gate through `act_fn`.
+/// padding slots have affinity 0).
 pub fn blockwise_backward(
     ops: &BlockwiseOperands<'_>,
     gate_up_activations_t: &[f64],
     down_activations: &[f64],
     d_output: &[f64],
-    act_fn: ActFnType,
+    options: ExpertOptions,
 ) -> Result<BlockwiseGrads> {
     let BlockwiseDims { t, h, e, i, b, .. } = ops.dims;
     let mut grads = BlockwiseGrads {
@@ -168,21 +192,26 @@ pub fn blockwise_backward(
         down_proj_weight_grad: zeros("down_proj_weight_grad", &[e, i, h])?,
     };
     for (block, slot, token, expert) in ops.assignments() {
-        let x = &ops.hidden_states[token * h..(token + 1) * h];
+        let raw = &ops.hidden_states[token * h..(token + 1) * h];
         let d_out = &d_output[token * h..(token + 1) * h];
         let y = &down_activations[(block * b + slot) * h..(block * b + slot + 1) * h];
         let affinity = ops.expert_affinities_masked[token * e + expert];
-        grads.expert_affinities_masked_grad[token * e + expert] =
-            d_out.iter().zip(y).map(|(d, y)| d * y).sum();
+        let (row_scale, output_scale) = scales(options.scaling, affinity);
+        // The row the gate/up projection saw.
+        let x: Vec<f64> = raw.iter().map(|&v| row_scale * v).collect();
+        let d_affinity = &mut grads.expert_affinities_masked_grad[token * e + expert];
+        if options.scaling.scales_outputs() {
+            *d_affinity = d_out.iter().zip(y).map(|(d, y)| d * y).sum();
+        }
         let gate = |col: usize| gate_up_activations_t[((block * 2) * i + col) * b + slot];
         let up = |col: usize| gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot];
         for row in 0..i {
-            let (f, f_grad) = gate_activation(act_fn, gate(row));
+            let (f, f_grad) = gate_activation(options.act_fn, gate(row));
             let act = f * up(row);
-            // d act[row] = Σ_j D[e, row, j] · affinity · d_out[j]
+            // d act[row] = Σ_j D[e, row, j] · d y[j], d y = output_scale · d_out
             let mut d_act = 0.0;
             for j in 0..h {
-                let d_y = affinity * d_out[j];
+                let d_y = output_scale * d_out[j];
                 grads.down_proj_weight_grad[(expert * i + row) * h + j] += act * d_y;
                 d_act += ops.down(expert, row, j) * d_y;
             }
@@ -192,8 +221,14 @@ pub fn blockwise_backward(
                 let base = ((expert * h + j) * 2) * i + row;
                 grads.gate_up_proj_weight_grad[base] += x[j] * d_gate;
                 grads.gate_up_proj_weight_grad[base + i] += x[j] * d_up;
-                grads.hidden_states_grad[token * h + j] +=
+                // d x[j] (the scaled row's gradient): into the token's row, scaled back, and
+                // into the affinity when it scaled the row.
+                let d_x =
                     ops.gate_up(expert, j, 0, row) * d_gate + ops.gate_up(expert, j, 1, row) * d_up;
+                grads.hidden_states_grad[token * h + j] += row_scale * d_x;
+                if options.scaling.scales_rows() {
+                    grads.expert_affinities_masked_grad[token * e + expert] += raw[j] * d_x;
+                }
             }
         }
     }

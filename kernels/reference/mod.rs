@@ -228,9 +228,13 @@ impl Backend for ReferenceBackend {
         let (inputs, dims) = (call.inputs(), call.dims());
         let BlockwiseDims { t, h, i, b, n, .. } = dims;
         let owned = OwnedOperands::new(&inputs);
+        let params = call.params();
         let fwd = blockwise::blockwise_forward(
             &owned.borrow(&inputs, dims),
-            call.params().activation_function,
+            blockwise::ExpertOptions {
+                act_fn: params.activation_function,
+                scaling: params.expert_affinities_scaling_mode,
+            },
         )?;
         let checkpoint = call.params().checkpoint_activation;
         Ok(BlockwiseMmOutputs {
@@ -259,7 +263,10 @@ impl Backend for ReferenceBackend {
             &inputs.gate_up_proj_act_checkpoint_t.to_f64_vec(),
             &inputs.down_proj_act_checkpoint.to_f64_vec(),
             &inputs.output_hidden_states_grad.to_f64_vec(),
-            call.params().activation_type,
+            blockwise::ExpertOptions {
+                act_fn: call.params().activation_type,
+                scaling: call.params().expert_affinities_scaling_mode,
+            },
         )?;
         let d_topk_affinities = inputs
             .expert_index
