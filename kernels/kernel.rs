@@ -8,12 +8,12 @@ use std::str::FromStr;
 
 use crate::backend::Backend;
 use crate::contracts::{
-    ActFnType, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams,
-    BlockwiseMmInputs, BlockwiseMmParams, ExpertAffinityScaleMode, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, Permute, PermuteBwd,
-    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RouterActFnType,
-    RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
-    RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
+    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams, ExpertAffinityScaleMode,
+    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
+    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
+    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -113,6 +113,8 @@ impl Kernel {
         tensors: &BTreeMap<String, Tensor>,
         params: &Params,
     ) -> Result<Vec<(&'static str, Tensor)>> {
+        // nki-library's blockwise kernels take B as a parameter; moekit reads it off the plan.
+        let block_size = params.block_size;
         let required = |name: &str| {
             tensors
                 .get(name)
@@ -215,7 +217,9 @@ impl Kernel {
                     activation_function: params.activation_function.unwrap_or_default(),
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                 };
-                let out = backend.blockwise_mm(&BlockwiseMm::new(inputs, params)?)?;
+                let call = BlockwiseMm::new(inputs, params)?;
+                check_block_size(block_size, call.dims())?;
+                let out = backend.blockwise_mm(&call)?;
                 let mut named = vec![("output", out.output)];
                 named.extend(
                     out.gate_up_activations_t
@@ -236,7 +240,9 @@ impl Kernel {
                     activation_type: params.activation_type.unwrap_or_default(),
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                 };
-                let out = backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(inputs, params)?)?;
+                let call = BlockwiseMmBwd::new(inputs, params)?;
+                check_block_size(block_size, call.dims())?;
+                let out = backend.blockwise_mm_bwd(&call)?;
                 let mut named = vec![
                     ("hidden_states_grad", out.hidden_states_grad),
                     (
@@ -251,6 +257,24 @@ impl Kernel {
             }
         };
         Ok(outputs)
+    }
+}
+
+/// A `block_size` given to a blockwise kernel must be the plan's B (`token_position_to_id` holds
+/// N·B slots for the N blocks of `block_to_expert`).
+fn check_block_size(block_size: Option<usize>, dims: BlockwiseDims) -> Result<()> {
+    match block_size {
+        Some(b) if b != dims.b => Err(Error::param(
+            Param::BlockSize.name(),
+            format!(
+                "is {b}, but the plan has B = {} (token_position_to_id holds {} slots for N = {} \
+                 blocks)",
+                dims.b,
+                dims.n * dims.b,
+                dims.n
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -390,6 +414,7 @@ fn parse_bool(param: Param, value: &str) -> Result<bool> {
 /// (or, for `return_eager_affi`, an output moekit always returns): accepted with any value so
 /// the same call works on both sides, and without effect on moekit's results.
 pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
+    // router_topk
     "x_sb_layout",
     "use_column_tiling",
     "use_indirect_dma_scatter",
@@ -398,6 +423,11 @@ pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     "shard_on_tokens",
     "skip_store_expert_index",
     "skip_store_router_logits",
+    // blockwise_mm and blockwise_mm_bwd (moekit computes in f32 whatever `compute_dtype`)
+    "compute_dtype",
+    "block_sharding_strategy",
+    "shard_option",
+    "block_tile_size",
 ];
 
 impl Params {
@@ -676,6 +706,7 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         optional("down_activations", "[N, B, H]", "f32"),
     ],
     params: &[
+        (Param::BlockSize, Some("the plan's B")),
         (Param::CheckpointActivation, Some("false")),
         (Param::ActivationFunction, Some("SiLU")),
         (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
@@ -705,6 +736,7 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         optional("d_topk_affinities", "[T, K]", "f32"),
     ],
     params: &[
+        (Param::BlockSize, Some("the plan's B")),
         (Param::ActivationType, Some("SiLU")),
         (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
     ],
