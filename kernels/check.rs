@@ -204,6 +204,7 @@ pub fn random_cases(
                 activation_function: Some(activation),
                 activation_type: Some(activation),
                 scaling_mode: Some(scaling),
+                ..Params::default()
             };
             CheckCase::new(
                 sizes,

@@ -9,11 +9,11 @@ use std::str::FromStr;
 use crate::backend::Backend;
 use crate::contracts::{
     ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
-    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams, ExpertAffinityScaleMode,
-    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
-    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
-    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams, ClampLimits,
+    ExpertAffinityScaleMode, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs,
+    LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
+    PermuteInputs, PermuteParams, RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd,
+    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -211,11 +211,16 @@ impl Kernel {
                 vec![("d_topk_affinities", out.d_topk_affinities)]
             }
             Kernel::BlockwiseMm => {
-                let inputs = blockwise_inputs(&required)?;
+                let inputs = BlockwiseMmInputs {
+                    gate_and_up_proj_bias: optional("gate_and_up_proj_bias"),
+                    down_proj_bias: optional("down_proj_bias"),
+                    ..blockwise_inputs(&required)?
+                };
                 let params = BlockwiseMmParams {
                     checkpoint_activation: params.checkpoint_activation.unwrap_or(false),
                     activation_function: params.activation_function.unwrap_or_default(),
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
+                    clamp: params.clamp,
                 };
                 let call = BlockwiseMm::new(inputs, params)?;
                 check_block_size(block_size, call.dims())?;
@@ -239,6 +244,8 @@ impl Kernel {
                 let params = BlockwiseMmBwdParams {
                     activation_type: params.activation_type.unwrap_or_default(),
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
+                    clamp: params.clamp,
+                    bias: params.bias.unwrap_or(false),
                 };
                 let call = BlockwiseMmBwd::new(inputs, params)?;
                 check_block_size(block_size, call.dims())?;
@@ -253,6 +260,11 @@ impl Kernel {
                     ("down_proj_weight_grad", out.down_proj_weight_grad),
                 ];
                 named.extend(out.d_topk_affinities.map(|t| ("d_topk_affinities", t)));
+                named.extend(
+                    out.gate_and_up_proj_bias_grad
+                        .map(|t| ("gate_and_up_proj_bias_grad", t)),
+                );
+                named.extend(out.down_proj_bias_grad.map(|t| ("down_proj_bias_grad", t)));
                 named
             }
         };
@@ -288,6 +300,8 @@ fn blockwise_inputs<'a>(
         down_proj_weight: required("down_proj_weight")?,
         token_position_to_id: required("token_position_to_id")?,
         block_to_expert: required("block_to_expert")?,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
     })
 }
 
@@ -317,6 +331,15 @@ pub enum Param {
     ActivationFunction,
     ActivationType,
     ExpertAffinitiesScalingMode,
+    GateClampLowerLimit,
+    GateClampUpperLimit,
+    UpClampLowerLimit,
+    UpClampUpperLimit,
+    NonLinearClampLowerLimit,
+    NonLinearClampUpperLimit,
+    LinearClampLowerLimit,
+    LinearClampUpperLimit,
+    Bias,
 }
 
 impl Param {
@@ -333,6 +356,15 @@ impl Param {
         Param::ActivationFunction,
         Param::ActivationType,
         Param::ExpertAffinitiesScalingMode,
+        Param::GateClampLowerLimit,
+        Param::GateClampUpperLimit,
+        Param::UpClampLowerLimit,
+        Param::UpClampUpperLimit,
+        Param::NonLinearClampLowerLimit,
+        Param::NonLinearClampUpperLimit,
+        Param::LinearClampLowerLimit,
+        Param::LinearClampUpperLimit,
+        Param::Bias,
     ];
 
     pub fn name(self) -> &'static str {
@@ -349,6 +381,15 @@ impl Param {
             Param::ActivationFunction => "activation_function",
             Param::ActivationType => "activation_type",
             Param::ExpertAffinitiesScalingMode => "expert_affinities_scaling_mode",
+            Param::GateClampLowerLimit => "gate_clamp_lower_limit",
+            Param::GateClampUpperLimit => "gate_clamp_upper_limit",
+            Param::UpClampLowerLimit => "up_clamp_lower_limit",
+            Param::UpClampUpperLimit => "up_clamp_upper_limit",
+            Param::NonLinearClampLowerLimit => "non_linear_clamp_lower_limit",
+            Param::NonLinearClampUpperLimit => "non_linear_clamp_upper_limit",
+            Param::LinearClampLowerLimit => "linear_clamp_lower_limit",
+            Param::LinearClampUpperLimit => "linear_clamp_upper_limit",
+            Param::Bias => "bias",
         }
     }
 
@@ -362,6 +403,15 @@ impl Param {
                 "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU"
             }
             Param::ExpertAffinitiesScalingMode => "NO_SCALE|POST_SCALE|PRE_SCALE|PRE_SCALE_DELAYED",
+            Param::GateClampLowerLimit
+            | Param::GateClampUpperLimit
+            | Param::UpClampLowerLimit
+            | Param::UpClampUpperLimit
+            | Param::NonLinearClampLowerLimit
+            | Param::NonLinearClampUpperLimit
+            | Param::LinearClampLowerLimit
+            | Param::LinearClampUpperLimit => "number",
+            Param::Bias => "true|false",
             Param::RouterPreNorm | Param::NormTopkProb | Param::CheckpointActivation => {
                 "true|false"
             }
@@ -370,7 +420,7 @@ impl Param {
 }
 
 /// Parameter values given to a kernel run; a kernel reads those it uses and ignores the rest.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Params {
     pub k: Option<usize>,
     pub act_fn: Option<RouterActFnType>,
@@ -385,6 +435,11 @@ pub struct Params {
     pub activation_type: Option<ActFnType>,
     /// `expert_affinities_scaling_mode`, for the forward and the backward.
     pub scaling_mode: Option<ExpertAffinityScaleMode>,
+    /// The clamp limits, by the forward's names or the backward's (`non_linear_*` the gate,
+    /// `linear_*` the up projection).
+    pub clamp: ClampLimits,
+    /// The backward's `bias`.
+    pub bias: Option<bool>,
 }
 
 /// A parameter the kernel cannot run without.
@@ -397,6 +452,20 @@ fn parse_count(param: Param, value: &str) -> Result<usize> {
         .trim()
         .parse()
         .map_err(|_| Error::param(param.name(), format!("expected an integer, got `{value}`")))
+}
+
+fn parse_limit(param: Param, value: &str) -> Result<f32> {
+    value
+        .trim()
+        .parse::<f32>()
+        .ok()
+        .filter(|v| v.is_finite())
+        .ok_or_else(|| {
+            Error::param(
+                param.name(),
+                format!("expected a finite number, got `{value}`"),
+            )
+        })
 }
 
 fn parse_bool(param: Param, value: &str) -> Result<bool> {
@@ -472,6 +541,19 @@ impl Params {
             Param::ExpertAffinitiesScalingMode => {
                 self.scaling_mode = Some(ExpertAffinityScaleMode::parse(name, value.trim())?)
             }
+            Param::GateClampLowerLimit | Param::NonLinearClampLowerLimit => {
+                self.clamp.gate.lower = Some(parse_limit(param, value)?)
+            }
+            Param::GateClampUpperLimit | Param::NonLinearClampUpperLimit => {
+                self.clamp.gate.upper = Some(parse_limit(param, value)?)
+            }
+            Param::UpClampLowerLimit | Param::LinearClampLowerLimit => {
+                self.clamp.up.lower = Some(parse_limit(param, value)?)
+            }
+            Param::UpClampUpperLimit | Param::LinearClampUpperLimit => {
+                self.clamp.up.upper = Some(parse_limit(param, value)?)
+            }
+            Param::Bias => self.bias = Some(parse_bool(param, value)?),
         }
         Ok(())
     }
@@ -698,8 +780,17 @@ const BLOCKWISE_INPUTS: [TensorSpec; 6] = [
 
 const BLOCKWISE_MM: KernelSpec = KernelSpec {
     name: "blockwise_mm",
-    summary: "nki-library's moe_cte: per block, gather, gate_up matmul, act(gate)⊙up, down matmul, scale by affinity, scatter-add into [T+1, H]",
-    inputs: &BLOCKWISE_INPUTS,
+    summary: "nki-library's moe_cte: per block, gather, gate_up matmul (+bias, clamped), act(gate)⊙up, down matmul (+bias), scale by affinity, scatter-add into [T+1, H]",
+    inputs: &[
+        BLOCKWISE_INPUTS[0],
+        BLOCKWISE_INPUTS[1],
+        BLOCKWISE_INPUTS[2],
+        BLOCKWISE_INPUTS[3],
+        BLOCKWISE_INPUTS[4],
+        BLOCKWISE_INPUTS[5],
+        optional("gate_and_up_proj_bias", "[E, 2, I]", FLOAT),
+        optional("down_proj_bias", "[E, H]", FLOAT),
+    ],
     outputs: &[
         tensor("output", "[T+1, H]", "f32"),
         optional("gate_up_activations_T", "[N, 2, I, B]", "f32"),
@@ -710,6 +801,10 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         (Param::CheckpointActivation, Some("false")),
         (Param::ActivationFunction, Some("SiLU")),
         (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
+        (Param::GateClampLowerLimit, Some("none")),
+        (Param::GateClampUpperLimit, Some("none")),
+        (Param::UpClampLowerLimit, Some("none")),
+        (Param::UpClampUpperLimit, Some("none")),
     ],
 };
 
@@ -734,11 +829,18 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         tensor("gate_up_proj_weight_grad", "[E, H, 2, I]", "f32"),
         tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
         optional("d_topk_affinities", "[T, K]", "f32"),
+        optional("gate_and_up_proj_bias_grad", "[E, 2, I]", "f32"),
+        optional("down_proj_bias_grad", "[E, H]", "f32"),
     ],
     params: &[
         (Param::BlockSize, Some("the plan's B")),
         (Param::ActivationType, Some("SiLU")),
         (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
+        (Param::Bias, Some("false")),
+        (Param::NonLinearClampLowerLimit, Some("none")),
+        (Param::NonLinearClampUpperLimit, Some("none")),
+        (Param::LinearClampLowerLimit, Some("none")),
+        (Param::LinearClampUpperLimit, Some("none")),
     ],
 };
 

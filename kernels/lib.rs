@@ -60,6 +60,8 @@
 //!         down_proj_weight: &down,
 //!         token_position_to_id: &plan.token_position_to_id,
 //!         block_to_expert: &plan.block_to_expert,
+//!         gate_and_up_proj_bias: None,
+//!         down_proj_bias: None,
 //!     },
 //!     BlockwiseMmParams::default(),
 //! )?)?;

@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use common::*;
 use moekit::contracts::{
     ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
-    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams,
-    ExpertAffinityScaleMode, Permute, PermuteInputs, PermuteParams,
+    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams, Clamp,
+    ClampLimits, ExpertAffinityScaleMode, Permute, PermuteInputs, PermuteParams,
 };
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
@@ -43,6 +43,11 @@ struct Case {
     down: Vec<f64>,
     positions: Vec<i32>,
     blocks: Vec<i32>,
+    /// `[E, 2, I]`.
+    gate_up_bias: Option<Vec<f64>>,
+    /// `[E, H]`.
+    down_bias: Option<Vec<f64>>,
+    clamp: ClampLimits,
 }
 
 /// Sizes, routing and storage of a generated case.
@@ -58,6 +63,16 @@ struct Shape {
     bf16: bool,
     act_fn: ActFnType,
     scaling: ExpertAffinityScaleMode,
+    /// Draw biases and clamp limits too.
+    extras: bool,
+}
+
+/// Clamp limits drawn from `rng`: absent, or one of a few values, some of which move 0 (a
+/// positive lower limit), the lower never above the upper.
+fn draw_clamp(rng: &mut SeededRng) -> Clamp {
+    let lower = [None, Some(-0.6f32), Some(0.125)][rng.below(3)];
+    let upper = [None, Some(0.75f32), Some(1.5)][rng.below(3)];
+    Clamp { lower, upper }
 }
 
 fn build_case(s: Shape, seed: u64) -> Case {
@@ -72,8 +87,17 @@ fn build_case(s: Shape, seed: u64) -> Case {
         bf16,
         act_fn,
         scaling,
+        extras,
     } = s;
     let mut rng = SeededRng::new(seed);
+    let clamp = if extras {
+        ClampLimits {
+            gate: draw_clamp(&mut rng),
+            up: draw_clamp(&mut rng),
+        }
+    } else {
+        ClampLimits::default()
+    };
     // Values on the bf16 grid when testing bf16 inputs, so the oracle sees them exactly.
     let mut values = |n: usize, scale: f64| {
         let v = rng.values(n, scale);
@@ -87,6 +111,8 @@ fn build_case(s: Shape, seed: u64) -> Case {
     x.extend(vec![0.0; h]);
     let gate_up = values(e * h * 2 * i, 1.0);
     let down = values(e * i * h, 1.0);
+    let gate_up_bias = extras.then(|| values(e * 2 * i, 0.5));
+    let down_bias = extras.then(|| values(e * h, 0.5));
     let affinities = values(t * k, 1.0);
     let index = expert_index(&mut rng, routing, t, e, k);
     let plan = ReferenceBackend
@@ -122,6 +148,9 @@ fn build_case(s: Shape, seed: u64) -> Case {
         down,
         positions: plan.token_position_to_id.as_i32().unwrap().to_vec(),
         blocks,
+        gate_up_bias,
+        down_bias,
+        clamp,
     }
 }
 
@@ -134,13 +163,14 @@ fn case() -> impl Strategy<Value = Case> {
             any::<u64>(),
             0..ActFnType::ALL.len(),
             0..ExpertAffinityScaleMode::ALL.len(),
+            any::<bool>(),
         ),
     )
         .prop_flat_map(|(dims, routing, bf16, seed)| {
             (Just((dims, routing, bf16, seed)), 1..=dims.2)
         })
         .prop_map(
-            |(((t, h, e, i, b), routing, bf16, (seed, act_fn, scaling)), k)| {
+            |(((t, h, e, i, b), routing, bf16, (seed, act_fn, scaling, extras)), k)| {
                 build_case(
                     Shape {
                         t,
@@ -153,6 +183,7 @@ fn case() -> impl Strategy<Value = Case> {
                         bf16,
                         act_fn: ActFnType::ALL[act_fn],
                         scaling: ExpertAffinityScaleMode::ALL[scaling],
+                        extras,
                     },
                     seed,
                 )
@@ -168,8 +199,11 @@ struct Tensors {
     down: Tensor,
     positions: Tensor,
     blocks: Tensor,
+    gate_up_bias: Option<Tensor>,
+    down_bias: Option<Tensor>,
     act_fn: ActFnType,
     scaling: ExpertAffinityScaleMode,
+    clamp: ClampLimits,
 }
 
 impl Tensors {
@@ -186,8 +220,11 @@ impl Tensors {
             down: float(&[e, i, h], &c.down),
             positions: i32_tensor(&[c.positions.len()], &c.positions),
             blocks: i32_tensor(&[c.blocks.len(), 1], &c.blocks),
+            gate_up_bias: c.gate_up_bias.as_ref().map(|b| float(&[e, 2, i], b)),
+            down_bias: c.down_bias.as_ref().map(|b| float(&[e, h], b)),
             act_fn: c.act_fn,
             scaling: c.scaling,
+            clamp: c.clamp,
         }
     }
 
@@ -199,6 +236,8 @@ impl Tensors {
             down_proj_weight: &self.down,
             token_position_to_id: &self.positions,
             block_to_expert: &self.blocks,
+            gate_and_up_proj_bias: self.gate_up_bias.as_ref(),
+            down_proj_bias: self.down_bias.as_ref(),
         }
     }
 
@@ -214,6 +253,7 @@ impl Tensors {
                 checkpoint_activation,
                 activation_function: self.act_fn,
                 expert_affinities_scaling_mode: self.scaling,
+                clamp: self.clamp,
             },
         )?)
     }
@@ -239,7 +279,14 @@ fn silu(v: f64) -> f64 {
     activate(ActFnType::Silu, v)
 }
 
-/// Expert `e` applied to token `t` the textbook way: `(gate [I], up [I], y [H])`.
+/// `v` limited to `[lower, upper]` (either may be absent).
+fn clip(v: f64, limits: Clamp) -> f64 {
+    let v = limits.lower.map_or(v, |lo| v.max(f64::from(lo)));
+    limits.upper.map_or(v, |hi| v.min(f64::from(hi)))
+}
+
+/// Expert `e` applied to token `t` the textbook way: `(gate [I], up [I], y [H])`, gate and up
+/// with their biases and clamped (as the checkpoint holds them), y with its bias.
 fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let BlockwiseDims { h, i, e, .. } = c.dims;
     // PRE_SCALE: the expert sees the token's row times its affinity.
@@ -253,17 +300,23 @@ fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         .map(|v| scale * v)
         .collect();
     let w = |j: usize, which: usize, col: usize| c.gate_up[((ex * h + j) * 2 + which) * i + col];
-    let gate: Vec<f64> = (0..i)
-        .map(|col| (0..h).rev().map(|j| x[j] * w(j, 0, col)).sum())
-        .collect();
-    let up: Vec<f64> = (0..i)
-        .map(|col| (0..h).rev().map(|j| x[j] * w(j, 1, col)).sum())
-        .collect();
+    let bias = |which: usize, col: usize| {
+        c.gate_up_bias
+            .as_ref()
+            .map_or(0.0, |b| b[(ex * 2 + which) * i + col])
+    };
+    let projection = |which: usize, col: usize, limits: Clamp| {
+        let sum: f64 = (0..h).rev().map(|j| x[j] * w(j, which, col)).sum();
+        clip(sum + bias(which, col), limits)
+    };
+    let gate: Vec<f64> = (0..i).map(|col| projection(0, col, c.clamp.gate)).collect();
+    let up: Vec<f64> = (0..i).map(|col| projection(1, col, c.clamp.up)).collect();
     let y = (0..h)
         .map(|j| {
-            (0..i)
+            let product: f64 = (0..i)
                 .map(|r| activate(c.act_fn, gate[r]) * up[r] * c.down[(ex * i + r) * h + j])
-                .sum()
+                .sum();
+            product + c.down_bias.as_ref().map_or(0.0, |b| b[ex * h + j])
         })
         .collect();
     (gate, up, y)
@@ -274,6 +327,7 @@ impl Case {
         ExpertOptions {
             act_fn: self.act_fn,
             scaling: self.scaling,
+            clamp: self.clamp,
         }
     }
 }
@@ -287,6 +341,8 @@ fn operands(c: &Case) -> BlockwiseOperands<'_> {
         down_proj_weight: &c.down,
         token_position_to_id: &c.positions,
         block_to_expert: &c.blocks,
+        gate_and_up_proj_bias: c.gate_up_bias.as_deref(),
+        down_proj_bias: c.down_bias.as_deref(),
     }
 }
 
@@ -332,6 +388,16 @@ fn check_forward(c: &Case) -> Result<(), TestCaseError> {
             let (_, _, y) = expert(c, token, ex);
             for j in 0..h {
                 dense[token * h + j] += weight * y[j];
+            }
+        }
+    }
+    // Row T: each padding slot's expert output on the zero row (non-zero with a bias or a
+    // clamp that moves 0), weighted by row T's zero affinity under POST_SCALE.
+    for (position, &token) in c.positions.iter().enumerate() {
+        if token as usize == t && !c.scaling.scales_outputs() {
+            let (_, _, y) = expert(c, t, c.blocks[position / c.dims.b] as usize);
+            for j in 0..h {
+                dense[t * h + j] += y[j];
             }
         }
     }
@@ -497,6 +563,26 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         FD_TOL,
         FD_TOL,
     )?;
+    if let Some(bias) = &c.gate_up_bias {
+        let fd = finite_differences(bias, FD_STEP, |b| {
+            loss(BlockwiseOperands {
+                gate_and_up_proj_bias: Some(b),
+                ..ops
+            })
+        });
+        let got = &grads.gate_and_up_proj_bias_grad;
+        assert_close("gate_and_up_proj_bias_grad", got, &fd, FD_TOL, FD_TOL)?;
+    }
+    if let Some(bias) = &c.down_bias {
+        let fd = finite_differences(bias, FD_STEP, |b| {
+            loss(BlockwiseOperands {
+                down_proj_bias: Some(b),
+                ..ops
+            })
+        });
+        let got = &grads.down_proj_bias_grad;
+        assert_close("down_proj_bias_grad", got, &fd, FD_TOL, FD_TOL)?;
+    }
     prop_assert!(
         grads.expert_affinities_masked_grad[t * e..]
             .iter()
@@ -544,6 +630,8 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         BlockwiseMmBwdParams {
             activation_type: c.act_fn,
             expert_affinities_scaling_mode: c.scaling,
+            clamp: c.clamp,
+            bias: c.gate_up_bias.is_some(),
         },
     )
     .unwrap();
@@ -587,6 +675,28 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         ),
     ] {
         assert_close(name, &f32s(got), want, 1e-5, 1e-5 * scale(want))?;
+    }
+    // The biases' gradients exactly when `bias` asks for them.
+    prop_assert_eq!(
+        g.gate_and_up_proj_bias_grad.is_some(),
+        c.gate_up_bias.is_some()
+    );
+    prop_assert_eq!(g.down_proj_bias_grad.is_some(), c.down_bias.is_some());
+    for (name, got, want) in [
+        (
+            "gate_and_up_proj_bias_grad",
+            &g.gate_and_up_proj_bias_grad,
+            &exact.gate_and_up_proj_bias_grad,
+        ),
+        (
+            "down_proj_bias_grad",
+            &g.down_proj_bias_grad,
+            &exact.down_proj_bias_grad,
+        ),
+    ] {
+        if let Some(got) = got {
+            assert_close(name, &f32s(got), want, 1e-5, 1e-5 * scale(want))?;
+        }
     }
     // d_topk_affinities: the affinity gradient of each (token, k) pair, whose finite-difference
     // check is in `check_finite_differences`.
@@ -637,6 +747,7 @@ fn edge_cases() {
         bf16: false,
         act_fn: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
+        extras: false,
     };
     let cases = [
         ("T = 1", shape(1, 3, 2, 2, Routing::Random)),
@@ -676,11 +787,13 @@ fn edge_cases() {
             .flat_map(|bf16| ActFnType::ALL.map(|act_fn| (bf16, act_fn)));
         for (n, (bf16, act_fn)) in options.enumerate() {
             let scaling = ExpertAffinityScaleMode::ALL[n % ExpertAffinityScaleMode::ALL.len()];
+            let extras = n % 3 == 0;
             let c = build_case(
                 Shape {
                     bf16,
                     act_fn,
                     scaling,
+                    extras,
                     ..shape
                 },
                 7,
@@ -695,7 +808,7 @@ fn edge_cases() {
                 .and(finite_differences)
                 .and_then(|_| check_kernel_backward(&c, 13));
             if let Err(e) = all {
-                panic!("{name} (bf16: {bf16}, {act_fn}, {scaling}): {e}");
+                panic!("{name} (bf16: {bf16}, {act_fn}, {scaling}, extras: {extras}): {e}");
             }
         }
     }
@@ -726,6 +839,8 @@ fn one_token_one_expert_by_hand() {
         down_proj_weight: &down,
         token_position_to_id: &positions,
         block_to_expert: &blocks,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
     };
     let out = ReferenceBackend
         .blockwise_mm(&BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap())
@@ -750,8 +865,11 @@ fn valid() -> Tensors {
         // Padding is T = 3; the unused block 3 goes through expert E−1 = 2.
         positions: i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 3]),
         blocks: i32_tensor(&[4, 1], &[0, 1, 2, 2]),
+        gate_up_bias: None,
+        down_bias: None,
         act_fn: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
+        clamp: ClampLimits::default(),
     }
 }
 

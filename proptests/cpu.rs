@@ -39,6 +39,8 @@ struct Shape {
     /// The experts' gate activation.
     activation: ActFnType,
     scaling: ExpertAffinityScaleMode,
+    /// The experts' biases and clamps (a lower limit above 0, so padding slots have outputs).
+    expert_extras: bool,
 }
 
 fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
@@ -52,13 +54,14 @@ fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
         (
             0..ActFnType::ALL.len(),
             0..ExpertAffinityScaleMode::ALL.len(),
+            any::<bool>(),
         ),
     )
         .prop_flat_map(|(dims, act_fn, flags, experts)| {
             (Just((dims, act_fn, flags, experts)), 1..=dims.2)
         })
         .prop_map(
-            |(((t, h, e, i, b), act_fn, flags, (activation, scaling)), k)| {
+            |(((t, h, e, i, b), act_fn, flags, (activation, scaling, expert_extras)), k)| {
                 let (router_pre_norm, norm_topk_prob, biases, bf16) = flags;
                 Shape {
                     t,
@@ -73,6 +76,7 @@ fn shape(max_t: usize) -> impl Strategy<Value = Shape> {
                     biases,
                     bf16,
                     activation: ActFnType::ALL[activation],
+                    expert_extras,
                     scaling: ExpertAffinityScaleMode::ALL[scaling],
                 }
             },
@@ -104,6 +108,16 @@ fn layer(s: Shape, seed: u64) -> Layer {
     params
         .set("expert_affinities_scaling_mode", s.scaling.name())
         .unwrap();
+    if s.expert_extras {
+        for (name, limit) in [
+            ("gate_clamp_lower_limit", "-0.6"),
+            ("gate_clamp_upper_limit", "1.5"),
+            ("up_clamp_lower_limit", "0.125"),
+            ("bias", "true"),
+        ] {
+            params.set(name, limit).unwrap();
+        }
+    }
     let float = |shape: &[usize], v: &[f64]| {
         let t = f32_tensor(shape, v);
         if s.bf16 { t.to_bf16() } else { t }
@@ -133,6 +147,13 @@ fn layer(s: Shape, seed: u64) -> Layer {
     put("d_topk_affinities", float(&[t, k], &rng.values(t * k, 1.0)));
     put("d_router_logits", float(&[t, e], &rng.values(t * e, 1.0)));
     put("d_aux_loss", float(&[1], &[0.75]));
+    if s.expert_extras {
+        put(
+            "gate_and_up_proj_bias",
+            float(&[e, 2, i], &rng.values(e * 2 * i, 0.5)),
+        );
+        put("down_proj_bias", float(&[e, h], &rng.values(e * h, 0.5)));
+    }
     let mut output_grad = rng.values(t * h, 1.0);
     output_grad.extend(vec![0.0; h]);
     put(
@@ -349,6 +370,7 @@ fn crowded_experts() -> Vec<(&'static str, Shape)> {
         norm_topk_prob: true,
         activation: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
+        expert_extras: false,
         biases: false,
         bf16: false,
     };
@@ -404,6 +426,7 @@ fn products_on_streamed_panels_ignore_thread_counts() {
         norm_topk_prob: true,
         activation: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
+        expert_extras: false,
         biases: false,
         bf16: false,
     };
@@ -429,6 +452,7 @@ fn edge_cases_match_the_reference() {
         norm_topk_prob: true,
         activation: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
+        expert_extras: false,
         biases: false,
         bf16: false,
     };
@@ -486,6 +510,7 @@ fn errors_are_the_reference_errors() {
             norm_topk_prob: true,
             activation: ActFnType::Silu,
             scaling: ExpertAffinityScaleMode::PostScale,
+            expert_extras: false,
             biases: true,
             bf16: false,
         },
@@ -567,6 +592,7 @@ fn overflowing_results_are_errors_naming_the_first_output_the_reference_checks()
         norm_topk_prob: true,
         activation: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
+        expert_extras: false,
         biases: false,
         bf16: false,
     };

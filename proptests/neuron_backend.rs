@@ -232,11 +232,14 @@ proptest! {
             down_proj_weight: &down,
             token_position_to_id: &plan.token_position_to_id,
             block_to_expert: &plan.block_to_expert,
+            gate_and_up_proj_bias: None,
+            down_proj_bias: None,
         };
         let params = BlockwiseMmParams {
             checkpoint_activation: checkpoint,
             activation_function: activation,
             expert_affinities_scaling_mode: scaling,
+            ..BlockwiseMmParams::default()
         };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
@@ -308,7 +311,11 @@ proptest! {
                 output_hidden_states_grad: &d_output,
                 expert_index: Some(&routed.expert_index),
             },
-            BlockwiseMmBwdParams { activation_type: activation, expert_affinities_scaling_mode: scaling },
+            BlockwiseMmBwdParams {
+                activation_type: activation,
+                expert_affinities_scaling_mode: scaling,
+                ..BlockwiseMmBwdParams::default()
+            },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
             let want = reference.blockwise_mm_bwd(&bwd).unwrap();

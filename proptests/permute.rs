@@ -309,6 +309,8 @@ proptest! {
                         down_proj_weight: &down,
                         token_position_to_id: positions,
                         block_to_expert: blocks,
+                        gate_and_up_proj_bias: None,
+                        down_proj_bias: None,
                     };
                     let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
                     backend.blockwise_mm(&call).unwrap().output

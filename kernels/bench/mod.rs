@@ -398,6 +398,8 @@ fn blockwise_inputs<'a>(
         down_proj_weight: &inputs.down_proj_weight,
         token_position_to_id: &plan.token_position_to_id,
         block_to_expert: &plan.block_to_expert,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
     }
 }
 

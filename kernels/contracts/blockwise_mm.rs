@@ -3,25 +3,33 @@
 //! tensor names, shapes and parameters.
 //!
 //! For each block `n` of B slots, expert `e = block_to_expert[n]` and each slot holding token
-//! `t = token_position_to_id[n·B + j]` (padding slots hold T, the zero row, whose affinity is
-//! 0, so they add nothing):
+//! `t = token_position_to_id[n·B + j]` (padding slots hold T, the zero row):
 //! ```text
-//! gate = x_t · W[e, :, 0, :]      up = x_t · W[e, :, 1, :]         [I]
-//! y    = (act(gate) ⊙ up) · D[e]                                    [H]
+//! gate = clamp(x_t · W[e, :, 0, :] + gate_and_up_proj_bias[e, 0])     [I]
+//! up   = clamp(x_t · W[e, :, 1, :] + gate_and_up_proj_bias[e, 1])     [I]
+//! y    = (act(gate) ⊙ up) · D[e] + down_proj_bias[e]                  [H]
 //! output[t] += expert_affinities_masked[t·E + e] · y                 POST_SCALE (the default)
 //! ```
-//! so `output [T+1, H]` holds `Σ_e a[t, e] · down_e(act(x_t W_gate_e) ⊙ x_t W_up_e)` in row t
-//! and zeros in the padding row T, where `act` is `activation_function` (nki-library's
-//! `ActFnType`: SiLU by default, GELU, GELU_Tanh_Approx, Swish, ReLU, SquaredReLU; the backward
-//! takes it as `activation_type`). `expert_affinities_scaling_mode` (nki-library's
-//! `ExpertAffinityScaleMode`) moves the affinity: POST_SCALE as above, NO_SCALE drops it,
-//! PRE_SCALE and PRE_SCALE_DELAYED multiply `x_t` by it before the gate/up projection instead. With `checkpoint_activation` the kernel also returns the
-//! pre-activation gate/up projections `gate_up_activations_T [N, 2, I, B]` and the down
-//! projection before affinity scaling `down_activations [N, B, H]` (zeros in padding slots),
-//! which the backward takes as `gate_up_proj_act_checkpoint_T` and `down_proj_act_checkpoint`
-//! instead of recomputing them. The backward's `output_hidden_states_grad` and
-//! `hidden_states_grad` are `[T+1, H]` like the forward's `output` and `hidden_states`, with
-//! zero padding rows.
+//! so without biases and clamps `output [T+1, H]` holds
+//! `Σ_e a[t, e] · down_e(act(x_t W_gate_e) ⊙ x_t W_up_e)` in row t and zeros in the padding row
+//! T. `act` is `activation_function` (nki-library's `ActFnType`: SiLU by default, GELU,
+//! GELU_Tanh_Approx, Swish, ReLU, SquaredReLU; the backward takes it as `activation_type`).
+//! `expert_affinities_scaling_mode` (nki-library's `ExpertAffinityScaleMode`) moves the
+//! affinity: POST_SCALE as above, NO_SCALE drops it, PRE_SCALE and PRE_SCALE_DELAYED multiply
+//! `x_t` by it before the gate/up projection instead.
+//!
+//! The biases and the clamp limits are optional. With a bias or a clamp that moves 0, a padding
+//! slot has an expert output too (the zero row's), as in nki-library's kernels: it lands in row
+//! T of `output` unless POST_SCALE multiplies it by row T's zero affinity.
+//!
+//! With `checkpoint_activation` the kernel also returns `gate_up_activations_T [N, 2, I, B]`
+//! (gate and up as above: after the biases and clamps, as nki-library's reference writes them)
+//! and the down projection before affinity scaling `down_activations [N, B, H]` (padding slots
+//! hold the zero row's values), which the backward takes as `gate_up_proj_act_checkpoint_T` and
+//! `down_proj_act_checkpoint` instead of recomputing them. The backward's
+//! `output_hidden_states_grad` and `hidden_states_grad` are `[T+1, H]` like the forward's
+//! `output` and `hidden_states`, with zero padding rows; with `bias` it also returns the
+//! biases' gradients.
 //!
 //! Plan rules checked on every call (see [`super::plan`]): token ids in `[0, T]` (T is padding),
 //! expert ids in `[0, E)`, no (token, expert) pair twice, every non-zero affinity of a real token
@@ -183,7 +191,7 @@ impl fmt::Display for ExpertAffinityScaleMode {
 }
 
 /// Parameters of [`BlockwiseMm`], named as nki-library's `moe_cte` names them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BlockwiseMmParams {
     /// Also return `gate_up_activations_T` and `down_activations` (default false).
     pub checkpoint_activation: bool,
@@ -191,16 +199,22 @@ pub struct BlockwiseMmParams {
     pub activation_function: ActFnType,
     /// Where the affinity multiplies (default POST_SCALE).
     pub expert_affinities_scaling_mode: ExpertAffinityScaleMode,
+    /// The gate and up projections' clamps (default none).
+    pub clamp: ClampLimits,
 }
 
 /// Parameters of [`BlockwiseMmBwd`], named as nki-library's `blockwise_mm_bwd` names them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BlockwiseMmBwdParams {
     /// The forward's `activation_function` (default SiLU).
     pub activation_type: ActFnType,
     /// The forward's scaling mode (default POST_SCALE). moekit's own: nki-library's backward
     /// scales after the down projection only (`affinity_option`).
     pub expert_affinities_scaling_mode: ExpertAffinityScaleMode,
+    /// The forward's clamps (nki-library's `clamp_limits`).
+    pub clamp: ClampLimits,
+    /// Also return the biases' gradients (nki-library's `bias`).
+    pub bias: bool,
 }
 
 /// Inputs of [`BlockwiseMm`]. Floating-point tensors may be f32 or bf16.
@@ -218,6 +232,85 @@ pub struct BlockwiseMmInputs<'a> {
     pub token_position_to_id: &'a Tensor,
     /// `[N, 1]` (or `[N]`) i32, from `permute`.
     pub block_to_expert: &'a Tensor,
+    /// `[E, 2, I]` (0 gate, 1 up), added to the gate/up projection before the clamps.
+    pub gate_and_up_proj_bias: Option<&'a Tensor>,
+    /// `[E, H]`, added to the down projection before the affinity scaling.
+    pub down_proj_bias: Option<&'a Tensor>,
+}
+
+impl BlockwiseMmInputs<'_> {
+    /// Whether a padding slot (the zero row T) has a non-zero expert output: with a bias or a
+    /// clamp that moves 0, nki-library's kernels (and moekit's) compute it as for any row.
+    pub fn padding_has_outputs(&self, clamp: ClampLimits) -> bool {
+        self.gate_and_up_proj_bias.is_some()
+            || self.down_proj_bias.is_some()
+            || clamp.gate.moves_zero()
+            || clamp.up.moves_zero()
+    }
+}
+
+/// The limits a projection's values are clamped to (either may be absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Clamp {
+    pub lower: Option<f32>,
+    pub upper: Option<f32>,
+}
+
+impl Clamp {
+    /// `v` clamped to the limits.
+    pub fn apply(self, v: f64) -> f64 {
+        let v = self.lower.map_or(v, |lo| v.max(f64::from(lo)));
+        self.upper.map_or(v, |hi| v.min(f64::from(hi)))
+    }
+
+    /// The derivative of [`Clamp::apply`] at a clamped value `v`: 1 strictly inside the limits,
+    /// 0 at (or past) one, as nki-library's backward masks it.
+    pub fn passes(self, v: f64) -> bool {
+        self.lower.is_none_or(|lo| v > f64::from(lo))
+            && self.upper.is_none_or(|hi| v < f64::from(hi))
+    }
+
+    /// Whether clamping moves 0.
+    fn moves_zero(self) -> bool {
+        self.apply(0.0) != 0.0
+    }
+
+    /// Checks the limits: finite, and the lower not above the upper.
+    fn check(self, lower: &str, upper: &str) -> Result<()> {
+        for (name, limit) in [(lower, self.lower), (upper, self.upper)] {
+            if let Some(v) = limit.filter(|v| !v.is_finite()) {
+                return Err(Error::param(name, format!("must be finite, got {v}")));
+            }
+        }
+        if let (Some(lo), Some(hi)) = (self.lower, self.upper)
+            && lo > hi
+        {
+            return Err(Error::param(
+                lower,
+                format!("is {lo}, above {upper} = {hi}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// nki-library's four clamp limits: `gate_clamp_{lower,upper}_limit` and
+/// `up_clamp_{lower,upper}_limit` in `moe_cte`, `non_linear_clamp_*` (gate) and
+/// `linear_clamp_*` (up) in `blockwise_mm_bwd`'s `clamp_limits`. Applied after the biases; the
+/// checkpoint holds the clamped values.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ClampLimits {
+    pub gate: Clamp,
+    pub up: Clamp,
+}
+
+impl ClampLimits {
+    fn check(self) -> Result<()> {
+        self.gate
+            .check("gate_clamp_lower_limit", "gate_clamp_upper_limit")?;
+        self.up
+            .check("up_clamp_lower_limit", "up_clamp_upper_limit")
+    }
 }
 
 /// Dimensions shared by the forward and backward calls.
@@ -251,6 +344,7 @@ impl<'a> BlockwiseMm<'a> {
     /// Checks shapes, dtypes, finiteness and the plan rules in the module docs.
     pub fn new(inputs: BlockwiseMmInputs<'a>, params: BlockwiseMmParams) -> Result<Self> {
         let (dims, plan, _) = check(&inputs)?;
+        params.clamp.check()?;
         Ok(Self {
             inputs,
             params,
@@ -315,6 +409,17 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
         inputs.expert_affinities_masked,
         Some((t + 1) * e),
     )?;
+    if let Some(bias) = inputs.gate_and_up_proj_bias {
+        validate::float_tensor(
+            "gate_and_up_proj_bias",
+            bias,
+            "[E, 2, I]",
+            &[Some(e), Some(2), Some(i)],
+        )?;
+    }
+    if let Some(bias) = inputs.down_proj_bias {
+        validate::float_tensor("down_proj_bias", bias, "[E, H]", &[Some(e), Some(h)])?;
+    }
     let (plan, covered) =
         BlockPlan::new(inputs.token_position_to_id, inputs.block_to_expert, t, e)?;
     let dims = BlockwiseDims {
@@ -400,6 +505,7 @@ impl<'a> BlockwiseMmBwd<'a> {
     /// Checks everything [`BlockwiseMm::new`] checks, plus the checkpoints and gradients.
     pub fn new(inputs: BlockwiseMmBwdInputs<'a>, params: BlockwiseMmBwdParams) -> Result<Self> {
         let (dims, plan, covered) = check(&inputs.forward)?;
+        params.clamp.check()?;
         let BlockwiseDims { t, h, e, i, b, n } = dims;
         validate::float_tensor(
             "gate_up_proj_act_checkpoint_T",
@@ -485,4 +591,8 @@ pub struct BlockwiseMmGrads {
     pub down_proj_weight_grad: Tensor,
     /// `[T, K]` f32, when `expert_index` was given (same mapping as `permute_bwd`).
     pub d_topk_affinities: Option<Tensor>,
+    /// `[E, 2, I]` f32, with `bias`.
+    pub gate_and_up_proj_bias_grad: Option<Tensor>,
+    /// `[E, H]` f32, with `bias`.
+    pub down_proj_bias_grad: Option<Tensor>,
 }

@@ -39,7 +39,7 @@ use super::{f32_output, screened_f32_output};
 use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
-    BlockwiseMmOutputs,
+    BlockwiseMmOutputs, Clamp, ClampLimits,
 };
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
@@ -55,6 +55,8 @@ const TASK_ROWS: usize = 256;
 /// the used ones), whose checkpoint parts are zeros.
 struct BlockRun {
     expert: Option<usize>,
+    /// The expert of the run's blocks (padding only included).
+    block_expert: usize,
     blocks: Range<usize>,
     /// The real (non-padding) slots `n·B + j`, ascending.
     slots: Vec<usize>,
@@ -75,6 +77,7 @@ fn block_runs(plan: BlockPlan<'_>) -> Vec<BlockRun> {
         if !joins {
             runs.push(BlockRun {
                 expert,
+                block_expert: plan.expert(block),
                 blocks: block..block,
                 slots: Vec::new(),
                 tokens: Vec::new(),
@@ -245,6 +248,137 @@ fn weight_nt(
 
 /// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
 /// matrix `[rows.len(), width]`.
+/// What every padding slot of each expert holds when the zero row has outputs (a bias, or a
+/// clamp that moves 0): its clamped gate/up values `[E, 2I]` and its down projection `[E, H]`,
+/// computed once per expert.
+struct PaddingOutputs {
+    gate_up: Vec<f32>,
+    down: Vec<f32>,
+    /// 2I and H.
+    widths: (usize, usize),
+}
+
+impl PaddingOutputs {
+    /// The zero row through every expert of `call`.
+    fn new(call: &BlockwiseMm<'_>) -> Self {
+        let (inputs, params) = (call.inputs(), call.params());
+        let BlockwiseDims { h, e, i, .. } = call.dims();
+        let mut out = Self {
+            gate_up: Vec::with_capacity(e * 2 * i),
+            down: Vec::with_capacity(e * h),
+            widths: (2 * i, h),
+        };
+        let (mut act, mut y, mut panel) = (vec![0.0; i], vec![0.0; h], Vec::new());
+        for expert in 0..e {
+            let mut gate_up = match inputs.gate_and_up_proj_bias {
+                Some(bias) => bias_row(bias, expert, 2 * i),
+                None => vec![0.0; 2 * i],
+            };
+            clamp_rows(&mut gate_up, i, params.clamp);
+            let (gate, up) = gate_up.split_at(i);
+            gated::forward(params.activation_function, gate, up, &mut act);
+            let act = MatRef::row_major(&act, 1, i);
+            weight_product(
+                &mut y,
+                act,
+                inputs.down_proj_weight,
+                expert,
+                (i, h),
+                &mut panel,
+            );
+            if let Some(bias) = inputs.down_proj_bias {
+                add_bias_rows(&mut y, &bias_row(bias, expert, h));
+            }
+            out.gate_up.extend_from_slice(&gate_up);
+            out.down.extend_from_slice(&y);
+        }
+        out
+    }
+
+    /// Expert `expert`'s `(gate_up [2I], down [H])`.
+    fn of(&self, expert: usize) -> (&[f32], &[f32]) {
+        let (gate_up, down) = self.widths;
+        (
+            &self.gate_up[expert * gate_up..(expert + 1) * gate_up],
+            &self.down[expert * down..(expert + 1) * down],
+        )
+    }
+}
+
+/// Row T of `output`: what the padding slots add. Under POST_SCALE their affinity (row T of
+/// `expert_affinities_masked`) is 0, so nothing; otherwise, when the zero row has outputs,
+/// each padding slot's expert output, summed by expert in ascending order.
+fn padding_row_output(call: &BlockwiseMm<'_>, padding: Option<&PaddingOutputs>) -> Vec<f32> {
+    let BlockwiseDims { h, e, b, .. } = call.dims();
+    let mut row = vec![0.0f32; h];
+    let Some(padding) = padding.filter(|_| {
+        !call
+            .params()
+            .expert_affinities_scaling_mode
+            .scales_outputs()
+    }) else {
+        return row;
+    };
+    let plan = call.plan();
+    let mut slots = vec![0usize; e];
+    for block in 0..plan.blocks() {
+        slots[plan.expert(block)] += b - plan.real_slots(block).count();
+    }
+    for (expert, &count) in slots.iter().enumerate() {
+        for (sum, y) in row.iter_mut().zip(padding.of(expert).1) {
+            *sum += count as f32 * y;
+        }
+    }
+    row
+}
+
+/// Writes `values` into `row`, or zeros.
+fn fill(row: &mut [MaybeUninit<f32>], values: Option<&[f32]>) {
+    match values {
+        Some(values) => {
+            write_copy(row, values);
+        }
+        None => {
+            zero(row);
+        }
+    }
+}
+
+/// Expert `expert`'s `len` values of a bias stored `[E, len]` (f32 or bf16), as f32.
+fn bias_row(bias: &Tensor, expert: usize, len: usize) -> Vec<f32> {
+    let range = expert * len..(expert + 1) * len;
+    match bias.storage() {
+        Storage::F32(values) => values[range].to_vec(),
+        Storage::BF16(values) => values[range].iter().map(|v| v.to_f32()).collect(),
+        Storage::I32(_) => bias.f32_values()[range].to_vec(),
+    }
+}
+
+/// Adds `bias` to every `bias.len()`-long row of `rows`.
+fn add_bias_rows(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+/// Clamps the gate half and the up half of every `[2I]` row (I = `i`) of `rows`.
+fn clamp_rows(rows: &mut [f32], i: usize, clamp: ClampLimits) {
+    if clamp == ClampLimits::default() {
+        return;
+    }
+    let limit = |v: f32, c: Clamp| {
+        let v = c.lower.map_or(v, |lo| v.max(lo));
+        c.upper.map_or(v, |hi| v.min(hi))
+    };
+    for row in rows.chunks_mut(2 * i) {
+        let (gate, up) = row.split_at_mut(i);
+        gate.iter_mut().for_each(|v| *v = limit(*v, clamp.gate));
+        up.iter_mut().for_each(|v| *v = limit(*v, clamp.up));
+    }
+}
+
 /// Multiplies each `width`-long row of `rows` by its entry of `scales`.
 fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
     for (row, &scale) in rows.chunks_mut(width).zip(scales) {
@@ -376,6 +510,7 @@ fn gate_up_product(
 fn run_forward(
     call: &BlockwiseMm<'_>,
     run: &BlockRun,
+    padding: Option<&PaddingOutputs>,
     out: RunOutputs<'_>,
     scratch: &mut Scratch,
 ) -> bool {
@@ -383,11 +518,26 @@ fn run_forward(
     let act_fn = call.params().activation_function;
     let BlockwiseDims { h, i, b, .. } = dims;
     let m = run.tokens.len();
+    // What a padding slot of this run's expert holds: zeros, or the zero row's outputs.
+    let (padding_gate_up, padding_down) = match padding {
+        Some(p) => {
+            let (gate_up, down) = p.of(run.block_expert);
+            (Some(gate_up), Some(down))
+        }
+        None => (None, None),
+    };
     let Some(expert) = run.expert.filter(|_| m > 0) else {
-        zero(out.down);
-        out.gate_up_t.map(zero);
+        for row in out.down.chunks_exact_mut(h) {
+            fill(row, padding_down);
+        }
+        if let Some(gate_up_t) = out.gate_up_t {
+            for block_t in gate_up_t.chunks_exact_mut(2 * i * b) {
+                transpose_block(block_t, &vec![None; b], &[], padding_gate_up);
+            }
+        }
         return true;
     };
+    let clamp = call.params().clamp;
     let scaling = call.params().expert_affinities_scaling_mode;
     let row_scales: Option<Vec<f32>> = scaling.scales_rows().then(|| {
         let affinities = inputs.expert_affinities_masked.f32_values();
@@ -403,6 +553,10 @@ fn run_forward(
         row_scales.as_deref(),
         scratch,
     );
+    if let Some(bias) = inputs.gate_and_up_proj_bias {
+        add_bias_rows(&mut scratch.gate_up, &bias_row(bias, expert, 2 * i));
+    }
+    clamp_rows(&mut scratch.gate_up, i, clamp);
     let mut finite = all_finite_f32(&scratch.gate_up);
     let act = resized(&mut scratch.act, m * i);
     for (gu, act) in scratch.gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
@@ -420,13 +574,20 @@ fn run_forward(
         // place.
         let (before, rows) = out.down.split_at_mut(start * h);
         let (rows, after) = rows.split_at_mut(m * h);
-        zero(before);
-        zero(after);
+        for row in before.chunks_exact_mut(h).chain(after.chunks_exact_mut(h)) {
+            fill(row, padding_down);
+        }
         let rows = weight_product_into(rows, act, weights, expert, (i, h), &mut scratch.panel);
+        if let Some(bias) = inputs.down_proj_bias {
+            add_bias_rows(rows, &bias_row(bias, expert, h));
+        }
         finite &= all_finite_f32(rows);
     } else {
         let y = resized(&mut scratch.y, m * h);
         weight_product(y, act, weights, expert, (i, h), &mut scratch.panel);
+        if let Some(bias) = inputs.down_proj_bias {
+            add_bias_rows(y, &bias_row(bias, expert, h));
+        }
         finite &= all_finite_f32(y);
         let mut real = run.slots.iter().map(|slot| slot - first).zip(y.chunks(h));
         let mut next = real.next();
@@ -436,9 +597,7 @@ fn run_forward(
                     write_copy(row, values);
                     next = real.next();
                 }
-                _ => {
-                    zero(row);
-                }
+                _ => fill(row, padding_down),
             }
         }
     }
@@ -450,7 +609,7 @@ fn run_forward(
             source[slot - first] = Some(row);
         }
         for (block_t, source) in gate_up_t.chunks_exact_mut(2 * i * b).zip(source.chunks(b)) {
-            transpose_block(block_t, source, &scratch.gate_up);
+            transpose_block(block_t, source, &scratch.gate_up, padding_gate_up);
         }
     }
     finite
@@ -460,7 +619,11 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let BlockwiseDims { t, h, e, i, b, n } = dims;
     let runs = block_runs(call.plan());
-    let checkpoint = call.params().checkpoint_activation;
+    let params = call.params();
+    let checkpoint = params.checkpoint_activation;
+    let padding = inputs
+        .padding_has_outputs(params.clamp)
+        .then(|| PaddingOutputs::new(call));
 
     // The expert outputs land in `down [N, B, H]`, the checkpoint's layout, whether or not it
     // is returned.
@@ -480,9 +643,13 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         .zip(gate_up_parts)
         .zip(&runs)
         .map_init(Scratch::default, |scratch, ((down, gate_up_t), run)| {
-            run_forward(call, run, RunOutputs { down, gate_up_t }, scratch)
+            let out = RunOutputs { down, gate_up_t };
+            run_forward(call, run, padding.as_ref(), out, scratch)
         })
-        .reduce(|| true, |a, b| a && b);
+        .reduce(|| true, |a, b| a && b)
+        && padding
+            .as_ref()
+            .is_none_or(|p| all_finite_f32(&p.gate_up) && all_finite_f32(&p.down));
     // SAFETY: the runs cover every block, and each run wrote its blocks of both buffers whole.
     let (down, gate_up_t) = unsafe { (assume_init(down), assume_init(gate_up_t)) };
 
@@ -498,16 +665,12 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     });
     let affinities = inputs.expert_affinities_masked.f32_values();
     let mut output = output_buffer("output", &[t + 1, h])?;
-    let (tokens, padding) = output.split_at_mut(t * h);
+    let (tokens, padding_row) = output.split_at_mut(t * h);
     TokenRows::new(t, rows).combine(
         tokens,
         h,
         |token, (expert, _)| {
-            if call
-                .params()
-                .expert_affinities_scaling_mode
-                .scales_outputs()
-            {
+            if params.expert_affinities_scaling_mode.scales_outputs() {
                 affinities[token * e + expert]
             } else {
                 1.0
@@ -515,9 +678,8 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         },
         |(_, slot)| &down[slot * h..(slot + 1) * h],
     );
-    // The padding slots' affinity is 0: they add nothing to row T.
-    zero(padding);
-    // SAFETY: `combine` wrote every token's row, and row T is zeroed.
+    write_copy(padding_row, &padding_row_output(call, padding.as_ref()));
+    // SAFETY: `combine` wrote every token's row, and the padding row is written.
     let output = f32_output("output", &[t + 1, h], unsafe { assume_init(output) })?;
 
     // Checked after `output`, as the reference checks them. Intermediates the caller does not
@@ -548,10 +710,15 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
 }
 
 /// Writes one block's rows, transposed, into the whole of `block_t [C, B]` (C =
-/// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`,
-/// zeros for padding (`None`). Works in 16 × 16 tiles gathered on the stack, so every read and
-/// write is a contiguous run of up to 16 values.
-fn transpose_block(block_t: &mut [MaybeUninit<f32>], source: &[Option<usize>], rows: &[f32]) {
+/// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`, and
+/// for padding (`None`) the row `padding [C]`, or zeros. Works in 16 × 16 tiles gathered on the
+/// stack, so every read and write is a contiguous run of up to 16 values.
+fn transpose_block(
+    block_t: &mut [MaybeUninit<f32>],
+    source: &[Option<usize>],
+    rows: &[f32],
+    padding: Option<&[f32]>,
+) {
     const TILE: usize = 16;
     let b = source.len();
     let c = block_t.len() / b;
@@ -565,7 +732,10 @@ fn transpose_block(block_t: &mut [MaybeUninit<f32>], source: &[Option<usize>], r
                     Some(r) => {
                         tile_row[..cols].copy_from_slice(&rows[r * c + c0..r * c + c0 + cols])
                     }
-                    None => tile_row[..cols].fill(0.0),
+                    None => match padding {
+                        Some(p) => tile_row[..cols].copy_from_slice(&p[c0..c0 + cols]),
+                        None => tile_row[..cols].fill(0.0),
+                    },
                 }
             }
             for (dc, out) in block_t[c0 * b..].chunks_mut(b).take(cols).enumerate() {
@@ -582,6 +752,8 @@ fn transpose_block(block_t: &mut [MaybeUninit<f32>], source: &[Option<usize>], r
 struct ExpertBackward {
     d_x: Vec<f32>,
     d_affinity: Vec<f32>,
+    /// `[2I]` and `[H]`: the biases' gradients, summed over the rows in order (with `bias`).
+    d_biases: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// One piece of an expert's rows in the backward's row-wise stage: its slots and tokens, and
@@ -672,10 +844,21 @@ fn rows_backward(
                 up,
                 d_act: &s.d_act[row * i..(row + 1) * i],
                 act: &mut piece.act[row * i..(row + 1) * i],
-                d_gate,
-                d_up,
+                d_gate: &mut *d_gate,
+                d_up: &mut *d_up,
             },
         );
+        // Nothing passes a clamp where the checkpointed value sits at its limit.
+        let clamp = call.params().clamp;
+        for (values, grads, limits) in [(gate, d_gate, clamp.gate), (up, d_up, clamp.up)] {
+            if limits != Clamp::default() {
+                for (&v, d) in values.iter().zip(grads.iter_mut()) {
+                    if !limits.passes(f64::from(v)) {
+                        *d = 0.0;
+                    }
+                }
+            }
+        }
     }
     // d x [m, H] = d gate_up · Wᵀ.
     weight_nt(
@@ -780,7 +963,28 @@ fn expert_backward(
         MatRef::row_major(&grads.x, m, h),
         MatRef::row_major(&grads.d_gate_up, m, 2 * i),
     );
-    ExpertBackward { d_x, d_affinity }
+    let d_biases = call.params().bias.then(|| {
+        (
+            column_sums(&grads.d_gate_up[..m * 2 * i], 2 * i),
+            column_sums(&grads.d_y[..m * h], h),
+        )
+    });
+    ExpertBackward {
+        d_x,
+        d_affinity,
+        d_biases,
+    }
+}
+
+/// The sums of the `width`-long rows of `rows`, element by element, in row order.
+fn column_sums(rows: &[f32], width: usize) -> Vec<f32> {
+    let mut sums = vec![0.0; width];
+    for row in rows.chunks(width) {
+        for (sum, v) in sums.iter_mut().zip(row) {
+            *sum += v;
+        }
+    }
+    sums
 }
 
 pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
@@ -855,6 +1059,29 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         .expert_index
         .map(|index| topk_gradient(index, &d_affinities, e))
         .transpose()?;
+    // Each expert's bias gradients in place; zeros for experts without tokens.
+    let bias_grads = call.params().bias.then(|| {
+        let (mut gate_up, mut down) = (vec![0.0f32; e * 2 * i], vec![0.0f32; e * h]);
+        for (group, result) in groups.iter().zip(&results) {
+            if let Some((d_gate_up, d_down)) = &result.d_biases {
+                let expert = group.expert;
+                gate_up[expert * 2 * i..(expert + 1) * 2 * i].copy_from_slice(d_gate_up);
+                down[expert * h..(expert + 1) * h].copy_from_slice(d_down);
+            }
+        }
+        (gate_up, down)
+    });
+    let (gate_and_up_proj_bias_grad, down_proj_bias_grad) = match bias_grads {
+        Some((gate_up, down)) => (
+            Some(f32_output(
+                "gate_and_up_proj_bias_grad",
+                &[e, 2, i],
+                gate_up,
+            )?),
+            Some(f32_output("down_proj_bias_grad", &[e, h], down)?),
+        ),
+        None => (None, None),
+    };
     Ok(BlockwiseMmGrads {
         hidden_states_grad: f32_output("hidden_states_grad", &[t + 1, h], d_hidden)?,
         expert_affinities_masked_grad: f32_output(
@@ -869,5 +1096,7 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         )?,
         down_proj_weight_grad: f32_output("down_proj_weight_grad", &[e, i, h], d_down_weight)?,
         d_topk_affinities,
+        gate_and_up_proj_bias_grad,
+        down_proj_bias_grad,
     })
 }

@@ -432,5 +432,7 @@ fn forward_inputs<'a>(
         down_proj_weight: inputs.down_proj_weight,
         token_position_to_id: &plan.token_position_to_id,
         block_to_expert: &plan.block_to_expert,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
     }
 }

@@ -31,9 +31,10 @@ use super::manifest::{Manifest, Value, supported_kernels};
 use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, Usage};
 use crate::backend::Backend;
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmOutputs, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
-    PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs,
+    ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
+    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::{Error, Result};
 use crate::kernel::Kernel;
@@ -618,6 +619,30 @@ fn take(outputs: &mut BTreeMap<&'static str, Tensor>, name: &str) -> Result<Tens
         .ok_or_else(|| Error::MissingTensor(name.to_owned()))
 }
 
+/// The blockwise options the `neuron` backend does not bind yet: the biases and the clamps.
+fn unbound_options(
+    kernel: Kernel,
+    inputs: &BlockwiseMmInputs<'_>,
+    clamp: ClampLimits,
+) -> Result<()> {
+    let given = [
+        (
+            "gate_and_up_proj_bias",
+            inputs.gate_and_up_proj_bias.is_some(),
+        ),
+        ("down_proj_bias", inputs.down_proj_bias.is_some()),
+        ("clamp limits", clamp != ClampLimits::default()),
+    ];
+    match given.iter().find(|(_, given)| *given) {
+        Some((what, _)) => Err(Error::Unsupported {
+            backend: "neuron",
+            kernel: kernel.name(),
+            message: format!("it does not bind {what} to a NEFF yet"),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn unsupported(kernel: Kernel) -> Error {
     Error::Unsupported {
         backend: "neuron",
@@ -688,6 +713,7 @@ impl Backend for NeuronBackend {
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        unbound_options(Kernel::BlockwiseMm, &call.inputs(), call.params().clamp)?;
         let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
         let checkpoint = call.params().checkpoint_activation;
         Ok(BlockwiseMmOutputs {
@@ -698,6 +724,15 @@ impl Backend for NeuronBackend {
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        let params = call.params();
+        unbound_options(Kernel::BlockwiseMmBwd, &call.inputs().forward, params.clamp)?;
+        if params.bias {
+            return Err(Error::Unsupported {
+                backend: "neuron",
+                kernel: Kernel::BlockwiseMmBwd.name(),
+                message: "it does not return the biases' gradients yet".to_owned(),
+            });
+        }
         let mut out = self
             .run(&blockwise_mm_bwd_call(call), Execution::Once)?
             .outputs;
@@ -729,6 +764,8 @@ impl Backend for NeuronBackend {
             gate_up_proj_weight_grad: take(&mut out, "gate_up_proj_weight_grad")?,
             down_proj_weight_grad: take(&mut out, "down_proj_weight_grad")?,
             d_topk_affinities,
+            gate_and_up_proj_bias_grad: None,
+            down_proj_bias_grad: None,
         })
     }
 }

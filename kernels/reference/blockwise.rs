@@ -1,7 +1,7 @@
 //! f64 blockwise expert matmul with a gated activation, forward and backward (see
 //! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
 
-use crate::contracts::{ActFnType, BlockwiseDims, ExpertAffinityScaleMode};
+use crate::contracts::{ActFnType, BlockwiseDims, ClampLimits, ExpertAffinityScaleMode};
 use crate::error::Result;
 use crate::tensor::try_filled;
 
@@ -26,12 +26,16 @@ pub struct BlockwiseOperands<'a> {
     pub token_position_to_id: &'a [i32],
     /// `[N]`, ids in `[0, E)`.
     pub block_to_expert: &'a [i32],
+    /// `[E, 2, I]`.
+    pub gate_and_up_proj_bias: Option<&'a [f64]>,
+    /// `[E, H]`.
+    pub down_proj_bias: Option<&'a [f64]>,
 }
 
 impl BlockwiseOperands<'_> {
-    /// `(block, slot, token, expert)` for every slot holding a real token (not the padding id
-    /// T), in plan order.
-    fn assignments(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    /// `(block, slot, token, expert)` for every slot in plan order: those holding a real token,
+    /// and with `padding` also the padding slots (token T, the zero row).
+    fn slots(&self, padding: bool) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
         let BlockwiseDims { t, b, .. } = self.dims;
         self.block_to_expert
             .iter()
@@ -39,9 +43,24 @@ impl BlockwiseOperands<'_> {
             .flat_map(move |(block, &expert)| {
                 (0..b).filter_map(move |slot| {
                     let token = self.token_position_to_id[block * b + slot] as usize;
-                    (token < t).then_some((block, slot, token, expert as usize))
+                    (padding || token < t).then_some((block, slot, token, expert as usize))
                 })
             })
+    }
+
+    /// Whether the zero row has a non-zero expert output (a bias, or a clamp that moves 0).
+    fn padding_has_outputs(&self, clamp: ClampLimits) -> bool {
+        self.gate_and_up_proj_bias.is_some()
+            || self.down_proj_bias.is_some()
+            || clamp.gate.apply(0.0) != 0.0
+            || clamp.up.apply(0.0) != 0.0
+    }
+
+    /// The gate/up bias of `expert`'s column `col` (`which` 0 gate, 1 up).
+    fn gate_up_bias(&self, expert: usize, which: usize, col: usize) -> f64 {
+        let i = self.dims.i;
+        self.gate_and_up_proj_bias
+            .map_or(0.0, |bias| bias[(expert * 2 + which) * i + col])
     }
 
     fn gate_up(&self, expert: usize, j: usize, which: usize, col: usize) -> f64 {
@@ -107,11 +126,12 @@ pub fn gate_activation(act_fn: ActFnType, g: f64) -> (f64, f64) {
     }
 }
 
-/// The experts' options: the gate activation and where the affinity multiplies.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The experts' options: the gate activation, where the affinity multiplies, and the clamps.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ExpertOptions {
     pub act_fn: ActFnType,
     pub scaling: ExpertAffinityScaleMode,
+    pub clamp: ClampLimits,
 }
 
 /// Forward results in f64.
@@ -136,7 +156,11 @@ pub fn blockwise_forward(
         gate_up_activations_t: zeros("gate_up_activations_T", &[n, 2, i, b])?,
         down_activations: zeros("down_activations", &[n, b, h])?,
     };
-    for (block, slot, token, expert) in ops.assignments() {
+    // Padding slots go through their block's expert on the zero row T, as nki-library's
+    // kernels compute them; they only matter when a bias or clamp gives the zero row an
+    // output.
+    let padding = ops.padding_has_outputs(options.clamp);
+    for (block, slot, token, expert) in ops.slots(padding) {
         let affinity = ops.expert_affinities_masked[token * e + expert];
         // PRE_SCALE multiplies the token row, POST_SCALE the down projection.
         let (row_scale, output_scale) = scales(options.scaling, affinity);
@@ -146,14 +170,25 @@ pub fn blockwise_forward(
             .collect();
         let mut act = vec![0.0; i];
         for (col, a) in act.iter_mut().enumerate() {
-            let gate: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 0, col)).sum();
-            let up: f64 = (0..h).map(|j| x[j] * ops.gate_up(expert, j, 1, col)).sum();
+            // The projection, plus its bias, clamped; the checkpoint holds these values.
+            let gate: f64 = (0..h)
+                .map(|j| x[j] * ops.gate_up(expert, j, 0, col))
+                .sum::<f64>()
+                + ops.gate_up_bias(expert, 0, col);
+            let up: f64 = (0..h)
+                .map(|j| x[j] * ops.gate_up(expert, j, 1, col))
+                .sum::<f64>()
+                + ops.gate_up_bias(expert, 1, col);
+            let (gate, up) = (options.clamp.gate.apply(gate), options.clamp.up.apply(up));
             out.gate_up_activations_t[((block * 2) * i + col) * b + slot] = gate;
             out.gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot] = up;
             *a = gate_activation(options.act_fn, gate).0 * up;
         }
         for j in 0..h {
-            let y: f64 = (0..i).map(|row| act[row] * ops.down(expert, row, j)).sum();
+            let y: f64 = (0..i)
+                .map(|row| act[row] * ops.down(expert, row, j))
+                .sum::<f64>()
+                + ops.down_proj_bias.map_or(0.0, |bias| bias[expert * h + j]);
             out.down_activations[(block * b + slot) * h + j] = y;
             out.output[token * h + j] += output_scale * y;
         }
@@ -172,6 +207,10 @@ pub struct BlockwiseGrads {
     pub gate_up_proj_weight_grad: Vec<f64>,
     /// `[E, I, H]`.
     pub down_proj_weight_grad: Vec<f64>,
+    /// `[E, 2, I]`.
+    pub gate_and_up_proj_bias_grad: Vec<f64>,
+    /// `[E, H]`.
+    pub down_proj_bias_grad: Vec<f64>,
 }
 
 /// Blockwise backward from the forward's checkpoints `gate_up_activations_t [N, 2, I, B]` and
@@ -190,8 +229,12 @@ pub fn blockwise_backward(
         expert_affinities_masked_grad: zeros("expert_affinities_masked_grad", &[(t + 1) * e])?,
         gate_up_proj_weight_grad: zeros("gate_up_proj_weight_grad", &[e, h, 2, i])?,
         down_proj_weight_grad: zeros("down_proj_weight_grad", &[e, i, h])?,
+        gate_and_up_proj_bias_grad: zeros("gate_and_up_proj_bias_grad", &[e, 2, i])?,
+        down_proj_bias_grad: zeros("down_proj_bias_grad", &[e, h])?,
     };
-    for (block, slot, token, expert) in ops.assignments() {
+    // Padding slots have a zero output gradient (row T of d_output is zero), so they add
+    // nothing.
+    for (block, slot, token, expert) in ops.slots(false) {
         let raw = &ops.hidden_states[token * h..(token + 1) * h];
         let d_out = &d_output[token * h..(token + 1) * h];
         let y = &down_activations[(block * b + slot) * h..(block * b + slot + 1) * h];
@@ -202,6 +245,9 @@ pub fn blockwise_backward(
         let d_affinity = &mut grads.expert_affinities_masked_grad[token * e + expert];
         if options.scaling.scales_outputs() {
             *d_affinity = d_out.iter().zip(y).map(|(d, y)| d * y).sum();
+        }
+        for (j, d) in d_out.iter().enumerate() {
+            grads.down_proj_bias_grad[expert * h + j] += output_scale * d;
         }
         let gate = |col: usize| gate_up_activations_t[((block * 2) * i + col) * b + slot];
         let up = |col: usize| gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot];
@@ -215,8 +261,22 @@ pub fn blockwise_backward(
                 grads.down_proj_weight_grad[(expert * i + row) * h + j] += act * d_y;
                 d_act += ops.down(expert, row, j) * d_y;
             }
-            let d_gate = d_act * up(row) * f_grad;
-            let d_up = d_act * f;
+            // Through the clamps (nothing passes where a value sits at a limit) to the
+            // projections and their biases.
+            let gate_pass = if options.clamp.gate.passes(gate(row)) {
+                1.0
+            } else {
+                0.0
+            };
+            let up_pass = if options.clamp.up.passes(up(row)) {
+                1.0
+            } else {
+                0.0
+            };
+            let d_gate = d_act * up(row) * f_grad * gate_pass;
+            let d_up = d_act * f * up_pass;
+            grads.gate_and_up_proj_bias_grad[(expert * 2) * i + row] += d_gate;
+            grads.gate_and_up_proj_bias_grad[(expert * 2 + 1) * i + row] += d_up;
             for j in 0..h {
                 let base = ((expert * h + j) * 2) * i + row;
                 grads.gate_up_proj_weight_grad[base] += x[j] * d_gate;

@@ -77,6 +77,8 @@ struct OwnedOperands {
     affinities: Vec<f64>,
     gate_up: Vec<f64>,
     down: Vec<f64>,
+    gate_up_bias: Option<Vec<f64>>,
+    down_bias: Option<Vec<f64>>,
 }
 
 impl OwnedOperands {
@@ -86,6 +88,8 @@ impl OwnedOperands {
             affinities: inputs.expert_affinities_masked.to_f64_vec(),
             gate_up: inputs.gate_up_proj_weight.to_f64_vec(),
             down: inputs.down_proj_weight.to_f64_vec(),
+            gate_up_bias: inputs.gate_and_up_proj_bias.map(Tensor::to_f64_vec),
+            down_bias: inputs.down_proj_bias.map(Tensor::to_f64_vec),
         }
     }
 
@@ -102,6 +106,8 @@ impl OwnedOperands {
             down_proj_weight: &self.down,
             token_position_to_id: indices(inputs.token_position_to_id),
             block_to_expert: indices(inputs.block_to_expert),
+            gate_and_up_proj_bias: self.gate_up_bias.as_deref(),
+            down_proj_bias: self.down_bias.as_deref(),
         }
     }
 }
@@ -234,6 +240,7 @@ impl Backend for ReferenceBackend {
             blockwise::ExpertOptions {
                 act_fn: params.activation_function,
                 scaling: params.expert_affinities_scaling_mode,
+                clamp: params.clamp,
             },
         )?;
         let checkpoint = call.params().checkpoint_activation;
@@ -266,8 +273,10 @@ impl Backend for ReferenceBackend {
             blockwise::ExpertOptions {
                 act_fn: call.params().activation_type,
                 scaling: call.params().expert_affinities_scaling_mode,
+                clamp: call.params().clamp,
             },
         )?;
+        let bias = call.params().bias;
         let d_topk_affinities = inputs
             .expert_index
             .map(|index| {
@@ -303,6 +312,18 @@ impl Backend for ReferenceBackend {
                 &grads.down_proj_weight_grad,
             )?,
             d_topk_affinities,
+            gate_and_up_proj_bias_grad: bias
+                .then(|| {
+                    f32_output(
+                        "gate_and_up_proj_bias_grad",
+                        &[e, 2, i],
+                        &grads.gate_and_up_proj_bias_grad,
+                    )
+                })
+                .transpose()?,
+            down_proj_bias_grad: bias
+                .then(|| f32_output("down_proj_bias_grad", &[e, h], &grads.down_proj_bias_grad))
+                .transpose()?,
         })
     }
 }

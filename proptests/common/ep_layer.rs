@@ -129,6 +129,8 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         down_proj_weight: &down,
         token_position_to_id: &plan.token_position_to_id,
         block_to_expert: &plan.block_to_expert,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
     };
     // The blockwise kernels' `[T+1, H]` output gradient: the rank's, then the padding row.
     let mut d_output = data.d_output[rank].to_f64_vec();

@@ -143,6 +143,8 @@ impl Saved {
             down_proj_weight: &self.down,
             token_position_to_id: &self.plan.token_position_to_id,
             block_to_expert: &self.plan.block_to_expert,
+            gate_and_up_proj_bias: None,
+            down_proj_bias: None,
         }
     }
 }
