@@ -575,6 +575,46 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         err.to_string().contains("router_topk, blockwise_mm"),
         "{err}"
     );
+
+    // The blockwise biases and clamps are not bound to a NEFF yet: refused before any lookup.
+    let hidden = f32_tensor(&[2, 1], &[0.5, 0.0]);
+    let masked = f32_tensor(&[4, 1], &[1.0, 0.0, 0.0, 0.0]);
+    let gate_up = f32_tensor(&[2, 1, 2, 1], &[0.1; 4]);
+    let down = f32_tensor(&[2, 1, 1], &[0.2; 2]);
+    let positions = i32_tensor(&[2], &[0, 1]);
+    let blocks = i32_tensor(&[2, 1], &[0, 1]);
+    let bias = f32_tensor(&[2, 2, 1], &[0.0; 4]);
+    let inputs = BlockwiseMmInputs {
+        hidden_states: &hidden,
+        expert_affinities_masked: &masked,
+        gate_up_proj_weight: &gate_up,
+        down_proj_weight: &down,
+        token_position_to_id: &positions,
+        block_to_expert: &blocks,
+        gate_and_up_proj_bias: Some(&bias),
+        down_proj_bias: None,
+    };
+    let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
+    let err = no_neff.blockwise_mm(&call).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("gate_and_up_proj_bias"), "{err}");
+    let clamped = BlockwiseMmParams {
+        clamp: ClampLimits {
+            gate: Clamp {
+                lower: None,
+                upper: Some(1.0),
+            },
+            ..ClampLimits::default()
+        },
+        ..BlockwiseMmParams::default()
+    };
+    let inputs = BlockwiseMmInputs {
+        gate_and_up_proj_bias: None,
+        ..inputs
+    };
+    let call = BlockwiseMm::new(inputs, clamped).unwrap();
+    let err = no_neff.blockwise_mm(&call).unwrap_err();
+    assert!(err.to_string().contains("clamp limits"), "{err}");
 }
 
 #[test]
