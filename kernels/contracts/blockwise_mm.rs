@@ -44,7 +44,7 @@
 use std::fmt;
 
 use super::{BlockPlan, SKIP, validate};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
 
 /// The forward's checkpoint outputs and the backward inputs they become, by name (nki-library
@@ -98,19 +98,12 @@ impl ActFnType {
 
     /// Parses a member name for parameter `param`.
     pub fn parse(param: &str, name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<&str> = Self::ALL.iter().map(|f| f.name()).collect();
-                Error::param(
-                    param,
-                    format!(
-                        "expected one of {} (ActFnType), got `{name}`",
-                        known.join(", ")
-                    ),
-                )
-            })
+        find_named(&Self::ALL, Self::name, name).map_err(|known| {
+            Error::param(
+                param,
+                format!("expected one of {known} (ActFnType), got `{name}`"),
+            )
+        })
     }
 }
 
@@ -158,19 +151,12 @@ impl ExpertAffinityScaleMode {
 
     /// Parses a member name for parameter `param`.
     pub fn parse(param: &str, name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|m| m.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
-                Error::param(
-                    param,
-                    format!(
-                        "expected one of {} (ExpertAffinityScaleMode), got `{name}`",
-                        known.join(", ")
-                    ),
-                )
-            })
+        find_named(&Self::ALL, Self::name, name).map_err(|known| {
+            Error::param(
+                param,
+                format!("expected one of {known} (ExpertAffinityScaleMode), got `{name}`"),
+            )
+        })
     }
 
     /// Whether the token rows are multiplied by the affinity before the gate/up projection.

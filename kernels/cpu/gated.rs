@@ -36,20 +36,8 @@ pub fn backward(act_fn: ActFnType, row: Backward<'_>) {
         swiglu::backward(row);
         return;
     }
-    let len = row.gate.len();
-    assert!(
-        [
-            row.up.len(),
-            row.d_act.len(),
-            row.act.len(),
-            row.d_gate.len(),
-            row.d_up.len()
-        ]
-        .iter()
-        .all(|&l| l == len),
-        "gated::backward: slices of different lengths"
-    );
-    for c in 0..len {
+    row.assert_equal_lengths();
+    for c in 0..row.gate.len() {
         let (g, u, da) = (row.gate[c], row.up[c], row.d_act[c]);
         let (f, f_grad) = value_and_derivative(act_fn, g);
         row.act[c] = f * u;

@@ -39,24 +39,33 @@ pub struct Backward<'a> {
     pub d_up: &'a mut [f32],
 }
 
+impl Backward<'_> {
+    /// # Panics
+    /// If the slices' lengths differ.
+    pub fn assert_equal_lengths(&self) {
+        let len = self.gate.len();
+        assert!(
+            [
+                self.up.len(),
+                self.d_act.len(),
+                self.act.len(),
+                self.d_gate.len(),
+                self.d_up.len()
+            ]
+            .iter()
+            .all(|&l| l == len),
+            "gated activation backward: slices of different lengths"
+        );
+    }
+}
+
 /// Runs [`Backward`].
 ///
 /// # Panics
 /// If the lengths differ.
 pub fn backward(row: Backward<'_>) {
+    row.assert_equal_lengths();
     let len = row.gate.len();
-    assert!(
-        [
-            row.up.len(),
-            row.d_act.len(),
-            row.act.len(),
-            row.d_gate.len(),
-            row.d_up.len()
-        ]
-        .iter()
-        .all(|&l| l == len),
-        "swiglu::backward: slices of different lengths"
-    );
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512 F is present; the slices have equal lengths (checked above).
