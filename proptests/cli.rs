@@ -759,6 +759,32 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         stdout.lines().last().unwrap().starts_with("PASS: 20 of 20"),
         "{stdout}"
     );
+    // These shapes are far below what nki-library's kernels take on Trainium2: warnings about
+    // the NEFFs, on stderr, while the check itself passes.
+    let out = moekit(&[
+        "check",
+        "--backend",
+        "neuron",
+        "--manifest",
+        manifest,
+        "--library",
+        FAKE_NRT,
+        "--kernel",
+        "blockwise_mm",
+        "--cases",
+        "1",
+    ]);
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "warning: kernel entry 2 (",
+        "blockwise.neff): `h` = 5: nki-library's blockwise_mm needs 512 ≤ H ≤ 8192",
+        "`block_size` = 2",
+        "warning: kernel entry 1 (",
+        "`h` = 5: nki-library's router_topk needs H a multiple of 128",
+    ] {
+        assert!(stderr.contains(needle), "{needle} missing:\n{stderr}");
+    }
 
     let stdout = moekit_ok(&[
         "neuron",

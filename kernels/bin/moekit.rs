@@ -21,6 +21,7 @@ use moekit::check::{self, CheckRow, Tolerance};
 use moekit::ep::{Communicator, LocalComm};
 use moekit::golden::TensorFile;
 use moekit::kernel::{Kernel, Params, catalog_markdown, catalog_table};
+use moekit::neuron::limits::broken_limits;
 use moekit::neuron::manifest::Manifest;
 use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime, Usage};
 use moekit::{Backend, BackendKind, DType, Result};
@@ -274,6 +275,17 @@ fn check(args: &CheckArgs<'_>) -> Result<bool> {
             let config = args.neuron.config();
             let manifest = Manifest::read(&config.manifest)?;
             let cases = check::manifest_cases(&manifest, kernel, args.cases, args.seed, dtype)?;
+            // Shapes nki-library's kernels would refuse on Trainium2: the host checks them
+            // anyway, so these are warnings about the NEFFs.
+            for (index, entry) in manifest.entries.iter().enumerate() {
+                for broken in broken_limits(entry) {
+                    eprintln!(
+                        "warning: kernel entry {} ({}): {broken}",
+                        index + 1,
+                        entry.neff.display()
+                    );
+                }
+            }
             (Box::new(NeuronBackend::new(config)), cases)
         }
         _ => {

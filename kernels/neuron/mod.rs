@@ -3,9 +3,11 @@
 //! - [`runtime`]: the runtime bound through bindgen and opened at run time, behind safe types.
 //! - [`backend`]: [`NeuronBackend`], the kernel contracts executed as NEFFs.
 //! - [`manifest`]: `kernels.toml`, which NEFF runs which kernel call.
+//! - [`limits`]: nki-library's hardware limits on a manifest entry's shapes.
 //! - [`status`]: `NRT_STATUS` codes by name.
 
 pub mod backend;
+pub mod limits;
 pub mod manifest;
 pub mod runtime;
 pub mod status;
