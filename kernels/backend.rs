@@ -8,9 +8,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmOutputs, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
-    PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
+    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
+    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::cpu::CpuBackend;
 use crate::error::{Error, Result, find_named};
@@ -33,6 +34,7 @@ pub trait Backend: Send + Sync {
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads>;
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs>;
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads>;
+    fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs>;
 }
 
 /// The backends this build provides.

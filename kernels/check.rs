@@ -185,6 +185,12 @@ pub fn random_cases(
                 b: draw(1, 16),
             };
             let activation = ActFnType::ALL[draw(0, ActFnType::ALL.len() - 1)];
+            // The largest divisor of E up to a drawn bound: the expert-parallel ranks.
+            let bound = draw(1, e);
+            let ranks = (1..=bound)
+                .rev()
+                .find(|&r| e.is_multiple_of(r))
+                .unwrap_or(1);
             let scaling =
                 ExpertAffinityScaleMode::ALL[draw(0, ExpertAffinityScaleMode::ALL.len() - 1)];
             let params = Params {
@@ -204,6 +210,7 @@ pub fn random_cases(
                 activation_function: Some(activation),
                 activation_type: Some(activation),
                 scaling_mode: Some(scaling),
+                expert_parallel_degree: Some(ranks),
                 ..Params::default()
             };
             CheckCase::new(

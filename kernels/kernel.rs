@@ -8,12 +8,13 @@ use std::str::FromStr;
 
 use crate::backend::Backend;
 use crate::contracts::{
-    ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
-    BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams, ClampLimits,
-    ExpertAffinityScaleMode, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs,
-    LoadBalancingLossInputs, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
-    PermuteInputs, PermuteParams, RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd,
-    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    A2avRouting, A2avRoutingInputs, A2avRoutingParams, ActFnType, BlockwiseDims, BlockwiseMm,
+    BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
+    BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode, LoadBalancingLoss,
+    LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, Permute, PermuteBwd,
+    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RouterActFnType,
+    RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
+    RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -72,6 +73,7 @@ pub enum Kernel {
     PermuteBwd,
     BlockwiseMm,
     BlockwiseMmBwd,
+    A2avRouting,
 }
 
 impl Kernel {
@@ -85,6 +87,7 @@ impl Kernel {
         Kernel::PermuteBwd,
         Kernel::BlockwiseMm,
         Kernel::BlockwiseMmBwd,
+        Kernel::A2avRouting,
     ];
 
     pub fn name(self) -> &'static str {
@@ -102,6 +105,7 @@ impl Kernel {
             Kernel::PermuteBwd => &PERMUTE_BWD,
             Kernel::BlockwiseMm => &BLOCKWISE_MM,
             Kernel::BlockwiseMmBwd => &BLOCKWISE_MM_BWD,
+            Kernel::A2avRouting => &A2AV_ROUTING,
         }
     }
 
@@ -267,6 +271,23 @@ impl Kernel {
                 named.extend(out.down_proj_bias_grad.map(|t| ("down_proj_bias_grad", t)));
                 named
             }
+            Kernel::A2avRouting => {
+                let inputs = A2avRoutingInputs {
+                    expert_index: required("expert_index")?,
+                };
+                let params = A2avRoutingParams {
+                    num_experts: required_param(Param::NumExperts, params.num_experts)?,
+                    expert_parallel_degree: required_param(
+                        Param::ExpertParallelDegree,
+                        params.expert_parallel_degree,
+                    )?,
+                };
+                let out = backend.a2av_routing(&A2avRouting::new(inputs, params)?)?;
+                vec![
+                    ("send_indices", out.send_indices),
+                    ("send_counts", out.send_counts),
+                ]
+            }
         };
         Ok(outputs)
     }
@@ -340,6 +361,7 @@ pub enum Param {
     LinearClampLowerLimit,
     LinearClampUpperLimit,
     Bias,
+    ExpertParallelDegree,
 }
 
 impl Param {
@@ -365,6 +387,7 @@ impl Param {
         Param::LinearClampLowerLimit,
         Param::LinearClampUpperLimit,
         Param::Bias,
+        Param::ExpertParallelDegree,
     ];
 
     pub fn name(self) -> &'static str {
@@ -390,13 +413,18 @@ impl Param {
             Param::LinearClampLowerLimit => "linear_clamp_lower_limit",
             Param::LinearClampUpperLimit => "linear_clamp_upper_limit",
             Param::Bias => "bias",
+            Param::ExpertParallelDegree => "expert_parallel_degree",
         }
     }
 
     /// Accepted values, for `moekit list`.
     pub fn values(self) -> &'static str {
         match self {
-            Param::K | Param::NumExperts | Param::BlockSize | Param::NBlockPerIter => "integer",
+            Param::K
+            | Param::NumExperts
+            | Param::BlockSize
+            | Param::NBlockPerIter
+            | Param::ExpertParallelDegree => "integer",
             Param::ActFn => "SOFTMAX|SIGMOID",
             Param::XHbmLayout => "0 [H,T]|1 [T,H]",
             Param::ActivationFunction | Param::ActivationType => {
@@ -440,6 +468,7 @@ pub struct Params {
     pub clamp: ClampLimits,
     /// The backward's `bias`.
     pub bias: Option<bool>,
+    pub expert_parallel_degree: Option<usize>,
 }
 
 /// A parameter the kernel cannot run without.
@@ -554,6 +583,9 @@ impl Params {
                 self.clamp.up.upper = Some(parse_limit(param, value)?)
             }
             Param::Bias => self.bias = Some(parse_bool(param, value)?),
+            Param::ExpertParallelDegree => {
+                self.expert_parallel_degree = Some(parse_count(param, value)?)
+            }
         }
         Ok(())
     }
@@ -841,6 +873,20 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         (Param::NonLinearClampUpperLimit, Some("none")),
         (Param::LinearClampLowerLimit, Some("none")),
         (Param::LinearClampUpperLimit, Some("none")),
+    ],
+};
+
+const A2AV_ROUTING: KernelSpec = KernelSpec {
+    name: "a2av_routing",
+    summary: "moekit's own: nki-library's expert-parallel routing table (permute_a2av, unpermute_a2av): column d of send_indices the tokens sent to rank d, ascending, T when empty",
+    inputs: &[tensor("expert_index", "[T, K]", "i32")],
+    outputs: &[
+        tensor("send_indices", "[T, EP]", "i32"),
+        tensor("send_counts", "[1, EP]", "i32"),
+    ],
+    params: &[
+        (Param::NumExperts, None),
+        (Param::ExpertParallelDegree, None),
     ],
 };
 

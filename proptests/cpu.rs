@@ -100,6 +100,11 @@ fn layer(s: Shape, seed: u64) -> Layer {
         .set("norm_topk_prob", &s.norm_topk_prob.to_string())
         .unwrap();
     params.set("num_experts", &e.to_string()).unwrap();
+    // The largest divisor of E up to 4: the expert-parallel ranks of `a2av_routing`.
+    let ranks = (1..=4).rev().find(|r| e % r == 0).unwrap_or(1);
+    params
+        .set("expert_parallel_degree", &ranks.to_string())
+        .unwrap();
     params.set("block_size", &b.to_string()).unwrap();
     params.set("checkpoint_activation", "true").unwrap();
     for name in ["activation_function", "activation_type"] {

@@ -10,6 +10,8 @@
 //!   affinity gradients per rank, the router gradient summed over ranks, each rank's expert
 //!   gradients. Tolerance 1e-5 relative to the largest entry on the reference backend (the EP
 //!   path adds the ranks' partial outputs in f32), 1e-4 on cpu; runs are bit-identical.
+//! - `a2av_routing` builds nki-library's routing table (each token once in the column of every
+//!   rank holding one of its experts, ascending, T when empty) on both backends.
 
 mod common;
 
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 use common::ep_layer::{EpCase, EpData, ep_data, run_rank, single_rank};
 use common::rows_exchange::RowsCase;
 use common::*;
+use moekit::contracts::{A2avRouting, A2avRoutingInputs, A2avRoutingParams};
 use moekit::ep::{
     Communicator, DispatchParams, Dispatched, EpGrads, LocalComm, RowsToSend, agree,
     all_to_all_v_values, combine, combine_bwd, dispatch, dispatch_bwd,
@@ -690,5 +693,85 @@ fn ranks_started_with_different_sizes_are_detected() {
             message.contains("E = 3 experts cannot be sharded evenly over R = 2 ranks"),
             "{message}"
         );
+    }
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    #[test]
+    fn a2av_routing_lists_each_token_once_per_rank_holding_one_of_its_experts(
+        (t, ranks, local) in (1usize..40, 1usize..6, 1usize..5),
+        k in 1usize..5,
+        routing in routing(),
+        seed in any::<u64>(),
+        skips in any::<bool>(),
+    ) {
+        let e = ranks * local;
+        let k = k.min(e);
+        let mut rng = SeededRng::new(seed);
+        let mut index = expert_index(&mut rng, routing, t, e, k);
+        if skips {
+            let mut affinities = vec![0.5; t * k];
+            skip_slots(&mut rng, &mut index, &mut affinities);
+        }
+        let index_tensor = i32_tensor(&[t, k], &index);
+        let call = A2avRouting::new(
+            A2avRoutingInputs { expert_index: &index_tensor },
+            A2avRoutingParams { num_experts: e, expert_parallel_degree: ranks },
+        )
+        .unwrap();
+        let reference = BackendKind::Reference.create().a2av_routing(&call).unwrap();
+        let cpu = BackendKind::Cpu.create().a2av_routing(&call).unwrap();
+        prop_assert_eq!(&cpu, &reference);
+        prop_assert_eq!(reference.send_indices.shape(), &[t, ranks]);
+        prop_assert_eq!(reference.send_counts.shape(), &[1, ranks]);
+        let table = reference.send_indices.as_i32().unwrap();
+        let counts = reference.send_counts.as_i32().unwrap();
+        for rank in 0..ranks {
+            // The oracle: the tokens with an expert in [rank·E/EP, (rank+1)·E/EP), ascending.
+            let owns = |id: i32| id >= 0 && (id as usize) / local == rank;
+            let expected: Vec<i32> = (0..t)
+                .filter(|&tok| index[tok * k..(tok + 1) * k].iter().any(|&id| owns(id)))
+                .map(|tok| tok as i32)
+                .collect();
+            let column: Vec<i32> = (0..t).map(|row| table[row * ranks + rank]).collect();
+            prop_assert_eq!(counts[rank] as usize, expected.len());
+            prop_assert_eq!(&column[..expected.len()], &expected[..]);
+            prop_assert!(column[expected.len()..].iter().all(|&id| id as usize == t));
+        }
+    }
+}
+
+#[test]
+fn a2av_routing_refuses_ranks_that_do_not_divide_the_experts() {
+    let index = i32_tensor(&[2, 1], &[0, 5]);
+    let run = |num_experts, expert_parallel_degree| {
+        A2avRouting::new(
+            A2avRoutingInputs {
+                expert_index: &index,
+            },
+            A2avRoutingParams {
+                num_experts,
+                expert_parallel_degree,
+            },
+        )
+        .map(|_| ())
+    };
+    run(6, 3).unwrap();
+    for (e, r, needles) in [
+        (
+            6,
+            4,
+            &["expert_parallel_degree", "divide num_experts = 6", "got 4"][..],
+        ),
+        (6, 0, &["expert_parallel_degree", "got 0"][..]),
+        (0, 1, &["num_experts", "at least 1"][..]),
+        (4, 2, &["expert_index", "expert id 5", "[0, 4)"][..]),
+    ] {
+        let message = run(e, r).unwrap_err().to_string();
+        for needle in needles {
+            assert!(message.contains(needle), "`{message}` lacks `{needle}`");
+        }
     }
 }

@@ -491,6 +491,19 @@ impl Layer {
         blockwise_call(&self.inputs, &self.plan)
     }
 
+    /// The routing table of this layer's routing over `ranks` expert-parallel ranks.
+    pub fn a2av_routing(&self, ranks: usize) -> Result<A2avRouting<'_>> {
+        A2avRouting::new(
+            A2avRoutingInputs {
+                expert_index: &self.routed.expert_index,
+            },
+            A2avRoutingParams {
+                num_experts: self.inputs.shape.e,
+                expert_parallel_degree: ranks,
+            },
+        )
+    }
+
     pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {
         let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
         BlockwiseMmBwd::new(
@@ -621,6 +634,18 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
         let layer_ms: f64 = rows.iter().map(|r| r.ms).sum();
         let layer_flop = expert_flop * 3.0 + 6.0 * tf * hf * ef;
         rows.push(row(LAYER_ROW, layer_ms, gflops(layer_flop, layer_ms)));
+    }
+    // The routing table an expert-parallel layer would exchange with (not part of the
+    // single-rank layer above), at the most ranks up to 8 that divide E.
+    if timed("a2av_routing") {
+        let ranks = [8, 4, 2, 1]
+            .into_iter()
+            .find(|r| e.is_multiple_of(*r))
+            .unwrap_or(1);
+        let call = layer.a2av_routing(ranks)?;
+        let ms = time(min, || backend.a2av_routing(&call))?;
+        let bytes = tf * (kf + ranks as f64) * 4.0;
+        rows.push(row("a2av_routing", ms, gbps(bytes, ms)));
     }
     rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })

@@ -3,6 +3,7 @@
 //! (`RouterTopk`, `Permute`, …) that only exists once every input has been checked, and an
 //! outputs struct. Backends receive validated calls only.
 
+pub mod a2av_routing;
 pub mod blockwise_mm;
 pub mod load_balancing_loss;
 pub mod permute;
@@ -10,6 +11,7 @@ pub mod plan;
 pub mod router_topk;
 pub(crate) mod validate;
 
+pub use a2av_routing::*;
 pub use blockwise_mm::*;
 pub use load_balancing_loss::*;
 pub use permute::*;

@@ -4,6 +4,7 @@
 //! order fixed by the shapes and the plan alone, so outputs are bit-identical whatever the
 //! number of threads.
 
+mod a2av_routing;
 mod alloc;
 mod bf16_matmul;
 mod blockwise;
@@ -32,10 +33,10 @@ mod test_values {
 
 use crate::backend::{Backend, BackendKind};
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmOutputs, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
-    PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
-    validate,
+    A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
+    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
+    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, validate,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -123,5 +124,9 @@ impl Backend for CpuBackend {
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         blockwise::backward(call)
+    }
+
+    fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
+        a2av_routing::forward(call)
     }
 }

@@ -31,10 +31,10 @@ use super::manifest::{Manifest, Value, supported_kernels};
 use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, Usage};
 use crate::backend::Backend;
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs,
-    ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
+    BlockwiseMmInputs, BlockwiseMmOutputs, ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd,
+    LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads,
+    PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::{Error, Result};
 use crate::kernel::Kernel;
@@ -706,6 +706,10 @@ impl Backend for NeuronBackend {
 
     fn permute(&self, _call: &Permute<'_>) -> Result<PermuteOutputs> {
         Err(unsupported(Kernel::Permute))
+    }
+
+    fn a2av_routing(&self, _call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
+        Err(unsupported(Kernel::A2avRouting))
     }
 
     fn permute_bwd(&self, _call: &PermuteBwd<'_>) -> Result<PermuteGrads> {

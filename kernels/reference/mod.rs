@@ -17,13 +17,14 @@ pub mod router;
 
 use crate::backend::{Backend, BackendKind};
 use crate::contracts::{
-    BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
-    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs,
-    RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
+    BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd,
+    LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteDims,
+    PermuteGrads, PermuteOutputs, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads,
+    RouterTopkOutputs, SKIP,
 };
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, try_filled};
 use blockwise::BlockwiseOperands;
 
 /// The oracle backend. Stateless.
@@ -258,6 +259,32 @@ impl Backend for ReferenceBackend {
             down_activations: checkpoint
                 .then(|| f32_output("down_activations", &[n, b, h], &fwd.down_activations))
                 .transpose()?,
+        })
+    }
+
+    fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
+        let dims = call.dims();
+        let (t, k, ranks) = (dims.t, dims.k, dims.ranks);
+        let ids = indices(call.inputs().expert_index);
+        // Rank by rank, the tokens with an expert there, ascending.
+        let mut send_indices = try_filled("output `send_indices`", &[t, ranks], t as i32)?;
+        let mut send_counts = Vec::with_capacity(ranks);
+        for rank in 0..ranks {
+            let tokens = (0..t).filter(|&token| {
+                ids[token * k..(token + 1) * k]
+                    .iter()
+                    .any(|&id| id != SKIP && dims.rank_of(id as usize) == rank)
+            });
+            let mut count = 0;
+            for (row, token) in tokens.enumerate() {
+                send_indices[row * ranks + rank] = token as i32;
+                count += 1;
+            }
+            send_counts.push(count);
+        }
+        Ok(A2avRoutingOutputs {
+            send_indices: Tensor::from_i32([t, ranks], send_indices)?,
+            send_counts: i32_output("send_counts", &[1, ranks], send_counts)?,
         })
     }
 
