@@ -539,11 +539,17 @@ fn run_forward(
     };
     let clamp = call.params().clamp;
     let scaling = call.params().expert_affinities_scaling_mode;
+    // The run's own affinities only (widening the whole tensor per run would cost more than
+    // the run's rows). Exact: f32 and bf16 values embed in f64.
     let row_scales: Option<Vec<f32>> = scaling.scales_rows().then(|| {
-        let affinities = inputs.expert_affinities_masked.f32_values();
+        let affinities = inputs.expert_affinities_masked;
         run.tokens
             .iter()
-            .map(|&token| affinities[token * dims.e + expert])
+            .map(|&token| {
+                affinities
+                    .get_f64(token * dims.e + expert)
+                    .map_or(0.0, |a| a as f32)
+            })
             .collect()
     });
     gate_up_product(
