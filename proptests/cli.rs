@@ -75,6 +75,22 @@ fn moekit_ok(args: &[&str]) -> String {
     stdout
 }
 
+/// The arguments of `moekit check` on the neuron backend (the fake runtime) over `manifest`,
+/// then `extra`.
+fn check_args<'a>(manifest: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "check",
+        "--backend",
+        "neuron",
+        "--manifest",
+        manifest,
+        "--library",
+        FAKE_NRT,
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 fn run_err(args: &[&str], needles: &[&str]) {
     let out = moekit(args);
     assert!(!out.status.success(), "moekit {args:?} should fail");
@@ -732,17 +748,7 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     )
     .unwrap();
     let manifest = manifest.to_str().unwrap();
-    let stdout = moekit_ok(&[
-        "check",
-        "--backend",
-        "neuron",
-        "--manifest",
-        manifest,
-        "--library",
-        FAKE_NRT,
-        "--cases",
-        "2",
-    ]);
+    let stdout = moekit_ok(&check_args(manifest, &["--cases", "2"]));
     assert!(stdout.starts_with("neuron vs reference"), "{stdout}");
     for needle in [
         "router_topk",
@@ -761,19 +767,10 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     );
     // These shapes are far below what nki-library's kernels take on Trainium2: warnings about
     // the NEFFs, on stderr, while the check itself passes.
-    let out = moekit(&[
-        "check",
-        "--backend",
-        "neuron",
-        "--manifest",
+    let out = moekit(&check_args(
         manifest,
-        "--library",
-        FAKE_NRT,
-        "--kernel",
-        "blockwise_mm",
-        "--cases",
-        "1",
-    ]);
+        &["--kernel", "blockwise_mm", "--cases", "1"],
+    ));
     assert!(out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     for needle in [
@@ -835,17 +832,10 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
     )
     .unwrap();
     run_err(
-        &[
-            "check",
-            "--backend",
-            "neuron",
-            "--manifest",
+        &check_args(
             blockwise_only.to_str().unwrap(),
-            "--library",
-            FAKE_NRT,
-            "--kernel",
-            "router_topk",
-        ],
+            &["--kernel", "router_topk"],
+        ),
         &["blockwise_only.toml", "no kernel entry runs `router_topk`"],
     );
 
@@ -855,17 +845,7 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
         router.replace("input x f32", "input x bf16"),
     )
     .unwrap();
-    let out = moekit(&[
-        "check",
-        "--backend",
-        "neuron",
-        "--manifest",
-        manifest,
-        "--library",
-        FAKE_NRT,
-        "--kernel",
-        "router_topk",
-    ]);
+    let out = moekit(&check_args(manifest, &["--kernel", "router_topk"]));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
