@@ -6,6 +6,9 @@
 //! backend the layer sizes are random (seeded); for `neuron` they are those of each manifest
 //! entry, since a NEFF runs one shape only.
 //!
+//! Every kernel runs with `output_dtype=float32` on both sides, so bf16 inputs are compared at
+//! the precision the backends compute in, not after rounding into bf16.
+//!
 //! An element passes when `|got − want| ≤ atol · max(1, max |want|) + rtol · |want|` (i32
 //! outputs, indices and counts, only when equal). The default tolerances are the backends' documented error bounds:
 //! [`Tolerance::CPU`] and [`Tolerance::NEURON`].
@@ -16,7 +19,7 @@ use std::fmt::Write as _;
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{Layer, LayerInputs, MoeShape};
 use crate::contracts::{
-    ActFnType, CHECKPOINT_NAMES, ExpertAffinityScaleMode, RouterActFnType, XHbmLayout,
+    ActFnType, CHECKPOINT_NAMES, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout,
     static_block_count,
 };
 use crate::error::{Error, Result};
@@ -102,7 +105,11 @@ impl CheckCase {
             label: format!("t={t} h={h} e={e} k={k} i={i} b={b} {dtype}"),
             kernels,
             tensors: layer_tensors(layer),
-            params,
+            // Compared at the precision the backends compute in, whatever the inputs' dtype.
+            params: Params {
+                output_dtype: Some(OutputDType::Float32),
+                ..params
+            },
         })
     }
 }

@@ -11,10 +11,10 @@ use crate::contracts::{
     A2avRouting, A2avRoutingInputs, A2avRoutingParams, ActFnType, BlockwiseDims, BlockwiseMm,
     BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
     BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, Permute, PermuteBwd,
-    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RouterActFnType,
-    RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
-    RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, OutputDType,
+    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
+    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -119,6 +119,7 @@ impl Kernel {
     ) -> Result<Vec<(&'static str, Tensor)>> {
         // nki-library's blockwise kernels take B as a parameter; moekit reads it off the plan.
         let block_size = params.block_size;
+        let output_dtype = params.output_dtype.unwrap_or_default();
         let required = |name: &str| {
             tensors
                 .get(name)
@@ -137,7 +138,9 @@ impl Kernel {
                     k: required_param(Param::K, params.k)?,
                     pipeline: params.router_pipeline(),
                 };
-                let out = backend.router_topk(&RouterTopk::new(inputs, params)?)?;
+                let out = backend.router_topk(
+                    &RouterTopk::new(inputs, params)?.with_output_dtype(output_dtype),
+                )?;
                 vec![
                     ("router_logits", out.router_logits),
                     ("expert_index", out.expert_index),
@@ -157,7 +160,9 @@ impl Kernel {
                 let params = RouterTopkBwdParams {
                     pipeline: params.router_pipeline(),
                 };
-                let out = backend.router_topk_bwd(&RouterTopkBwd::new(inputs, params)?)?;
+                let out = backend.router_topk_bwd(
+                    &RouterTopkBwd::new(inputs, params)?.with_output_dtype(output_dtype),
+                )?;
                 vec![
                     ("d_x", out.d_x),
                     ("d_w", out.d_w),
@@ -181,7 +186,9 @@ impl Kernel {
                     expert_index: required("expert_index")?,
                     d_aux_loss: required("d_aux_loss")?,
                 };
-                let out = backend.load_balancing_loss_bwd(&LoadBalancingLossBwd::new(inputs)?)?;
+                let out = backend.load_balancing_loss_bwd(
+                    &LoadBalancingLossBwd::new(inputs)?.with_output_dtype(output_dtype),
+                )?;
                 vec![("d_router_logits", out.d_router_logits)]
             }
             Kernel::Permute => {
@@ -194,7 +201,8 @@ impl Kernel {
                     block_size: required_param(Param::BlockSize, params.block_size)?,
                     n_block_per_iter: params.n_block_per_iter.unwrap_or(1),
                 };
-                let out = backend.permute(&Permute::new(inputs, params)?)?;
+                let out = backend
+                    .permute(&Permute::new(inputs, params)?.with_output_dtype(output_dtype))?;
                 vec![
                     ("expert_counts", out.expert_counts),
                     ("token_position_to_id", out.token_position_to_id),
@@ -211,7 +219,9 @@ impl Kernel {
                 let params = PermuteBwdParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
                 };
-                let out = backend.permute_bwd(&PermuteBwd::new(inputs, params)?)?;
+                let out = backend.permute_bwd(
+                    &PermuteBwd::new(inputs, params)?.with_output_dtype(output_dtype),
+                )?;
                 vec![("d_topk_affinities", out.d_topk_affinities)]
             }
             Kernel::BlockwiseMm => {
@@ -226,7 +236,7 @@ impl Kernel {
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                     clamp: params.clamp,
                 };
-                let call = BlockwiseMm::new(inputs, params)?;
+                let call = BlockwiseMm::new(inputs, params)?.with_output_dtype(output_dtype);
                 check_block_size(block_size, call.dims())?;
                 let out = backend.blockwise_mm(&call)?;
                 let mut named = vec![("output", out.output)];
@@ -251,7 +261,7 @@ impl Kernel {
                     clamp: params.clamp,
                     bias: params.bias.unwrap_or(false),
                 };
-                let call = BlockwiseMmBwd::new(inputs, params)?;
+                let call = BlockwiseMmBwd::new(inputs, params)?.with_output_dtype(output_dtype);
                 check_block_size(block_size, call.dims())?;
                 let out = backend.blockwise_mm_bwd(&call)?;
                 let mut named = vec![
@@ -362,6 +372,7 @@ pub enum Param {
     LinearClampUpperLimit,
     Bias,
     ExpertParallelDegree,
+    OutputDType,
 }
 
 impl Param {
@@ -388,6 +399,7 @@ impl Param {
         Param::LinearClampUpperLimit,
         Param::Bias,
         Param::ExpertParallelDegree,
+        Param::OutputDType,
     ];
 
     pub fn name(self) -> &'static str {
@@ -414,6 +426,7 @@ impl Param {
             Param::LinearClampUpperLimit => "linear_clamp_upper_limit",
             Param::Bias => "bias",
             Param::ExpertParallelDegree => "expert_parallel_degree",
+            Param::OutputDType => OutputDType::PARAM,
         }
     }
 
@@ -440,6 +453,7 @@ impl Param {
             | Param::LinearClampLowerLimit
             | Param::LinearClampUpperLimit => "number",
             Param::Bias => "true|false",
+            Param::OutputDType => "input|float32",
             Param::RouterPreNorm | Param::NormTopkProb | Param::CheckpointActivation => {
                 "true|false"
             }
@@ -469,6 +483,8 @@ pub struct Params {
     /// The backward's `bias`.
     pub bias: Option<bool>,
     pub expert_parallel_degree: Option<usize>,
+    /// moekit's own `output_dtype`.
+    pub output_dtype: Option<OutputDType>,
 }
 
 /// A parameter the kernel cannot run without.
@@ -508,9 +524,10 @@ fn parse_bool(param: Param, value: &str) -> Result<bool> {
     }
 }
 
-/// nki-library `router_topk` parameters that only choose its on-chip schedule or SBUF layout
-/// (or, for `return_eager_affi`, an output moekit always returns): accepted with any value so
-/// the same call works on both sides, and without effect on moekit's results.
+/// nki-library parameters of `router_topk` and the blockwise kernels that only choose the
+/// on-chip schedule, the SBUF layout or the internal precision (or, for `return_eager_affi`, an
+/// output moekit always returns): accepted with any value so the same call works on both sides,
+/// and without effect on moekit's results.
 pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     // router_topk
     "x_sb_layout",
@@ -521,8 +538,10 @@ pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     "shard_on_tokens",
     "skip_store_expert_index",
     "skip_store_router_logits",
-    // blockwise_mm and blockwise_mm_bwd (moekit computes in f32 whatever `compute_dtype`)
+    // blockwise_mm and blockwise_mm_bwd (moekit computes and accumulates in f32 whatever
+    // `compute_dtype` and `accumulation_dtype` say)
     "compute_dtype",
+    "accumulation_dtype",
     "block_sharding_strategy",
     "shard_option",
     "block_tile_size",
@@ -586,6 +605,7 @@ impl Params {
             Param::ExpertParallelDegree => {
                 self.expert_parallel_degree = Some(parse_count(param, value)?)
             }
+            Param::OutputDType => self.output_dtype = Some(value.trim().parse()?),
         }
         Ok(())
     }
@@ -640,14 +660,16 @@ pub fn catalog_table() -> String {
     }
     let _ = writeln!(
         out,
-        "router_topk also accepts, without effect on the results: {}.",
+        "nki-library parameters accepted without effect on the results: {}.",
         SCHEDULE_ONLY_PARAMS.join(", ")
     );
     out.push_str(
         "[(T+1)·E, 1] tensors are also accepted as [(T+1)·E], and block_to_expert [N, 1] as [N].\n\
          token_position_to_id holds T (the zero row of hidden_states) in padding slots.\n\
-         Reference error bound: every value is computed in f64 and rounded once to f32 \
-         (indices and counts are exact).\n",
+         Float outputs `like x` take input x's dtype (nki-library's), or f32 with \
+         output_dtype=float32 (moekit's own).\n\
+         Reference error bound: every value is computed in f64 and rounded once to f32, then to \
+         bf16 for a bf16 output (indices and counts are exact).\n",
     );
     out
 }
@@ -705,10 +727,10 @@ const ROUTER_TOPK: KernelSpec = KernelSpec {
         optional("selection_bias", "[E]", FLOAT),
     ],
     outputs: &[
-        tensor("router_logits", "[T, E]", "f32"),
+        tensor("router_logits", "[T, E]", "like x"),
         tensor("expert_index", "[T, K]", "i32"),
-        tensor("topk_affinities", "[T, K]", "f32"),
-        tensor("expert_affinities", "[T, E]", "f32"),
+        tensor("topk_affinities", "[T, K]", "like x"),
+        tensor("expert_affinities", "[T, E]", "like x"),
     ],
     params: &[
         (Param::K, None),
@@ -716,6 +738,7 @@ const ROUTER_TOPK: KernelSpec = KernelSpec {
         (Param::RouterPreNorm, Some("true")),
         (Param::NormTopkProb, Some("false")),
         (Param::XHbmLayout, Some("1")),
+        (Param::OutputDType, Some("input")),
     ],
 };
 
@@ -731,15 +754,16 @@ const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
         optional("d_router_logits", "[T, E]", FLOAT),
     ],
     outputs: &[
-        tensor("d_x", "[T, H]|[H, T]", "f32"),
-        tensor("d_w", "[H, E]", "f32"),
-        tensor("d_w_bias", "[E]", "f32"),
+        tensor("d_x", "[T, H]|[H, T]", "like x"),
+        tensor("d_w", "[H, E]", "like w"),
+        tensor("d_w_bias", "[E]", "like w"),
     ],
     params: &[
         (Param::ActFn, Some("SOFTMAX")),
         (Param::RouterPreNorm, Some("true")),
         (Param::NormTopkProb, Some("false")),
         (Param::XHbmLayout, Some("1")),
+        (Param::OutputDType, Some("input")),
     ],
 };
 
@@ -765,8 +789,8 @@ const LOAD_BALANCING_LOSS_BWD: KernelSpec = KernelSpec {
         tensor("expert_index", "[L, T, K]", "i32"),
         tensor("d_aux_loss", "[1]", FLOAT),
     ],
-    outputs: &[tensor("d_router_logits", "[L, T, E]", "f32")],
-    params: &[],
+    outputs: &[tensor("d_router_logits", "[L, T, E]", "like router_logits")],
+    params: &[(Param::OutputDType, Some("input"))],
 };
 
 const PERMUTE: KernelSpec = KernelSpec {
@@ -780,13 +804,18 @@ const PERMUTE: KernelSpec = KernelSpec {
         tensor("expert_counts", "[E]", "i32"),
         tensor("token_position_to_id", "[N·B]", "i32"),
         tensor("block_to_expert", "[N, 1]", "i32"),
-        tensor("expert_affinities_masked", "[(T+1)·E, 1]", "f32"),
+        tensor(
+            "expert_affinities_masked",
+            "[(T+1)·E, 1]",
+            "like topk_affinities",
+        ),
         tensor("num_used_blocks", "[1]", "i32"),
     ],
     params: &[
         (Param::NumExperts, None),
         (Param::BlockSize, None),
         (Param::NBlockPerIter, Some("1")),
+        (Param::OutputDType, Some("input")),
     ],
 };
 
@@ -797,8 +826,15 @@ const PERMUTE_BWD: KernelSpec = KernelSpec {
         tensor("expert_index", "[T, K]", "i32"),
         tensor("expert_affinities_masked_grad", "[(T+1)·E, 1]", FLOAT),
     ],
-    outputs: &[tensor("d_topk_affinities", "[T, K]", "f32")],
-    params: &[(Param::NumExperts, None)],
+    outputs: &[tensor(
+        "d_topk_affinities",
+        "[T, K]",
+        "like expert_affinities_masked_grad",
+    )],
+    params: &[
+        (Param::NumExperts, None),
+        (Param::OutputDType, Some("input")),
+    ],
 };
 
 const BLOCKWISE_INPUTS: [TensorSpec; 6] = [
@@ -824,9 +860,13 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         optional("down_proj_bias", "[E, H]", FLOAT),
     ],
     outputs: &[
-        tensor("output", "[T+1, H]", "f32"),
-        optional("gate_up_activations_T", "[N, 2, I, B]", "f32"),
-        optional("down_activations", "[N, B, H]", "f32"),
+        tensor("output", "[T+1, H]", "like hidden_states"),
+        optional(
+            "gate_up_activations_T",
+            "[N, 2, I, B]",
+            "like gate_up_proj_weight",
+        ),
+        optional("down_activations", "[N, B, H]", "like down_proj_weight"),
     ],
     params: &[
         (Param::BlockSize, Some("the plan's B")),
@@ -837,6 +877,7 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         (Param::GateClampUpperLimit, Some("none")),
         (Param::UpClampLowerLimit, Some("none")),
         (Param::UpClampUpperLimit, Some("none")),
+        (Param::OutputDType, Some("input")),
     ],
 };
 
@@ -856,13 +897,33 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         optional("expert_index", "[T, K]", "i32"),
     ],
     outputs: &[
-        tensor("hidden_states_grad", "[T+1, H]", "f32"),
-        tensor("expert_affinities_masked_grad", "[(T+1)·E, 1]", "f32"),
-        tensor("gate_up_proj_weight_grad", "[E, H, 2, I]", "f32"),
-        tensor("down_proj_weight_grad", "[E, I, H]", "f32"),
-        optional("d_topk_affinities", "[T, K]", "f32"),
-        optional("gate_and_up_proj_bias_grad", "[E, 2, I]", "f32"),
-        optional("down_proj_bias_grad", "[E, H]", "f32"),
+        tensor("hidden_states_grad", "[T+1, H]", "like hidden_states"),
+        tensor(
+            "expert_affinities_masked_grad",
+            "[(T+1)·E, 1]",
+            "like expert_affinities_masked",
+        ),
+        tensor(
+            "gate_up_proj_weight_grad",
+            "[E, H, 2, I]",
+            "like gate_up_proj_weight",
+        ),
+        tensor(
+            "down_proj_weight_grad",
+            "[E, I, H]",
+            "like down_proj_weight",
+        ),
+        optional(
+            "d_topk_affinities",
+            "[T, K]",
+            "like expert_affinities_masked",
+        ),
+        optional(
+            "gate_and_up_proj_bias_grad",
+            "[E, 2, I]",
+            "like gate_up_proj_weight",
+        ),
+        optional("down_proj_bias_grad", "[E, H]", "like down_proj_weight"),
     ],
     params: &[
         (Param::BlockSize, Some("the plan's B")),
@@ -873,6 +934,7 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         (Param::NonLinearClampUpperLimit, Some("none")),
         (Param::LinearClampLowerLimit, Some("none")),
         (Param::LinearClampUpperLimit, Some("none")),
+        (Param::OutputDType, Some("input")),
     ],
 };
 

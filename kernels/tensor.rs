@@ -2,7 +2,8 @@
 //! ([`Buffer`]).
 //!
 //! Kernels read floating-point inputs as f32 or bf16 (`half::bf16`) and indices as i32; they
-//! write values as f32 and indices/counts as i32.
+//! write values as f32 or bf16 (see [`crate::contracts::OutputDType`]) and indices/counts as
+//! i32.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -207,6 +208,37 @@ impl Tensor {
             shape: self.shape.clone(),
             storage,
         }
+    }
+
+    /// The same values in float dtype `dtype` (f32 or bf16), for output `name`: moved unchanged
+    /// when already in it, widened exactly from bf16, rounded to nearest even from f32. An f32
+    /// value beyond bf16's range is an error naming the output and the position, not an
+    /// infinity. Index tensors are returned unchanged.
+    pub fn into_float_dtype(self, name: &str, dtype: DType) -> Result<Tensor> {
+        let storage = match (self.storage, dtype) {
+            (Storage::F32(v), DType::BF16) => {
+                let rounded: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+                if let Some(index) = rounded.iter().position(|x| x.is_infinite()) {
+                    return Err(Error::invalid(
+                        name,
+                        format!(
+                            "result {} at {} does not fit in bf16",
+                            v[index],
+                            crate::contracts::validate::position(&self.shape, index)
+                        ),
+                    ));
+                }
+                Storage::BF16(rounded.into())
+            }
+            (Storage::BF16(v), DType::F32) => {
+                Storage::F32(v.iter().map(|x| x.to_f32()).collect::<Vec<_>>().into())
+            }
+            (storage, _) => storage,
+        };
+        Ok(Tensor {
+            shape: self.shape,
+            storage,
+        })
     }
 
     /// The first `rows` rows of tensor `name` (rank ≥ 1), without copying: e.g. the `[T, H]`

@@ -13,7 +13,7 @@ use common::*;
 use moekit::contracts::{
     ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
     BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams, Clamp,
-    ClampLimits, ExpertAffinityScaleMode, Permute, PermuteInputs, PermuteParams,
+    ClampLimits, ExpertAffinityScaleMode, OutputDType, Permute, PermuteInputs, PermuteParams,
 };
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
@@ -246,8 +246,18 @@ impl Tensors {
         BlockwiseMm::new(self.inputs(), BlockwiseMmParams::default()).map(|_| ())
     }
 
+    /// The forward's outputs, all f32 (`output_dtype=float32`), for comparing with f64
+    /// oracles.
     fn forward(&self, checkpoint_activation: bool) -> moekit::Result<BlockwiseMmOutputs> {
-        ReferenceBackend.blockwise_mm(&BlockwiseMm::new(
+        self.forward_as(checkpoint_activation, OutputDType::Float32)
+    }
+
+    fn forward_as(
+        &self,
+        checkpoint_activation: bool,
+        output_dtype: OutputDType,
+    ) -> moekit::Result<BlockwiseMmOutputs> {
+        let call = BlockwiseMm::new(
             self.inputs(),
             BlockwiseMmParams {
                 checkpoint_activation,
@@ -255,7 +265,8 @@ impl Tensors {
                 expert_affinities_scaling_mode: self.scaling,
                 clamp: self.clamp,
             },
-        )?)
+        )?;
+        ReferenceBackend.blockwise_mm(&call.with_output_dtype(output_dtype))
     }
 }
 
@@ -423,7 +434,26 @@ fn check_forward(c: &Case) -> Result<(), TestCaseError> {
 
 fn check_checkpoints(c: &Case) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, i, b, n, .. } = c.dims;
-    let out = Tensors::new(c).forward(true).unwrap();
+    let tensors = Tensors::new(c);
+    let out = tensors.forward(true).unwrap();
+    // nki-library's dtypes: the output in hidden_states', the checkpoints in their weights'.
+    let nki = tensors.forward_as(true, OutputDType::Input).unwrap();
+    let in_dtype = |t: &Option<Tensor>, dtype| t.clone().unwrap().into_float_dtype("", dtype);
+    prop_assert_eq!(
+        Some(in_dtype(&out.gate_up_activations_t, tensors.gate_up.dtype()).unwrap()),
+        nki.gate_up_activations_t
+    );
+    prop_assert_eq!(
+        Some(in_dtype(&out.down_activations, tensors.down.dtype()).unwrap()),
+        nki.down_activations
+    );
+    prop_assert_eq!(
+        out.output
+            .clone()
+            .into_float_dtype("", tensors.x.dtype())
+            .unwrap(),
+        nki.output
+    );
     let gate_up_t = f32s(out.gate_up_activations_t.as_ref().unwrap());
     let down = f32s(out.down_activations.as_ref().unwrap());
     prop_assert_eq!(
@@ -659,7 +689,43 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         },
     )
     .unwrap();
-    let g = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
+    let g = ReferenceBackend
+        .blockwise_mm_bwd(&call.with_output_dtype(OutputDType::Float32))
+        .unwrap();
+    // nki-library's dtypes: each gradient in its input's, the bias gradients in their
+    // weights', d_topk_affinities in the affinities'.
+    let nki = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
+    let rounded =
+        |grad: &Tensor, like: &Tensor| grad.clone().into_float_dtype("", like.dtype()).unwrap();
+    prop_assert_eq!(
+        &rounded(&g.hidden_states_grad, &tensors.x),
+        &nki.hidden_states_grad
+    );
+    prop_assert_eq!(
+        &rounded(&g.expert_affinities_masked_grad, &tensors.masked),
+        &nki.expert_affinities_masked_grad
+    );
+    prop_assert_eq!(
+        &rounded(&g.gate_up_proj_weight_grad, &tensors.gate_up),
+        &nki.gate_up_proj_weight_grad
+    );
+    prop_assert_eq!(
+        &rounded(&g.down_proj_weight_grad, &tensors.down),
+        &nki.down_proj_weight_grad
+    );
+    let optional = |grad: &Option<Tensor>, like: &Tensor| grad.as_ref().map(|g| rounded(g, like));
+    prop_assert_eq!(
+        optional(&g.d_topk_affinities, &tensors.masked),
+        nki.d_topk_affinities
+    );
+    prop_assert_eq!(
+        optional(&g.gate_and_up_proj_bias_grad, &tensors.gate_up),
+        nki.gate_and_up_proj_bias_grad
+    );
+    prop_assert_eq!(
+        optional(&g.down_proj_bias_grad, &tensors.down),
+        nki.down_proj_bias_grad
+    );
     prop_assert_eq!(g.hidden_states_grad.shape(), &[t + 1, h]);
     prop_assert_eq!(g.expert_affinities_masked_grad.shape(), &[(t + 1) * e, 1]);
     prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
@@ -870,6 +936,7 @@ fn one_token_one_expert_by_hand() {
     let out = ReferenceBackend
         .blockwise_mm(&BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap())
         .unwrap();
+    assert_eq!(out.output.dtype(), moekit::DType::F32, "f32 in, f32 out");
     let expected = a * d * silu(x * g) * (x * u);
     assert!((f32s(&out.output)[0] - expected).abs() < 1e-7);
 }

@@ -184,7 +184,75 @@ fn layer(s: Shape, seed: u64) -> Layer {
         let checkpoint = layer.tensors[forward].clone();
         layer.tensors.insert(backward.to_owned(), checkpoint);
     }
+    // The kernels above chained their outputs in nki-library's dtypes (bf16 in, bf16 on);
+    // the comparisons read every output in f32, at the precision both backends compute in.
+    layer.params.set("output_dtype", "float32").unwrap();
     layer
+}
+
+/// The input whose dtype each floating-point output takes under `output_dtype=input`, as
+/// nki-library's kernels write them (moekit's own kernels follow the same rule); `None`: an
+/// output that is always f32 (the aux loss).
+fn dtype_source(kernel: Kernel, output: &str) -> Option<&'static str> {
+    Some(match (kernel, output) {
+        (Kernel::RouterTopk, _) => "x",
+        (Kernel::RouterTopkBwd, "d_x") => "x",
+        (Kernel::RouterTopkBwd, _) => "w",
+        (Kernel::LoadBalancingLoss, _) => return None,
+        (Kernel::LoadBalancingLossBwd, _) => "router_logits",
+        (Kernel::Permute, _) => "topk_affinities",
+        (Kernel::PermuteBwd, _) => "expert_affinities_masked_grad",
+        (Kernel::BlockwiseMm, "output") => "hidden_states",
+        (Kernel::BlockwiseMm, "gate_up_activations_T") => "gate_up_proj_weight",
+        (Kernel::BlockwiseMm, _) => "down_proj_weight",
+        (Kernel::BlockwiseMmBwd, "hidden_states_grad") => "hidden_states",
+        (Kernel::BlockwiseMmBwd, "expert_affinities_masked_grad" | "d_topk_affinities") => {
+            "expert_affinities_masked"
+        }
+        (Kernel::BlockwiseMmBwd, "gate_up_proj_weight_grad" | "gate_and_up_proj_bias_grad") => {
+            "gate_up_proj_weight"
+        }
+        (Kernel::BlockwiseMmBwd, _) => "down_proj_weight",
+        (Kernel::A2avRouting, _) => return None,
+    })
+}
+
+/// On `backend`, every kernel's outputs under `output_dtype=input` are its `float32` outputs
+/// rounded into the dtype of the input each belongs to ([`dtype_source`]); indices stay i32.
+fn outputs_take_their_inputs_dtypes(
+    backend: BackendKind,
+    layer: &Layer,
+) -> Result<(), TestCaseError> {
+    let mut nki = layer.clone();
+    nki.params.set("output_dtype", "input").unwrap();
+    for &kernel in Kernel::ALL {
+        let f32_outputs = run(kernel, backend, layer);
+        let nki_outputs = run(kernel, backend, &nki);
+        prop_assert_eq!(f32_outputs.len(), nki_outputs.len());
+        for ((name, f32_output), (_, nki_output)) in f32_outputs.into_iter().zip(nki_outputs) {
+            if f32_output.dtype() == DType::I32 {
+                prop_assert_eq!(&nki_output, &f32_output, "{}", name);
+                continue;
+            }
+            prop_assert_eq!(
+                f32_output.dtype(),
+                DType::F32,
+                "{} with output_dtype=float32",
+                name
+            );
+            let dtype =
+                dtype_source(kernel, name).map_or(DType::F32, |input| layer.tensors[input].dtype());
+            prop_assert_eq!(
+                f32_output.into_float_dtype(name, dtype).unwrap(),
+                nki_output,
+                "{}.{} on {}",
+                kernel.name(),
+                name,
+                backend
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Smallest gap between consecutive selection scores among each row's top K+1.
@@ -294,6 +362,14 @@ proptest! {
         }
         for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
             compare(kernel, &layer)?;
+        }
+    }
+
+    #[test]
+    fn outputs_take_nki_library_dtypes(s in shape(40), seed in any::<u64>()) {
+        let layer = layer(s, seed);
+        for backend in [BackendKind::Reference, BackendKind::Cpu] {
+            outputs_take_their_inputs_dtypes(backend, &layer)?;
         }
     }
 

@@ -184,17 +184,21 @@ proptest! {
         let backend = backend_with(&dir, &[("router.neff", neff, router_entry(t, h, e, params))]);
         let inputs = RouterTopkInputs { x: &x, w: &w, w_bias: bias.as_ref(), selection_bias: selection.as_ref() };
         let call = RouterTopk::new(inputs, params).unwrap();
-        let got = backend.router_topk(&call).unwrap();
-        let want = BackendKind::Reference.create().router_topk(&call).unwrap();
+        let f32_call = call.with_output_dtype(OutputDType::Float32);
+        let got = backend.router_topk(&f32_call).unwrap();
+        let want = BackendKind::Reference.create().router_topk(&f32_call).unwrap();
         prop_assert_eq!(got.expert_index.as_i32(), want.expert_index.as_i32());
-        for (name, g, w) in [
-            ("router_logits", &got.router_logits, &want.router_logits),
-            ("topk_affinities", &got.topk_affinities, &want.topk_affinities),
-            ("expert_affinities", &got.expert_affinities, &want.expert_affinities),
+        // nki-library's dtypes: the logits and affinities in x's.
+        let nki = backend.router_topk(&call).unwrap();
+        for (name, g, w, n) in [
+            ("router_logits", &got.router_logits, &want.router_logits, &nki.router_logits),
+            ("topk_affinities", &got.topk_affinities, &want.topk_affinities, &nki.topk_affinities),
+            ("expert_affinities", &got.expert_affinities, &want.expert_affinities, &nki.expert_affinities),
         ] {
             prop_assert_eq!(g.shape(), w.shape(), "{}", name);
             let expected = f32s(w);
             assert_close(name, &f32s(g), &expected, 1e-5, 1e-5 * scale(&expected))?;
+            prop_assert_eq!(&g.clone().into_float_dtype(name, x.dtype()).unwrap(), n, "{}", name);
         }
     }
 

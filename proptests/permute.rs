@@ -10,8 +10,9 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    BlockwiseMm, BlockwiseMmInputs, BlockwiseMmParams, Permute, PermuteBwd, PermuteBwdInputs,
-    PermuteBwdParams, PermuteInputs, PermuteOutputs, PermuteParams, SKIP, static_block_count,
+    BlockwiseMm, BlockwiseMmInputs, BlockwiseMmParams, OutputDType, Permute, PermuteBwd,
+    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteOutputs, PermuteParams, SKIP,
+    static_block_count,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, BackendKind, Tensor};
@@ -68,13 +69,16 @@ fn run_with(
     affinities: &Tensor,
     params: PermuteParams,
 ) -> moekit::Result<PermuteOutputs> {
-    ReferenceBackend.permute(&Permute::new(
+    let call = Permute::new(
         PermuteInputs {
             expert_index: index,
             topk_affinities: affinities,
         },
         params,
-    )?)
+    )?;
+    // Every output f32, to compare with the f64 oracles (`proptests/cpu.rs` checks the
+    // nki-library dtypes).
+    ReferenceBackend.permute(&call.with_output_dtype(OutputDType::Float32))
 }
 
 fn run_case(c: &Case) -> PermuteOutputs {

@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    OutputDType, RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
     RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use moekit::reference::router::{router_backward, router_forward};
@@ -194,7 +194,9 @@ fn run(
         },
         params,
     )?;
-    ReferenceBackend.router_topk(&call)
+    // Every output f32, to compare with the f64 oracles (`proptests/cpu.rs` checks the
+    // nki-library dtypes).
+    ReferenceBackend.router_topk(&call.with_output_dtype(OutputDType::Float32))
 }
 
 proptest! {

@@ -43,7 +43,7 @@
 
 use std::fmt;
 
-use super::{BlockPlan, SKIP, validate};
+use super::{BlockPlan, OutputDType, SKIP, validate};
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
 
@@ -324,6 +324,7 @@ pub struct BlockwiseMm<'a> {
     params: BlockwiseMmParams,
     dims: BlockwiseDims,
     plan: BlockPlan<'a>,
+    output_dtype: OutputDType,
 }
 
 impl<'a> BlockwiseMm<'a> {
@@ -336,6 +337,7 @@ impl<'a> BlockwiseMm<'a> {
             params,
             dims,
             plan,
+            output_dtype: OutputDType::default(),
         })
     }
 
@@ -354,6 +356,40 @@ impl<'a> BlockwiseMm<'a> {
     /// The validated block plan.
     pub fn plan(&self) -> BlockPlan<'a> {
         self.plan
+    }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `outputs` in the dtypes this call gives them: `output` in `hidden_states`' dtype, the
+    /// checkpoints in their weights' (nki-library's), or all f32.
+    pub fn cast_outputs(&self, outputs: BlockwiseMmOutputs) -> Result<BlockwiseMmOutputs> {
+        let (to, inputs) = (self.output_dtype, &self.inputs);
+        Ok(BlockwiseMmOutputs {
+            output: to.apply("output", outputs.output, inputs.hidden_states.dtype())?,
+            gate_up_activations_t: outputs
+                .gate_up_activations_t
+                .map(|t| {
+                    to.apply(
+                        "gate_up_activations_T",
+                        t,
+                        inputs.gate_up_proj_weight.dtype(),
+                    )
+                })
+                .transpose()?,
+            down_activations: outputs
+                .down_activations
+                .map(|t| to.apply("down_activations", t, inputs.down_proj_weight.dtype()))
+                .transpose()?,
+        })
     }
 }
 
@@ -450,12 +486,14 @@ fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Res
 /// Outputs of `blockwise_mm`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseMmOutputs {
-    /// `[T+1, H]` f32, as nki-library's kernels write it: row t the token's combined expert
+    /// `[T+1, H]` in `hidden_states`' dtype, as nki-library's kernels write it: row t the token's combined expert
     /// outputs, row T what the padding slots add (zero: their affinity is 0).
     pub output: Tensor,
-    /// `[N, 2, I, B]` f32 pre-activation gate/up projections, when checkpointing.
+    /// `[N, 2, I, B]` gate/up projections (with their biases, clamped) before the activation,
+    /// in `gate_up_proj_weight`'s dtype, when checkpointing.
     pub gate_up_activations_t: Option<Tensor>,
-    /// `[N, B, H]` f32 down projection before affinity scaling, when checkpointing.
+    /// `[N, B, H]` down projection before affinity scaling, in `down_proj_weight`'s dtype, when
+    /// checkpointing.
     pub down_activations: Option<Tensor>,
 }
 
@@ -485,6 +523,7 @@ pub struct BlockwiseMmBwd<'a> {
     params: BlockwiseMmBwdParams,
     dims: BlockwiseDims,
     plan: BlockPlan<'a>,
+    output_dtype: OutputDType,
 }
 
 impl<'a> BlockwiseMmBwd<'a> {
@@ -543,6 +582,7 @@ impl<'a> BlockwiseMmBwd<'a> {
             params,
             dims,
             plan,
+            output_dtype: OutputDType::default(),
         })
     }
 
@@ -562,23 +602,80 @@ impl<'a> BlockwiseMmBwd<'a> {
     pub fn plan(&self) -> BlockPlan<'a> {
         self.plan
     }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `grads` in the dtypes this call gives them: each in the dtype of the input it is the
+    /// gradient of, the bias gradients in their weights' and `d_topk_affinities` in
+    /// `expert_affinities_masked`'s (nki-library's), or all f32.
+    pub fn cast_outputs(&self, grads: BlockwiseMmGrads) -> Result<BlockwiseMmGrads> {
+        let (to, inputs) = (self.output_dtype, &self.inputs.forward);
+        let (gate_up, down, masked) = (
+            inputs.gate_up_proj_weight.dtype(),
+            inputs.down_proj_weight.dtype(),
+            inputs.expert_affinities_masked.dtype(),
+        );
+        Ok(BlockwiseMmGrads {
+            hidden_states_grad: to.apply(
+                "hidden_states_grad",
+                grads.hidden_states_grad,
+                inputs.hidden_states.dtype(),
+            )?,
+            expert_affinities_masked_grad: to.apply(
+                "expert_affinities_masked_grad",
+                grads.expert_affinities_masked_grad,
+                masked,
+            )?,
+            gate_up_proj_weight_grad: to.apply(
+                "gate_up_proj_weight_grad",
+                grads.gate_up_proj_weight_grad,
+                gate_up,
+            )?,
+            down_proj_weight_grad: to.apply(
+                "down_proj_weight_grad",
+                grads.down_proj_weight_grad,
+                down,
+            )?,
+            d_topk_affinities: grads
+                .d_topk_affinities
+                .map(|t| to.apply("d_topk_affinities", t, masked))
+                .transpose()?,
+            gate_and_up_proj_bias_grad: grads
+                .gate_and_up_proj_bias_grad
+                .map(|t| to.apply("gate_and_up_proj_bias_grad", t, gate_up))
+                .transpose()?,
+            down_proj_bias_grad: grads
+                .down_proj_bias_grad
+                .map(|t| to.apply("down_proj_bias_grad", t, down))
+                .transpose()?,
+        })
+    }
 }
 
 /// Gradients produced by `blockwise_mm_bwd`, shaped like the inputs they belong to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseMmGrads {
-    /// `[T+1, H]` f32; row T (the padding row) zero.
+    /// `[T+1, H]` in `hidden_states`' dtype; row T (the padding row) zero.
     pub hidden_states_grad: Tensor,
-    /// `[(T+1)·E, 1]` f32; zero outside the plan's (token, expert) pairs and in row T.
+    /// `[(T+1)·E, 1]` in the affinities' dtype; zero outside the plan's (token, expert) pairs and in row T.
     pub expert_affinities_masked_grad: Tensor,
-    /// `[E, H, 2, I]` f32.
+    /// `[E, H, 2, I]` in the weight's dtype.
     pub gate_up_proj_weight_grad: Tensor,
-    /// `[E, I, H]` f32.
+    /// `[E, I, H]` in the weight's dtype.
     pub down_proj_weight_grad: Tensor,
-    /// `[T, K]` f32, when `expert_index` was given (same mapping as `permute_bwd`).
+    /// `[T, K]` in the affinities' dtype, when `expert_index` was given (same mapping as `permute_bwd`).
     pub d_topk_affinities: Option<Tensor>,
-    /// `[E, 2, I]` f32, with `bias`.
+    /// `[E, 2, I]` in `gate_up_proj_weight`'s dtype, with `bias`.
     pub gate_and_up_proj_bias_grad: Option<Tensor>,
-    /// `[E, H]` f32, with `bias`.
+    /// `[E, H]` in `down_proj_weight`'s dtype, with `bias`.
     pub down_proj_bias_grad: Option<Tensor>,
 }

@@ -15,7 +15,7 @@
 //! Error bound (reference backend): computed in f64, rounded once to f32 (0.5 ulp); counts are
 //! exact. The softmax is applied once, to the raw logits, as `load_balancing_loss_func` intends.
 
-use super::validate;
+use super::{OutputDType, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -102,7 +102,7 @@ fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<LoadBalancingD
 /// Outputs of `load_balancing_loss`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadBalancingLossOutputs {
-    /// `[1]` f32.
+    /// `[1]` f32 whatever the logits' dtype.
     pub aux_loss: Tensor,
     /// `[L, E]` i32, top-k assignments per layer and expert (per-layer load statistics).
     pub expert_counts: Tensor,
@@ -127,6 +127,7 @@ pub struct LoadBalancingLossBwdInputs<'a> {
 pub struct LoadBalancingLossBwd<'a> {
     inputs: LoadBalancingLossBwdInputs<'a>,
     dims: LoadBalancingDims,
+    output_dtype: OutputDType,
 }
 
 impl<'a> LoadBalancingLossBwd<'a> {
@@ -134,7 +135,11 @@ impl<'a> LoadBalancingLossBwd<'a> {
     pub fn new(inputs: LoadBalancingLossBwdInputs<'a>) -> Result<Self> {
         let dims = check(inputs.router_logits, inputs.expert_index)?;
         validate::float_tensor("d_aux_loss", inputs.d_aux_loss, "[1]", &[Some(1)])?;
-        Ok(Self { inputs, dims })
+        Ok(Self {
+            inputs,
+            dims,
+            output_dtype: OutputDType::default(),
+        })
     }
 
     pub fn inputs(&self) -> LoadBalancingLossBwdInputs<'a> {
@@ -144,11 +149,34 @@ impl<'a> LoadBalancingLossBwd<'a> {
     pub fn dims(&self) -> LoadBalancingDims {
         self.dims
     }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `grads` in the dtypes this call gives them: `d_router_logits` in `router_logits`'
+    /// dtype, or f32.
+    pub fn cast_outputs(&self, grads: LoadBalancingLossGrads) -> Result<LoadBalancingLossGrads> {
+        Ok(LoadBalancingLossGrads {
+            d_router_logits: self.output_dtype.apply(
+                "d_router_logits",
+                grads.d_router_logits,
+                self.inputs.router_logits.dtype(),
+            )?,
+        })
+    }
 }
 
 /// Gradient produced by `load_balancing_loss_bwd`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadBalancingLossGrads {
-    /// Same shape as `router_logits`, f32.
+    /// Same shape and dtype as `router_logits`.
     pub d_router_logits: Tensor,
 }

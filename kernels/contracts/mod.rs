@@ -6,6 +6,7 @@
 pub mod a2av_routing;
 pub mod blockwise_mm;
 pub mod load_balancing_loss;
+pub mod output_dtype;
 pub mod permute;
 pub mod plan;
 pub mod router_topk;
@@ -14,6 +15,7 @@ pub(crate) mod validate;
 pub use a2av_routing::*;
 pub use blockwise_mm::*;
 pub use load_balancing_loss::*;
+pub use output_dtype::OutputDType;
 pub use permute::*;
 pub use plan::BlockPlan;
 pub use router_topk::*;

@@ -27,7 +27,7 @@
 //!
 //! Error bound: exact. Indices and counts are integers and affinities are copied, not computed.
 
-use super::validate;
+use super::{OutputDType, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -109,6 +109,7 @@ pub struct PermuteDims {
 pub struct Permute<'a> {
     inputs: PermuteInputs<'a>,
     dims: PermuteDims,
+    output_dtype: OutputDType,
 }
 
 /// Requires `num_experts ≥ 1` with every masked-affinity index `t·E + e < (T+1)·E` in i32 range,
@@ -200,6 +201,7 @@ impl<'a> Permute<'a> {
         Ok(Self {
             inputs,
             dims: PermuteDims { t, k, e, b, n },
+            output_dtype: OutputDType::default(),
         })
     }
 
@@ -209,6 +211,30 @@ impl<'a> Permute<'a> {
 
     pub fn dims(&self) -> PermuteDims {
         self.dims
+    }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `outputs` in the dtypes this call gives them: `expert_affinities_masked` in
+    /// `topk_affinities`' dtype, or f32; the plan and the counts i32.
+    pub fn cast_outputs(&self, outputs: PermuteOutputs) -> Result<PermuteOutputs> {
+        Ok(PermuteOutputs {
+            expert_affinities_masked: self.output_dtype.apply(
+                "expert_affinities_masked",
+                outputs.expert_affinities_masked,
+                self.inputs.topk_affinities.dtype(),
+            )?,
+            ..outputs
+        })
     }
 }
 
@@ -221,7 +247,7 @@ pub struct PermuteOutputs {
     pub token_position_to_id: Tensor,
     /// `[N, 1]` i32, E−1 for the unused blocks.
     pub block_to_expert: Tensor,
-    /// `[(T+1)·E, 1]` f32.
+    /// `[(T+1)·E, 1]` in `topk_affinities`' dtype.
     pub expert_affinities_masked: Tensor,
     /// `[1]` i32.
     pub num_used_blocks: Tensor,
@@ -253,6 +279,7 @@ pub struct PermuteBwd<'a> {
     inputs: PermuteBwdInputs<'a>,
     /// T, K and E; B and N do not apply.
     dims: (usize, usize, usize),
+    output_dtype: OutputDType,
 }
 
 impl<'a> PermuteBwd<'a> {
@@ -268,6 +295,7 @@ impl<'a> PermuteBwd<'a> {
         Ok(Self {
             inputs,
             dims: (t, k, e),
+            output_dtype: OutputDType::default(),
         })
     }
 
@@ -279,11 +307,34 @@ impl<'a> PermuteBwd<'a> {
     pub fn dims(&self) -> (usize, usize, usize) {
         self.dims
     }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `grads` in the dtypes this call gives them: `d_topk_affinities` in
+    /// `expert_affinities_masked_grad`'s dtype, or f32.
+    pub fn cast_outputs(&self, grads: PermuteGrads) -> Result<PermuteGrads> {
+        Ok(PermuteGrads {
+            d_topk_affinities: self.output_dtype.apply(
+                "d_topk_affinities",
+                grads.d_topk_affinities,
+                self.inputs.expert_affinities_masked_grad.dtype(),
+            )?,
+        })
+    }
 }
 
 /// Gradient produced by `permute_bwd`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PermuteGrads {
-    /// `[T, K]` f32.
+    /// `[T, K]` in the gradient's dtype.
     pub d_topk_affinities: Tensor,
 }

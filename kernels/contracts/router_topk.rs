@@ -34,7 +34,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
-use super::validate;
+use super::{OutputDType, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -235,6 +235,7 @@ pub struct RouterTopk<'a> {
     inputs: RouterTopkInputs<'a>,
     params: RouterTopkParams,
     dims: RouterDims,
+    output_dtype: OutputDType,
 }
 
 impl<'a> RouterTopk<'a> {
@@ -256,6 +257,7 @@ impl<'a> RouterTopk<'a> {
             inputs,
             params,
             dims: RouterDims { t, h, e, k },
+            output_dtype: OutputDType::default(),
         })
     }
 
@@ -269,6 +271,29 @@ impl<'a> RouterTopk<'a> {
 
     pub fn dims(&self) -> RouterDims {
         self.dims
+    }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `outputs` in the dtypes this call gives them: `router_logits` and the affinities in
+    /// `x`'s dtype (nki-library's), or f32; `expert_index` i32.
+    pub fn cast_outputs(&self, outputs: RouterTopkOutputs) -> Result<RouterTopkOutputs> {
+        let (to, x) = (self.output_dtype, self.inputs.x.dtype());
+        Ok(RouterTopkOutputs {
+            router_logits: to.apply("router_logits", outputs.router_logits, x)?,
+            expert_index: outputs.expert_index,
+            topk_affinities: to.apply("topk_affinities", outputs.topk_affinities, x)?,
+            expert_affinities: to.apply("expert_affinities", outputs.expert_affinities, x)?,
+        })
     }
 }
 
@@ -307,13 +332,13 @@ fn check_bias(bias: &Tensor, e: usize) -> Result<()> {
 /// Outputs of `router_topk`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterTopkOutputs {
-    /// `[T, E]` f32.
+    /// `[T, E]` in `x`'s dtype.
     pub router_logits: Tensor,
     /// `[T, K]` i32, descending selection score, ties to the lower expert id.
     pub expert_index: Tensor,
-    /// `[T, K]` f32, the selected experts' affinities (nki-library's eager affinities).
+    /// `[T, K]` in `x`'s dtype, the selected experts' affinities (nki-library's eager affinities).
     pub topk_affinities: Tensor,
-    /// `[T, E]` f32: the activation of every logit under ACT1 without `norm_topk_prob`,
+    /// `[T, E]` in `x`'s dtype: the activation of every logit under ACT1 without `norm_topk_prob`,
     /// otherwise `topk_affinities` scattered, zeros elsewhere.
     pub expert_affinities: Tensor,
 }
@@ -351,6 +376,7 @@ pub struct RouterTopkBwd<'a> {
     inputs: RouterTopkBwdInputs<'a>,
     params: RouterTopkBwdParams,
     dims: RouterDims,
+    output_dtype: OutputDType,
 }
 
 impl<'a> RouterTopkBwd<'a> {
@@ -393,6 +419,7 @@ impl<'a> RouterTopkBwd<'a> {
             inputs,
             params,
             dims: RouterDims { t, h, e, k },
+            output_dtype: OutputDType::default(),
         })
     }
 
@@ -407,15 +434,37 @@ impl<'a> RouterTopkBwd<'a> {
     pub fn dims(&self) -> RouterDims {
         self.dims
     }
+
+    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
+    /// choice, when not set).
+    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+        self.output_dtype = output_dtype;
+        self
+    }
+
+    pub fn output_dtype(&self) -> OutputDType {
+        self.output_dtype
+    }
+
+    /// `grads` in the dtypes this call gives them: `d_x` in `x`'s dtype, `d_w` and `d_w_bias`
+    /// in `w`'s, or all f32.
+    pub fn cast_outputs(&self, grads: RouterTopkGrads) -> Result<RouterTopkGrads> {
+        let (to, w) = (self.output_dtype, self.inputs.w.dtype());
+        Ok(RouterTopkGrads {
+            d_x: to.apply("d_x", grads.d_x, self.inputs.x.dtype())?,
+            d_w: to.apply("d_w", grads.d_w, w)?,
+            d_w_bias: to.apply("d_w_bias", grads.d_w_bias, w)?,
+        })
+    }
 }
 
 /// Gradients produced by `router_topk_bwd`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterTopkGrads {
-    /// f32, in `x`'s layout: `[T, H]`, or `[H, T]` with `x_hbm_layout = 0`.
+    /// In `x`'s dtype and layout: `[T, H]`, or `[H, T]` with `x_hbm_layout = 0`.
     pub d_x: Tensor,
-    /// `[H, E]` f32.
+    /// `[H, E]` in `w`'s dtype.
     pub d_w: Tensor,
-    /// `[E]` f32, the gradient of `w_bias`.
+    /// `[E]` in `w`'s dtype, the gradient of `w_bias`.
     pub d_w_bias: Tensor,
 }

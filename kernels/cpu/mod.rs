@@ -89,11 +89,11 @@ impl Backend for CpuBackend {
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
-        router::forward(call)
+        call.cast_outputs(router::forward(call)?)
     }
 
     fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
-        router::backward(call)
+        call.cast_outputs(router::backward(call)?)
     }
 
     fn load_balancing_loss(
@@ -107,23 +107,23 @@ impl Backend for CpuBackend {
         &self,
         call: &LoadBalancingLossBwd<'_>,
     ) -> Result<LoadBalancingLossGrads> {
-        load_balancing::backward(call)
+        call.cast_outputs(load_balancing::backward(call)?)
     }
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
-        permute::forward(call)
+        call.cast_outputs(permute::forward(call)?)
     }
 
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
-        permute::backward(call)
+        call.cast_outputs(permute::backward(call)?)
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
-        blockwise::forward(call)
+        call.cast_outputs(blockwise::forward(call)?)
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-        blockwise::backward(call)
+        call.cast_outputs(blockwise::backward(call)?)
     }
 
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {

@@ -10,6 +10,9 @@
 //! experts `gate_up_proj_weight [E/R, H, 2, I]` and `down_proj_weight [E/R, I, H]` (rank r holds
 //! experts `[r·E/R, (r+1)·E/R)`). A rank may receive no rows; its expert gradients are then 0.
 //!
+//! Whatever the inputs' dtype, every kernel runs with `output_dtype=float32`, so the layer's
+//! outputs, checkpoints and gradients are f32.
+//!
 //! [`ShardedExperts`] is the expert half alone (dispatch … combine and back), for callers that
 //! route the tokens themselves.
 
@@ -20,9 +23,9 @@ use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch
 use crate::backend::Backend;
 use crate::contracts::{
     BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
-    BlockwiseMmParams, Permute, PermuteInputs, PermuteOutputs, PermuteParams, RouterPipeline,
-    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
-    RouterTopkOutputs, RouterTopkParams, XHbmLayout,
+    BlockwiseMmParams, OutputDType, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
+    RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
+    RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -111,7 +114,10 @@ impl ExpertParallelMoe<'_> {
                 pipeline: p.router,
             },
         )
-        .and_then(|call| self.backend.router_topk(&call));
+        .and_then(|call| {
+            self.backend
+                .router_topk(&call.with_output_dtype(OutputDType::Float32))
+        });
         // A router error on one rank must stop every rank before the exchange.
         let routed = super::comm::agree(self.comm, routed)?;
         let (output, experts) = self.experts().forward(experts_inputs(inputs, &routed))?;
@@ -142,7 +148,10 @@ impl ExpertParallelMoe<'_> {
             },
             RouterTopkBwdParams { pipeline: p.router },
         )
-        .and_then(|call| self.backend.router_topk_bwd(&call));
+        .and_then(|call| {
+            self.backend
+                .router_topk_bwd(&call.with_output_dtype(OutputDType::Float32))
+        });
         let router = super::comm::agree(self.comm, router)?;
         let mut d_w = router.d_w.f32_values().into_owned();
         self.comm.all_reduce_sum(&mut d_w)?;
@@ -295,20 +304,26 @@ impl ShardedExperts<'_> {
             return Ok(None);
         }
         let hidden_states = with_padding_row(&dispatched.hidden_states)?;
-        let plan = self.backend.permute(&Permute::new(
-            PermuteInputs {
-                expert_index: &dispatched.expert_index,
-                topk_affinities: &dispatched.topk_affinities,
-            },
-            PermuteParams::new(local_experts, self.block_size),
-        )?)?;
-        let out = self.backend.blockwise_mm(&BlockwiseMm::new(
-            forward_inputs(&hidden_states, &plan, inputs),
-            BlockwiseMmParams {
-                checkpoint_activation: true,
-                ..BlockwiseMmParams::default()
-            },
-        )?)?;
+        let plan = self.backend.permute(
+            &Permute::new(
+                PermuteInputs {
+                    expert_index: &dispatched.expert_index,
+                    topk_affinities: &dispatched.topk_affinities,
+                },
+                PermuteParams::new(local_experts, self.block_size),
+            )?
+            .with_output_dtype(OutputDType::Float32),
+        )?;
+        let out = self.backend.blockwise_mm(
+            &BlockwiseMm::new(
+                forward_inputs(&hidden_states, &plan, inputs),
+                BlockwiseMmParams {
+                    checkpoint_activation: true,
+                    ..BlockwiseMmParams::default()
+                },
+            )?
+            .with_output_dtype(OutputDType::Float32),
+        )?;
         let (Some(gate_up_activations_t), Some(down_activations)) =
             (out.gate_up_activations_t, out.down_activations)
         else {
@@ -383,16 +398,19 @@ impl ShardedExperts<'_> {
                 zeros(inputs.down_proj_weight.shape())?,
             ));
         };
-        let grads = self.backend.blockwise_mm_bwd(&BlockwiseMmBwd::new(
-            BlockwiseMmBwdInputs {
-                forward: forward_inputs(&local.hidden_states, &local.plan, inputs),
-                gate_up_proj_act_checkpoint_t: &local.gate_up_activations_t,
-                down_proj_act_checkpoint: &local.down_activations,
-                output_hidden_states_grad: &with_padding_row(d_expert_output)?,
-                expert_index: Some(&dispatched.expert_index),
-            },
-            BlockwiseMmBwdParams::default(),
-        )?)?;
+        let grads = self.backend.blockwise_mm_bwd(
+            &BlockwiseMmBwd::new(
+                BlockwiseMmBwdInputs {
+                    forward: forward_inputs(&local.hidden_states, &local.plan, inputs),
+                    gate_up_proj_act_checkpoint_t: &local.gate_up_activations_t,
+                    down_proj_act_checkpoint: &local.down_activations,
+                    output_hidden_states_grad: &with_padding_row(d_expert_output)?,
+                    expert_index: Some(&dispatched.expert_index),
+                },
+                BlockwiseMmBwdParams::default(),
+            )?
+            .with_output_dtype(OutputDType::Float32),
+        )?;
         let d_affinities = grads.d_topk_affinities.ok_or_else(|| {
             Error::invalid(
                 "blockwise_mm_bwd",

@@ -678,7 +678,7 @@ impl Backend for NeuronBackend {
                 Tensor::from_f32([dims.t, dims.k], gathered)?
             }
         };
-        Ok(RouterTopkOutputs {
+        call.cast_outputs(RouterTopkOutputs {
             router_logits: take(&mut out, "router_logits")?,
             expert_index,
             topk_affinities,
@@ -720,7 +720,7 @@ impl Backend for NeuronBackend {
         unbound_options(Kernel::BlockwiseMm, &call.inputs(), call.params().clamp)?;
         let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
         let checkpoint = call.params().checkpoint_activation;
-        Ok(BlockwiseMmOutputs {
+        call.cast_outputs(BlockwiseMmOutputs {
             output: take(&mut out, "output")?,
             gate_up_activations_t: out.remove("gate_up_activations_T").filter(|_| checkpoint),
             down_activations: out.remove("down_activations").filter(|_| checkpoint),
@@ -762,7 +762,7 @@ impl Backend for NeuronBackend {
                 Tensor::from_f32(index.shape().to_vec(), values)
             })
             .transpose()?;
-        Ok(BlockwiseMmGrads {
+        call.cast_outputs(BlockwiseMmGrads {
             hidden_states_grad: take(&mut out, "hidden_states_grad")?,
             expert_affinities_masked_grad,
             gate_up_proj_weight_grad: take(&mut out, "gate_up_proj_weight_grad")?,

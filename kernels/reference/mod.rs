@@ -131,7 +131,7 @@ impl Backend for ReferenceBackend {
             (t, h, e, k),
             pipeline,
         );
-        Ok(RouterTopkOutputs {
+        call.cast_outputs(RouterTopkOutputs {
             router_logits: f32_output("router_logits", &[t, e], &fwd.logits)?,
             expert_index: i32_output("expert_index", &[t, k], fwd.expert_index)?,
             topk_affinities: f32_output("topk_affinities", &[t, k], &fwd.topk_affinities)?,
@@ -154,7 +154,7 @@ impl Backend for ReferenceBackend {
             pipeline,
         );
         let d_x = f32_output("d_x", &[t, h], &grads.d_x)?;
-        Ok(RouterTopkGrads {
+        call.cast_outputs(RouterTopkGrads {
             d_x: pipeline.x_hbm_layout.from_tokens_major(d_x)?,
             d_w: f32_output("d_w", &[h, e], &grads.d_w)?,
             d_w_bias: f32_output("d_w_bias", &[e], &grads.d_w_bias)?,
@@ -188,7 +188,7 @@ impl Backend for ReferenceBackend {
             inputs.d_aux_loss.to_f64_vec()[0],
             call.dims(),
         );
-        Ok(LoadBalancingLossGrads {
+        call.cast_outputs(LoadBalancingLossGrads {
             d_router_logits: f32_output(
                 "d_router_logits",
                 inputs.router_logits.shape(),
@@ -205,7 +205,7 @@ impl Backend for ReferenceBackend {
             &inputs.topk_affinities.to_f64_vec(),
             dims,
         )?;
-        Ok(PermuteOutputs {
+        call.cast_outputs(PermuteOutputs {
             expert_counts: i32_output("expert_counts", &[e], plan.expert_counts)?,
             token_position_to_id: Tensor::from_i32([n * b], plan.token_position_to_id)?,
             block_to_expert: Tensor::from_i32([n, 1], plan.block_to_expert)?,
@@ -226,7 +226,7 @@ impl Backend for ReferenceBackend {
             k,
             e,
         );
-        Ok(PermuteGrads {
+        call.cast_outputs(PermuteGrads {
             d_topk_affinities: f32_output("d_topk_affinities", &[t, k], &d)?,
         })
     }
@@ -245,7 +245,7 @@ impl Backend for ReferenceBackend {
             },
         )?;
         let checkpoint = call.params().checkpoint_activation;
-        Ok(BlockwiseMmOutputs {
+        call.cast_outputs(BlockwiseMmOutputs {
             output: f32_output("output", &[t + 1, h], &fwd.output)?,
             gate_up_activations_t: checkpoint
                 .then(|| {
@@ -317,7 +317,7 @@ impl Backend for ReferenceBackend {
                 f32_output("d_topk_affinities", &[t, k], &d)
             })
             .transpose()?;
-        Ok(BlockwiseMmGrads {
+        call.cast_outputs(BlockwiseMmGrads {
             hidden_states_grad: f32_output(
                 "hidden_states_grad",
                 &[t + 1, h],
