@@ -12,6 +12,10 @@
 //!   path adds the ranks' partial outputs in f32), 1e-4 on cpu; runs are bit-identical.
 //! - `a2av_routing` builds nki-library's routing table (each token once in the column of every
 //!   rank holding one of its experts, ascending, T when empty) on both backends.
+//! - `dispatch` delivers `permute_a2av`'s layout (source s's rows at `[s·S, s·S + n_s)` of
+//!   `[R·S, H]`, S the largest T, zeros, `SKIP` and 0 past them) with the route of
+//!   `a2av_routing`, and `combine` reads `unpermute_a2av`'s input in that layout, for ranks of
+//!   different T (0 included).
 
 mod common;
 
@@ -25,7 +29,7 @@ use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::contracts::{A2avRouting, A2avRoutingInputs, A2avRoutingParams};
 use moekit::ep::{
-    Communicator, DispatchParams, Dispatched, EpGrads, LocalComm, RowsToSend, agree,
+    Communicator, DispatchParams, Dispatched, EpGrads, LocalComm, RowChunks, RowsToSend, agree,
     all_to_all_v_values, combine, combine_bwd, dispatch, dispatch_bwd,
 };
 use moekit::{BackendKind, Error, Tensor};
@@ -198,26 +202,39 @@ fn row_exchanges_check_their_arguments_and_counts() {
         let mut out = vec![MaybeUninit::new(0.0); 4];
         let selections = [vec![0], vec![1]];
         let rows = RowsToSend::Gathered(&selections);
-        let bad_width = comm.all_to_all_v_rows(&source, 3, rows, &[1, 1], &mut out);
+        let one_each = RowChunks::Packed(&[1, 1]);
+        let bad_width = comm.all_to_all_v_rows(&source, 3, rows, one_each, &mut out);
         let bad_row = comm.all_to_all_v_rows(
             &source,
             2,
             RowsToSend::Gathered(&[vec![0], vec![2]]),
-            &[1, 1],
+            one_each,
             &mut out,
         );
-        let bad_out = comm.all_to_all_v_rows(&source, 2, rows, &[1, 1], &mut out[..3]);
+        let bad_out = comm.all_to_all_v_rows(&source, 2, rows, one_each, &mut out[..3]);
+        let past_stride = comm.all_to_all_v_rows(
+            &source,
+            2,
+            rows,
+            RowChunks::Strided {
+                counts: &[1, 2],
+                stride: 1,
+            },
+            &mut out,
+        );
         // Rank 0 expects 2 rows from rank 1, which sends it 1.
         let short = comm.all_to_all_v_rows(
             &source,
             2,
             rows,
-            &[1, 1 + (1 - rank)],
+            RowChunks::Packed(&[1, 1 + (1 - rank)]),
             &mut vec![MaybeUninit::new(0.0); 4 + 2 * (1 - rank)],
         );
-        [bad_width, bad_row, bad_out, short].map(|result| result.map_err(|e| e.to_string()))
+        [bad_width, bad_row, bad_out, past_stride, short]
+            .map(|result| result.map_err(|e| e.to_string()))
     });
-    for (rank, [bad_width, bad_row, bad_out, short]) in results.into_iter().enumerate() {
+    for (rank, [bad_width, bad_row, bad_out, past_stride, short]) in results.into_iter().enumerate()
+    {
         assert!(bad_width.unwrap_err().contains("whole rows"));
         assert!(
             bad_row
@@ -225,6 +242,11 @@ fn row_exchanges_check_their_arguments_and_counts() {
                 .contains("selects row 2 of a source of 2 rows")
         );
         assert!(bad_out.unwrap_err().contains("the receive buffer holds 3"));
+        let past_stride = past_stride.unwrap_err();
+        assert!(
+            past_stride.contains("receives 2 rows from rank 1 into chunks of 1 rows"),
+            "{past_stride}"
+        );
         match rank {
             0 => assert!(short.unwrap_err().contains("expected"), "rank 0"),
             _ => short.unwrap(),
@@ -333,7 +355,7 @@ fn a_row_exchange_met_by_another_collective_fails_on_every_rank() {
                 let selections = [vec![0], vec![1, 2]];
                 let mut out = vec![MaybeUninit::new(0.0); 8];
                 let rows = RowsToSend::Gathered(&selections);
-                comm.all_to_all_v_rows(&source, 2, rows, &[1, 3], &mut out)
+                comm.all_to_all_v_rows(&source, 2, rows, RowChunks::Packed(&[1, 3]), &mut out)
             }
             _ => comm
                 .all_to_all_v_words(Cow::Borrowed(&source[..2]), &[1, 1], None)
@@ -572,6 +594,54 @@ fn a_non_finite_expert_output_is_every_ranks_error_naming_its_rank_and_position(
 }
 
 #[test]
+fn routes_outside_nki_library_conventions_are_every_ranks_error() {
+    // Each rank breaks its own route one way; every function names the tensor, on both ranks.
+    type Break = fn(&mut moekit::ep::Route);
+    let breaks: [(Break, &str); 4] = [
+        // Column 1 lists its tokens in descending order.
+        (
+            |route| {
+                let mut table = route.send_indices.as_i32().unwrap().to_vec();
+                table.swap(2 + 1, 2 * 2 + 1);
+                route.send_indices = Tensor::from_i32([4, 2], table).unwrap();
+            },
+            "column 1 must list send_counts[1] = 3 token ids in [0, 4), ascending, then T = 4",
+        ),
+        // A count the column does not hold.
+        (
+            |route| route.send_counts = Tensor::from_i32([1, 2], vec![4, 3]).unwrap(),
+            "column 0 must list send_counts[0] = 4 token ids",
+        ),
+        // More rows from a source than the stride.
+        (
+            |route| route.stride = 2,
+            "receives 3 rows from rank 0, more than the route's stride S = 2",
+        ),
+        (
+            |route| route.recv_counts = Tensor::from_i32([1, 3], vec![1, 1, 1]).unwrap(),
+            "tensor `recv_counts`: expected shape [1, R] = [1, 2]",
+        ),
+    ];
+    for (bad, needle) in breaks {
+        let results = on_ranks(LocalComm::group(2).unwrap(), |_, comm| {
+            let (x, _, _, dispatched) = small_dispatch(comm);
+            let mut route = dispatched.route.clone();
+            bad(&mut route);
+            [
+                combine(comm, &route, &dispatched.hidden_states).map(drop),
+                combine_bwd(comm, &route, &x).map(drop),
+            ]
+            .map(|result| result.unwrap_err().to_string())
+        });
+        for messages in results {
+            for message in messages {
+                assert!(message.contains(needle), "`{message}` lacks `{needle}`");
+            }
+        }
+    }
+}
+
+#[test]
 fn routes_that_disagree_across_ranks_are_every_ranks_error() {
     // Rank 1 moves one row of its receive counts from rank 0 to itself: its own route stays
     // consistent with its tensors, but no longer with rank 0's. combine, combine_bwd and
@@ -693,6 +763,111 @@ fn ranks_started_with_different_sizes_are_detected() {
             message.contains("E = 3 experts cannot be sharded evenly over R = 2 ranks"),
             "{message}"
         );
+    }
+}
+
+/// One rank's dispatch inputs: `(x [T, H], expert_index [T, K], topk_affinities [T, K])`.
+type RankInputs = (Vec<f64>, Vec<i32>, Vec<f64>);
+
+proptest! {
+    #![proptest_config(config(128))]
+
+    #[test]
+    fn dispatch_and_combine_use_nki_library_layouts(
+        (ranks, local, h, k) in (1usize..5, 1usize..4, 1usize..5, 1usize..4),
+        tokens in proptest::collection::vec(0usize..9, 4),
+        routing in routing(),
+        seed in any::<u64>(),
+    ) {
+        let e = ranks * local;
+        let k = k.min(e);
+        let mut rng = SeededRng::new(seed);
+        let inputs: Vec<RankInputs> = (0..ranks)
+            .map(|rank| {
+                let t = tokens[rank];
+                let x = (0..t * h).map(|i| (rank * 1000 + i) as f64).collect();
+                let index = expert_index(&mut rng, routing, t, e, k);
+                (x, index, rng.values(t * k, 1.0))
+            })
+            .collect();
+        let stride = tokens[..ranks].iter().copied().max().unwrap_or(0);
+        let results = on_ranks(LocalComm::group(ranks).unwrap(), |rank, comm| {
+            let (x, index, affinities) = &inputs[rank];
+            let t = tokens[rank];
+            let index = i32_tensor(&[t, k], index);
+            let dispatched = dispatch(
+                comm,
+                &f32_tensor(&[t, h], x),
+                &index,
+                &f32_tensor(&[t, k], affinities),
+                DispatchParams { num_experts: e },
+            )?;
+            // The expert outputs: each received row doubled; the rows past each source's NaN,
+            // which combine must not read.
+            let received = dispatched.hidden_states.to_f64_vec();
+            let ids = dispatched.expert_index.as_i32().unwrap();
+            let doubled: Vec<f64> = received
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match ids[(i / h) * k..(i / h + 1) * k].iter().all(|&id| id == moekit::contracts::SKIP) {
+                    true => f64::NAN,
+                    false => 2.0 * v,
+                })
+                .collect();
+            let combined = combine(comm, &dispatched.route, &f32_tensor(&[received.len() / h, h], &doubled))?;
+            let routing = BackendKind::Reference.create().a2av_routing(
+                &A2avRouting::new(
+                    A2avRoutingInputs { expert_index: &index },
+                    A2avRoutingParams { num_experts: e, expert_parallel_degree: ranks },
+                )?,
+            )?;
+            Ok::<_, moekit::Error>((dispatched, combined, routing))
+        });
+        for (me, result) in results.into_iter().enumerate() {
+            let (dispatched, combined, routing) = result.unwrap();
+            // The route is the a2av_routing kernel's table, with its counts.
+            prop_assert_eq!(&dispatched.route.send_indices, &routing.send_indices);
+            prop_assert_eq!(&dispatched.route.send_counts, &routing.send_counts);
+            prop_assert_eq!(dispatched.route.stride, stride);
+            // The oracle: from each source, its tokens with an expert on `me`, ascending.
+            let owned = me * local..(me + 1) * local;
+            let mut hidden = vec![0.0; ranks * stride * h];
+            let mut ids = vec![moekit::contracts::SKIP; ranks * stride * k];
+            let mut affinities = vec![0.0; ranks * stride * k];
+            let mut recv_counts = Vec::new();
+            for (src, (x, index, a)) in inputs.iter().enumerate() {
+                let sent: Vec<usize> = (0..tokens[src])
+                    .filter(|&tok| index[tok * k..(tok + 1) * k].iter().any(|&id| owned.contains(&(id as usize))))
+                    .collect();
+                for (j, &tok) in sent.iter().enumerate() {
+                    let row = src * stride + j;
+                    hidden[row * h..(row + 1) * h].copy_from_slice(&x[tok * h..(tok + 1) * h]);
+                    for slot in 0..k {
+                        let id = index[tok * k + slot] as usize;
+                        if owned.contains(&id) {
+                            ids[row * k + slot] = (id - owned.start) as i32;
+                            affinities[row * k + slot] = f64::from(a[tok * k + slot] as f32);
+                        }
+                    }
+                }
+                recv_counts.push(sent.len() as i32);
+            }
+            prop_assert_eq!(dispatched.route.recv_counts.shape(), &[1, ranks]);
+            prop_assert_eq!(dispatched.route.recv_counts.as_i32().unwrap(), &recv_counts[..]);
+            prop_assert_eq!(dispatched.hidden_states.shape(), &[ranks * stride, h]);
+            prop_assert_eq!(dispatched.hidden_states.to_f64_vec(), hidden);
+            prop_assert_eq!(dispatched.expert_index.as_i32().unwrap(), &ids[..]);
+            prop_assert_eq!(dispatched.topk_affinities.to_f64_vec(), affinities);
+            // Each token comes back once from every rank it went to, doubled.
+            let (x, index, _) = &inputs[me];
+            let visits = |tok: usize| {
+                (0..ranks)
+                    .filter(|&rank| index[tok * k..(tok + 1) * k].iter().any(|&id| id as usize / local == rank))
+                    .count() as f64
+            };
+            let expected: Vec<f64> = (0..tokens[me] * h).map(|i| 2.0 * visits(i / h) * x[i]).collect();
+            prop_assert_eq!(combined.to_f64_vec(), expected);
+        }
     }
 }
 

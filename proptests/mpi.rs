@@ -18,7 +18,7 @@ use common::ep_layer::{EpCase, ep_data, run_rank, single_rank};
 use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::BackendKind;
-use moekit::ep::{Communicator, MpiComm, RowsToSend};
+use moekit::ep::{Communicator, MpiComm, RowChunks, RowsToSend};
 
 /// The layer on this rank: `(output, d_x, d_w, d_gate_up, d_down)`.
 fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Result<[Vec<f64>; 5]> {
@@ -122,7 +122,7 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
             &[1.0, 2.0],
             2,
             RowsToSend::Gathered(&selections),
-            &recv_rows,
+            RowChunks::Packed(&recv_rows),
             &mut out,
         );
         only_rank_0_fails(rank, "a short row exchange", result, |err| {

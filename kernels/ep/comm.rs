@@ -85,14 +85,75 @@ impl Received {
     }
 }
 
+/// Consecutive rows for each rank in a `[_, width]` buffer: what a rank is sent from a source
+/// in chunks, or where each source's rows land in the receive buffer of
+/// [`Communicator::all_to_all_v_rows`].
+#[derive(Clone, Copy, Debug)]
+pub enum RowChunks<'a> {
+    /// `counts[r]` rows for rank r, back to back from row 0 (`Σ counts` rows in all).
+    Packed(&'a [usize]),
+    /// `counts[r]` rows for rank r from row `r·stride` on (`R·stride` rows in all; the rows
+    /// past each chunk belong to none): nki-library's `[EP·T, H]` layout of `permute_a2av`
+    /// with `stride` T.
+    Strided { counts: &'a [usize], stride: usize },
+}
+
+impl RowChunks<'_> {
+    /// R, the number of ranks.
+    pub fn len(&self) -> usize {
+        self.counts().len()
+    }
+
+    /// Whether there are no ranks.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Rows per rank.
+    pub fn counts(&self) -> &[usize] {
+        match self {
+            Self::Packed(counts) | Self::Strided { counts, .. } => counts,
+        }
+    }
+
+    /// The rows of rank `r`'s chunk.
+    pub fn range(&self, r: usize) -> Range<usize> {
+        let start = match self {
+            Self::Packed(counts) => counts[..r].iter().sum(),
+            Self::Strided { stride, .. } => r * stride,
+        };
+        start..start + self.counts()[r]
+    }
+
+    /// The rows the buffer spans.
+    pub fn rows(&self) -> usize {
+        match self {
+            Self::Packed(counts) => counts.iter().sum(),
+            Self::Strided { counts, stride } => counts.len() * stride,
+        }
+    }
+
+    /// A count larger than the stride, as `(rank, count)`.
+    fn overflowing_chunk(&self) -> Option<(usize, usize)> {
+        match self {
+            Self::Packed(_) => None,
+            Self::Strided { counts, stride } => counts
+                .iter()
+                .copied()
+                .enumerate()
+                .find(|&(_, count)| count > *stride),
+        }
+    }
+}
+
 /// Which rows of a `[_, width]` source each rank is sent by
 /// [`Communicator::all_to_all_v_rows`].
 #[derive(Clone, Copy, Debug)]
 pub enum RowsToSend<'a> {
     /// `rows[r]`: the rows sent to rank r, in send order (a row may go to several ranks).
     Gathered(&'a [Vec<usize>]),
-    /// `counts[r]` consecutive rows for each rank r, back to back from row 0.
-    Consecutive(&'a [usize]),
+    /// Each rank's chunk of consecutive rows.
+    Chunks(RowChunks<'a>),
 }
 
 /// The rows one destination is sent: listed, or a range of consecutive rows.
@@ -130,7 +191,7 @@ impl RowsToSend<'_> {
     pub fn len(&self) -> usize {
         match self {
             Self::Gathered(rows) => rows.len(),
-            Self::Consecutive(counts) => counts.len(),
+            Self::Chunks(chunks) => chunks.len(),
         }
     }
 
@@ -148,10 +209,7 @@ impl RowsToSend<'_> {
     pub(super) fn selected(&self, dst: usize) -> Selected<'_> {
         match self {
             Self::Gathered(rows) => Selected::Listed(&rows[dst]),
-            Self::Consecutive(counts) => {
-                let start = counts[..dst].iter().sum();
-                Selected::Range(start..start + counts[dst])
-            }
+            Self::Chunks(chunks) => Selected::Range(chunks.range(dst)),
         }
     }
 }
@@ -203,14 +261,14 @@ pub trait Communicator {
 
     /// Variable all-to-all of rows taken from where they lie: each other rank r is sent the
     /// rows `rows` selects for it from `source` (`[_, width]` f32, row-major), in that order,
-    /// and this rank receives `recv_rows[src]` rows from each other source into `out`
-    /// (`Σ recv_rows · width` words: each source's chunk in rank order, back to back). Every
+    /// and this rank receives each other source's rows into its chunk of `out` (`recv`: packed
+    /// back to back in rank order, or at fixed strides; `recv.rows() · width` words). Every
     /// count must be known on both sides, as with `recv_counts` of
     /// [`Self::all_to_all_v_words`].
     ///
-    /// A rank's rows to itself are not exchanged: its own chunk of `out` (`recv_rows[rank]`
-    /// rows) is left as it was, for the caller, which can fill it while it reads those rows
-    /// anyway. On error `out` may be partly written.
+    /// A rank's rows to itself are not exchanged: its own chunk of `out` is left as it was,
+    /// for the caller, which can fill it while it reads those rows anyway; so are the rows of
+    /// a strided `out` past each chunk. On error `out` may be partly written.
     ///
     /// The default packs the rows per destination (one copy), hands the buffer to
     /// [`Self::all_to_all_v_words`] and copies what arrives into `out`; an engine that can
@@ -220,11 +278,11 @@ pub trait Communicator {
         source: &[f32],
         width: usize,
         rows: RowsToSend<'_>,
-        recv_rows: &[usize],
+        recv: RowChunks<'_>,
         out: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
         let (rank, size) = (self.rank(), self.size());
-        check_rows(rank, size, source.len(), width, rows, recv_rows, out.len())?;
+        check_rows(rank, size, source.len(), width, rows, recv, out.len())?;
         let remote = |peer: usize| peer != rank;
         let total: usize = (0..size)
             .filter(|&dst| remote(dst))
@@ -241,23 +299,19 @@ pub trait Communicator {
             send_counts.push(send.len() - start);
         }
         let recv_counts: Vec<usize> = (0..size)
-            .map(|src| {
-                if remote(src) {
-                    recv_rows[src] * width
-                } else {
-                    0
-                }
+            .map(|src| match remote(src) {
+                true => recv.counts()[src] * width,
+                false => 0,
             })
             .collect();
         let received =
             self.all_to_all_v_words(Cow::Owned(send), &send_counts, Some(&recv_counts))?;
-        let mut offset = 0;
-        for (src, &rows) in recv_rows.iter().enumerate() {
-            let chunk = &mut out[offset..offset + rows * width];
-            offset += chunk.len();
-            if remote(src) {
-                write_copy(chunk, received.chunk(src));
-            }
+        for src in (0..size).filter(|&src| remote(src)) {
+            let range = recv.range(src);
+            write_copy(
+                &mut out[range.start * width..range.end * width],
+                received.chunk(src),
+            );
         }
         Ok(())
     }
@@ -300,14 +354,14 @@ pub(super) fn check_counts(
 
 /// Checks the arguments of an all-to-all-v of rows: a whole number of rows of `width` words
 /// in the source, one selection and one receive count per rank, selected rows inside the
-/// source, and an `out` of `Σ recv_rows · width` words.
+/// source, no receive chunk past its stride, and an `out` of `recv.rows() · width` words.
 pub(super) fn check_rows(
     rank: usize,
     size: usize,
     source: usize,
     width: usize,
     rows: RowsToSend<'_>,
-    recv_rows: &[usize],
+    recv: RowChunks<'_>,
     out: usize,
 ) -> Result<()> {
     let fail = |message: String| Err(Error::Collective { rank, message });
@@ -316,19 +370,26 @@ pub(super) fn check_rows(
             "all_to_all_v_rows needs a source of whole rows, got {source} words in rows of {width}"
         ));
     }
-    if rows.len() != size || recv_rows.len() != size {
+    if rows.len() != size || recv.len() != size {
         return fail(format!(
             "all_to_all_v_rows needs one row selection and one receive count per rank ({size}), \
              got {} and {}",
             rows.len(),
-            recv_rows.len()
+            recv.len()
         ));
     }
-    let expected = recv_rows.iter().sum::<usize>() * width;
+    if let Some((src, count)) = recv.overflowing_chunk() {
+        return fail(format!(
+            "all_to_all_v_rows receives {count} rows from rank {src} into chunks of {} rows",
+            recv.rows() / size
+        ));
+    }
+    let expected = recv.rows() * width;
     if out != expected {
         return fail(format!(
-            "all_to_all_v_rows receives {expected} words (rows {recv_rows:?} of {width}), \
-             the receive buffer holds {out}"
+            "all_to_all_v_rows receives {expected} words ({} rows of {width}), the receive \
+             buffer holds {out}",
+            recv.rows()
         ));
     }
     let available = source / width;
@@ -338,10 +399,10 @@ pub(super) fn check_rows(
             .flatten()
             .copied()
             .find(|&row| row >= available),
-        RowsToSend::Consecutive(counts) => {
-            let end: usize = counts.iter().sum();
-            (end > available).then(|| end - 1)
-        }
+        RowsToSend::Chunks(chunks) => (0..size)
+            .map(|dst| chunks.range(dst).end)
+            .find(|&end| end > available)
+            .map(|end| end - 1),
     };
     match out_of_range {
         Some(row) => fail(format!(

@@ -1,19 +1,24 @@
-//! `dispatch` and `combine` (the NKI library's `permute_a2av` / `unpermute_a2av`): token rows
-//! travel to the ranks that own their experts and the expert outputs travel back, forward and
-//! backward.
+//! `dispatch` and `combine` in nki-library's `permute_a2av` / `unpermute_a2av` conventions:
+//! token rows travel to the ranks that own their experts and the expert outputs travel back,
+//! forward and backward.
 //!
 //! Experts are sharded contiguously: rank r owns experts `[r·E/R, (r+1)·E/R)` (E must be a
 //! multiple of R). A token goes once to each rank that owns at least one of its K experts,
 //! with its local expert ids (`SKIP` for slots owned elsewhere) and affinities (0 there).
 //!
 //! ```text
-//! send_indices [T, R]  i32  row of token t in the chunk sent to rank r, or T: not sent
-//! send_counts  [R]     i32  rows sent to each rank
-//! recv_counts  [R]     i32  rows received from each rank (M = Σ recv_counts)
+//! send_indices [T, R]  i32  column d: the ids of the tokens sent to rank d, ascending, then T
+//! send_counts  [1, R]  i32  rows sent to each rank
+//! recv_counts  [1, R]  i32  rows received from each rank
 //! ```
-//! Received rows are packed by source rank, each source's rows in its token order; combine
-//! returns them the same way and adds each token's rows in ascending rank order, so results do
-//! not depend on timing. Rows travel as f32 (bf16 inputs are widened exactly).
+//! (`send_indices` and `send_counts` are what the `a2av_routing` kernel makes of `expert_index`.)
+//! Received rows lie at a fixed stride S per source, as `permute_a2av` writes them:
+//! `hidden_states [R·S, H]` holds source s's rows, in its token order, at rows
+//! `[s·S, s·S + recv_counts[s])` and zeros after them (expert ids `SKIP`, affinities 0), where
+//! S is the largest T of any rank: T itself when every rank has the same T, as nki-library's
+//! kernels require. `combine` (`unpermute_a2av`) takes the expert outputs in that layout and
+//! adds each token's rows in ascending rank order, so results do not depend on timing. Rows
+//! travel as f32 (bf16 inputs are widened exactly), packed on the wire.
 //!
 //! Every function validates its inputs, and every rank's verdict travels in the status words
 //! that open its chunks of the first exchange (see [`read_status`]): invalid input on one rank
@@ -24,26 +29,29 @@
 //! rows to itself. Finiteness of the rows is checked in a pass made over them anyway (that
 //! copy, or combine's sum) and agreed in a last exchange of a few words:
 //!
-//! - `dispatch`: the status, local ids and affinities; then the rows into the `[M, H]` result
-//!   (each side already knows every count); then the verdict on `hidden_states`' finiteness.
-//! - `combine`: the status (with the route's counts, checked to match between ranks, which
-//!   also say where each rank's rows start, to name a bad value's place);
-//!   then the rows, added into `[T, H]` where they arrived; then the first non-finite value
-//!   any rank met, if any.
-//! - `combine_bwd`: the status (with the route's counts, checked as in `combine`); then the
-//!   rows, straight into `[M, H]`.
-//! - `dispatch_bwd`: the status (with the route's counts, checked before the payload is
-//!   read), the rows and the affinity gradients, added where they lie.
+//! - `dispatch`: the status (with T, for the stride), local ids and affinities; then the rows
+//!   into the `[R·S, H]` result (each side already knows every count); then the verdict on
+//!   `hidden_states`' finiteness.
+//! - `combine`: the status (with the route's stride and counts, checked to match between
+//!   ranks); then the rows, added into `[T, H]` where they arrived; then the first non-finite
+//!   value any rank met, if any.
+//! - `combine_bwd`: the status (with the route, checked as in `combine`); then the rows,
+//!   straight into `[R·S, H]`.
+//! - `dispatch_bwd`: the status (with the route, checked before the payload is read), the
+//!   rows and the affinity gradients, added where they lie.
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use super::comm::{Communicator, Received, RowsToSend, read_status, status_words};
-use crate::contracts::SKIP;
-use crate::contracts::validate;
+use super::comm::{Communicator, Received, RowChunks, RowsToSend, read_status, status_words};
+use crate::backend::Backend;
+use crate::contracts::{
+    A2avRouting, A2avRoutingInputs, A2avRoutingOutputs, A2avRoutingParams, SKIP, validate,
+};
+use crate::cpu::CpuBackend;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
-use crate::uninit::{assume_init, uninit, write_copy};
+use crate::tensor::{DType, Tensor, try_filled};
+use crate::uninit::{assume_init, try_uninit, uninit, write_copy};
 
 /// Parameters of [`dispatch`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,28 +60,40 @@ pub struct DispatchParams {
     pub num_experts: usize,
 }
 
-/// How rows travel between the ranks: made by [`dispatch`], used by [`combine`] and both
-/// backward passes.
+/// How rows travel between the ranks, in nki-library's convention: made by [`dispatch`], used
+/// by [`combine`] and both backward passes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Route {
-    /// `[T, R]` i32.
+    /// `[T, R]` i32: column d the tokens sent to rank d, ascending, then T.
     pub send_indices: Tensor,
-    /// `[R]` i32.
+    /// `[1, R]` i32 (`[R]` is accepted too).
     pub send_counts: Tensor,
-    /// `[R]` i32.
+    /// `[1, R]` i32 (`[R]` is accepted too).
     pub recv_counts: Tensor,
+    /// S, the rows per source in the received layout `[R·S, H]`: the largest T of any rank.
+    pub stride: usize,
 }
 
-/// What [`dispatch`] delivers to this rank.
+/// What [`dispatch`] delivers to this rank: `permute_a2av`'s layout, source s's rows at
+/// `[s·S, s·S + recv_counts[s])`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dispatched {
     pub route: Route,
-    /// `[M, H]` f32: the received token rows.
+    /// `[R·S, H]` f32: the received token rows, zero past each source's.
     pub hidden_states: Tensor,
-    /// `[M, K]` i32: local expert ids in `[0, E/R)`, or `SKIP`.
+    /// `[R·S, K]` i32: local expert ids in `[0, E/R)`, or `SKIP` (every slot of the rows past
+    /// each source's).
     pub expert_index: Tensor,
-    /// `[M, K]` f32: 0 where `SKIP`.
+    /// `[R·S, K]` f32: 0 where `SKIP`.
     pub topk_affinities: Tensor,
+}
+
+impl Dispatched {
+    /// M, the rows received from all sources (`Σ recv_counts`).
+    pub fn received_rows(&self) -> usize {
+        let counts = self.route.recv_counts.as_i32().unwrap_or_default();
+        counts.iter().map(|&rows| rows.max(0) as usize).sum()
+    }
 }
 
 /// E experts must split evenly over R ranks.
@@ -202,18 +222,19 @@ fn agree_on_sizes(
 }
 
 /// The agreement that opens [`combine`] and [`combine_bwd`]: every rank's verdict, H and
-/// route (`route(&parts)` of a valid rank: H, `send_counts`, `recv_counts`), with H and the
-/// routes checked to match. Every rank's sizes `[H, send_counts…, recv_counts…]`, or the same
-/// error on every rank.
+/// route (`route(&parts)` of a valid rank: H, the stride S, `send_counts`, `recv_counts`), with
+/// H, S and the routes checked to match. Every rank's sizes `[H, S, send_counts…,
+/// recv_counts…]`, or the same error on every rank.
 fn agree_on_route<P>(
     comm: &dyn Communicator,
     local: &Result<P>,
-    route: impl Fn(&P) -> (usize, &[usize], &[usize]),
+    route: impl Fn(&P) -> (usize, usize, &[usize], &[usize]),
 ) -> Result<Vec<Vec<u32>>> {
     let sizes: Vec<u32> = match local {
         Ok(parts) => {
-            let (h, send_counts, recv_counts) = route(parts);
-            std::iter::once(size_word(h))
+            let (h, stride, send_counts, recv_counts) = route(parts);
+            [size_word(h), size_word(stride)]
+                .into_iter()
                 .chain(route_words(send_counts, recv_counts))
                 .collect()
         }
@@ -222,11 +243,11 @@ fn agree_on_route<P>(
     let all = agree_on_sizes(
         comm,
         local.as_ref().map(|_| &sizes[..]),
-        1 + 2 * comm.size(),
+        2 + 2 * comm.size(),
     )?;
-    let hidden: Vec<Vec<u32>> = all.iter().map(|sizes| sizes[..1].to_vec()).collect();
-    check_same_sizes(&["H (hidden size)"], &hidden)?;
-    check_routes_agree(&all, 1)?;
+    let leading: Vec<Vec<u32>> = all.iter().map(|sizes| sizes[..2].to_vec()).collect();
+    check_same_sizes(&["H (hidden size)", "the route's stride S"], &leading)?;
+    check_routes_agree(&all, 2)?;
     Ok(all)
 }
 
@@ -244,35 +265,50 @@ fn check_payload(src: usize, payload: &[f32], rows: usize, width: usize) -> Resu
     Ok(())
 }
 
+/// A route's counts, `[1, R]` i32.
 fn counts_tensor(counts: &[usize]) -> Result<Tensor> {
     let values = counts
         .iter()
         .map(|&c| i32::try_from(c).map_err(|_| Error::param("rows", "more than i32::MAX rows")))
         .collect::<Result<Vec<i32>>>()?;
-    Tensor::from_i32([counts.len()], values)
+    Tensor::from_i32([1, counts.len()], values)
 }
 
-/// The tokens sent to each rank, ascending: those with at least one of their K experts
-/// (global ids `[T, K]`) in the rank's `local_experts`.
-fn tokens_per_rank(ids: &[i32], k: usize, local_experts: usize, r: usize) -> Vec<Vec<usize>> {
-    let mut tokens = vec![Vec::new(); r];
-    let mut seen = vec![usize::MAX; r];
-    for (token, row) in ids.chunks_exact(k).enumerate() {
-        for &id in row {
-            let dst = id as usize / local_experts;
-            if seen[dst] != token {
-                seen[dst] = token;
-                tokens[dst].push(token);
-            }
-        }
-    }
-    tokens
+/// The route's table for `expert_index` (validated): the `a2av_routing` kernel's
+/// `send_indices [T, R]` and `send_counts [1, R]`, with the tokens each rank is sent (column
+/// by column, ascending).
+fn routing_table(
+    expert_index: &Tensor,
+    num_experts: usize,
+    r: usize,
+) -> Result<(A2avRoutingOutputs, Vec<Vec<usize>>)> {
+    let call = A2avRouting::new(
+        A2avRoutingInputs { expert_index },
+        A2avRoutingParams {
+            num_experts,
+            expert_parallel_degree: r,
+        },
+    )?;
+    let table = CpuBackend.a2av_routing(&call)?;
+    let (indices, counts) = (
+        table.send_indices.as_i32().unwrap_or_default(),
+        table.send_counts.as_i32().unwrap_or_default(),
+    );
+    let tokens = (0..r)
+        .map(|dst| {
+            (0..counts[dst] as usize)
+                .map(|row| indices[row * r + dst] as usize)
+                .collect()
+        })
+        .collect();
+    Ok((table, tokens))
 }
 
 /// Sends each token row to the ranks that own its experts (see the module documentation).
 ///
 /// Inputs: `hidden_states [T, H]` (f32 or bf16), `expert_index [T, K]` (global ids in
-/// `[0, E)`, distinct per row), `topk_affinities [T, K]`. T may be 0 on some ranks.
+/// `[0, E)`, distinct per row), `topk_affinities [T, K]`. T may differ between ranks, and be 0
+/// on some.
 pub fn dispatch(
     comm: &dyn Communicator,
     hidden_states: &Tensor,
@@ -300,30 +336,23 @@ pub fn dispatch(
             "[T, K]",
             &[Some(t), Some(k)],
         )?;
-        Ok((t, h, k))
+        let (table, tokens) = routing_table(expert_index, e, r)?;
+        Ok((t, h, k, table, tokens))
     })();
     let dtype_bits = match hidden_states.dtype() {
         DType::BF16 => 16,
         _ => 32,
     };
     let local_experts = e / r.max(1);
-    let (t, h, k) = *local.as_ref().unwrap_or(&(0, 0, 0));
+    let (t, h, k) = local.as_ref().map_or((0, 0, 0), |&(t, h, k, ..)| (t, h, k));
     let ids = expert_index.as_i32().unwrap_or_default();
-    let tokens = match &local {
-        Ok(_) => tokens_per_rank(ids, k, local_experts, r),
-        Err(_) => vec![Vec::new(); r],
-    };
-    let send_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
-    let mut send_indices = vec![t as i32; t * r];
-    for (dst, sent) in tokens.iter().enumerate() {
-        for (row, &token) in sent.iter().enumerate() {
-            send_indices[token * r + dst] = row as i32;
-        }
-    }
+    let no_rows = vec![Vec::new(); r];
+    let tokens = local.as_ref().map_or(&no_rows, |(.., tokens)| tokens);
 
-    // First exchange: the status, then per destination its rows' K local ids (`SKIP` for
-    // slots owned elsewhere) and K affinities (0 there), in token order.
-    let sizes = [e, k, h, dtype_bits].map(size_word);
+    // First exchange: the status (T last: the ranks' T may differ, and give the stride), then
+    // per destination its rows' K local ids (`SKIP` for slots owned elsewhere) and K
+    // affinities (0 there), in token order.
+    let sizes = [e, k, h, dtype_bits, t].map(size_word);
     let status = status_words(local.as_ref().map(|_| &sizes[..]));
     let affinities = topk_affinities.f32_values();
     let mut meta =
@@ -356,7 +385,7 @@ pub fn dispatch(
         meta_counts.push(meta.len() - start);
     }
     let received = comm.all_to_all_v_words(meta.into(), &meta_counts, None)?;
-    let (_, payloads) = agreed_payloads(
+    let (all, payloads) = agreed_payloads(
         &received,
         &[
             "num_experts",
@@ -365,53 +394,98 @@ pub fn dispatch(
             "hidden_states bits (dtype)",
         ],
     )?;
+    let stride = all.iter().map(|sizes| sizes[4] as usize).max().unwrap_or(0);
     let recv_counts: Vec<usize> = payloads.iter().map(|p| p.len() / (2 * k)).collect();
     for (src, (payload, &rows)) in payloads.iter().zip(&recv_counts).enumerate() {
         check_payload(src, payload, rows, 2 * k)?;
+        // A source sends each of its T tokens at most once, and no rank has more than S.
+        if rows > stride {
+            return Err(Error::Collective {
+                rank: src,
+                message: format!("sent {rows} rows, more than the largest T of any rank, {stride}"),
+            });
+        }
     }
-    let m: usize = recv_counts.iter().sum();
-    let (mut recv_ids, mut recv_affinities) =
-        (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
-    for (payload, &rows) in payloads.iter().zip(&recv_counts) {
-        let (row_ids, row_affinities) = payload.split_at(rows * k);
-        recv_ids.extend(row_ids.iter().map(|w| w.to_bits() as i32));
-        recv_affinities.extend_from_slice(row_affinities);
+    let chunks = RowChunks::Strided {
+        counts: &recv_counts,
+        stride,
+    };
+    let rows = chunks.rows();
+    let mut recv_ids = try_filled("the received `expert_index`", &[rows, k], SKIP)?;
+    let mut recv_affinities = try_filled("the received `topk_affinities`", &[rows, k], 0f32)?;
+    for (src, (payload, &count)) in payloads.iter().zip(&recv_counts).enumerate() {
+        let (row_ids, row_affinities) = payload.split_at(count * k);
+        let at = chunks.range(src);
+        let slots = at.start * k..at.end * k;
+        for (id, word) in recv_ids[slots.clone()].iter_mut().zip(row_ids) {
+            *id = word.to_bits() as i32;
+        }
+        recv_affinities[slots].copy_from_slice(row_affinities);
     }
     drop(received);
 
     // Second exchange: the rows, from where they lie in `hidden_states`, straight into the
-    // `[M, H]` result; every rank knows every count. This rank's own rows are copied in here,
+    // `[R·S, H]` result; every rank knows every count. This rank's own rows are copied in here,
     // and finiteness is checked while they are (then on the rows sent only elsewhere).
     let rank = comm.rank();
     let x = hidden_states.f32_values();
-    let (hidden, own_non_finite) = exchange_gathered(comm, &x, h, &tokens, &recv_counts)?;
+    let (hidden, own_non_finite) = exchange_gathered(comm, &x, h, tokens, chunks)?;
+    let sent_only_elsewhere = {
+        let mut own = tokens[rank].iter().peekable();
+        (0..t).filter(move |&token| own.next_if_eq(&&token).is_none())
+    };
     let non_finite = own_non_finite
-        || (0..t)
-            .filter(|&token| send_indices[token * r + rank] == t as i32)
+        || sent_only_elsewhere
+            .into_iter()
             .any(|token| has_non_finite(&x[token * h..(token + 1) * h]));
     let verdict = match non_finite {
         true => validate::finite("hidden_states", hidden_states),
         false => Ok(()),
     };
     agree_on_sizes(comm, verdict.as_ref().map(|()| &[][..]), 0)?;
+    let (_, _, _, table, _) = local?;
     Ok(Dispatched {
         route: Route {
-            send_indices: Tensor::from_i32([t, r], send_indices)?,
-            send_counts: counts_tensor(&send_counts)?,
+            send_indices: table.send_indices,
+            send_counts: table.send_counts,
             recv_counts: counts_tensor(&recv_counts)?,
+            stride,
         },
-        hidden_states: Tensor::from_f32([m, h], hidden)?,
-        expert_index: Tensor::from_i32([m, k], recv_ids)?,
-        topk_affinities: Tensor::from_f32([m, k], recv_affinities)?,
+        hidden_states: Tensor::from_f32([rows, h], hidden)?,
+        expert_index: Tensor::from_i32([rows, k], recv_ids)?,
+        topk_affinities: Tensor::from_f32([rows, k], recv_affinities)?,
     })
 }
 
-/// A validated route: `(T, send_indices, send_counts, recv_counts)`.
-type RouteParts<'a> = (usize, &'a [i32], Vec<usize>, Vec<usize>);
+/// A validated [`Route`].
+struct RouteParts {
+    /// T, this rank's tokens.
+    t: usize,
+    /// `tokens[dst]`: the tokens sent to rank dst, ascending (column dst of `send_indices`).
+    tokens: Vec<Vec<usize>>,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    stride: usize,
+}
 
-fn check_route<'a>(route: &'a Route, r: usize) -> Result<RouteParts<'a>> {
+impl RouteParts {
+    /// Where the rows received from each source lie: `[R·S, _]`, strided.
+    fn received(&self) -> RowChunks<'_> {
+        RowChunks::Strided {
+            counts: &self.recv_counts,
+            stride: self.stride,
+        }
+    }
+}
+
+/// Checks a route in nki-library's convention (see the module documentation) for R ranks.
+fn check_route(route: &Route, r: usize) -> Result<RouteParts> {
     let counts = |name: &str, tensor: &Tensor| -> Result<Vec<usize>> {
-        let (_, values) = validate::index_tensor(name, tensor, "[R]", &[Some(r)])?;
+        let dims: &[Option<usize>] = match tensor.shape().len() {
+            1 => &[Some(r)],
+            _ => &[Some(1), Some(r)],
+        };
+        let (_, values) = validate::index_tensor(name, tensor, "[1, R]", dims)?;
         values
             .iter()
             .map(|&c| {
@@ -428,39 +502,46 @@ fn check_route<'a>(route: &'a Route, r: usize) -> Result<RouteParts<'a>> {
         "[T, R]",
         &[None, Some(r)],
     )?;
-    let t = shape[0];
+    let (t, stride) = (shape[0], route.stride);
+    if let Some(src) = recv_counts.iter().position(|&rows| rows > stride) {
+        return Err(Error::invalid(
+            "recv_counts",
+            format!(
+                "receives {} rows from rank {src}, more than the route's stride S = {stride}",
+                recv_counts[src]
+            ),
+        ));
+    }
+    if t > stride {
+        return Err(Error::invalid(
+            "send_indices",
+            format!("T = {t} tokens exceed the route's stride S = {stride} (the largest T)"),
+        ));
+    }
+    let mut tokens = Vec::with_capacity(r);
     for (dst, &count) in send_counts.iter().enumerate() {
-        let mut rows: Vec<i32> = (0..t)
-            .map(|token| indices[token * r + dst])
-            .filter(|&row| row != t as i32)
-            .collect();
-        rows.sort_unstable();
-        if rows.iter().enumerate().any(|(i, &row)| row != i as i32) || rows.len() != count {
+        let column: Vec<i32> = (0..t).map(|row| indices[row * r + dst]).collect();
+        let (sent, empty) = column.split_at(count.min(t));
+        let ascending_ids = sent.iter().all(|&id| (0..t as i32).contains(&id))
+            && sent.windows(2).all(|pair| pair[0] < pair[1]);
+        if count > t || !ascending_ids || empty.iter().any(|&id| id != t as i32) {
             return Err(Error::invalid(
                 "send_indices",
                 format!(
-                    "column {dst} must number its sent rows 0..{count} (send_counts[{dst}]) \
-                     once each and mark the rest with T = {t}"
+                    "column {dst} must list send_counts[{dst}] = {count} token ids in [0, {t}), \
+                     ascending, then T = {t}"
                 ),
             ));
         }
+        tokens.push(sent.iter().map(|&id| id as usize).collect());
     }
-    Ok((t, indices, send_counts, recv_counts))
-}
-
-/// Rows per destination, in send order: `rows[dst]` lists `(token, row)` for the tokens sent
-/// to `dst`, ascending.
-fn sent_rows(t: usize, r: usize, indices: &[i32]) -> Vec<Vec<usize>> {
-    (0..r)
-        .map(|dst| {
-            let mut tokens: Vec<(i32, usize)> = (0..t)
-                .filter(|&token| indices[token * r + dst] != t as i32)
-                .map(|token| (indices[token * r + dst], token))
-                .collect();
-            tokens.sort_unstable();
-            tokens.into_iter().map(|(_, token)| token).collect()
-        })
-        .collect()
+    Ok(RouteParts {
+        t,
+        tokens,
+        send_counts,
+        recv_counts,
+        stride,
+    })
 }
 
 /// Lanes of the row loops below: independent flags, so the loops vectorise.
@@ -515,46 +596,56 @@ fn sum_rows<'a>(
     flags.iter().any(|&flag| flag != 0)
 }
 
-/// Sends each rank r the rows `rows[r]` of `source` (`[_, h]`) and receives `recv_counts[src]`
-/// rows from each source into one `[Σ recv_counts, h]` buffer, sources in rank order; this
-/// rank's rows to itself are copied in here. Also returns whether those own rows hold an
-/// infinity or a NaN (the copy reads them anyway).
+/// Sends each rank r the rows `rows[r]` of `source` (`[_, h]`) and receives each source's rows
+/// into its chunk of one `[recv.rows(), h]` buffer, zero outside the chunks; this rank's rows
+/// to itself are copied in here. Also returns whether those own rows hold an infinity or a NaN
+/// (the copy reads them anyway).
 fn exchange_gathered(
     comm: &dyn Communicator,
     source: &[f32],
     h: usize,
     rows: &[Vec<usize>],
-    recv_counts: &[usize],
+    recv: RowChunks<'_>,
 ) -> Result<(Vec<f32>, bool)> {
     let rank = comm.rank();
-    let mut received = uninit(recv_counts.iter().sum::<usize>() * h);
-    let own = own_chunk(recv_counts, rank, h, rows[rank].len())?;
-    let non_finite = gather_rows(source, h, &rows[rank], &mut received[own]);
-    comm.all_to_all_v_rows(
-        source,
-        h,
-        RowsToSend::Gathered(rows),
-        recv_counts,
-        &mut received,
-    )?;
-    // SAFETY: the exchange wrote every other source's chunk, and `gather_rows` this rank's.
-    Ok((unsafe { assume_init(received) }, non_finite))
-}
-
-/// Where this rank's own chunk lies in a `[Σ recv_counts, h]` receive buffer, which must hold
-/// the `sent` rows it sends itself.
-fn own_chunk(recv_counts: &[usize], rank: usize, h: usize, sent: usize) -> Result<Range<usize>> {
-    if recv_counts[rank] != sent {
+    let total = recv.rows();
+    let mut received = try_uninit("the received rows", &[total, h])?;
+    if recv.counts()[rank] != rows[rank].len() {
         return Err(Error::invalid(
             "recv_counts",
             format!(
-                "rank {rank} sends itself {sent} rows but recv_counts[{rank}] = {}",
-                recv_counts[rank]
+                "rank {rank} sends itself {} rows but recv_counts[{rank}] = {}",
+                rows[rank].len(),
+                recv.counts()[rank]
             ),
         ));
     }
-    let start = recv_counts[..rank].iter().sum::<usize>() * h;
-    Ok(start..start + sent * h)
+    // The rows past each chunk (a strided layout's padding) are zero.
+    let mut next = 0;
+    for src in 0..recv.len() {
+        let chunk = recv.range(src);
+        write_zeros(&mut received[next * h..chunk.start * h]);
+        next = chunk.end;
+    }
+    write_zeros(&mut received[next * h..]);
+    let own = recv.range(rank);
+    let non_finite = gather_rows(
+        source,
+        h,
+        &rows[rank],
+        &mut received[own.start * h..own.end * h],
+    );
+    comm.all_to_all_v_rows(source, h, RowsToSend::Gathered(rows), recv, &mut received)?;
+    // SAFETY: the exchange wrote every other source's chunk, `gather_rows` this rank's and
+    // `write_zeros` the rows between the chunks.
+    Ok((unsafe { assume_init(received) }, non_finite))
+}
+
+/// Writes zeros into `out`.
+fn write_zeros(out: &mut [MaybeUninit<f32>]) {
+    for slot in out {
+        slot.write(0.0);
+    }
 }
 
 /// Copies the rows `rows` of `source` (`[_, h]`) into `out` back to back; returns whether
@@ -578,79 +669,74 @@ fn gather_rows(source: &[f32], h: usize, rows: &[usize], out: &mut [MaybeUninit<
     flags.iter().any(|&flag| flag != 0)
 }
 
-/// Returns the expert outputs of the received rows, `expert_output [M, H]`, to their source
-/// ranks and adds each token's rows in ascending rank order: `[T, H]` f32.
+/// Returns the expert outputs of the received rows, `expert_output [R·S, H]` in the layout
+/// [`dispatch`] delivered (`unpermute_a2av`'s input), to their source ranks and adds each
+/// token's rows in ascending rank order: `[T, H]` f32. The rows past each source's are not
+/// read.
 pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -> Result<Tensor> {
     let (rank, r) = (comm.rank(), comm.size());
     let local = (|| {
-        let (t, indices, send_counts, recv_counts) = check_route(route, r)?;
-        let m: usize = recv_counts.iter().sum();
+        let parts = check_route(route, r)?;
         // Finiteness is checked while the rows are added, by the rank that adds them.
         let shape = validate::float_tensor_shape(
             "expert_output",
             expert_output,
-            "[M, H]",
-            &[Some(m), None],
+            "[R·S, H]",
+            &[Some(r * parts.stride), None],
         )?;
         validate::non_empty("expert_output", "H (hidden size)", shape[1])?;
-        Ok((t, indices, send_counts, recv_counts, shape[1]))
+        Ok((parts, shape[1]))
     })();
-    // Every rank's verdict, H and route (which also says where the rows of each destination
-    // start in its `expert_output`, to name a bad value's position there).
-    let all = agree_on_route(comm, &local, |(_, _, send, recv, h)| (*h, send, recv))?;
-    let (t, indices, send_counts, recv_counts, h) = local?;
-    // Where the rows src returns to this rank start in src's `expert_output`.
-    let start_at = |src: usize| {
-        all[src][1 + r..1 + r + rank]
-            .iter()
-            .map(|&rows| rows as usize)
-            .sum::<usize>()
-    };
-    // The rows go back from where they lie (sources in rank order, as they came), received
-    // into one buffer; this rank's own rows never leave `expert_output`.
+    agree_on_route(comm, &local, |(parts, h)| {
+        (*h, parts.stride, &parts.send_counts, &parts.recv_counts)
+    })?;
+    let (parts, h) = local?;
+    let (t, stride) = (parts.t, parts.stride);
+    // The rows go back from where they lie (each source's chunk of `expert_output`), received
+    // into one buffer packed by source; this rank's own rows never leave `expert_output`.
     let rows = expert_output.f32_values();
-    let mut back = send_counts.clone();
+    let mut back = parts.send_counts.clone();
     back[rank] = 0;
-    let mut received = uninit(back.iter().sum::<usize>() * h);
+    let back = RowChunks::Packed(&back);
+    let mut received = uninit(back.rows() * h);
     comm.all_to_all_v_rows(
         &rows,
         h,
-        RowsToSend::Consecutive(&recv_counts),
-        &back,
+        RowsToSend::Chunks(parts.received()),
+        back,
         &mut received,
     )?;
     // SAFETY: the exchange wrote every other source's chunk; this rank's has no rows.
     let received = unsafe { assume_init(received) };
-    let chunk_starts: Vec<usize> = back
-        .iter()
-        .scan(0, |start, &rows| {
-            *start += rows * h;
-            Some(*start - rows * h)
-        })
-        .collect();
-    let own_start = start_at(rank) * h;
-    let own = &rows[own_start..own_start + recv_counts[rank] * h];
+    let own = parts.received().range(rank);
+    let chunk_of = |src: usize| match src == rank {
+        true => &rows[own.start * h..own.end * h],
+        false => &received[back.range(src).start * h..back.range(src).end * h],
+    };
+    // `row_of[token·R + src]`: the token's row in what src returned, or T: not sent there.
+    let mut row_of = vec![t; t * r];
+    for (dst, tokens) in parts.tokens.iter().enumerate() {
+        for (row, &token) in tokens.iter().enumerate() {
+            row_of[token * r + dst] = row;
+        }
+    }
     // Token by token, each output row written once, in one pass: the sum of its rows in
     // ascending rank order (a token sent nowhere gets 0). The first non-finite value seen is
     // kept as `(source rank, its row there, column, value)`.
     let mut bad: Option<(usize, usize, usize, f32)> = None;
     let mut output = uninit(t * h);
     let mut rows_of_token: Vec<(usize, usize, &[f32])> = Vec::with_capacity(r);
-    for (sent, out) in indices.chunks_exact(r).zip(output.chunks_exact_mut(h)) {
+    for (sent, out) in row_of.chunks_exact(r).zip(output.chunks_exact_mut(h)) {
         rows_of_token.clear();
-        for (src, &row) in sent.iter().enumerate().filter(|&(_, &row)| row != t as i32) {
-            let row = row as usize;
-            let chunk = match src == rank {
-                true => own,
-                false => &received[chunk_starts[src]..],
-            };
-            rows_of_token.push((src, row, &chunk[row * h..(row + 1) * h]));
+        for (src, &row) in sent.iter().enumerate().filter(|&(_, &row)| row != t) {
+            rows_of_token.push((src, row, &chunk_of(src)[row * h..(row + 1) * h]));
         }
         let mut values = rows_of_token.iter().map(|&(_, _, values)| values);
         if sum_rows(out, &mut values) {
             for &(src, row, values) in &rows_of_token {
                 if let Some(col) = values.iter().position(|v| !v.is_finite()) {
-                    let found = (src, start_at(src) + row, col, values[col]);
+                    // The row in src's `expert_output`: this rank's chunk there, then the row.
+                    let found = (src, rank * stride + row, col, values[col]);
                     let key = |(src, row, col, _): (usize, usize, usize, f32)| (src, row, col);
                     if bad.is_none_or(|first| key(found) < key(first)) {
                         bad = Some(found);
@@ -695,30 +781,38 @@ pub fn combine(comm: &dyn Communicator, route: &Route, expert_output: &Tensor) -
 }
 
 /// Backward of [`combine`]: the gradient of each received row is its token's output gradient,
-/// `d_output [T, H]` → `d_expert_output [M, H]` f32.
+/// `d_output [T, H]` → `d_expert_output [R·S, H]` f32 in [`dispatch`]'s layout (zero past each
+/// source's rows).
 pub fn combine_bwd(comm: &dyn Communicator, route: &Route, d_output: &Tensor) -> Result<Tensor> {
     let r = comm.size();
     let local = (|| {
-        let (t, indices, send_counts, recv_counts) = check_route(route, r)?;
-        let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(t), None])?;
+        let parts = check_route(route, r)?;
+        let shape = validate::float_tensor("d_output", d_output, "[T, H]", &[Some(parts.t), None])?;
         validate::non_empty("d_output", "H (hidden size)", shape[1])?;
-        Ok((t, indices, send_counts, recv_counts, shape[1]))
+        Ok((parts, shape[1]))
     })();
-    agree_on_route(comm, &local, |(_, _, send, recv, h)| (*h, send, recv))?;
-    let (t, indices, _, recv_counts, h) = local?;
-    // Each token's gradient row goes to every rank it was sent to, straight into the `[M, H]`
-    // result there; this rank's own rows are copied in here.
-    let sent = sent_rows(t, r, indices);
-    let (received, _) = exchange_gathered(comm, &d_output.f32_values(), h, &sent, &recv_counts)?;
-    let m: usize = recv_counts.iter().sum();
-    Tensor::from_f32([m, h], received)
+    agree_on_route(comm, &local, |(parts, h)| {
+        (*h, parts.stride, &parts.send_counts, &parts.recv_counts)
+    })?;
+    let (parts, h) = local?;
+    // Each token's gradient row goes to every rank it was sent to, straight into its chunk of
+    // the `[R·S, H]` result there; this rank's own rows are copied in here.
+    let (received, _) = exchange_gathered(
+        comm,
+        &d_output.f32_values(),
+        h,
+        &parts.tokens,
+        parts.received(),
+    )?;
+    Tensor::from_f32([parts.received().rows(), h], received)
 }
 
-/// Backward of [`dispatch`]: the received rows' gradients `d_hidden_states [M, H]` and
-/// `d_topk_affinities [M, K]` go back to their sources; a token's hidden-state gradient is the
-/// sum of its rows' (ascending rank order) and each affinity gradient comes from the rank that
-/// owns that slot's expert. Returns `(d_hidden_states [T, H], d_topk_affinities [T, K])` f32;
-/// `expert_index [T, K]` is the forward's (global ids).
+/// Backward of [`dispatch`]: the received rows' gradients `d_hidden_states [R·S, H]` and
+/// `d_topk_affinities [R·S, K]` (in [`dispatch`]'s layout; the rows past each source's are not
+/// read) go back to their sources; a token's hidden-state gradient is the sum of its rows'
+/// (ascending rank order) and each affinity gradient comes from the rank that owns that slot's
+/// expert. Returns `(d_hidden_states [T, H], d_topk_affinities [T, K])` f32; `expert_index
+/// [T, K]` is the forward's (global ids).
 pub fn dispatch_bwd(
     comm: &dyn Communicator,
     route: &Route,
@@ -731,31 +825,35 @@ pub fn dispatch_bwd(
     let e = params.num_experts;
     let local = (|| {
         check_sharding(e, r)?;
-        let (t, indices, send_counts, recv_counts) = check_route(route, r)?;
-        let (index_shape, ids) =
-            validate::index_tensor("expert_index", expert_index, "[T, K]", &[Some(t), None])?;
+        let parts = check_route(route, r)?;
+        let (index_shape, ids) = validate::index_tensor(
+            "expert_index",
+            expert_index,
+            "[T, K]",
+            &[Some(parts.t), None],
+        )?;
         validate::expert_ids("expert_index", ids, &index_shape, e)?;
         let k = index_shape[1];
-        let m: usize = recv_counts.iter().sum();
+        let rows = parts.received().rows();
         let shape = validate::float_tensor(
             "d_hidden_states",
             d_hidden_states,
-            "[M, H]",
-            &[Some(m), None],
+            "[R·S, H]",
+            &[Some(rows), None],
         )?;
         validate::float_tensor(
             "d_topk_affinities",
             d_topk_affinities,
-            "[M, K]",
-            &[Some(m), Some(k)],
+            "[R·S, K]",
+            &[Some(rows), Some(k)],
         )?;
-        Ok((t, indices, ids, send_counts, recv_counts, shape[1], k))
+        Ok((parts, ids, shape[1], k))
     })();
-    let (h, k) = local.as_ref().map_or((0, 0), |parts| (parts.5, parts.6));
+    let (h, k) = local.as_ref().map_or((0, 0), |&(_, _, h, k)| (h, k));
     let sizes: Vec<u32> = match &local {
-        Ok((_, _, _, send_counts, recv_counts, ..)) => [size_word(h), size_word(k)]
+        Ok((parts, ..)) => [size_word(h), size_word(k), size_word(parts.stride)]
             .into_iter()
-            .chain(route_words(send_counts, recv_counts))
+            .chain(route_words(&parts.send_counts, &parts.recv_counts))
             .collect(),
         Err(_) => Vec::new(),
     };
@@ -764,26 +862,30 @@ pub fn dispatch_bwd(
     // their K affinity gradients.
     let d_rows = d_hidden_states.f32_values();
     let d_row_affinities = d_topk_affinities.f32_values();
-    let recv_counts = local.as_ref().map_or(vec![0; r], |parts| parts.4.clone());
+    let sources: Vec<Range<usize>> = match &local {
+        Ok((parts, ..)) => (0..r).map(|src| parts.received().range(src)).collect(),
+        Err(_) => vec![0..0; r],
+    };
     let mut send = Vec::with_capacity(r * status.len() + d_rows.len() + d_row_affinities.len());
     let mut counts = Vec::with_capacity(r);
-    let mut offset = 0;
-    for &rows in &recv_counts {
+    for rows in sources {
         send.extend_from_slice(&status);
-        send.extend_from_slice(&d_rows[offset * h..(offset + rows) * h]);
-        send.extend_from_slice(&d_row_affinities[offset * k..(offset + rows) * k]);
-        offset += rows;
-        counts.push(status.len() + rows * (h + k));
+        send.extend_from_slice(&d_rows[rows.start * h..rows.end * h]);
+        send.extend_from_slice(&d_row_affinities[rows.start * k..rows.end * k]);
+        counts.push(status.len() + rows.len() * (h + k));
     }
     let received = comm.all_to_all_v_words(send.into(), &counts, None)?;
-    let (all, payloads) = agreed_payloads(&received, &["H (hidden size)", "K (top_k)"])?;
-    check_routes_agree(&all, 2)?;
-    let (t, indices, ids, send_counts, _, h, k) = local?;
-    let local_experts = e / r;
+    let (all, payloads) = agreed_payloads(
+        &received,
+        &["H (hidden size)", "K (top_k)", "the route's stride S"],
+    )?;
+    check_routes_agree(&all, 3)?;
+    let (parts, ids, h, k) = local?;
+    let (t, local_experts) = (parts.t, e / r);
     let mut d_x = vec![0f32; t * h];
     let mut d_affinities = vec![0f32; t * k];
-    for (dst, (tokens, payload)) in sent_rows(t, r, indices).iter().zip(&payloads).enumerate() {
-        let rows = send_counts[dst];
+    for (dst, (tokens, payload)) in parts.tokens.iter().zip(&payloads).enumerate() {
+        let rows = parts.send_counts[dst];
         check_payload(dst, payload, rows, h + k)?;
         let (row_values, row_affinities) = payload.split_at(rows * h);
         for (row, &token) in tokens.iter().enumerate() {

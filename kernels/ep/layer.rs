@@ -226,7 +226,7 @@ impl ExpertsSaved {
 
 #[derive(Clone, Debug)]
 struct LocalExperts {
-    /// `[M+1, H]`, the received rows plus the padding row.
+    /// `[R·S+1, H]`, the received rows in dispatch's layout plus the padding row.
     hidden_states: Tensor,
     plan: PermuteOutputs,
     gate_up_activations_t: Tensor,
@@ -266,10 +266,11 @@ impl ShardedExperts<'_> {
         let mut exchange_time = start.elapsed();
         let local = super::comm::agree(self.comm, self.local_forward(inputs, &dispatched))?;
         let h = inputs.x.shape()[1];
-        let m = dispatched.hidden_states.shape()[0];
+        // `[R·S, H]`, dispatch's layout.
+        let rows = dispatched.hidden_states.shape()[0];
         let expert_output = match &local {
             Some((output, _)) => output.clone(),
-            None => Tensor::from_f32([m, h], vec![0.0; m * h])?,
+            None => Tensor::from_f32([rows, h], vec![0.0; rows * h])?,
         };
         let start = Instant::now();
         let output = combine(self.comm, &dispatched.route, &expert_output)?;
@@ -290,8 +291,7 @@ impl ShardedExperts<'_> {
         inputs: ExpertsInputs<'_>,
         dispatched: &Dispatched,
     ) -> Result<Option<(Tensor, LocalExperts)>> {
-        let shape = dispatched.hidden_states.shape();
-        let (m, h) = (shape[0], shape[1]);
+        let h = dispatched.hidden_states.shape()[1];
         let local_experts = self.num_experts / self.comm.size();
         if inputs.gate_up_proj_weight.shape().first() != Some(&local_experts) {
             return Err(Error::shape(
@@ -300,7 +300,7 @@ impl ShardedExperts<'_> {
                 inputs.gate_up_proj_weight.shape(),
             ));
         }
-        if m == 0 {
+        if dispatched.received_rows() == 0 {
             return Ok(None);
         }
         let hidden_states = with_padding_row(&dispatched.hidden_states)?;
@@ -333,7 +333,8 @@ impl ShardedExperts<'_> {
             ));
         };
         Ok(Some((
-            out.output.into_leading_rows("output", m)?,
+            out.output
+                .into_leading_rows("output", dispatched.hidden_states.shape()[0])?,
             LocalExperts {
                 hidden_states,
                 plan,
@@ -380,8 +381,8 @@ impl ShardedExperts<'_> {
         })
     }
 
-    /// `blockwise_mm_bwd` on the received rows: `(d rows [M, H], d row affinities [M, K],
-    /// d gate_up, d down)`; zeros when this rank received no rows.
+    /// `blockwise_mm_bwd` on the received rows: `(d rows [R·S, H], d row affinities [R·S, K],
+    /// d gate_up, d down)` in dispatch's layout; zeros when this rank received no rows.
     fn local_backward(
         &self,
         inputs: ExpertsInputs<'_>,
@@ -417,11 +418,11 @@ impl ShardedExperts<'_> {
                 "the backend returned no d_topk_affinities",
             )
         })?;
-        let m = d_expert_output.shape()[0];
+        let rows = d_expert_output.shape()[0];
         Ok((
             grads
                 .hidden_states_grad
-                .into_leading_rows("hidden_states_grad", m)?,
+                .into_leading_rows("hidden_states_grad", rows)?,
             d_affinities,
             grads.gate_up_proj_weight_grad,
             grads.down_proj_weight_grad,

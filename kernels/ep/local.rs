@@ -7,7 +7,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::comm::{
-    Communicator, Received, RowsToSend, Selected, check_counts, check_known_counts, check_rows,
+    Communicator, Received, RowChunks, RowsToSend, Selected, check_counts, check_known_counts,
+    check_rows,
 };
 use crate::error::{Error, Result};
 use crate::tensor::try_capacity;
@@ -349,11 +350,11 @@ impl Communicator for LocalComm {
         source: &[f32],
         width: usize,
         rows: RowsToSend<'_>,
-        recv_rows: &[usize],
+        recv: RowChunks<'_>,
         out: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
         let (rank, size) = (self.rank, self.shared.size);
-        check_rows(rank, size, source.len(), width, rows, recv_rows, out.len())?;
+        check_rows(rank, size, source.len(), width, rows, recv, out.len())?;
         let offers: Vec<Option<Arc<RowsOffer>>> = (0..size)
             .map(|dst| {
                 (dst != rank).then(|| Arc::new(RowsOffer::new(source, width, rows.selected(dst))))
@@ -368,13 +369,12 @@ impl Communicator for LocalComm {
             })
             .collect();
         let received = self.exchange(outgoing).and_then(|incoming| {
-            let mut offset = 0;
             for (src, parcel) in incoming.into_iter().enumerate() {
-                let chunk = &mut out[offset..offset + recv_rows[src] * width];
-                offset += chunk.len();
+                let range = recv.range(src);
+                let chunk = &mut out[range.start * width..range.end * width];
                 match parcel {
                     Parcel::Empty if src == rank => {}
-                    Parcel::Rows(offer) if offer.selected().count() == recv_rows[src] => {
+                    Parcel::Rows(offer) if offer.selected().count() == range.len() => {
                         offer.copy_into(chunk);
                     }
                     Parcel::Rows(offer) => {
@@ -383,7 +383,7 @@ impl Communicator for LocalComm {
                             message: format!(
                                 "sent {} rows where rank {rank} expected {}",
                                 offer.selected().count(),
-                                recv_rows[src]
+                                range.len()
                             ),
                         });
                     }

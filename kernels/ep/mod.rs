@@ -23,7 +23,9 @@ mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
 
-pub use comm::{Communicator, Received, RowsToSend, agree, agree_with_values, all_to_all_v_values};
+pub use comm::{
+    Communicator, Received, RowChunks, RowsToSend, agree, agree_with_values, all_to_all_v_values,
+};
 pub use exchange::{
     DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
 };

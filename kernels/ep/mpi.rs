@@ -12,7 +12,9 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Source};
 use mpi::{Address, Tag};
 
-use super::comm::{Communicator, Received, RowsToSend, Selected, check_counts, check_rows};
+use super::comm::{
+    Communicator, Received, RowChunks, RowsToSend, Selected, check_counts, check_rows,
+};
 use crate::error::{Error, Result};
 use crate::uninit::{assume_init, uninit, write_copy};
 
@@ -139,23 +141,29 @@ impl MpiComm {
 
 impl MpiComm {
     /// One point-to-point round, every message posted at once: a receive from each other rank
-    /// into its chunk of `out` (`counts[src]` words each, in rank order; this rank's own chunk
-    /// is left alone) and each `(dst, buffer)` of `sends`. A source that sent fewer words than
-    /// its chunk holds is an error naming it (more is MPI's truncation error).
+    /// into its chunk of `out` (the words `chunks[src]`: ascending, disjoint ranges; this
+    /// rank's own chunk and the words between chunks are left alone) and each `(dst, buffer)`
+    /// of `sends`. A source that sent fewer words than its chunk holds is an error naming it
+    /// (more is MPI's truncation error).
     fn round<S: Buffer + ?Sized>(
         &self,
         out: &mut [MaybeUninit<f32>],
-        counts: &[usize],
+        chunks: &[Range<usize>],
         sends: &[(usize, &S)],
     ) -> Result<()> {
         let rank = self.rank();
-        let mut chunks = Vec::with_capacity(counts.len());
         let mut rest = as_slots(out);
-        for &count in counts {
-            let (chunk, tail) = rest.split_at_mut(count);
-            chunks.push(chunk);
-            rest = tail;
-        }
+        let mut consumed = 0;
+        let chunks: Vec<_> = chunks
+            .iter()
+            .map(|range| {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - consumed);
+                let (chunk, tail) = tail.split_at_mut(range.len());
+                rest = tail;
+                consumed = range.end;
+                chunk
+            })
+            .collect();
         let mut short = None;
         mpi::request::scope(|scope| {
             let receives: Vec<_> = chunks
@@ -253,7 +261,9 @@ impl Communicator for MpiComm {
                     .filter(|&dst| dst != rank)
                     .map(|dst| (dst, chunk(dst)))
                     .collect();
-                self.round(&mut received, known, &sends)?;
+                let chunks = RowChunks::Packed(known);
+                let chunks: Vec<Range<usize>> = (0..size).map(|src| chunks.range(src)).collect();
+                self.round(&mut received, &chunks, &sends)?;
                 if !own_matches {
                     return Err(Error::Collective {
                         rank,
@@ -309,11 +319,11 @@ impl Communicator for MpiComm {
         source: &[f32],
         width: usize,
         rows: RowsToSend<'_>,
-        recv_rows: &[usize],
+        recv: RowChunks<'_>,
         out: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
         let (rank, size) = (self.rank(), self.size());
-        check_rows(rank, size, source.len(), width, rows, recv_rows, out.len())?;
+        check_rows(rank, size, source.len(), width, rows, recv, out.len())?;
         let too_large = || Error::Collective {
             rank,
             message: "an all-to-all chunk exceeds MPI's count limit (2^31 - 1 elements)".to_owned(),
@@ -323,7 +333,7 @@ impl Communicator for MpiComm {
                 .and_then(|words| i32::try_from(words).ok())
                 .ok_or_else(too_large)
         };
-        recv_rows
+        recv.counts()
             .iter()
             .try_for_each(|&rows| words(rows).map(drop))?;
 
@@ -370,10 +380,15 @@ impl Communicator for MpiComm {
             })
             .collect();
 
-        let counts: Vec<usize> = recv_rows.iter().map(|&rows| rows * width).collect();
+        let chunks: Vec<Range<usize>> = (0..size)
+            .map(|src| {
+                let rows = recv.range(src);
+                rows.start * width..rows.end * width
+            })
+            .collect();
         let sends: Vec<(usize, &View<'_, '_, UserDatatype, [f32]>)> =
             views.iter().map(|(dst, view)| (*dst, view)).collect();
-        self.round(out, &counts, &sends)
+        self.round(out, &chunks, &sends)
     }
 
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
