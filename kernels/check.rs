@@ -19,8 +19,8 @@ use std::fmt::Write as _;
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{Layer, LayerInputs, MoeShape};
 use crate::contracts::{
-    ActFnType, CHECKPOINT_NAMES, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout,
-    static_block_count,
+    ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout,
+    static_block_count, tensors,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
@@ -122,41 +122,47 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
         plan,
         checkpoints,
     } = layer;
-    let mut tensors: BTreeMap<String, Tensor> = [
-        ("x", inputs.x),
-        ("w", inputs.w),
-        ("hidden_states", inputs.hidden_states),
-        ("gate_up_proj_weight", inputs.gate_up_proj_weight),
-        ("down_proj_weight", inputs.down_proj_weight),
-        ("d_topk_affinities", inputs.d_topk_affinities),
-        ("d_aux_loss", inputs.d_aux_loss),
+    use tensors::{
+        blockwise_mm_bwd as bwd, load_balancing_loss_bwd as aux, permute_bwd, router_topk,
+    };
+    let mut named: BTreeMap<String, Tensor> = [
+        (router_topk::X, inputs.x),
+        (router_topk::W, inputs.w),
+        (bwd::HIDDEN_STATES, inputs.hidden_states),
+        (bwd::GATE_UP_PROJ_WEIGHT, inputs.gate_up_proj_weight),
+        (bwd::DOWN_PROJ_WEIGHT, inputs.down_proj_weight),
         (
-            "output_hidden_states_grad",
+            tensors::router_topk_bwd::D_TOPK_AFFINITIES,
+            inputs.d_topk_affinities,
+        ),
+        (aux::D_AUX_LOSS, inputs.d_aux_loss),
+        (
+            bwd::OUTPUT_HIDDEN_STATES_GRAD,
             inputs.output_hidden_states_grad,
         ),
-        ("router_logits", routed.router_logits),
-        ("expert_index", routed.expert_index),
-        ("topk_affinities", routed.topk_affinities),
-        ("token_position_to_id", plan.token_position_to_id),
-        ("block_to_expert", plan.block_to_expert),
+        (router_topk::ROUTER_LOGITS, routed.router_logits),
+        (router_topk::EXPERT_INDEX, routed.expert_index),
+        (router_topk::TOPK_AFFINITIES, routed.topk_affinities),
+        (bwd::TOKEN_POSITION_TO_ID, plan.token_position_to_id),
+        (bwd::BLOCK_TO_EXPERT, plan.block_to_expert),
         (
-            "expert_affinities_masked_grad",
+            permute_bwd::EXPERT_AFFINITIES_MASKED_GRAD,
             plan.expert_affinities_masked.clone(),
         ),
-        ("expert_affinities_masked", plan.expert_affinities_masked),
+        (bwd::EXPERT_AFFINITIES_MASKED, plan.expert_affinities_masked),
     ]
     .into_iter()
-    .map(|(name, tensor)| (name.to_owned(), tensor))
+    .map(|(spec, tensor)| (spec.name.to_owned(), tensor))
     .collect();
     // The forward's checkpoints, under the names the backward takes them by.
-    let [(_, gate_up), (_, down)] = CHECKPOINT_NAMES;
+    let [(_, gate_up), (_, down)] = bwd::CHECKPOINTS;
     if let Some(t) = checkpoints.gate_up_activations_t {
-        tensors.insert(gate_up.to_owned(), t);
+        named.insert(gate_up.name.to_owned(), t);
     }
     if let Some(t) = checkpoints.down_activations {
-        tensors.insert(down.to_owned(), t);
+        named.insert(down.name.to_owned(), t);
     }
-    tensors
+    named
 }
 
 /// SplitMix64 step: the case generator's randomness.

@@ -14,42 +14,10 @@ use crate::contracts::{
     LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, OutputDType,
     Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
     RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
-
-/// One tensor of a kernel's contract.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TensorSpec {
-    pub name: &'static str,
-    /// Layout in contract units, e.g. `"[E, H, 2, I]"`.
-    pub shape: &'static str,
-    /// Accepted (inputs) or produced (outputs) dtypes.
-    pub dtype: &'static str,
-    /// Inputs: must be present. Outputs: always produced.
-    pub required: bool,
-}
-
-const fn tensor(name: &'static str, shape: &'static str, dtype: &'static str) -> TensorSpec {
-    TensorSpec {
-        name,
-        shape,
-        dtype,
-        required: true,
-    }
-}
-
-const fn optional(name: &'static str, shape: &'static str, dtype: &'static str) -> TensorSpec {
-    TensorSpec {
-        name,
-        shape,
-        dtype,
-        required: false,
-    }
-}
-
-const FLOAT: &str = "f32|bf16";
 
 /// A kernel's contract: what `moekit list` prints.
 #[derive(Clone, Copy, Debug)]
@@ -120,171 +88,79 @@ impl Kernel {
         // nki-library's blockwise kernels take B as a parameter; moekit reads it off the plan.
         let block_size = params.block_size;
         let output_dtype = params.output_dtype.unwrap_or_default();
-        let required = |name: &str| {
-            tensors
-                .get(name)
-                .ok_or_else(|| Error::MissingTensor(name.to_owned()))
-        };
-        let optional = |name: &str| tensors.get(name);
+        let get = |spec: &TensorSpec| tensors.get(spec.name);
         let outputs = match self {
             Kernel::RouterTopk => {
-                let inputs = RouterTopkInputs {
-                    x: required("x")?,
-                    w: required("w")?,
-                    w_bias: optional("w_bias"),
-                    selection_bias: optional("selection_bias"),
-                };
                 let params = RouterTopkParams {
                     k: required_param(Param::K, params.k)?,
                     pipeline: params.router_pipeline(),
                 };
-                let out = backend.router_topk(
-                    &RouterTopk::new(inputs, params)?.with_output_dtype(output_dtype),
-                )?;
-                vec![
-                    ("router_logits", out.router_logits),
-                    ("expert_index", out.expert_index),
-                    ("topk_affinities", out.topk_affinities),
-                    ("expert_affinities", out.expert_affinities),
-                ]
+                let call = RouterTopk::new(RouterTopkInputs::from_named(get)?, params)?;
+                let call = call.with_output_dtype(output_dtype);
+                backend.router_topk(&call)?.into_named()
             }
             Kernel::RouterTopkBwd => {
-                let inputs = RouterTopkBwdInputs {
-                    x: required("x")?,
-                    w: required("w")?,
-                    router_logits: required("router_logits")?,
-                    expert_index: required("expert_index")?,
-                    d_topk_affinities: required("d_topk_affinities")?,
-                    d_router_logits: optional("d_router_logits"),
-                };
                 let params = RouterTopkBwdParams {
                     pipeline: params.router_pipeline(),
                 };
-                let out = backend.router_topk_bwd(
-                    &RouterTopkBwd::new(inputs, params)?.with_output_dtype(output_dtype),
-                )?;
-                vec![
-                    ("d_x", out.d_x),
-                    ("d_w", out.d_w),
-                    ("d_w_bias", out.d_w_bias),
-                ]
+                let call = RouterTopkBwd::new(RouterTopkBwdInputs::from_named(get)?, params)?;
+                let call = call.with_output_dtype(output_dtype);
+                backend.router_topk_bwd(&call)?.into_named()
             }
             Kernel::LoadBalancingLoss => {
-                let inputs = LoadBalancingLossInputs {
-                    router_logits: required("router_logits")?,
-                    expert_index: required("expert_index")?,
-                };
-                let out = backend.load_balancing_loss(&LoadBalancingLoss::new(inputs)?)?;
-                vec![
-                    ("aux_loss", out.aux_loss),
-                    ("expert_counts", out.expert_counts),
-                ]
+                let call = LoadBalancingLoss::new(LoadBalancingLossInputs::from_named(get)?)?;
+                backend.load_balancing_loss(&call)?.into_named()
             }
             Kernel::LoadBalancingLossBwd => {
-                let inputs = LoadBalancingLossBwdInputs {
-                    router_logits: required("router_logits")?,
-                    expert_index: required("expert_index")?,
-                    d_aux_loss: required("d_aux_loss")?,
-                };
-                let out = backend.load_balancing_loss_bwd(
-                    &LoadBalancingLossBwd::new(inputs)?.with_output_dtype(output_dtype),
-                )?;
-                vec![("d_router_logits", out.d_router_logits)]
+                let inputs = LoadBalancingLossBwdInputs::from_named(get)?;
+                let call = LoadBalancingLossBwd::new(inputs)?.with_output_dtype(output_dtype);
+                backend.load_balancing_loss_bwd(&call)?.into_named()
             }
             Kernel::Permute => {
-                let inputs = PermuteInputs {
-                    expert_index: required("expert_index")?,
-                    topk_affinities: required("topk_affinities")?,
-                };
                 let params = PermuteParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
                     block_size: required_param(Param::BlockSize, params.block_size)?,
                     n_block_per_iter: params.n_block_per_iter.unwrap_or(1),
                 };
-                let out = backend
-                    .permute(&Permute::new(inputs, params)?.with_output_dtype(output_dtype))?;
-                vec![
-                    ("expert_counts", out.expert_counts),
-                    ("token_position_to_id", out.token_position_to_id),
-                    ("block_to_expert", out.block_to_expert),
-                    ("expert_affinities_masked", out.expert_affinities_masked),
-                    ("num_used_blocks", out.num_used_blocks),
-                ]
+                let call = Permute::new(PermuteInputs::from_named(get)?, params)?;
+                backend
+                    .permute(&call.with_output_dtype(output_dtype))?
+                    .into_named()
             }
             Kernel::PermuteBwd => {
-                let inputs = PermuteBwdInputs {
-                    expert_index: required("expert_index")?,
-                    expert_affinities_masked_grad: required("expert_affinities_masked_grad")?,
-                };
                 let params = PermuteBwdParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
                 };
-                let out = backend.permute_bwd(
-                    &PermuteBwd::new(inputs, params)?.with_output_dtype(output_dtype),
-                )?;
-                vec![("d_topk_affinities", out.d_topk_affinities)]
+                let call = PermuteBwd::new(PermuteBwdInputs::from_named(get)?, params)?;
+                backend
+                    .permute_bwd(&call.with_output_dtype(output_dtype))?
+                    .into_named()
             }
             Kernel::BlockwiseMm => {
-                let inputs = BlockwiseMmInputs {
-                    gate_and_up_proj_bias: optional("gate_and_up_proj_bias"),
-                    down_proj_bias: optional("down_proj_bias"),
-                    ..blockwise_inputs(&required)?
-                };
                 let params = BlockwiseMmParams {
                     checkpoint_activation: params.checkpoint_activation.unwrap_or(false),
                     activation_function: params.activation_function.unwrap_or_default(),
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                     clamp: params.clamp,
                 };
-                let call = BlockwiseMm::new(inputs, params)?.with_output_dtype(output_dtype);
+                let call = BlockwiseMm::new(BlockwiseMmInputs::from_named(get)?, params)?
+                    .with_output_dtype(output_dtype);
                 check_block_size(block_size, call.dims())?;
-                let out = backend.blockwise_mm(&call)?;
-                let mut named = vec![("output", out.output)];
-                named.extend(
-                    out.gate_up_activations_t
-                        .map(|t| ("gate_up_activations_T", t)),
-                );
-                named.extend(out.down_activations.map(|t| ("down_activations", t)));
-                named
+                backend.blockwise_mm(&call)?.into_named()
             }
             Kernel::BlockwiseMmBwd => {
-                let inputs = BlockwiseMmBwdInputs {
-                    forward: blockwise_inputs(&required)?,
-                    gate_up_proj_act_checkpoint_t: required("gate_up_proj_act_checkpoint_T")?,
-                    down_proj_act_checkpoint: required("down_proj_act_checkpoint")?,
-                    output_hidden_states_grad: required("output_hidden_states_grad")?,
-                    expert_index: optional("expert_index"),
-                };
                 let params = BlockwiseMmBwdParams {
                     activation_type: params.activation_type.unwrap_or_default(),
                     expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
                     clamp: params.clamp,
                     bias: params.bias.unwrap_or(false),
                 };
-                let call = BlockwiseMmBwd::new(inputs, params)?.with_output_dtype(output_dtype);
+                let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs::from_named(get)?, params)?
+                    .with_output_dtype(output_dtype);
                 check_block_size(block_size, call.dims())?;
-                let out = backend.blockwise_mm_bwd(&call)?;
-                let mut named = vec![
-                    ("hidden_states_grad", out.hidden_states_grad),
-                    (
-                        "expert_affinities_masked_grad",
-                        out.expert_affinities_masked_grad,
-                    ),
-                    ("gate_up_proj_weight_grad", out.gate_up_proj_weight_grad),
-                    ("down_proj_weight_grad", out.down_proj_weight_grad),
-                ];
-                named.extend(out.d_topk_affinities.map(|t| ("d_topk_affinities", t)));
-                named.extend(
-                    out.gate_and_up_proj_bias_grad
-                        .map(|t| ("gate_and_up_proj_bias_grad", t)),
-                );
-                named.extend(out.down_proj_bias_grad.map(|t| ("down_proj_bias_grad", t)));
-                named
+                backend.blockwise_mm_bwd(&call)?.into_named()
             }
             Kernel::A2avRouting => {
-                let inputs = A2avRoutingInputs {
-                    expert_index: required("expert_index")?,
-                };
                 let params = A2avRoutingParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
                     expert_parallel_degree: required_param(
@@ -292,14 +168,14 @@ impl Kernel {
                         params.expert_parallel_degree,
                     )?,
                 };
-                let out = backend.a2av_routing(&A2avRouting::new(inputs, params)?)?;
-                vec![
-                    ("send_indices", out.send_indices),
-                    ("send_counts", out.send_counts),
-                ]
+                let call = A2avRouting::new(A2avRoutingInputs::from_named(get)?, params)?;
+                backend.a2av_routing(&call)?.into_named()
             }
         };
-        Ok(outputs)
+        Ok(outputs
+            .into_iter()
+            .map(|(spec, tensor)| (spec.name, tensor))
+            .collect())
     }
 }
 
@@ -319,21 +195,6 @@ fn check_block_size(block_size: Option<usize>, dims: BlockwiseDims) -> Result<()
         )),
         _ => Ok(()),
     }
-}
-
-fn blockwise_inputs<'a>(
-    required: &impl Fn(&str) -> Result<&'a Tensor>,
-) -> Result<BlockwiseMmInputs<'a>> {
-    Ok(BlockwiseMmInputs {
-        hidden_states: required("hidden_states")?,
-        expert_affinities_masked: required("expert_affinities_masked")?,
-        gate_up_proj_weight: required("gate_up_proj_weight")?,
-        down_proj_weight: required("down_proj_weight")?,
-        token_position_to_id: required("token_position_to_id")?,
-        block_to_expert: required("block_to_expert")?,
-        gate_and_up_proj_bias: None,
-        down_proj_bias: None,
-    })
 }
 
 impl FromStr for Kernel {
@@ -402,7 +263,7 @@ impl Param {
         Param::OutputDType,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Param::K => "k",
             Param::ActFn => "act_fn",
@@ -720,18 +581,8 @@ pub fn catalog_markdown() -> String {
 const ROUTER_TOPK: KernelSpec = KernelSpec {
     name: "router_topk",
     summary: "nki-library's router: logits = x·w (+w_bias); ACT1: act_fn over all E, top-K (+selection_bias), optional renormalisation, dense affinities without it; ACT2: top-K logits, act_fn over the K; ties to the lower id",
-    inputs: &[
-        tensor("x", "[T, H]|[H, T]", FLOAT),
-        tensor("w", "[H, E]", FLOAT),
-        optional("w_bias", "[E]|[1, E]", FLOAT),
-        optional("selection_bias", "[E]", FLOAT),
-    ],
-    outputs: &[
-        tensor("router_logits", "[T, E]", "like x"),
-        tensor("expert_index", "[T, K]", "i32"),
-        tensor("topk_affinities", "[T, K]", "like x"),
-        tensor("expert_affinities", "[T, E]", "like x"),
-    ],
+    inputs: tensors::router_topk::INPUTS,
+    outputs: tensors::router_topk::OUTPUTS,
     params: &[
         (Param::K, None),
         (Param::ActFn, Some("SOFTMAX")),
@@ -745,19 +596,8 @@ const ROUTER_TOPK: KernelSpec = KernelSpec {
 const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
     name: "router_topk_bwd",
     summary: "moekit's own: gradients of router_topk w.r.t. x (in its layout), w and w_bias from d_topk_affinities (+ d_router_logits)",
-    inputs: &[
-        tensor("x", "[T, H]|[H, T]", FLOAT),
-        tensor("w", "[H, E]", FLOAT),
-        tensor("router_logits", "[T, E]", FLOAT),
-        tensor("expert_index", "[T, K]", "i32"),
-        tensor("d_topk_affinities", "[T, K]", FLOAT),
-        optional("d_router_logits", "[T, E]", FLOAT),
-    ],
-    outputs: &[
-        tensor("d_x", "[T, H]|[H, T]", "like x"),
-        tensor("d_w", "[H, E]", "like w"),
-        tensor("d_w_bias", "[E]", "like w"),
-    ],
+    inputs: tensors::router_topk_bwd::INPUTS,
+    outputs: tensors::router_topk_bwd::OUTPUTS,
     params: &[
         (Param::ActFn, Some("SOFTMAX")),
         (Param::RouterPreNorm, Some("true")),
@@ -770,47 +610,24 @@ const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
 const LOAD_BALANCING_LOSS: KernelSpec = KernelSpec {
     name: "load_balancing_loss",
     summary: "Hugging Face Qwen3-MoE aux loss E·Σ_e f_e·P_e, layers pooled as HF pools them",
-    inputs: &[
-        tensor("router_logits", "[L, T, E]", FLOAT),
-        tensor("expert_index", "[L, T, K]", "i32"),
-    ],
-    outputs: &[
-        tensor("aux_loss", "[1]", "f32"),
-        tensor("expert_counts", "[L, E]", "i32"),
-    ],
+    inputs: tensors::load_balancing_loss::INPUTS,
+    outputs: tensors::load_balancing_loss::OUTPUTS,
     params: &[],
 };
 
 const LOAD_BALANCING_LOSS_BWD: KernelSpec = KernelSpec {
     name: "load_balancing_loss_bwd",
     summary: "gradient of the aux loss w.r.t. router_logits",
-    inputs: &[
-        tensor("router_logits", "[L, T, E]", FLOAT),
-        tensor("expert_index", "[L, T, K]", "i32"),
-        tensor("d_aux_loss", "[1]", FLOAT),
-    ],
-    outputs: &[tensor("d_router_logits", "[L, T, E]", "like router_logits")],
+    inputs: tensors::load_balancing_loss_bwd::INPUTS,
+    outputs: tensors::load_balancing_loss_bwd::OUTPUTS,
     params: &[(Param::OutputDType, Some("input"))],
 };
 
 const PERMUTE: KernelSpec = KernelSpec {
     name: "permute",
     summary: "block plan (moekit's own) in nki-library's convention: each expert's tokens (ascending) in blocks of B, blocks by expert id, padding T, unused blocks on E−1, N = ceil((T·K−(E−1))/B)+(E−1) rounded up to n_block_per_iter",
-    inputs: &[
-        tensor("expert_index", "[T, K]", "i32"),
-        tensor("topk_affinities", "[T, K]", FLOAT),
-    ],
-    outputs: &[
-        tensor("expert_counts", "[E]", "i32"),
-        tensor("token_position_to_id", "[N·B]", "i32"),
-        tensor("block_to_expert", "[N, 1]", "i32"),
-        tensor(
-            "expert_affinities_masked",
-            "[(T+1)·E, 1]",
-            "like topk_affinities",
-        ),
-        tensor("num_used_blocks", "[1]", "i32"),
-    ],
+    inputs: tensors::permute::INPUTS,
+    outputs: tensors::permute::OUTPUTS,
     params: &[
         (Param::NumExperts, None),
         (Param::BlockSize, None),
@@ -822,52 +639,19 @@ const PERMUTE: KernelSpec = KernelSpec {
 const PERMUTE_BWD: KernelSpec = KernelSpec {
     name: "permute_bwd",
     summary: "maps an affinity gradient from the masked [(T+1)·E] layout back to [T, K]",
-    inputs: &[
-        tensor("expert_index", "[T, K]", "i32"),
-        tensor("expert_affinities_masked_grad", "[(T+1)·E, 1]", FLOAT),
-    ],
-    outputs: &[tensor(
-        "d_topk_affinities",
-        "[T, K]",
-        "like expert_affinities_masked_grad",
-    )],
+    inputs: tensors::permute_bwd::INPUTS,
+    outputs: tensors::permute_bwd::OUTPUTS,
     params: &[
         (Param::NumExperts, None),
         (Param::OutputDType, Some("input")),
     ],
 };
 
-const BLOCKWISE_INPUTS: [TensorSpec; 6] = [
-    tensor("hidden_states", "[T+1, H]", FLOAT),
-    tensor("expert_affinities_masked", "[(T+1)·E, 1]", FLOAT),
-    tensor("gate_up_proj_weight", "[E, H, 2, I]", FLOAT),
-    tensor("down_proj_weight", "[E, I, H]", FLOAT),
-    tensor("token_position_to_id", "[N·B]", "i32"),
-    tensor("block_to_expert", "[N, 1]", "i32"),
-];
-
 const BLOCKWISE_MM: KernelSpec = KernelSpec {
     name: "blockwise_mm",
     summary: "nki-library's moe_cte: per block, gather, gate_up matmul (+bias, clamped), act(gate)⊙up, down matmul (+bias), scale by affinity, scatter-add into [T+1, H]",
-    inputs: &[
-        BLOCKWISE_INPUTS[0],
-        BLOCKWISE_INPUTS[1],
-        BLOCKWISE_INPUTS[2],
-        BLOCKWISE_INPUTS[3],
-        BLOCKWISE_INPUTS[4],
-        BLOCKWISE_INPUTS[5],
-        optional("gate_and_up_proj_bias", "[E, 2, I]", FLOAT),
-        optional("down_proj_bias", "[E, H]", FLOAT),
-    ],
-    outputs: &[
-        tensor("output", "[T+1, H]", "like hidden_states"),
-        optional(
-            "gate_up_activations_T",
-            "[N, 2, I, B]",
-            "like gate_up_proj_weight",
-        ),
-        optional("down_activations", "[N, B, H]", "like down_proj_weight"),
-    ],
+    inputs: tensors::blockwise_mm::INPUTS,
+    outputs: tensors::blockwise_mm::OUTPUTS,
     params: &[
         (Param::BlockSize, Some("the plan's B")),
         (Param::CheckpointActivation, Some("false")),
@@ -884,47 +668,8 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
 const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
     name: "blockwise_mm_bwd",
     summary: "nki-library's blockwise_mm_bwd: gradients of blockwise_mm from its checkpoints; with expert_index also d_topk_affinities (moekit's own)",
-    inputs: &[
-        BLOCKWISE_INPUTS[0],
-        BLOCKWISE_INPUTS[1],
-        BLOCKWISE_INPUTS[2],
-        BLOCKWISE_INPUTS[3],
-        BLOCKWISE_INPUTS[4],
-        BLOCKWISE_INPUTS[5],
-        tensor("gate_up_proj_act_checkpoint_T", "[N, 2, I, B]", FLOAT),
-        tensor("down_proj_act_checkpoint", "[N, B, H]", FLOAT),
-        tensor("output_hidden_states_grad", "[T+1, H]", FLOAT),
-        optional("expert_index", "[T, K]", "i32"),
-    ],
-    outputs: &[
-        tensor("hidden_states_grad", "[T+1, H]", "like hidden_states"),
-        tensor(
-            "expert_affinities_masked_grad",
-            "[(T+1)·E, 1]",
-            "like expert_affinities_masked",
-        ),
-        tensor(
-            "gate_up_proj_weight_grad",
-            "[E, H, 2, I]",
-            "like gate_up_proj_weight",
-        ),
-        tensor(
-            "down_proj_weight_grad",
-            "[E, I, H]",
-            "like down_proj_weight",
-        ),
-        optional(
-            "d_topk_affinities",
-            "[T, K]",
-            "like expert_affinities_masked",
-        ),
-        optional(
-            "gate_and_up_proj_bias_grad",
-            "[E, 2, I]",
-            "like gate_up_proj_weight",
-        ),
-        optional("down_proj_bias_grad", "[E, H]", "like down_proj_weight"),
-    ],
+    inputs: tensors::blockwise_mm_bwd::INPUTS,
+    outputs: tensors::blockwise_mm_bwd::OUTPUTS,
     params: &[
         (Param::BlockSize, Some("the plan's B")),
         (Param::ActivationType, Some("SiLU")),
@@ -941,11 +686,8 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
 const A2AV_ROUTING: KernelSpec = KernelSpec {
     name: "a2av_routing",
     summary: "moekit's own: nki-library's expert-parallel routing table (permute_a2av, unpermute_a2av): column d of send_indices the tokens sent to rank d, ascending, T when empty",
-    inputs: &[tensor("expert_index", "[T, K]", "i32")],
-    outputs: &[
-        tensor("send_indices", "[T, EP]", "i32"),
-        tensor("send_counts", "[1, EP]", "i32"),
-    ],
+    inputs: tensors::a2av_routing::INPUTS,
+    outputs: tensors::a2av_routing::OUTPUTS,
     params: &[
         (Param::NumExperts, None),
         (Param::ExpertParallelDegree, None),

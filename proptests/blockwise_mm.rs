@@ -695,6 +695,64 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     // nki-library's dtypes: each gradient in its input's, the bias gradients in their
     // weights', d_topk_affinities in the affinities'.
     let nki = ReferenceBackend.blockwise_mm_bwd(&call).unwrap();
+    // `moekit run` binds every input by its nki-library name and returns the same gradients.
+    let mut named: BTreeMap<String, Tensor> = [
+        ("hidden_states", &tensors.x),
+        ("expert_affinities_masked", &tensors.masked),
+        ("gate_up_proj_weight", &tensors.gate_up),
+        ("down_proj_weight", &tensors.down),
+        ("token_position_to_id", &tensors.positions),
+        ("block_to_expert", &tensors.blocks),
+        (
+            "gate_up_proj_act_checkpoint_T",
+            fwd.gate_up_activations_t.as_ref().unwrap(),
+        ),
+        (
+            "down_proj_act_checkpoint",
+            fwd.down_activations.as_ref().unwrap(),
+        ),
+        ("output_hidden_states_grad", &d_out),
+        ("expert_index", &index),
+    ]
+    .into_iter()
+    .map(|(name, tensor)| (name.to_owned(), tensor.clone()))
+    .collect();
+    for (name, bias) in [
+        ("gate_and_up_proj_bias", &tensors.gate_up_bias),
+        ("down_proj_bias", &tensors.down_bias),
+    ] {
+        if let Some(bias) = bias {
+            named.insert(name.to_owned(), bias.clone());
+        }
+    }
+    let mut params = Params::default();
+    params.set("activation_type", c.act_fn.name()).unwrap();
+    params
+        .set("expert_affinities_scaling_mode", c.scaling.name())
+        .unwrap();
+    params
+        .set("bias", &c.gate_up_bias.is_some().to_string())
+        .unwrap();
+    for (name, limit) in [
+        ("non_linear_clamp_lower_limit", c.clamp.gate.lower),
+        ("non_linear_clamp_upper_limit", c.clamp.gate.upper),
+        ("linear_clamp_lower_limit", c.clamp.up.lower),
+        ("linear_clamp_upper_limit", c.clamp.up.upper),
+    ] {
+        if let Some(limit) = limit {
+            params.set(name, &limit.to_string()).unwrap();
+        }
+    }
+    let by_name = Kernel::BlockwiseMmBwd
+        .run(&ReferenceBackend, &named, &params)
+        .unwrap();
+    let typed: Vec<(&str, Tensor)> = nki
+        .clone()
+        .into_named()
+        .into_iter()
+        .map(|(spec, t)| (spec.name, t))
+        .collect();
+    prop_assert_eq!(by_name, typed);
     let rounded =
         |grad: &Tensor, like: &Tensor| grad.clone().into_float_dtype("", like.dtype()).unwrap();
     prop_assert_eq!(

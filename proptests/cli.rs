@@ -129,7 +129,10 @@ fn list_prints_every_kernel_contract() {
                 .lines()
                 .find(|l| l.split_whitespace().next() == Some(t.name))
                 .unwrap_or_else(|| panic!("{}: no line for {}", spec.name, t.name));
-            assert!(line.contains(t.shape) && line.contains(t.dtype), "{line}");
+            assert!(
+                line.contains(t.shape) && line.contains(&t.dtype.to_string()),
+                "{line}"
+            );
             assert_eq!(line.contains("(optional)"), !t.required, "{line}");
         }
         for (param, _) in spec.params {

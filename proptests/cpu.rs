@@ -10,7 +10,8 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use moekit::contracts::{ActFnType, CHECKPOINT_NAMES, ExpertAffinityScaleMode, RouterActFnType};
+use moekit::contracts::tensors::blockwise_mm_bwd::CHECKPOINTS;
+use moekit::contracts::{ActFnType, ExpertAffinityScaleMode, RouterActFnType};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
 use proptest::prelude::*;
@@ -180,9 +181,9 @@ fn layer(s: Shape, seed: u64) -> Layer {
             layer.tensors.insert(name.to_owned(), tensor);
         }
     }
-    for (forward, backward) in CHECKPOINT_NAMES {
-        let checkpoint = layer.tensors[forward].clone();
-        layer.tensors.insert(backward.to_owned(), checkpoint);
+    for (forward, backward) in CHECKPOINTS {
+        let checkpoint = layer.tensors[forward.name].clone();
+        layer.tensors.insert(backward.name.to_owned(), checkpoint);
     }
     // The kernels above chained their outputs in nki-library's dtypes (bf16 in, bf16 on);
     // the comparisons read every output in f32, at the precision both backends compute in.

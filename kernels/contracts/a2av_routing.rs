@@ -16,6 +16,8 @@
 //!
 //! Error bound: exact (indices and counts).
 
+use super::spec::{self, Named, TensorSpec};
+use super::tensors::a2av_routing as spec_of;
 use super::validate;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -34,6 +36,20 @@ pub struct A2avRoutingParams {
 pub struct A2avRoutingInputs<'a> {
     /// `[T, K]` i32, global expert ids in `[0, E)` distinct per row, or SKIP.
     pub expert_index: &'a Tensor,
+}
+
+impl<'a> A2avRoutingInputs<'a> {
+    /// The inputs by their specs ([`spec_of::INPUTS`]).
+    pub fn named(&self) -> Named<'a> {
+        vec![(&spec_of::EXPERT_INDEX, self.expert_index)]
+    }
+
+    /// The inputs `get` finds by spec; a missing one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        Ok(Self {
+            expert_index: spec::required(&get, &spec_of::EXPERT_INDEX)?,
+        })
+    }
 }
 
 /// Dimensions of an `a2av_routing` call.
@@ -82,14 +98,14 @@ impl<'a> A2avRouting<'a> {
             ));
         }
         let (shape, ids) =
-            validate::index_tensor("expert_index", inputs.expert_index, "[T, K]", &[None, None])?;
+            validate::index_input(&spec_of::EXPERT_INDEX, inputs.expert_index, &[None, None])?;
         let (t, k) = (shape[0], shape[1]);
         // T may be 0: an expert-parallel rank without tokens sends nothing.
-        validate::non_empty("expert_index", "K (top_k)", k)?;
-        validate::expert_ids_or_skip("expert_index", ids, &shape, e)?;
+        validate::non_empty(spec_of::EXPERT_INDEX.name, "K (top_k)", k)?;
+        validate::expert_ids_or_skip(spec_of::EXPERT_INDEX.name, ids, &shape, e)?;
         if i32::try_from(t).is_err() {
             return Err(Error::invalid(
-                "expert_index",
+                spec_of::EXPERT_INDEX.name,
                 format!("T = {t} tokens: send_indices holds ids up to T, past i32"),
             ));
         }
@@ -115,4 +131,14 @@ pub struct A2avRoutingOutputs {
     pub send_indices: Tensor,
     /// `[1, EP]` i32.
     pub send_counts: Tensor,
+}
+
+impl A2avRoutingOutputs {
+    /// The outputs by their specs ([`spec_of::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![
+            (&spec_of::SEND_INDICES, self.send_indices),
+            (&spec_of::SEND_COUNTS, self.send_counts),
+        ]
+    }
 }

@@ -43,16 +43,11 @@
 
 use std::fmt;
 
+use super::spec::{self, Named, TensorSpec};
+use super::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use super::{BlockPlan, OutputDType, SKIP, validate};
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
-
-/// The forward's checkpoint outputs and the backward inputs they become, by name (nki-library
-/// names them differently on each side).
-pub const CHECKPOINT_NAMES: [(&str, &str); 2] = [
-    ("gate_up_activations_T", "gate_up_proj_act_checkpoint_T"),
-    ("down_activations", "down_proj_act_checkpoint"),
-];
 
 /// The activation of the gate projection, which then multiplies the up projection:
 /// nki-library's `ActFnType`, spelled as its members.
@@ -224,7 +219,43 @@ pub struct BlockwiseMmInputs<'a> {
     pub down_proj_bias: Option<&'a Tensor>,
 }
 
-impl BlockwiseMmInputs<'_> {
+impl<'a> BlockwiseMmInputs<'a> {
+    /// The inputs by their specs ([`fwd::INPUTS`]), absent biases left out.
+    pub fn named(&self) -> Named<'a> {
+        let mut named = vec![
+            (&fwd::HIDDEN_STATES, self.hidden_states),
+            (
+                &fwd::EXPERT_AFFINITIES_MASKED,
+                self.expert_affinities_masked,
+            ),
+            (&fwd::GATE_UP_PROJ_WEIGHT, self.gate_up_proj_weight),
+            (&fwd::DOWN_PROJ_WEIGHT, self.down_proj_weight),
+            (&fwd::TOKEN_POSITION_TO_ID, self.token_position_to_id),
+            (&fwd::BLOCK_TO_EXPERT, self.block_to_expert),
+        ];
+        named.extend(
+            self.gate_and_up_proj_bias
+                .map(|bias| (&fwd::GATE_AND_UP_PROJ_BIAS, bias)),
+        );
+        named.extend(self.down_proj_bias.map(|bias| (&fwd::DOWN_PROJ_BIAS, bias)));
+        named
+    }
+
+    /// The inputs `get` finds by spec; a missing required one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        let required = |spec| spec::required(&get, spec);
+        Ok(Self {
+            hidden_states: required(&fwd::HIDDEN_STATES)?,
+            expert_affinities_masked: required(&fwd::EXPERT_AFFINITIES_MASKED)?,
+            gate_up_proj_weight: required(&fwd::GATE_UP_PROJ_WEIGHT)?,
+            down_proj_weight: required(&fwd::DOWN_PROJ_WEIGHT)?,
+            token_position_to_id: required(&fwd::TOKEN_POSITION_TO_ID)?,
+            block_to_expert: required(&fwd::BLOCK_TO_EXPERT)?,
+            gate_and_up_proj_bias: get(&fwd::GATE_AND_UP_PROJ_BIAS),
+            down_proj_bias: get(&fwd::DOWN_PROJ_BIAS),
+        })
+    }
+
     /// Whether a padding slot (the zero row T) has a non-zero expert output: with a bias or a
     /// clamp that moves 0, nki-library's kernels (and moekit's) compute it as for any row.
     pub fn padding_has_outputs(&self, clamp: ClampLimits) -> bool {
@@ -369,78 +400,53 @@ impl<'a> BlockwiseMm<'a> {
         self.output_dtype
     }
 
-    /// `outputs` in the dtypes this call gives them: `output` in `hidden_states`' dtype, the
-    /// checkpoints in their weights' (nki-library's), or all f32.
+    /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
     pub fn cast_outputs(&self, outputs: BlockwiseMmOutputs) -> Result<BlockwiseMmOutputs> {
-        let (to, inputs) = (self.output_dtype, &self.inputs);
-        Ok(BlockwiseMmOutputs {
-            output: to.apply("output", outputs.output, inputs.hidden_states.dtype())?,
-            gate_up_activations_t: outputs
-                .gate_up_activations_t
-                .map(|t| {
-                    to.apply(
-                        "gate_up_activations_T",
-                        t,
-                        inputs.gate_up_proj_weight.dtype(),
-                    )
-                })
-                .transpose()?,
-            down_activations: outputs
-                .down_activations
-                .map(|t| to.apply("down_activations", t, inputs.down_proj_weight.dtype()))
-                .transpose()?,
-        })
+        let inputs = self.inputs.named();
+        outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
     }
 }
 
 /// Validates the forward inputs; returns the dimensions, the plan and which (token, expert)
 /// pairs the plan covers (`[T·E]`, token-major).
 fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan<'a>, Vec<bool>)> {
-    let hs = validate::float_tensor(
-        "hidden_states",
-        inputs.hidden_states,
-        "[T+1, H]",
-        &[None, None],
-    )?;
+    let hs = validate::float_input(&fwd::HIDDEN_STATES, inputs.hidden_states, &[None, None])?;
     let (rows, h) = (hs[0], hs[1]);
     if rows < 2 {
         return Err(Error::invalid(
-            "hidden_states",
+            fwd::HIDDEN_STATES.name,
             format!("needs T+1 ≥ 2 rows (at least one token plus the padding row), got {rows}"),
         ));
     }
-    validate::non_empty("hidden_states", "H (hidden size)", h)?;
+    validate::non_empty(fwd::HIDDEN_STATES.name, "H (hidden size)", h)?;
     let t = rows - 1;
-    let gu = validate::float_tensor(
-        "gate_up_proj_weight",
+    let gu = validate::float_input(
+        &fwd::GATE_UP_PROJ_WEIGHT,
         inputs.gate_up_proj_weight,
-        "[E, H, 2, I]",
         &[None, Some(h), Some(2), None],
     )?;
     let (e, i) = (gu[0], gu[3]);
-    validate::non_empty("gate_up_proj_weight", "E (experts)", e)?;
-    validate::non_empty("gate_up_proj_weight", "I (intermediate size)", i)?;
-    validate::float_tensor(
-        "down_proj_weight",
+    validate::non_empty(fwd::GATE_UP_PROJ_WEIGHT.name, "E (experts)", e)?;
+    validate::non_empty(fwd::GATE_UP_PROJ_WEIGHT.name, "I (intermediate size)", i)?;
+    validate::float_input(
+        &fwd::DOWN_PROJ_WEIGHT,
         inputs.down_proj_weight,
-        "[E, I, H]",
         &[Some(e), Some(i), Some(h)],
     )?;
     validate::masked_affinities(
-        "expert_affinities_masked",
+        fwd::EXPERT_AFFINITIES_MASKED.name,
         inputs.expert_affinities_masked,
         Some((t + 1) * e),
     )?;
     if let Some(bias) = inputs.gate_and_up_proj_bias {
-        validate::float_tensor(
-            "gate_and_up_proj_bias",
+        validate::float_input(
+            &fwd::GATE_AND_UP_PROJ_BIAS,
             bias,
-            "[E, 2, I]",
             &[Some(e), Some(2), Some(i)],
         )?;
     }
     if let Some(bias) = inputs.down_proj_bias {
-        validate::float_tensor("down_proj_bias", bias, "[E, H]", &[Some(e), Some(h)])?;
+        validate::float_input(&fwd::DOWN_PROJ_BIAS, bias, &[Some(e), Some(h)])?;
     }
     let (plan, covered) =
         BlockPlan::new(inputs.token_position_to_id, inputs.block_to_expert, t, e)?;
@@ -461,7 +467,7 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
                 .is_some_and(|a| a != 0.0)
     }) {
         return Err(Error::invalid(
-            "expert_affinities_masked",
+            fwd::EXPERT_AFFINITIES_MASKED.name,
             format!(
                 "token {} has a non-zero affinity for expert {} but no slot in the block plan",
                 pair / e,
@@ -474,9 +480,9 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
 
 fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Result<()> {
     let BlockwiseDims { t, h, e, .. } = dims;
-    validate::zero_padding_row("hidden_states", inputs.hidden_states, t, h)?;
+    validate::zero_padding_row(fwd::HIDDEN_STATES.name, inputs.hidden_states, t, h)?;
     validate::zero_padding_row(
-        "expert_affinities_masked",
+        fwd::EXPERT_AFFINITIES_MASKED.name,
         inputs.expert_affinities_masked,
         t,
         e,
@@ -497,6 +503,37 @@ pub struct BlockwiseMmOutputs {
     pub down_activations: Option<Tensor>,
 }
 
+impl BlockwiseMmOutputs {
+    /// The outputs by their specs ([`fwd::OUTPUTS`]), absent checkpoints left out.
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        let mut named = vec![(&fwd::OUTPUT, self.output)];
+        named.extend(
+            self.gate_up_activations_t
+                .map(|t| (&fwd::GATE_UP_ACTIVATIONS_T, t)),
+        );
+        named.extend(self.down_activations.map(|t| (&fwd::DOWN_ACTIVATIONS, t)));
+        named
+    }
+
+    /// Every output through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            output: f(&fwd::OUTPUT, self.output)?,
+            gate_up_activations_t: self
+                .gate_up_activations_t
+                .map(|t| f(&fwd::GATE_UP_ACTIVATIONS_T, t))
+                .transpose()?,
+            down_activations: self
+                .down_activations
+                .map(|t| f(&fwd::DOWN_ACTIVATIONS, t))
+                .transpose()?,
+        })
+    }
+}
+
 /// Inputs of [`BlockwiseMmBwd`]: the forward's inputs, its checkpoints and the output
 /// gradient, named as nki-library's `blockwise_mm_bwd` names them.
 #[derive(Clone, Copy, Debug)]
@@ -511,6 +548,41 @@ pub struct BlockwiseMmBwdInputs<'a> {
     /// `[T, K]` i32 (ids or [`SKIP`](super::SKIP)); when given, the affinity gradient is also
     /// returned as `d_topk_affinities` (0 in skipped slots).
     pub expert_index: Option<&'a Tensor>,
+}
+
+impl<'a> BlockwiseMmBwdInputs<'a> {
+    /// The inputs by their specs ([`bwd::INPUTS`]), absent optional ones left out.
+    pub fn named(&self) -> Named<'a> {
+        let mut named = self.forward.named();
+        named.extend([
+            (
+                &bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T,
+                self.gate_up_proj_act_checkpoint_t,
+            ),
+            (
+                &bwd::DOWN_PROJ_ACT_CHECKPOINT,
+                self.down_proj_act_checkpoint,
+            ),
+            (
+                &bwd::OUTPUT_HIDDEN_STATES_GRAD,
+                self.output_hidden_states_grad,
+            ),
+        ]);
+        named.extend(self.expert_index.map(|index| (&bwd::EXPERT_INDEX, index)));
+        named
+    }
+
+    /// The inputs `get` finds by spec; a missing required one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        let required = |spec| spec::required(&get, spec);
+        Ok(Self {
+            forward: BlockwiseMmInputs::from_named(&get)?,
+            gate_up_proj_act_checkpoint_t: required(&bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T)?,
+            down_proj_act_checkpoint: required(&bwd::DOWN_PROJ_ACT_CHECKPOINT)?,
+            output_hidden_states_grad: required(&bwd::OUTPUT_HIDDEN_STATES_GRAD)?,
+            expert_index: get(&bwd::EXPERT_INDEX),
+        })
+    }
 }
 
 /// A validated `blockwise_mm_bwd` call.
@@ -532,35 +604,31 @@ impl<'a> BlockwiseMmBwd<'a> {
         let (dims, plan, covered) = check(&inputs.forward)?;
         params.clamp.check()?;
         let BlockwiseDims { t, h, e, i, b, n } = dims;
-        validate::float_tensor(
-            "gate_up_proj_act_checkpoint_T",
+        validate::float_input(
+            &bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T,
             inputs.gate_up_proj_act_checkpoint_t,
-            "[N, 2, I, B]",
             &[Some(n), Some(2), Some(i), Some(b)],
         )?;
-        validate::float_tensor(
-            "down_proj_act_checkpoint",
+        validate::float_input(
+            &bwd::DOWN_PROJ_ACT_CHECKPOINT,
             inputs.down_proj_act_checkpoint,
-            "[N, B, H]",
             &[Some(n), Some(b), Some(h)],
         )?;
-        validate::float_tensor(
-            "output_hidden_states_grad",
+        validate::float_input(
+            &bwd::OUTPUT_HIDDEN_STATES_GRAD,
             inputs.output_hidden_states_grad,
-            "[T+1, H]",
             &[Some(t + 1), Some(h)],
         )?;
         validate::zero_padding_row(
-            "output_hidden_states_grad",
+            bwd::OUTPUT_HIDDEN_STATES_GRAD.name,
             inputs.output_hidden_states_grad,
             t,
             h,
         )?;
         if let Some(index) = inputs.expert_index {
-            let (shape, ids) =
-                validate::index_tensor("expert_index", index, "[T, K]", &[Some(t), None])?;
-            validate::non_empty("expert_index", "K (top_k)", shape[1])?;
-            validate::expert_ids_or_skip("expert_index", ids, &shape, e)?;
+            let (shape, ids) = validate::index_input(&bwd::EXPERT_INDEX, index, &[Some(t), None])?;
+            validate::non_empty(bwd::EXPERT_INDEX.name, "K (top_k)", shape[1])?;
+            validate::expert_ids_or_skip(bwd::EXPERT_INDEX.name, ids, &shape, e)?;
             let k = shape[1];
             if let Some(pair) = ids
                 .iter()
@@ -568,7 +636,7 @@ impl<'a> BlockwiseMmBwd<'a> {
                 .position(|(pair, &id)| id != SKIP && !covered[(pair / k) * e + id as usize])
             {
                 return Err(Error::invalid(
-                    "expert_index",
+                    bwd::EXPERT_INDEX.name,
                     format!(
                         "token {} chose expert {}, but the block plan has no slot for that pair",
                         pair / k,
@@ -614,50 +682,10 @@ impl<'a> BlockwiseMmBwd<'a> {
         self.output_dtype
     }
 
-    /// `grads` in the dtypes this call gives them: each in the dtype of the input it is the
-    /// gradient of, the bias gradients in their weights' and `d_topk_affinities` in
-    /// `expert_affinities_masked`'s (nki-library's), or all f32.
+    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
     pub fn cast_outputs(&self, grads: BlockwiseMmGrads) -> Result<BlockwiseMmGrads> {
-        let (to, inputs) = (self.output_dtype, &self.inputs.forward);
-        let (gate_up, down, masked) = (
-            inputs.gate_up_proj_weight.dtype(),
-            inputs.down_proj_weight.dtype(),
-            inputs.expert_affinities_masked.dtype(),
-        );
-        Ok(BlockwiseMmGrads {
-            hidden_states_grad: to.apply(
-                "hidden_states_grad",
-                grads.hidden_states_grad,
-                inputs.hidden_states.dtype(),
-            )?,
-            expert_affinities_masked_grad: to.apply(
-                "expert_affinities_masked_grad",
-                grads.expert_affinities_masked_grad,
-                masked,
-            )?,
-            gate_up_proj_weight_grad: to.apply(
-                "gate_up_proj_weight_grad",
-                grads.gate_up_proj_weight_grad,
-                gate_up,
-            )?,
-            down_proj_weight_grad: to.apply(
-                "down_proj_weight_grad",
-                grads.down_proj_weight_grad,
-                down,
-            )?,
-            d_topk_affinities: grads
-                .d_topk_affinities
-                .map(|t| to.apply("d_topk_affinities", t, masked))
-                .transpose()?,
-            gate_and_up_proj_bias_grad: grads
-                .gate_and_up_proj_bias_grad
-                .map(|t| to.apply("gate_and_up_proj_bias_grad", t, gate_up))
-                .transpose()?,
-            down_proj_bias_grad: grads
-                .down_proj_bias_grad
-                .map(|t| to.apply("down_proj_bias_grad", t, down))
-                .transpose()?,
-        })
+        let inputs = self.inputs.named();
+        grads.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
     }
 }
 
@@ -678,4 +706,58 @@ pub struct BlockwiseMmGrads {
     pub gate_and_up_proj_bias_grad: Option<Tensor>,
     /// `[E, H]` in `down_proj_weight`'s dtype, with `bias`.
     pub down_proj_bias_grad: Option<Tensor>,
+}
+
+impl BlockwiseMmGrads {
+    /// The gradients by their specs ([`bwd::OUTPUTS`]), absent optional ones left out.
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        let mut named = vec![
+            (&bwd::HIDDEN_STATES_GRAD, self.hidden_states_grad),
+            (
+                &bwd::EXPERT_AFFINITIES_MASKED_GRAD,
+                self.expert_affinities_masked_grad,
+            ),
+            (
+                &bwd::GATE_UP_PROJ_WEIGHT_GRAD,
+                self.gate_up_proj_weight_grad,
+            ),
+            (&bwd::DOWN_PROJ_WEIGHT_GRAD, self.down_proj_weight_grad),
+        ];
+        named.extend(self.d_topk_affinities.map(|t| (&bwd::D_TOPK_AFFINITIES, t)));
+        named.extend(
+            self.gate_and_up_proj_bias_grad
+                .map(|t| (&bwd::GATE_AND_UP_PROJ_BIAS_GRAD, t)),
+        );
+        named.extend(
+            self.down_proj_bias_grad
+                .map(|t| (&bwd::DOWN_PROJ_BIAS_GRAD, t)),
+        );
+        named
+    }
+
+    /// Every gradient through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let mut optional = |spec, t: Option<Tensor>| t.map(|t| f(spec, t)).transpose();
+        Ok(Self {
+            d_topk_affinities: optional(&bwd::D_TOPK_AFFINITIES, self.d_topk_affinities)?,
+            gate_and_up_proj_bias_grad: optional(
+                &bwd::GATE_AND_UP_PROJ_BIAS_GRAD,
+                self.gate_and_up_proj_bias_grad,
+            )?,
+            down_proj_bias_grad: optional(&bwd::DOWN_PROJ_BIAS_GRAD, self.down_proj_bias_grad)?,
+            hidden_states_grad: f(&bwd::HIDDEN_STATES_GRAD, self.hidden_states_grad)?,
+            expert_affinities_masked_grad: f(
+                &bwd::EXPERT_AFFINITIES_MASKED_GRAD,
+                self.expert_affinities_masked_grad,
+            )?,
+            gate_up_proj_weight_grad: f(
+                &bwd::GATE_UP_PROJ_WEIGHT_GRAD,
+                self.gate_up_proj_weight_grad,
+            )?,
+            down_proj_weight_grad: f(&bwd::DOWN_PROJ_WEIGHT_GRAD, self.down_proj_weight_grad)?,
+        })
+    }
 }

@@ -15,6 +15,8 @@
 //! Error bound (reference backend): computed in f64, rounded once to f32 (0.5 ulp); counts are
 //! exact. The softmax is applied once, to the raw logits, as `load_balancing_loss_func` intends.
 
+use super::spec::{self, Named, TensorSpec};
+use super::tensors::{load_balancing_loss as fwd, load_balancing_loss_bwd as bwd};
 use super::{OutputDType, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -26,6 +28,24 @@ pub struct LoadBalancingLossInputs<'a> {
     pub router_logits: &'a Tensor,
     /// `[L, T, K]` (or `[T, K]`) i32.
     pub expert_index: &'a Tensor,
+}
+
+impl<'a> LoadBalancingLossInputs<'a> {
+    /// The inputs by their specs ([`fwd::INPUTS`]).
+    pub fn named(&self) -> Named<'a> {
+        vec![
+            (&fwd::ROUTER_LOGITS, self.router_logits),
+            (&fwd::EXPERT_INDEX, self.expert_index),
+        ]
+    }
+
+    /// The inputs `get` finds by spec; a missing one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        Ok(Self {
+            router_logits: spec::required(&get, &fwd::ROUTER_LOGITS)?,
+            expert_index: spec::required(&get, &fwd::EXPERT_INDEX)?,
+        })
+    }
 }
 
 /// Dimensions an aux-loss call's tensors agree on.
@@ -72,30 +92,30 @@ fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<LoadBalancingD
     } else {
         ("[L, T, E]", &[None, None, None])
     };
-    let logits = validate::float_tensor("router_logits", router_logits, layout, dims)?;
+    let logits = validate::float_tensor(fwd::ROUTER_LOGITS.name, router_logits, layout, dims)?;
     let (l, t, e) = match logits[..] {
         [t, e] => (1, t, e),
         [l, t, e] => (l, t, e),
         _ => unreachable!("rank checked by float_tensor"),
     };
-    validate::non_empty("router_logits", "L (layers)", l)?;
-    validate::non_empty("router_logits", "T (tokens)", t)?;
-    validate::non_empty("router_logits", "E (experts)", e)?;
+    validate::non_empty(fwd::ROUTER_LOGITS.name, "L (layers)", l)?;
+    validate::non_empty(fwd::ROUTER_LOGITS.name, "T (tokens)", t)?;
+    validate::non_empty(fwd::ROUTER_LOGITS.name, "E (experts)", e)?;
     let (layout, dims): (&str, Vec<Option<usize>>) = if rank == 2 {
         ("[T, K]", vec![Some(t), None])
     } else {
         ("[L, T, K]", vec![Some(l), Some(t), None])
     };
-    let (shape, ids) = validate::index_tensor("expert_index", expert_index, layout, &dims)?;
+    let (shape, ids) = validate::index_tensor(fwd::EXPERT_INDEX.name, expert_index, layout, &dims)?;
     let k = *shape.last().expect("rank ≥ 2");
     if k == 0 || k > e {
         return Err(Error::shape(
-            "expert_index",
+            fwd::EXPERT_INDEX.name,
             format!("{layout} with 1 ≤ K ≤ E = {e}"),
             &shape,
         ));
     }
-    validate::expert_ids("expert_index", ids, &shape, e)?;
+    validate::expert_ids(fwd::EXPERT_INDEX.name, ids, &shape, e)?;
     Ok(LoadBalancingDims { l, t, e, k })
 }
 
@@ -108,6 +128,16 @@ pub struct LoadBalancingLossOutputs {
     pub expert_counts: Tensor,
 }
 
+impl LoadBalancingLossOutputs {
+    /// The outputs by their specs ([`fwd::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![
+            (&fwd::AUX_LOSS, self.aux_loss),
+            (&fwd::EXPERT_COUNTS, self.expert_counts),
+        ]
+    }
+}
+
 /// Inputs of [`LoadBalancingLossBwd`].
 #[derive(Clone, Copy, Debug)]
 pub struct LoadBalancingLossBwdInputs<'a> {
@@ -117,6 +147,26 @@ pub struct LoadBalancingLossBwdInputs<'a> {
     pub expert_index: &'a Tensor,
     /// `[1]`.
     pub d_aux_loss: &'a Tensor,
+}
+
+impl<'a> LoadBalancingLossBwdInputs<'a> {
+    /// The inputs by their specs ([`bwd::INPUTS`]).
+    pub fn named(&self) -> Named<'a> {
+        vec![
+            (&bwd::ROUTER_LOGITS, self.router_logits),
+            (&bwd::EXPERT_INDEX, self.expert_index),
+            (&bwd::D_AUX_LOSS, self.d_aux_loss),
+        ]
+    }
+
+    /// The inputs `get` finds by spec; a missing one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        Ok(Self {
+            router_logits: spec::required(&get, &bwd::ROUTER_LOGITS)?,
+            expert_index: spec::required(&get, &bwd::EXPERT_INDEX)?,
+            d_aux_loss: spec::required(&get, &bwd::D_AUX_LOSS)?,
+        })
+    }
 }
 
 /// A validated `load_balancing_loss_bwd` call.
@@ -134,7 +184,7 @@ impl<'a> LoadBalancingLossBwd<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: LoadBalancingLossBwdInputs<'a>) -> Result<Self> {
         let dims = check(inputs.router_logits, inputs.expert_index)?;
-        validate::float_tensor("d_aux_loss", inputs.d_aux_loss, "[1]", &[Some(1)])?;
+        validate::float_input(&bwd::D_AUX_LOSS, inputs.d_aux_loss, &[Some(1)])?;
         Ok(Self {
             inputs,
             dims,
@@ -161,14 +211,14 @@ impl<'a> LoadBalancingLossBwd<'a> {
         self.output_dtype
     }
 
-    /// `grads` in the dtypes this call gives them: `d_router_logits` in `router_logits`'
-    /// dtype, or f32.
+    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
     pub fn cast_outputs(&self, grads: LoadBalancingLossGrads) -> Result<LoadBalancingLossGrads> {
+        let inputs = self.inputs.named();
         Ok(LoadBalancingLossGrads {
-            d_router_logits: self.output_dtype.apply(
-                "d_router_logits",
+            d_router_logits: self.output_dtype.cast(
+                &bwd::D_ROUTER_LOGITS,
                 grads.d_router_logits,
-                self.inputs.router_logits.dtype(),
+                &inputs,
             )?,
         })
     }
@@ -179,4 +229,11 @@ impl<'a> LoadBalancingLossBwd<'a> {
 pub struct LoadBalancingLossGrads {
     /// Same shape and dtype as `router_logits`.
     pub d_router_logits: Tensor,
+}
+
+impl LoadBalancingLossGrads {
+    /// The gradient by its spec ([`bwd::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![(&bwd::D_ROUTER_LOGITS, self.d_router_logits)]
+    }
 }

@@ -10,6 +10,8 @@ pub mod output_dtype;
 pub mod permute;
 pub mod plan;
 pub mod router_topk;
+pub mod spec;
+pub mod tensors;
 pub(crate) mod validate;
 
 pub use a2av_routing::*;
@@ -19,3 +21,4 @@ pub use output_dtype::OutputDType;
 pub use permute::*;
 pub use plan::BlockPlan;
 pub use router_topk::*;
+pub use spec::{DTypeSpec, Named, TensorSpec};

@@ -11,6 +11,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::spec::{self, DTypeSpec, Named, TensorSpec};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -46,10 +47,19 @@ impl OutputDType {
         }
     }
 
-    /// `output` (named `name`) in the dtype this choice gives an output belonging to an input of
-    /// dtype `input`: unchanged when it already has it, else rounded once (to nearest even).
-    pub fn apply(self, name: &str, output: Tensor, input: DType) -> Result<Tensor> {
-        output.into_float_dtype(name, self.resolve(input))
+    /// `output`, declared by `spec`, in the dtype this choice gives it in a call with `inputs`:
+    /// an output [`DTypeSpec::Like`] an input takes that input's dtype (or f32), an
+    /// [`DTypeSpec::F32`] one f32; unchanged when it already has it, else rounded once (to
+    /// nearest even). Indices are returned as they are.
+    pub fn cast(self, spec: &TensorSpec, output: Tensor, inputs: &Named<'_>) -> Result<Tensor> {
+        let dtype = match spec.dtype {
+            DTypeSpec::Like(input) => {
+                self.resolve(spec::find(inputs, input).map_or(DType::F32, Tensor::dtype))
+            }
+            DTypeSpec::F32 => DType::F32,
+            DTypeSpec::Float | DTypeSpec::Index => return Ok(output),
+        };
+        output.into_float_dtype(spec.name, dtype)
     }
 }
 
@@ -76,32 +86,42 @@ impl fmt::Display for OutputDType {
 mod tests {
     use super::*;
 
+    use crate::contracts::tensors::router_topk::{EXPERT_INDEX, ROUTER_LOGITS, X};
+
     #[test]
     fn input_keeps_the_input_dtype_and_float32_widens_exactly() {
         let x = Tensor::from_f32([3], vec![1.0, 1.0 + f32::EPSILON, -2.5]).unwrap();
+        let (bf16_x, f32_x) = (x.to_bf16(), x.clone());
+        let bf16_inputs: Named<'_> = vec![(&X, &bf16_x)];
         let bf16 = OutputDType::Input
-            .apply("output", x.clone(), DType::BF16)
+            .cast(&ROUTER_LOGITS, x.clone(), &bf16_inputs)
             .unwrap();
         assert_eq!(bf16, x.to_bf16());
         assert_eq!(bf16.to_f64_vec(), vec![1.0, 1.0, -2.5]);
         let f32 = OutputDType::Float32
-            .apply("output", bf16.clone(), DType::BF16)
+            .cast(&ROUTER_LOGITS, bf16.clone(), &bf16_inputs)
             .unwrap();
         assert_eq!(f32.dtype(), DType::F32);
         assert_eq!(f32.to_f64_vec(), bf16.to_f64_vec());
+        let f32_inputs: Named<'_> = vec![(&X, &f32_x)];
         assert_eq!(
             OutputDType::Input
-                .apply("output", x.clone(), DType::F32)
+                .cast(&ROUTER_LOGITS, x.clone(), &f32_inputs)
                 .unwrap(),
             x
         );
+        // Indices keep their dtype.
+        let ids = Tensor::from_i32([1], vec![3]).unwrap();
+        let cast = OutputDType::Float32.cast(&EXPERT_INDEX, ids.clone(), &bf16_inputs);
+        assert_eq!(cast.unwrap(), ids);
     }
 
     #[test]
     fn a_value_beyond_bf16_is_an_error_naming_the_output() {
         let big = Tensor::from_f32([2], vec![0.0, f32::MAX]).unwrap();
+        let x = Tensor::from_f32([1], vec![0.0]).unwrap().to_bf16();
         let err = OutputDType::Input
-            .apply("router_logits", big, DType::BF16)
+            .cast(&ROUTER_LOGITS, big, &vec![(&X, &x)])
             .unwrap_err()
             .to_string();
         assert!(

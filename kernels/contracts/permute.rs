@@ -27,6 +27,8 @@
 //!
 //! Error bound: exact. Indices and counts are integers and affinities are copied, not computed.
 
+use super::spec::{self, Named, TensorSpec};
+use super::tensors::{permute as fwd, permute_bwd as bwd};
 use super::{OutputDType, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -88,6 +90,24 @@ pub struct PermuteInputs<'a> {
     pub topk_affinities: &'a Tensor,
 }
 
+impl<'a> PermuteInputs<'a> {
+    /// The inputs by their specs ([`fwd::INPUTS`]).
+    pub fn named(&self) -> Named<'a> {
+        vec![
+            (&fwd::EXPERT_INDEX, self.expert_index),
+            (&fwd::TOPK_AFFINITIES, self.topk_affinities),
+        ]
+    }
+
+    /// The inputs `get` finds by spec; a missing one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        Ok(Self {
+            expert_index: spec::required(&get, &fwd::EXPERT_INDEX)?,
+            topk_affinities: spec::required(&get, &fwd::TOPK_AFFINITIES)?,
+        })
+    }
+}
+
 /// Dimensions of a `permute` call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PermuteDims {
@@ -137,13 +157,12 @@ fn check_num_experts(num_experts: usize, t: usize) -> Result<()> {
 /// `[0, E)` distinct per row or [`SKIP`], and every masked-affinity index within i32. Returns
 /// `(T, K)`. (K may exceed E when a row skips slots, as on an expert-parallel receiver.)
 fn check_expert_index(expert_index: &Tensor, e: usize) -> Result<(usize, usize)> {
-    let (shape, ids) =
-        validate::index_tensor("expert_index", expert_index, "[T, K]", &[None, None])?;
+    let (shape, ids) = validate::index_input(&fwd::EXPERT_INDEX, expert_index, &[None, None])?;
     let (t, k) = (shape[0], shape[1]);
-    validate::non_empty("expert_index", "T (tokens)", t)?;
-    validate::non_empty("expert_index", "K (top_k)", k)?;
+    validate::non_empty(fwd::EXPERT_INDEX.name, "T (tokens)", t)?;
+    validate::non_empty(fwd::EXPERT_INDEX.name, "K (top_k)", k)?;
     check_num_experts(e, t)?;
-    validate::expert_ids_or_skip("expert_index", ids, &shape, e)?;
+    validate::expert_ids_or_skip(fwd::EXPERT_INDEX.name, ids, &shape, e)?;
     Ok((t, k))
 }
 
@@ -155,10 +174,9 @@ impl<'a> Permute<'a> {
             return Err(Error::param("block_size", "must be at least 1, got 0"));
         }
         let (t, k) = check_expert_index(inputs.expert_index, e)?;
-        validate::float_tensor(
-            "topk_affinities",
+        validate::float_input(
+            &fwd::TOPK_AFFINITIES,
             inputs.topk_affinities,
-            "[T, K]",
             &[Some(t), Some(k)],
         )?;
         let ids = inputs.expert_index.as_i32().expect("validated as i32");
@@ -168,7 +186,7 @@ impl<'a> Permute<'a> {
             .position(|(pair, &id)| id == SKIP && inputs.topk_affinities.get_f64(pair) != Some(0.0))
         {
             return Err(Error::invalid(
-                "topk_affinities",
+                fwd::TOPK_AFFINITIES.name,
                 format!(
                     "slot {} is skipped (expert_index -1) but has affinity {}; skipped slots \
                      must hold 0",
@@ -224,17 +242,10 @@ impl<'a> Permute<'a> {
         self.output_dtype
     }
 
-    /// `outputs` in the dtypes this call gives them: `expert_affinities_masked` in
-    /// `topk_affinities`' dtype, or f32; the plan and the counts i32.
+    /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
     pub fn cast_outputs(&self, outputs: PermuteOutputs) -> Result<PermuteOutputs> {
-        Ok(PermuteOutputs {
-            expert_affinities_masked: self.output_dtype.apply(
-                "expert_affinities_masked",
-                outputs.expert_affinities_masked,
-                self.inputs.topk_affinities.dtype(),
-            )?,
-            ..outputs
-        })
+        let inputs = self.inputs.named();
+        outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
     }
 }
 
@@ -253,6 +264,39 @@ pub struct PermuteOutputs {
     pub num_used_blocks: Tensor,
 }
 
+impl PermuteOutputs {
+    /// The outputs by their specs ([`fwd::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![
+            (&fwd::EXPERT_COUNTS, self.expert_counts),
+            (&fwd::TOKEN_POSITION_TO_ID, self.token_position_to_id),
+            (&fwd::BLOCK_TO_EXPERT, self.block_to_expert),
+            (
+                &fwd::EXPERT_AFFINITIES_MASKED,
+                self.expert_affinities_masked,
+            ),
+            (&fwd::NUM_USED_BLOCKS, self.num_used_blocks),
+        ]
+    }
+
+    /// Every output through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            expert_counts: f(&fwd::EXPERT_COUNTS, self.expert_counts)?,
+            token_position_to_id: f(&fwd::TOKEN_POSITION_TO_ID, self.token_position_to_id)?,
+            block_to_expert: f(&fwd::BLOCK_TO_EXPERT, self.block_to_expert)?,
+            expert_affinities_masked: f(
+                &fwd::EXPERT_AFFINITIES_MASKED,
+                self.expert_affinities_masked,
+            )?,
+            num_used_blocks: f(&fwd::NUM_USED_BLOCKS, self.num_used_blocks)?,
+        })
+    }
+}
+
 /// Inputs of [`PermuteBwd`]: maps an affinity gradient in the masked layout back to the
 /// `[T, K]` layout the router consumes (the transpose of the scatter in `permute`).
 #[derive(Clone, Copy, Debug)]
@@ -261,6 +305,30 @@ pub struct PermuteBwdInputs<'a> {
     pub expert_index: &'a Tensor,
     /// `[(T+1)·E]` or `[(T+1)·E, 1]`.
     pub expert_affinities_masked_grad: &'a Tensor,
+}
+
+impl<'a> PermuteBwdInputs<'a> {
+    /// The inputs by their specs ([`bwd::INPUTS`]).
+    pub fn named(&self) -> Named<'a> {
+        vec![
+            (&bwd::EXPERT_INDEX, self.expert_index),
+            (
+                &bwd::EXPERT_AFFINITIES_MASKED_GRAD,
+                self.expert_affinities_masked_grad,
+            ),
+        ]
+    }
+
+    /// The inputs `get` finds by spec; a missing one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        Ok(Self {
+            expert_index: spec::required(&get, &bwd::EXPERT_INDEX)?,
+            expert_affinities_masked_grad: spec::required(
+                &get,
+                &bwd::EXPERT_AFFINITIES_MASKED_GRAD,
+            )?,
+        })
+    }
 }
 
 /// Parameters of [`PermuteBwd`].
@@ -288,7 +356,7 @@ impl<'a> PermuteBwd<'a> {
         let e = params.num_experts;
         let (t, k) = check_expert_index(inputs.expert_index, e)?;
         validate::masked_affinities(
-            "expert_affinities_masked_grad",
+            bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
             inputs.expert_affinities_masked_grad,
             Some((t + 1) * e),
         )?;
@@ -319,14 +387,14 @@ impl<'a> PermuteBwd<'a> {
         self.output_dtype
     }
 
-    /// `grads` in the dtypes this call gives them: `d_topk_affinities` in
-    /// `expert_affinities_masked_grad`'s dtype, or f32.
+    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
     pub fn cast_outputs(&self, grads: PermuteGrads) -> Result<PermuteGrads> {
+        let inputs = self.inputs.named();
         Ok(PermuteGrads {
-            d_topk_affinities: self.output_dtype.apply(
-                "d_topk_affinities",
+            d_topk_affinities: self.output_dtype.cast(
+                &bwd::D_TOPK_AFFINITIES,
                 grads.d_topk_affinities,
-                self.inputs.expert_affinities_masked_grad.dtype(),
+                &inputs,
             )?,
         })
     }
@@ -337,4 +405,11 @@ impl<'a> PermuteBwd<'a> {
 pub struct PermuteGrads {
     /// `[T, K]` in the gradient's dtype.
     pub d_topk_affinities: Tensor,
+}
+
+impl PermuteGrads {
+    /// The gradient by its spec ([`bwd::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![(&bwd::D_TOPK_AFFINITIES, self.d_topk_affinities)]
+    }
 }

@@ -11,6 +11,7 @@
 //! (token, expert) pair has at most one slot, and every non-zero affinity of a real token has
 //! one; blocks need not be ordered by expert.
 
+use super::tensors::blockwise_mm::{BLOCK_TO_EXPERT, TOKEN_POSITION_TO_ID};
 use super::validate;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -38,15 +39,11 @@ impl<'a> BlockPlan<'a> {
     ) -> Result<(Self, Vec<bool>)> {
         let experts = block_column(block_to_expert)?;
         let n = experts.len();
-        let (shape, positions) = validate::index_tensor(
-            "token_position_to_id",
-            token_position_to_id,
-            "[N·B]",
-            &[None],
-        )?;
+        let (shape, positions) =
+            validate::index_input(&TOKEN_POSITION_TO_ID, token_position_to_id, &[None])?;
         if shape[0] == 0 || shape[0] % n != 0 {
             return Err(Error::shape(
-                "token_position_to_id",
+                TOKEN_POSITION_TO_ID.name,
                 format!("[N·B] with N = {n} (from block_to_expert) and B ≥ 1"),
                 &shape,
             ));
@@ -67,7 +64,7 @@ impl<'a> BlockPlan<'a> {
         for (block, &expert) in self.experts.iter().enumerate() {
             if expert < 0 || expert as usize >= e {
                 return Err(Error::invalid(
-                    "block_to_expert",
+                    BLOCK_TO_EXPERT.name,
                     format!("block {block} has expert id {expert}, outside [0, {e})"),
                 ));
             }
@@ -76,7 +73,7 @@ impl<'a> BlockPlan<'a> {
                 let position = block * self.b + slot;
                 if token < 0 || token as usize > t {
                     return Err(Error::invalid(
-                        "token_position_to_id",
+                        TOKEN_POSITION_TO_ID.name,
                         format!(
                             "position {position} holds token id {token}, outside [0, {t}] \
                              (T = {t} is the padding row of hidden_states)"
@@ -89,7 +86,7 @@ impl<'a> BlockPlan<'a> {
                 let pair = token as usize * e + expert as usize;
                 if std::mem::replace(&mut covered[pair], true) {
                     return Err(Error::invalid(
-                        "token_position_to_id",
+                        TOKEN_POSITION_TO_ID.name,
                         format!(
                             "token {token} appears twice for expert {expert} (second time at \
                              position {position})"
@@ -133,7 +130,7 @@ impl<'a> BlockPlan<'a> {
 fn block_column(block_to_expert: &Tensor) -> Result<&[i32]> {
     let Some(ids) = block_to_expert.as_i32() else {
         return Err(Error::DType {
-            tensor: "block_to_expert".to_owned(),
+            tensor: BLOCK_TO_EXPERT.name.to_owned(),
             expected: "i32".to_owned(),
             actual: block_to_expert.dtype(),
         });
@@ -141,7 +138,7 @@ fn block_column(block_to_expert: &Tensor) -> Result<&[i32]> {
     match *block_to_expert.shape() {
         [n, 1] | [n] if n > 0 => Ok(ids),
         _ => Err(Error::shape(
-            "block_to_expert",
+            BLOCK_TO_EXPERT.name,
             "[N, 1] (or [N]) with N ≥ 1",
             block_to_expert.shape(),
         )),

@@ -34,6 +34,8 @@ use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
+use super::spec::{self, Named, TensorSpec};
+use super::tensors::{router_topk as fwd, router_topk_bwd as bwd};
 use super::{OutputDType, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -126,7 +128,7 @@ impl XHbmLayout {
     pub fn tokens_major(self, x: &Tensor) -> Result<Cow<'_, Tensor>> {
         match self {
             Self::TH => Ok(Cow::Borrowed(x)),
-            Self::HT => x.transposed("x").map(Cow::Owned),
+            Self::HT => x.transposed(fwd::X.name).map(Cow::Owned),
         }
     }
 
@@ -134,7 +136,7 @@ impl XHbmLayout {
     pub fn from_tokens_major(self, d_x: Tensor) -> Result<Tensor> {
         match self {
             Self::TH => Ok(d_x),
-            Self::HT => d_x.transposed("d_x"),
+            Self::HT => d_x.transposed(bwd::D_X.name),
         }
     }
 }
@@ -213,6 +215,27 @@ pub struct RouterTopkInputs<'a> {
     pub selection_bias: Option<&'a Tensor>,
 }
 
+impl<'a> RouterTopkInputs<'a> {
+    /// The inputs by their specs ([`fwd::INPUTS`]), absent biases left out.
+    pub fn named(&self) -> Named<'a> {
+        let mut named = vec![(&fwd::X, self.x), (&fwd::W, self.w)];
+        named.extend(self.w_bias.map(|bias| (&fwd::W_BIAS, bias)));
+        named.extend(self.selection_bias.map(|bias| (&fwd::SELECTION_BIAS, bias)));
+        named
+    }
+
+    /// The inputs `get` finds by spec; a missing required one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        let required = |spec| spec::required(&get, spec);
+        Ok(Self {
+            x: required(&fwd::X)?,
+            w: required(&fwd::W)?,
+            w_bias: get(&fwd::W_BIAS),
+            selection_bias: get(&fwd::SELECTION_BIAS),
+        })
+    }
+}
+
 /// Dimensions a router call's tensors agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouterDims {
@@ -242,14 +265,14 @@ impl<'a> RouterTopk<'a> {
     /// Checks shapes, dtypes, finiteness and `1 ≤ k ≤ E`.
     pub fn new(inputs: RouterTopkInputs<'a>, params: RouterTopkParams) -> Result<Self> {
         let (t, h) = check_x(inputs.x, params.pipeline.x_hbm_layout)?;
-        let w = validate::float_tensor("w", inputs.w, "[H, E]", &[Some(h), None])?;
+        let w = validate::float_input(&fwd::W, inputs.w, &[Some(h), None])?;
         let e = w[1];
-        validate::non_empty("w", "E (experts)", e)?;
+        validate::non_empty(fwd::W.name, "E (experts)", e)?;
         if let Some(bias) = inputs.w_bias {
             check_bias(bias, e)?;
         }
         if let Some(bias) = inputs.selection_bias {
-            validate::float_tensor("selection_bias", bias, "[E]", &[Some(e)])?;
+            validate::float_input(&fwd::SELECTION_BIAS, bias, &[Some(e)])?;
         }
         check_top_k(params.k, e)?;
         let k = params.k;
@@ -284,16 +307,10 @@ impl<'a> RouterTopk<'a> {
         self.output_dtype
     }
 
-    /// `outputs` in the dtypes this call gives them: `router_logits` and the affinities in
-    /// `x`'s dtype (nki-library's), or f32; `expert_index` i32.
+    /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
     pub fn cast_outputs(&self, outputs: RouterTopkOutputs) -> Result<RouterTopkOutputs> {
-        let (to, x) = (self.output_dtype, self.inputs.x.dtype());
-        Ok(RouterTopkOutputs {
-            router_logits: to.apply("router_logits", outputs.router_logits, x)?,
-            expert_index: outputs.expert_index,
-            topk_affinities: to.apply("topk_affinities", outputs.topk_affinities, x)?,
-            expert_affinities: to.apply("expert_affinities", outputs.expert_affinities, x)?,
-        })
+        let inputs = self.inputs.named();
+        outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
     }
 }
 
@@ -309,13 +326,13 @@ pub(crate) fn check_top_k(k: usize, experts: usize) -> Result<()> {
 
 /// Checks `x` in `layout` (`[T, H]` or `[H, T]`) and returns `(T, H)`.
 fn check_x(x: &Tensor, layout: XHbmLayout) -> Result<(usize, usize)> {
-    let shape = validate::float_tensor("x", x, layout.layout(), &[None, None])?;
+    let shape = validate::float_tensor(fwd::X.name, x, layout.layout(), &[None, None])?;
     let (t, h) = match layout {
         XHbmLayout::TH => (shape[0], shape[1]),
         XHbmLayout::HT => (shape[1], shape[0]),
     };
-    validate::non_empty("x", "T (tokens)", t)?;
-    validate::non_empty("x", "H (hidden size)", h)?;
+    validate::non_empty(fwd::X.name, "T (tokens)", t)?;
+    validate::non_empty(fwd::X.name, "H (hidden size)", h)?;
     Ok((t, h))
 }
 
@@ -326,7 +343,7 @@ fn check_bias(bias: &Tensor, e: usize) -> Result<()> {
     } else {
         &[Some(e)]
     };
-    validate::float_tensor("w_bias", bias, "[E] or [1, E]", dims).map(|_| ())
+    validate::float_tensor(fwd::W_BIAS.name, bias, "[E] or [1, E]", dims).map(|_| ())
 }
 
 /// Outputs of `router_topk`.
@@ -341,6 +358,31 @@ pub struct RouterTopkOutputs {
     /// `[T, E]` in `x`'s dtype: the activation of every logit under ACT1 without `norm_topk_prob`,
     /// otherwise `topk_affinities` scattered, zeros elsewhere.
     pub expert_affinities: Tensor,
+}
+
+impl RouterTopkOutputs {
+    /// The outputs by their specs ([`fwd::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![
+            (&fwd::ROUTER_LOGITS, self.router_logits),
+            (&fwd::EXPERT_INDEX, self.expert_index),
+            (&fwd::TOPK_AFFINITIES, self.topk_affinities),
+            (&fwd::EXPERT_AFFINITIES, self.expert_affinities),
+        ]
+    }
+
+    /// Every output through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            router_logits: f(&fwd::ROUTER_LOGITS, self.router_logits)?,
+            expert_index: f(&fwd::EXPERT_INDEX, self.expert_index)?,
+            topk_affinities: f(&fwd::TOPK_AFFINITIES, self.topk_affinities)?,
+            expert_affinities: f(&fwd::EXPERT_AFFINITIES, self.expert_affinities)?,
+        })
+    }
 }
 
 /// Parameters of [`RouterTopkBwd`] (moekit's own kernel): the forward's pipeline; K is read
@@ -367,6 +409,34 @@ pub struct RouterTopkBwdInputs<'a> {
     pub d_router_logits: Option<&'a Tensor>,
 }
 
+impl<'a> RouterTopkBwdInputs<'a> {
+    /// The inputs by their specs ([`bwd::INPUTS`]), an absent `d_router_logits` left out.
+    pub fn named(&self) -> Named<'a> {
+        let mut named = vec![
+            (&bwd::X, self.x),
+            (&bwd::W, self.w),
+            (&bwd::ROUTER_LOGITS, self.router_logits),
+            (&bwd::EXPERT_INDEX, self.expert_index),
+            (&bwd::D_TOPK_AFFINITIES, self.d_topk_affinities),
+        ];
+        named.extend(self.d_router_logits.map(|d| (&bwd::D_ROUTER_LOGITS, d)));
+        named
+    }
+
+    /// The inputs `get` finds by spec; a missing required one is an error naming it.
+    pub fn from_named(get: impl Fn(&TensorSpec) -> Option<&'a Tensor>) -> Result<Self> {
+        let required = |spec| spec::required(&get, spec);
+        Ok(Self {
+            x: required(&bwd::X)?,
+            w: required(&bwd::W)?,
+            router_logits: required(&bwd::ROUTER_LOGITS)?,
+            expert_index: required(&bwd::EXPERT_INDEX)?,
+            d_topk_affinities: required(&bwd::D_TOPK_AFFINITIES)?,
+            d_router_logits: get(&bwd::D_ROUTER_LOGITS),
+        })
+    }
+}
+
 /// A validated `router_topk_bwd` call.
 ///
 /// Fields are private: a call can only come from `new`, which validates it, and cannot be
@@ -383,37 +453,31 @@ impl<'a> RouterTopkBwd<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: RouterTopkBwdInputs<'a>, params: RouterTopkBwdParams) -> Result<Self> {
         let (t, h) = check_x(inputs.x, params.pipeline.x_hbm_layout)?;
-        let e = validate::float_tensor("w", inputs.w, "[H, E]", &[Some(h), None])?[1];
-        validate::non_empty("w", "E (experts)", e)?;
-        validate::float_tensor(
-            "router_logits",
+        let e = validate::float_input(&bwd::W, inputs.w, &[Some(h), None])?[1];
+        validate::non_empty(bwd::W.name, "E (experts)", e)?;
+        validate::float_input(
+            &bwd::ROUTER_LOGITS,
             inputs.router_logits,
-            "[T, E]",
             &[Some(t), Some(e)],
         )?;
-        let (shape, ids) = validate::index_tensor(
-            "expert_index",
-            inputs.expert_index,
-            "[T, K]",
-            &[Some(t), None],
-        )?;
+        let (shape, ids) =
+            validate::index_input(&bwd::EXPERT_INDEX, inputs.expert_index, &[Some(t), None])?;
         let k = shape[1];
         check_top_k(k, e).map_err(|_| {
             Error::shape(
-                "expert_index",
+                bwd::EXPERT_INDEX.name,
                 format!("[T, K] with 1 ≤ K ≤ E = {e}"),
                 &shape,
             )
         })?;
-        validate::expert_ids("expert_index", ids, &shape, e)?;
-        validate::float_tensor(
-            "d_topk_affinities",
+        validate::expert_ids(bwd::EXPERT_INDEX.name, ids, &shape, e)?;
+        validate::float_input(
+            &bwd::D_TOPK_AFFINITIES,
             inputs.d_topk_affinities,
-            "[T, K]",
             &[Some(t), Some(k)],
         )?;
         if let Some(d) = inputs.d_router_logits {
-            validate::float_tensor("d_router_logits", d, "[T, E]", &[Some(t), Some(e)])?;
+            validate::float_input(&bwd::D_ROUTER_LOGITS, d, &[Some(t), Some(e)])?;
         }
         Ok(Self {
             inputs,
@@ -446,15 +510,10 @@ impl<'a> RouterTopkBwd<'a> {
         self.output_dtype
     }
 
-    /// `grads` in the dtypes this call gives them: `d_x` in `x`'s dtype, `d_w` and `d_w_bias`
-    /// in `w`'s, or all f32.
+    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
     pub fn cast_outputs(&self, grads: RouterTopkGrads) -> Result<RouterTopkGrads> {
-        let (to, w) = (self.output_dtype, self.inputs.w.dtype());
-        Ok(RouterTopkGrads {
-            d_x: to.apply("d_x", grads.d_x, self.inputs.x.dtype())?,
-            d_w: to.apply("d_w", grads.d_w, w)?,
-            d_w_bias: to.apply("d_w_bias", grads.d_w_bias, w)?,
-        })
+        let inputs = self.inputs.named();
+        grads.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
     }
 }
 
@@ -467,4 +526,27 @@ pub struct RouterTopkGrads {
     pub d_w: Tensor,
     /// `[E]` in `w`'s dtype, the gradient of `w_bias`.
     pub d_w_bias: Tensor,
+}
+
+impl RouterTopkGrads {
+    /// The gradients by their specs ([`bwd::OUTPUTS`]).
+    pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
+        vec![
+            (&bwd::D_X, self.d_x),
+            (&bwd::D_W, self.d_w),
+            (&bwd::D_W_BIAS, self.d_w_bias),
+        ]
+    }
+
+    /// Every gradient through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            d_x: f(&bwd::D_X, self.d_x)?,
+            d_w: f(&bwd::D_W, self.d_w)?,
+            d_w_bias: f(&bwd::D_W_BIAS, self.d_w_bias)?,
+        })
+    }
 }

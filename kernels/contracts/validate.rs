@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::spec::TensorSpec;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};
 
@@ -17,6 +18,24 @@ pub(crate) fn float_tensor(
     let shape = float_tensor_shape(name, tensor, layout, dims)?;
     finite(name, tensor)?;
     Ok(shape)
+}
+
+/// [`float_tensor`] for the contract tensor `spec`, in its declared layout.
+pub(crate) fn float_input(
+    spec: &TensorSpec,
+    tensor: &Tensor,
+    dims: &[Option<usize>],
+) -> Result<Vec<usize>> {
+    float_tensor(spec.name, tensor, spec.shape, dims)
+}
+
+/// [`index_tensor`] for the contract tensor `spec`, in its declared layout.
+pub(crate) fn index_input<'t>(
+    spec: &TensorSpec,
+    tensor: &'t Tensor,
+    dims: &[Option<usize>],
+) -> Result<(Vec<usize>, &'t [i32])> {
+    index_tensor(spec.name, tensor, spec.shape, dims)
 }
 
 /// [`float_tensor`] without the finiteness check, for a kernel that checks finiteness in a

@@ -1,6 +1,8 @@
 //! The expert-parallel routing table on the CPU: one pass over the tokens, each token appended
 //! once to the column of every rank holding one of its experts. O(T·K + T·EP).
 
+use crate::contracts::spec::output;
+use crate::contracts::tensors::a2av_routing as a2;
 use crate::contracts::{A2avRouting, A2avRoutingOutputs, SKIP};
 use crate::error::Result;
 use crate::tensor::{Tensor, try_filled};
@@ -13,7 +15,7 @@ pub(super) fn forward(call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
         .expert_index
         .as_i32()
         .expect("validated as i32");
-    let mut send_indices = try_filled("output `send_indices`", &[t, ranks], t as i32)?;
+    let mut send_indices = try_filled(&output(&a2::SEND_INDICES), &[t, ranks], t as i32)?;
     let mut counts = vec![0usize; ranks];
     // The last token each rank received, so a token goes to a rank once however many of its
     // experts live there.

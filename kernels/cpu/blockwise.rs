@@ -36,6 +36,7 @@ use super::gated;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use super::permute::topk_gradient;
 use super::{f32_output, screened_f32_output};
+use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
@@ -670,7 +671,7 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
             .map(move |(&token, &slot)| (token, (expert, slot)))
     });
     let affinities = inputs.expert_affinities_masked.f32_values();
-    let mut output = output_buffer("output", &[t + 1, h])?;
+    let mut output = output_buffer(fwd::OUTPUT.name, &[t + 1, h])?;
     let (tokens, padding_row) = output.split_at_mut(t * h);
     TokenRows::new(t, rows).combine(
         tokens,
@@ -686,20 +687,22 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     );
     write_copy(padding_row, &padding_row_output(call, padding.as_ref()));
     // SAFETY: `combine` wrote every token's row, and the padding row is written.
-    let output = f32_output("output", &[t + 1, h], unsafe { assume_init(output) })?;
+    let output = f32_output(fwd::OUTPUT.name, &[t + 1, h], unsafe {
+        assume_init(output)
+    })?;
 
     // Checked after `output`, as the reference checks them. Intermediates the caller does not
     // keep are not checked: a non-finite one reaches `output`.
     let (gate_up_activations_t, down_activations) = if checkpoint {
         (
             Some(screened_f32_output(
-                "gate_up_activations_T",
+                fwd::GATE_UP_ACTIVATIONS_T.name,
                 &[n, 2, i, b],
                 gate_up_t,
                 finite,
             )?),
             Some(screened_f32_output(
-                "down_activations",
+                fwd::DOWN_ACTIVATIONS.name,
                 &[n, b, h],
                 down,
                 finite,
@@ -1080,27 +1083,31 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     let (gate_and_up_proj_bias_grad, down_proj_bias_grad) = match bias_grads {
         Some((gate_up, down)) => (
             Some(f32_output(
-                "gate_and_up_proj_bias_grad",
+                bwd::GATE_AND_UP_PROJ_BIAS_GRAD.name,
                 &[e, 2, i],
                 gate_up,
             )?),
-            Some(f32_output("down_proj_bias_grad", &[e, h], down)?),
+            Some(f32_output(bwd::DOWN_PROJ_BIAS_GRAD.name, &[e, h], down)?),
         ),
         None => (None, None),
     };
     Ok(BlockwiseMmGrads {
-        hidden_states_grad: f32_output("hidden_states_grad", &[t + 1, h], d_hidden)?,
+        hidden_states_grad: f32_output(bwd::HIDDEN_STATES_GRAD.name, &[t + 1, h], d_hidden)?,
         expert_affinities_masked_grad: f32_output(
-            "expert_affinities_masked_grad",
+            bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
             &[(t + 1) * e, 1],
             d_affinities,
         )?,
         gate_up_proj_weight_grad: f32_output(
-            "gate_up_proj_weight_grad",
+            bwd::GATE_UP_PROJ_WEIGHT_GRAD.name,
             &[e, h, 2, i],
             d_gate_up_weight,
         )?,
-        down_proj_weight_grad: f32_output("down_proj_weight_grad", &[e, i, h], d_down_weight)?,
+        down_proj_weight_grad: f32_output(
+            bwd::DOWN_PROJ_WEIGHT_GRAD.name,
+            &[e, i, h],
+            d_down_weight,
+        )?,
         d_topk_affinities,
         gate_and_up_proj_bias_grad,
         down_proj_bias_grad,

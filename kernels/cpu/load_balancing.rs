@@ -8,6 +8,7 @@ use rayon::prelude::*;
 use super::alloc::output_buffer;
 use super::exp::softmax;
 use super::{f32_output, screened_f32_output};
+use crate::contracts::tensors::{load_balancing_loss as lb, load_balancing_loss_bwd as lbb};
 use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
     LoadBalancingDims, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
@@ -73,7 +74,7 @@ pub(super) fn forward(call: &LoadBalancingLoss<'_>) -> Result<LoadBalancingLossO
         .sum::<f64>()
         * e as f64;
     Ok(LoadBalancingLossOutputs {
-        aux_loss: f32_output("aux_loss", &[1], vec![loss as f32])?,
+        aux_loss: f32_output(lb::AUX_LOSS.name, &[1], vec![loss as f32])?,
         expert_counts: Tensor::from_i32([l, e], per_layer.into_iter().map(|c| c as i32).collect())?,
     })
 }
@@ -92,7 +93,7 @@ pub(super) fn backward(call: &LoadBalancingLossBwd<'_>) -> Result<LoadBalancingL
         .iter()
         .map(|&c| (d_aux * e as f64 * c as f64 / (rows * rows)) as f32)
         .collect();
-    let mut d_logits = output_buffer("d_router_logits", inputs.router_logits.shape())?;
+    let mut d_logits = output_buffer(lbb::D_ROUTER_LOGITS.name, inputs.router_logits.shape())?;
     let finite = d_logits
         .par_chunks_mut(CHUNK_ROWS * e)
         .zip(logits.par_chunks(CHUNK_ROWS * e))
@@ -115,7 +116,7 @@ pub(super) fn backward(call: &LoadBalancingLossBwd<'_>) -> Result<LoadBalancingL
     let d_logits = unsafe { assume_init(d_logits) };
     Ok(LoadBalancingLossGrads {
         d_router_logits: screened_f32_output(
-            "d_router_logits",
+            lbb::D_ROUTER_LOGITS.name,
             inputs.router_logits.shape(),
             d_logits,
             finite,

@@ -1,6 +1,8 @@
 //! The block plan on the CPU: one counting pass over `expert_index`, then each expert's tokens
 //! written in ascending token order straight into their blocks. O(T·K + N·B).
 
+use crate::contracts::spec::output;
+use crate::contracts::tensors::permute as pm;
 use crate::contracts::{Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs, SKIP};
 use crate::error::Result;
 use crate::tensor::{Tensor, try_filled as filled};
@@ -11,14 +13,14 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let ids = inputs.expert_index.as_i32().expect("validated as i32");
     let affinities = inputs.topk_affinities.f32_values();
 
-    let mut counts = filled("output `expert_counts`", &[e], 0usize)?;
+    let mut counts = filled(&output(&pm::EXPERT_COUNTS), &[e], 0usize)?;
     for &id in ids.iter().filter(|&&id| id != SKIP) {
         counts[id as usize] += 1;
     }
     // First slot of each expert: its blocks follow the previous experts' blocks.
-    let mut next_slot = filled("output `expert_counts`", &[e], 0usize)?;
+    let mut next_slot = filled(&output(&pm::EXPERT_COUNTS), &[e], 0usize)?;
     // Unused blocks, after the used ones, go through the last expert (nki-library's layout).
-    let mut block_to_expert = filled("output `block_to_expert`", &[n], e as i32 - 1)?;
+    let mut block_to_expert = filled(&output(&pm::BLOCK_TO_EXPERT), &[n], e as i32 - 1)?;
     let mut used = 0;
     for (expert, &count) in counts.iter().enumerate() {
         next_slot[expert] = used * b;
@@ -26,8 +28,12 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
         block_to_expert[used..used + blocks].fill(expert as i32);
         used += blocks;
     }
-    let mut positions = filled("output `token_position_to_id`", &[n * b], t as i32)?;
-    let mut masked = filled("output `expert_affinities_masked`", &[(t + 1) * e], 0.0f32)?;
+    let mut positions = filled(&output(&pm::TOKEN_POSITION_TO_ID), &[n * b], t as i32)?;
+    let mut masked = filled(
+        &output(&pm::EXPERT_AFFINITIES_MASKED),
+        &[(t + 1) * e],
+        0.0f32,
+    )?;
     for (pair, (&id, &a)) in ids.iter().zip(affinities.iter()).enumerate() {
         if id == SKIP {
             continue;

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::matmul::{MatRef, matmul};
 use super::{ROW_TILE, ensure_finite, f32_output};
+use crate::contracts::tensors::{router_topk as rt, router_topk_bwd as rtb};
 use crate::contracts::{
     RouterActFnType, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
@@ -110,7 +111,7 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
     let selection_bias = inputs.selection_bias.map(Tensor::f32_values);
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
     let logits = logits(&x, inputs.w, bias.as_deref(), (t, h, e));
-    ensure_finite("router_logits", &[t, e], &logits)?;
+    ensure_finite(rt::ROUTER_LOGITS.name, &[t, e], &logits)?;
 
     let mut expert_index = vec![0i32; t * k];
     let mut topk = vec![0.0f32; t * k];
@@ -249,8 +250,8 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     Ok(RouterTopkGrads {
         d_x: pipeline
             .x_hbm_layout
-            .from_tokens_major(f32_output("d_x", &[t, h], d_x)?)?,
-        d_w: f32_output("d_w", &[h, e], d_w)?,
-        d_w_bias: f32_output("d_w_bias", &[e], d_w_bias)?,
+            .from_tokens_major(f32_output(rtb::D_X.name, &[t, h], d_x)?)?,
+        d_w: f32_output(rtb::D_W.name, &[h, e], d_w)?,
+        d_w_bias: f32_output(rtb::D_W_BIAS.name, &[e], d_w_bias)?,
     })
 }

@@ -30,6 +30,10 @@ use half::bf16;
 use super::manifest::{Manifest, Value, supported_kernels};
 use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, Usage};
 use crate::backend::Backend;
+use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
+use crate::contracts::tensors::{
+    blockwise_mm as fwd, blockwise_mm_bwd as bwd, router_topk as router,
+};
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmInputs, BlockwiseMmOutputs, ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd,
@@ -37,7 +41,7 @@ use crate::contracts::{
     PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::{Error, Result};
-use crate::kernel::Kernel;
+use crate::kernel::{Kernel, Param};
 use crate::tensor::{DType, Tensor};
 
 /// Environment variable naming the manifest; `kernels.toml` in the working directory if unset.
@@ -103,39 +107,36 @@ struct Ran {
 
 /// An output the contract defines, as the backend expects the NEFF to produce it.
 struct OutputSpec {
-    name: &'static str,
+    spec: &'static TensorSpec,
     shape: Vec<usize>,
-    /// Index outputs are i32; value outputs f32 or bf16.
-    index: bool,
     required: bool,
 }
 
 impl OutputSpec {
-    fn values(name: &'static str, shape: &[usize], required: bool) -> Self {
+    fn new(spec: &'static TensorSpec, shape: &[usize], required: bool) -> Self {
         OutputSpec {
-            name,
+            spec,
             shape: shape.to_vec(),
-            index: false,
             required,
         }
     }
 
-    fn indices(name: &'static str, shape: &[usize]) -> Self {
-        OutputSpec {
-            name,
-            shape: shape.to_vec(),
-            index: true,
-            required: true,
-        }
+    fn name(&self) -> &'static str {
+        self.spec.name
+    }
+
+    /// Index outputs are i32; value outputs f32 or bf16.
+    fn index(&self) -> bool {
+        self.spec.dtype == DTypeSpec::Index
     }
 }
 
-/// One kernel call in the backend's terms: the manifest key, the contract's inputs (`None`:
-/// optional and not given) and outputs.
+/// One kernel call in the backend's terms: the manifest key, the inputs the call gives the
+/// NEFF and the outputs it reads.
 struct Call<'a> {
     kernel: Kernel,
     key: Vec<(&'static str, Value)>,
-    inputs: Vec<(&'static str, Option<&'a Tensor>)>,
+    inputs: Named<'a>,
     outputs: Vec<OutputSpec>,
 }
 
@@ -254,8 +255,13 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
             })?;
         match info.usage {
             Usage::Input => {
-                let Some((_, given)) = call.inputs.iter().find(|(name, _)| *name == info.name)
-                else {
+                if !call
+                    .kernel
+                    .spec()
+                    .inputs
+                    .iter()
+                    .any(|spec| spec.name == info.name)
+                {
                     return Err(neff_error(
                         neff,
                         format!(
@@ -263,8 +269,9 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
                             info.name
                         ),
                     ));
-                };
-                let Some(tensor) = given else {
+                }
+                let given = call.inputs.iter().find(|(spec, _)| spec.name == info.name);
+                let Some(&(_, tensor)) = given else {
                     return Err(neff_error(
                         neff,
                         format!(
@@ -297,7 +304,7 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
                 }
             }
             Usage::Output => {
-                let Some(spec) = call.outputs.iter().find(|spec| spec.name == info.name) else {
+                let Some(spec) = call.outputs.iter().find(|spec| spec.name() == info.name) else {
                     return Err(neff_error(
                         neff,
                         format!(
@@ -315,13 +322,13 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
                         ),
                     ));
                 }
-                let dtype_ok = if spec.index {
+                let dtype_ok = if spec.index() {
                     info.dtype == NrtDType::I32
                 } else {
                     info.dtype == NrtDType::F32 || info.dtype == NrtDType::BF16
                 };
                 if !dtype_ok {
-                    let expected = if spec.index { "i32" } else { "f32 or bf16" };
+                    let expected = if spec.index() { "i32" } else { "f32 or bf16" };
                     return Err(neff_error(
                         neff,
                         format!(
@@ -348,15 +355,16 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
             ));
         }
     }
-    for (name, given) in &call.inputs {
+    for (spec, _) in &call.inputs {
         let declared = tensors
             .iter()
-            .any(|info| info.usage == Usage::Input && info.name == *name);
-        if given.is_some() && !declared {
+            .any(|info| info.usage == Usage::Input && info.name == spec.name);
+        if !declared {
             return Err(neff_error(
                 neff,
                 format!(
-                    "the call provides input `{name}`, which the NEFF does not take (it would be ignored)"
+                    "the call provides input `{}`, which the NEFF does not take (it would be ignored)",
+                    spec.name
                 ),
             ));
         }
@@ -364,11 +372,11 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
     for spec in call.outputs.iter().filter(|spec| spec.required) {
         if !tensors
             .iter()
-            .any(|info| info.usage == Usage::Output && info.name == spec.name)
+            .any(|info| info.usage == Usage::Output && info.name == spec.name())
         {
             return Err(neff_error(
                 neff,
-                format!("does not produce output `{}`", spec.name),
+                format!("does not produce output `{}`", spec.name()),
             ));
         }
     }
@@ -420,7 +428,7 @@ fn execute(
                 let given = call
                     .inputs
                     .iter()
-                    .find_map(|(name, given)| (*name == info.name).then_some(*given).flatten())
+                    .find_map(|(spec, given)| (spec.name == info.name).then_some(*given))
                     .ok_or_else(|| neff_error(neff, format!("input `{}` vanished", info.name)))?;
                 tensor.write(&given.to_le_bytes(), 0)?;
                 inputs.add(&info.name, tensor)?;
@@ -445,12 +453,12 @@ fn execute(
         if info.usage != Usage::Output {
             continue;
         }
-        let Some(spec) = call.outputs.iter().find(|spec| spec.name == info.name) else {
+        let Some(spec) = call.outputs.iter().find(|spec| spec.name() == info.name) else {
             continue;
         };
         let mut bytes = vec![0u8; info.size];
         tensor.read(&mut bytes, 0)?;
-        results.insert(spec.name, decode(info, &spec.shape, &bytes)?);
+        results.insert(spec.name(), decode(info, &spec.shape, &bytes)?);
     }
     Ok((results, elapsed))
 }
@@ -465,28 +473,32 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
             ("t", Value::Int(t)),
             ("h", Value::Int(dims.h)),
             ("e", Value::Int(e)),
-            ("k", Value::Int(k)),
-            ("act_fn", Value::Str(pipeline.act_fn.to_string())),
-            ("router_pre_norm", Value::Bool(pipeline.router_pre_norm)),
-            ("norm_topk_prob", Value::Bool(pipeline.norm_topk_prob)),
-            ("x_hbm_layout", Value::Int(pipeline.x_hbm_layout.value())),
-            ("w_bias", Value::Bool(inputs.w_bias.is_some())),
+            (Param::K.name(), Value::Int(k)),
+            (Param::ActFn.name(), Value::Str(pipeline.act_fn.to_string())),
             (
-                "selection_bias",
+                Param::RouterPreNorm.name(),
+                Value::Bool(pipeline.router_pre_norm),
+            ),
+            (
+                Param::NormTopkProb.name(),
+                Value::Bool(pipeline.norm_topk_prob),
+            ),
+            (
+                Param::XHbmLayout.name(),
+                Value::Int(pipeline.x_hbm_layout.value()),
+            ),
+            (router::W_BIAS.name, Value::Bool(inputs.w_bias.is_some())),
+            (
+                router::SELECTION_BIAS.name,
                 Value::Bool(inputs.selection_bias.is_some()),
             ),
         ],
-        inputs: vec![
-            ("x", Some(inputs.x)),
-            ("w", Some(inputs.w)),
-            ("w_bias", inputs.w_bias),
-            ("selection_bias", inputs.selection_bias),
-        ],
+        inputs: inputs.named(),
         outputs: vec![
-            OutputSpec::values("router_logits", &[t, e], true),
-            OutputSpec::indices("expert_index", &[t, k]),
-            OutputSpec::values("topk_affinities", &[t, k], false),
-            OutputSpec::values("expert_affinities", &[t, e], true),
+            OutputSpec::new(&router::ROUTER_LOGITS, &[t, e], true),
+            OutputSpec::new(&router::EXPERT_INDEX, &[t, k], true),
+            OutputSpec::new(&router::TOPK_AFFINITIES, &[t, k], false),
+            OutputSpec::new(&router::EXPERT_AFFINITIES, &[t, e], true),
         ],
     }
 }
@@ -502,40 +514,29 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
             ("h", Value::Int(h)),
             ("e", Value::Int(dims.e)),
             ("i", Value::Int(i)),
-            ("block_size", Value::Int(b)),
+            (Param::BlockSize.name(), Value::Int(b)),
             ("num_blocks", Value::Int(n)),
             (
-                "activation_function",
+                Param::ActivationFunction.name(),
                 Value::Str(call.params().activation_function.to_string()),
             ),
             (
-                "expert_affinities_scaling_mode",
+                Param::ExpertAffinitiesScalingMode.name(),
                 Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
             ),
-            ("checkpoint_activation", Value::Bool(checkpoint)),
+            (Param::CheckpointActivation.name(), Value::Bool(checkpoint)),
         ],
-        inputs: vec![
-            ("hidden_states", Some(inputs.hidden_states)),
-            (
-                "expert_affinities_masked",
-                Some(inputs.expert_affinities_masked),
-            ),
-            ("gate_up_proj_weight", Some(inputs.gate_up_proj_weight)),
-            ("down_proj_weight", Some(inputs.down_proj_weight)),
-            ("token_position_to_id", Some(inputs.token_position_to_id)),
-            ("block_to_expert", Some(inputs.block_to_expert)),
-        ],
+        inputs: inputs.named(),
         outputs: vec![
-            OutputSpec::values("output", &[t + 1, h], true),
-            OutputSpec::values("gate_up_activations_T", &[n, 2, i, b], checkpoint),
-            OutputSpec::values("down_activations", &[n, b, h], checkpoint),
+            OutputSpec::new(&fwd::OUTPUT, &[t + 1, h], true),
+            OutputSpec::new(&fwd::GATE_UP_ACTIVATIONS_T, &[n, 2, i, b], checkpoint),
+            OutputSpec::new(&fwd::DOWN_ACTIVATIONS, &[n, b, h], checkpoint),
         ],
     }
 }
 
 fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
     let (inputs, dims) = (call.inputs(), call.dims());
-    let forward = inputs.forward;
     let (t, h, e, i) = (dims.t, dims.h, dims.e, dims.i);
     Call {
         kernel: Kernel::BlockwiseMmBwd,
@@ -544,45 +545,28 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
             ("h", Value::Int(h)),
             ("e", Value::Int(e)),
             ("i", Value::Int(i)),
-            ("block_size", Value::Int(dims.b)),
+            (Param::BlockSize.name(), Value::Int(dims.b)),
             ("num_blocks", Value::Int(dims.n)),
             (
-                "activation_type",
+                Param::ActivationType.name(),
                 Value::Str(call.params().activation_type.to_string()),
             ),
             (
-                "expert_affinities_scaling_mode",
+                Param::ExpertAffinitiesScalingMode.name(),
                 Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
             ),
         ],
-        inputs: vec![
-            ("hidden_states", Some(forward.hidden_states)),
-            (
-                "expert_affinities_masked",
-                Some(forward.expert_affinities_masked),
-            ),
-            ("gate_up_proj_weight", Some(forward.gate_up_proj_weight)),
-            ("down_proj_weight", Some(forward.down_proj_weight)),
-            ("token_position_to_id", Some(forward.token_position_to_id)),
-            ("block_to_expert", Some(forward.block_to_expert)),
-            (
-                "gate_up_proj_act_checkpoint_T",
-                Some(inputs.gate_up_proj_act_checkpoint_t),
-            ),
-            (
-                "down_proj_act_checkpoint",
-                Some(inputs.down_proj_act_checkpoint),
-            ),
-            (
-                "output_hidden_states_grad",
-                Some(inputs.output_hidden_states_grad),
-            ),
-        ],
+        // `expert_index` (moekit's own) maps the affinity gradient on the host.
+        inputs: inputs
+            .named()
+            .into_iter()
+            .filter(|(spec, _)| spec.name != bwd::EXPERT_INDEX.name)
+            .collect(),
         outputs: vec![
-            OutputSpec::values("hidden_states_grad", &[t + 1, h], true),
-            OutputSpec::values("expert_affinities_masked_grad", &[(t + 1) * e, 1], true),
-            OutputSpec::values("gate_up_proj_weight_grad", &[e, h, 2, i], true),
-            OutputSpec::values("down_proj_weight_grad", &[e, i, h], true),
+            OutputSpec::new(&bwd::HIDDEN_STATES_GRAD, &[t + 1, h], true),
+            OutputSpec::new(&bwd::EXPERT_AFFINITIES_MASKED_GRAD, &[(t + 1) * e, 1], true),
+            OutputSpec::new(&bwd::GATE_UP_PROJ_WEIGHT_GRAD, &[e, h, 2, i], true),
+            OutputSpec::new(&bwd::DOWN_PROJ_WEIGHT_GRAD, &[e, i, h], true),
         ],
     }
 }
@@ -613,10 +597,10 @@ fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Res
         .collect()
 }
 
-fn take(outputs: &mut BTreeMap<&'static str, Tensor>, name: &str) -> Result<Tensor> {
+fn take(outputs: &mut BTreeMap<&'static str, Tensor>, spec: &TensorSpec) -> Result<Tensor> {
     outputs
-        .remove(name)
-        .ok_or_else(|| Error::MissingTensor(name.to_owned()))
+        .remove(spec.name)
+        .ok_or_else(|| Error::MissingTensor(spec.name.to_owned()))
 }
 
 /// The blockwise options the `neuron` backend does not bind yet: the biases and the clamps.
@@ -627,10 +611,10 @@ fn unbound_options(
 ) -> Result<()> {
     let given = [
         (
-            "gate_and_up_proj_bias",
+            fwd::GATE_AND_UP_PROJ_BIAS.name,
             inputs.gate_and_up_proj_bias.is_some(),
         ),
-        ("down_proj_bias", inputs.down_proj_bias.is_some()),
+        (fwd::DOWN_PROJ_BIAS.name, inputs.down_proj_bias.is_some()),
         ("clamp limits", clamp != ClampLimits::default()),
     ];
     match given.iter().find(|(_, given)| *given) {
@@ -663,10 +647,10 @@ impl Backend for NeuronBackend {
             ..
         } = self.run(&router_topk_call(call), Execution::Once)?;
         let dims = call.dims();
-        let expert_index = take(&mut out, "expert_index")?;
-        let expert_affinities = take(&mut out, "expert_affinities")?;
+        let expert_index = take(&mut out, &router::EXPERT_INDEX)?;
+        let expert_affinities = take(&mut out, &router::EXPERT_AFFINITIES)?;
         let ids = checked_expert_index(&neff, &expert_index, dims.e)?;
-        let topk_affinities = match out.remove("topk_affinities") {
+        let topk_affinities = match out.remove(router::TOPK_AFFINITIES.name) {
             Some(topk) => topk,
             None => {
                 let dense = expert_affinities.f32_values();
@@ -679,7 +663,7 @@ impl Backend for NeuronBackend {
             }
         };
         call.cast_outputs(RouterTopkOutputs {
-            router_logits: take(&mut out, "router_logits")?,
+            router_logits: take(&mut out, &router::ROUTER_LOGITS)?,
             expert_index,
             topk_affinities,
             expert_affinities,
@@ -721,9 +705,13 @@ impl Backend for NeuronBackend {
         let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
         let checkpoint = call.params().checkpoint_activation;
         call.cast_outputs(BlockwiseMmOutputs {
-            output: take(&mut out, "output")?,
-            gate_up_activations_t: out.remove("gate_up_activations_T").filter(|_| checkpoint),
-            down_activations: out.remove("down_activations").filter(|_| checkpoint),
+            output: take(&mut out, &fwd::OUTPUT)?,
+            gate_up_activations_t: out
+                .remove(fwd::GATE_UP_ACTIVATIONS_T.name)
+                .filter(|_| checkpoint),
+            down_activations: out
+                .remove(fwd::DOWN_ACTIVATIONS.name)
+                .filter(|_| checkpoint),
         })
     }
 
@@ -740,7 +728,7 @@ impl Backend for NeuronBackend {
         let mut out = self
             .run(&blockwise_mm_bwd_call(call), Execution::Once)?
             .outputs;
-        let expert_affinities_masked_grad = take(&mut out, "expert_affinities_masked_grad")?;
+        let expert_affinities_masked_grad = take(&mut out, &bwd::EXPERT_AFFINITIES_MASKED_GRAD)?;
         // As `permute_bwd` maps it: slot (t, k) reads the gradient of (t, expert_index[t, k]),
         // 0 for a skipped slot. The contract has validated the ids against E.
         let e = call.dims().e;
@@ -763,10 +751,10 @@ impl Backend for NeuronBackend {
             })
             .transpose()?;
         call.cast_outputs(BlockwiseMmGrads {
-            hidden_states_grad: take(&mut out, "hidden_states_grad")?,
+            hidden_states_grad: take(&mut out, &bwd::HIDDEN_STATES_GRAD)?,
             expert_affinities_masked_grad,
-            gate_up_proj_weight_grad: take(&mut out, "gate_up_proj_weight_grad")?,
-            down_proj_weight_grad: take(&mut out, "down_proj_weight_grad")?,
+            gate_up_proj_weight_grad: take(&mut out, &bwd::GATE_UP_PROJ_WEIGHT_GRAD)?,
+            down_proj_weight_grad: take(&mut out, &bwd::DOWN_PROJ_WEIGHT_GRAD)?,
             d_topk_affinities,
             gate_and_up_proj_bias_grad: None,
             down_proj_bias_grad: None,

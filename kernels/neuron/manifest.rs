@@ -25,8 +25,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::contracts::tensors::router_topk;
 use crate::error::{Error, Result};
-use crate::kernel::Kernel;
+use crate::kernel::{Kernel, Param};
 
 /// A parameter value in a manifest entry or a call's key.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,16 +63,16 @@ const ROUTER_TOPK_KEYS: &[(&str, ValueKind)] = &[
     ("t", ValueKind::Int),
     ("h", ValueKind::Int),
     ("e", ValueKind::Int),
-    ("k", ValueKind::Int),
+    (Param::K.name(), ValueKind::Int),
     // SOFTMAX or SIGMOID, as `RouterActFnType` spells them.
-    ("act_fn", ValueKind::Str),
-    ("router_pre_norm", ValueKind::Bool),
-    ("norm_topk_prob", ValueKind::Bool),
+    (Param::ActFn.name(), ValueKind::Str),
+    (Param::RouterPreNorm.name(), ValueKind::Bool),
+    (Param::NormTopkProb.name(), ValueKind::Bool),
     // 0 = x [H, T], 1 = x [T, H].
-    ("x_hbm_layout", ValueKind::Index),
+    (Param::XHbmLayout.name(), ValueKind::Index),
     // Whether the NEFF takes a `w_bias` / `selection_bias` input.
-    ("w_bias", ValueKind::Bool),
-    ("selection_bias", ValueKind::Bool),
+    (router_topk::W_BIAS.name, ValueKind::Bool),
+    (router_topk::SELECTION_BIAS.name, ValueKind::Bool),
 ];
 
 /// `blockwise_mm`'s keys.
@@ -80,13 +81,13 @@ const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     ("h", ValueKind::Int),
     ("e", ValueKind::Int),
     ("i", ValueKind::Int),
-    ("block_size", ValueKind::Int),
+    (Param::BlockSize.name(), ValueKind::Int),
     ("num_blocks", ValueKind::Int),
     // An `ActFnType` member: SiLU, GELU, GELU_Tanh_Approx, Swish, ReLU or SquaredReLU.
-    ("activation_function", ValueKind::Str),
+    (Param::ActivationFunction.name(), ValueKind::Str),
     // An `ExpertAffinityScaleMode` member: NO_SCALE, POST_SCALE, PRE_SCALE, PRE_SCALE_DELAYED.
-    ("expert_affinities_scaling_mode", ValueKind::Str),
-    ("checkpoint_activation", ValueKind::Bool),
+    (Param::ExpertAffinitiesScalingMode.name(), ValueKind::Str),
+    (Param::CheckpointActivation.name(), ValueKind::Bool),
 ];
 
 /// `blockwise_mm_bwd`'s keys.
@@ -95,10 +96,10 @@ const BLOCKWISE_MM_BWD_KEYS: &[(&str, ValueKind)] = &[
     ("h", ValueKind::Int),
     ("e", ValueKind::Int),
     ("i", ValueKind::Int),
-    ("block_size", ValueKind::Int),
+    (Param::BlockSize.name(), ValueKind::Int),
     ("num_blocks", ValueKind::Int),
-    ("activation_type", ValueKind::Str),
-    ("expert_affinities_scaling_mode", ValueKind::Str),
+    (Param::ActivationType.name(), ValueKind::Str),
+    (Param::ExpertAffinitiesScalingMode.name(), ValueKind::Str),
 ];
 
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does

@@ -1,6 +1,7 @@
 //! f64 blockwise expert matmul with a gated activation, forward and backward (see
 //! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
 
+use crate::contracts::tensors::blockwise_mm as bm;
 use crate::contracts::{ActFnType, BlockwiseDims, ClampLimits, ExpertAffinityScaleMode};
 use crate::error::Result;
 use crate::tensor::try_filled;
@@ -152,7 +153,7 @@ pub fn blockwise_forward(
 ) -> Result<BlockwiseForward> {
     let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
     let mut out = BlockwiseForward {
-        output: zeros("output", &[t + 1, h])?,
+        output: zeros(bm::OUTPUT.name, &[t + 1, h])?,
         gate_up_activations_t: zeros("gate_up_activations_T", &[n, 2, i, b])?,
         down_activations: zeros("down_activations", &[n, b, h])?,
     };

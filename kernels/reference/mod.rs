@@ -16,6 +16,12 @@ pub mod permute;
 pub mod router;
 
 use crate::backend::{Backend, BackendKind};
+use crate::contracts::spec::output;
+use crate::contracts::tensors::{
+    a2av_routing as a2, blockwise_mm as bm, blockwise_mm_bwd as bmb, load_balancing_loss as lb,
+    load_balancing_loss_bwd as lbb, permute as pm, permute_bwd as pmb, router_topk as rt,
+    router_topk_bwd as rtb,
+};
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd,
@@ -132,10 +138,14 @@ impl Backend for ReferenceBackend {
             pipeline,
         );
         call.cast_outputs(RouterTopkOutputs {
-            router_logits: f32_output("router_logits", &[t, e], &fwd.logits)?,
-            expert_index: i32_output("expert_index", &[t, k], fwd.expert_index)?,
-            topk_affinities: f32_output("topk_affinities", &[t, k], &fwd.topk_affinities)?,
-            expert_affinities: f32_output("expert_affinities", &[t, e], &fwd.expert_affinities)?,
+            router_logits: f32_output(rt::ROUTER_LOGITS.name, &[t, e], &fwd.logits)?,
+            expert_index: i32_output(rt::EXPERT_INDEX.name, &[t, k], fwd.expert_index)?,
+            topk_affinities: f32_output(rt::TOPK_AFFINITIES.name, &[t, k], &fwd.topk_affinities)?,
+            expert_affinities: f32_output(
+                rt::EXPERT_AFFINITIES.name,
+                &[t, e],
+                &fwd.expert_affinities,
+            )?,
         })
     }
 
@@ -153,11 +163,11 @@ impl Backend for ReferenceBackend {
             (t, h, e, k),
             pipeline,
         );
-        let d_x = f32_output("d_x", &[t, h], &grads.d_x)?;
+        let d_x = f32_output(rtb::D_X.name, &[t, h], &grads.d_x)?;
         call.cast_outputs(RouterTopkGrads {
             d_x: pipeline.x_hbm_layout.from_tokens_major(d_x)?,
-            d_w: f32_output("d_w", &[h, e], &grads.d_w)?,
-            d_w_bias: f32_output("d_w_bias", &[e], &grads.d_w_bias)?,
+            d_w: f32_output(rtb::D_W.name, &[h, e], &grads.d_w)?,
+            d_w_bias: f32_output(rtb::D_W_BIAS.name, &[e], &grads.d_w_bias)?,
         })
     }
 
@@ -172,8 +182,8 @@ impl Backend for ReferenceBackend {
             dims,
         );
         Ok(LoadBalancingLossOutputs {
-            aux_loss: f32_output("aux_loss", &[1], &[loss])?,
-            expert_counts: i32_output("expert_counts", &[dims.l, dims.e], counts)?,
+            aux_loss: f32_output(lb::AUX_LOSS.name, &[1], &[loss])?,
+            expert_counts: i32_output(lb::EXPERT_COUNTS.name, &[dims.l, dims.e], counts)?,
         })
     }
 
@@ -190,7 +200,7 @@ impl Backend for ReferenceBackend {
         );
         call.cast_outputs(LoadBalancingLossGrads {
             d_router_logits: f32_output(
-                "d_router_logits",
+                lbb::D_ROUTER_LOGITS.name,
                 inputs.router_logits.shape(),
                 &d_logits,
             )?,
@@ -206,15 +216,15 @@ impl Backend for ReferenceBackend {
             dims,
         )?;
         call.cast_outputs(PermuteOutputs {
-            expert_counts: i32_output("expert_counts", &[e], plan.expert_counts)?,
+            expert_counts: i32_output(pm::EXPERT_COUNTS.name, &[e], plan.expert_counts)?,
             token_position_to_id: Tensor::from_i32([n * b], plan.token_position_to_id)?,
             block_to_expert: Tensor::from_i32([n, 1], plan.block_to_expert)?,
             expert_affinities_masked: f32_output(
-                "expert_affinities_masked",
+                pm::EXPERT_AFFINITIES_MASKED.name,
                 &[(t + 1) * e, 1],
                 &plan.expert_affinities_masked,
             )?,
-            num_used_blocks: i32_output("num_used_blocks", &[1], [plan.num_used_blocks])?,
+            num_used_blocks: i32_output(pm::NUM_USED_BLOCKS.name, &[1], [plan.num_used_blocks])?,
         })
     }
 
@@ -227,7 +237,7 @@ impl Backend for ReferenceBackend {
             e,
         );
         call.cast_outputs(PermuteGrads {
-            d_topk_affinities: f32_output("d_topk_affinities", &[t, k], &d)?,
+            d_topk_affinities: f32_output(pmb::D_TOPK_AFFINITIES.name, &[t, k], &d)?,
         })
     }
 
@@ -246,18 +256,18 @@ impl Backend for ReferenceBackend {
         )?;
         let checkpoint = call.params().checkpoint_activation;
         call.cast_outputs(BlockwiseMmOutputs {
-            output: f32_output("output", &[t + 1, h], &fwd.output)?,
+            output: f32_output(bm::OUTPUT.name, &[t + 1, h], &fwd.output)?,
             gate_up_activations_t: checkpoint
                 .then(|| {
                     f32_output(
-                        "gate_up_activations_T",
+                        bm::GATE_UP_ACTIVATIONS_T.name,
                         &[n, 2, i, b],
                         &fwd.gate_up_activations_t,
                     )
                 })
                 .transpose()?,
             down_activations: checkpoint
-                .then(|| f32_output("down_activations", &[n, b, h], &fwd.down_activations))
+                .then(|| f32_output(bm::DOWN_ACTIVATIONS.name, &[n, b, h], &fwd.down_activations))
                 .transpose()?,
         })
     }
@@ -267,7 +277,7 @@ impl Backend for ReferenceBackend {
         let (t, k, ranks) = (dims.t, dims.k, dims.ranks);
         let ids = indices(call.inputs().expert_index);
         // Rank by rank, the tokens with an expert there, ascending.
-        let mut send_indices = try_filled("output `send_indices`", &[t, ranks], t as i32)?;
+        let mut send_indices = try_filled(&output(&a2::SEND_INDICES), &[t, ranks], t as i32)?;
         let mut send_counts = Vec::with_capacity(ranks);
         for rank in 0..ranks {
             let tokens = (0..t).filter(|&token| {
@@ -284,7 +294,7 @@ impl Backend for ReferenceBackend {
         }
         Ok(A2avRoutingOutputs {
             send_indices: Tensor::from_i32([t, ranks], send_indices)?,
-            send_counts: i32_output("send_counts", &[1, ranks], send_counts)?,
+            send_counts: i32_output(a2::SEND_COUNTS.name, &[1, ranks], send_counts)?,
         })
     }
 
@@ -314,27 +324,27 @@ impl Backend for ReferenceBackend {
                     k,
                     e,
                 );
-                f32_output("d_topk_affinities", &[t, k], &d)
+                f32_output(bmb::D_TOPK_AFFINITIES.name, &[t, k], &d)
             })
             .transpose()?;
         call.cast_outputs(BlockwiseMmGrads {
             hidden_states_grad: f32_output(
-                "hidden_states_grad",
+                bmb::HIDDEN_STATES_GRAD.name,
                 &[t + 1, h],
                 &grads.hidden_states_grad,
             )?,
             expert_affinities_masked_grad: f32_output(
-                "expert_affinities_masked_grad",
+                bmb::EXPERT_AFFINITIES_MASKED_GRAD.name,
                 &[(t + 1) * e, 1],
                 &grads.expert_affinities_masked_grad,
             )?,
             gate_up_proj_weight_grad: f32_output(
-                "gate_up_proj_weight_grad",
+                bmb::GATE_UP_PROJ_WEIGHT_GRAD.name,
                 &[e, h, 2, i],
                 &grads.gate_up_proj_weight_grad,
             )?,
             down_proj_weight_grad: f32_output(
-                "down_proj_weight_grad",
+                bmb::DOWN_PROJ_WEIGHT_GRAD.name,
                 &[e, i, h],
                 &grads.down_proj_weight_grad,
             )?,
@@ -342,14 +352,20 @@ impl Backend for ReferenceBackend {
             gate_and_up_proj_bias_grad: bias
                 .then(|| {
                     f32_output(
-                        "gate_and_up_proj_bias_grad",
+                        bmb::GATE_AND_UP_PROJ_BIAS_GRAD.name,
                         &[e, 2, i],
                         &grads.gate_and_up_proj_bias_grad,
                     )
                 })
                 .transpose()?,
             down_proj_bias_grad: bias
-                .then(|| f32_output("down_proj_bias_grad", &[e, h], &grads.down_proj_bias_grad))
+                .then(|| {
+                    f32_output(
+                        bmb::DOWN_PROJ_BIAS_GRAD.name,
+                        &[e, h],
+                        &grads.down_proj_bias_grad,
+                    )
+                })
                 .transpose()?,
         })
     }

@@ -1,5 +1,7 @@
 //! Reference block plan (see [`crate::contracts::permute`]).
 
+use crate::contracts::spec::output;
+use crate::contracts::tensors::permute as pm;
 use crate::contracts::{PermuteDims, SKIP};
 use crate::error::Result;
 use crate::tensor::try_filled as filled;
@@ -25,7 +27,7 @@ pub fn permute(
     topk_affinities: &[f64],
     PermuteDims { t, k, e, b, n }: PermuteDims,
 ) -> Result<BlockPlan> {
-    let mut masked = filled("output `expert_affinities_masked`", &[(t + 1) * e], 0.0)?;
+    let mut masked = filled(&output(&pm::EXPERT_AFFINITIES_MASKED), &[(t + 1) * e], 0.0)?;
     for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
         if id != SKIP {
             masked[(pair / k) * e + id as usize] = a;
@@ -33,8 +35,8 @@ pub fn permute(
     }
     let mut plan = BlockPlan {
         expert_counts: vec![0; e],
-        token_position_to_id: filled("output `token_position_to_id`", &[n * b], t as i32)?,
-        block_to_expert: filled("output `block_to_expert`", &[n], e as i32 - 1)?,
+        token_position_to_id: filled(&output(&pm::TOKEN_POSITION_TO_ID), &[n * b], t as i32)?,
+        block_to_expert: filled(&output(&pm::BLOCK_TO_EXPERT), &[n], e as i32 - 1)?,
         expert_affinities_masked: masked,
         num_used_blocks: 0,
     };
