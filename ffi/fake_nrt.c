@@ -21,11 +21,15 @@
  *                                    SquaredReLU)
  *     param expert_affinities_scaling_mode NO_SCALE  (blockwise_mm and its backward: POST_SCALE,
  *                                    the default | NO_SCALE | PRE_SCALE | PRE_SCALE_DELAYED)
+ *     param gate_clamp_upper_limit 1.5  (blockwise_mm: gate_ / up_clamp_lower / upper_limit; the
+ *                                    backward: non_linear_ (gate) / linear_ (up) clamp limits)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
  *     output router_logits f32 4 4
  *
+ * blockwise_mm takes the optional inputs gate_and_up_proj_bias and down_proj_bias, and
+ * blockwise_mm_bwd the optional outputs gate_and_up_proj_bias_grad and down_proj_bias_grad.
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
  * moekit's contracts (kernels/contracts) with f32 or bf16 inputs and f64 accumulation. blockwise_mm reports an out-of-range token id with
  * NRT_EXEC_OOB, as the hardware's indirect DMA does.
@@ -125,6 +129,9 @@ struct nrt_model {
     int x_h_t; /* x_hbm_layout = 0: x [H, T] */
     int act_fn; /* the blockwise kernels' gate activation: an index into ACT_FN_NAMES */
     int scaling; /* an index into SCALE_MODE_NAMES; 0 is POST_SCALE */
+    /* The blockwise clamp limits: [0 gate | 1 up][0 lower | 1 upper], where has_clamp is set. */
+    double clamp[2][2];
+    int has_clamp[2][2];
     int count;
     decl_t decls[MAX_TENSORS];
 };
@@ -259,6 +266,7 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t n = dim(m, "block_to_expert", in, 0), nb = dim(m, "token_position_to_id", in, 0);
         uint32_t b = n > 0 ? nb / n : 0, gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows, h};
         uint32_t aff[2] = {masked_rows(rows, e), 1}, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
+        uint32_t gub[3] = {e, 2, i}, db[2] = {e, h};
         return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
@@ -268,7 +276,13 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                has_shape(m, "output_hidden_states_grad", in, 2, th) && has_shape(m, "hidden_states_grad", out, 2, th) &&
                (has_shape(m, "expert_affinities_masked_grad", out, 1, aff) ||
                 has_shape(m, "expert_affinities_masked_grad", out, 2, aff)) &&
-               has_shape(m, "gate_up_proj_weight_grad", out, 4, gu) && has_shape(m, "down_proj_weight_grad", out, 3, dn);
+               has_shape(m, "gate_up_proj_weight_grad", out, 4, gu) && has_shape(m, "down_proj_weight_grad", out, 3, dn) &&
+               /* the bias gradients: both or neither */
+               (find_decl(m, "gate_and_up_proj_bias_grad", out) == NULL) ==
+                   (find_decl(m, "down_proj_bias_grad", out) == NULL) &&
+               (find_decl(m, "gate_and_up_proj_bias_grad", out) == NULL ||
+                has_shape(m, "gate_and_up_proj_bias_grad", out, 3, gub)) &&
+               (find_decl(m, "down_proj_bias_grad", out) == NULL || has_shape(m, "down_proj_bias_grad", out, 2, db));
     }
     if (m->kernel == KERNEL_BLOCKWISE_MM) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
@@ -278,6 +292,7 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows, h};
         uint32_t aff[2] = {masked_rows(rows, e), 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
         uint32_t b = n > 0 ? nb / n : 0, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
+        uint32_t gub[3] = {e, 2, i}, db[2] = {e, h};
         return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
@@ -286,7 +301,9 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                /* the checkpoints: both or neither */
                (find_decl(m, "gate_up_activations_T", out) == NULL) == (find_decl(m, "down_activations", out) == NULL) &&
                (find_decl(m, "gate_up_activations_T", out) == NULL || has_shape(m, "gate_up_activations_T", out, 4, gut)) &&
-               (find_decl(m, "down_activations", out) == NULL || has_shape(m, "down_activations", out, 3, dna));
+               (find_decl(m, "down_activations", out) == NULL || has_shape(m, "down_activations", out, 3, dna)) &&
+               (find_decl(m, "gate_and_up_proj_bias", in) == NULL || has_shape(m, "gate_and_up_proj_bias", in, 3, gub)) &&
+               (find_decl(m, "down_proj_bias", in) == NULL || has_shape(m, "down_proj_bias", in, 2, db));
     }
     /* copy: output j has the size of input j. */
     int inputs = 0, outputs = 0;
@@ -306,6 +323,36 @@ static int name_taken(const nrt_model_t *m, const char *name, int count) {
 }
 
 /* Parses the stand-in; returns NRT_SUCCESS, NRT_INVALID or NRT_UNSUPPORTED_NEFF_VERSION. */
+/* Whether `name` is a clamp limit, and which: *which 0 = gate, 1 = up; *limit 0 = lower, 1 = upper
+ * (the forward's gate_ / up_clamp_*_limit, the backward's non_linear_ / linear_clamp_*_limit). */
+static int clamp_param(const char *name, int *which, int *limit) {
+    static const char *const NAMES[2][2][2] = {
+        {{"gate_clamp_lower_limit", "non_linear_clamp_lower_limit"},
+         {"gate_clamp_upper_limit", "non_linear_clamp_upper_limit"}},
+        {{"up_clamp_lower_limit", "linear_clamp_lower_limit"}, {"up_clamp_upper_limit", "linear_clamp_upper_limit"}},
+    };
+    for (int w = 0; w < 2; w++)
+        for (int l = 0; l < 2; l++)
+            for (int form = 0; form < 2; form++)
+                if (strcmp(name, NAMES[w][l][form]) == 0) {
+                    *which = w, *limit = l;
+                    return 1;
+                }
+    return 0;
+}
+
+/* Projection `which` (0 gate, 1 up) clamped to the model's limits. */
+static double clamp_apply(const nrt_model_t *m, int which, double v) {
+    if (m->has_clamp[which][0] && v < m->clamp[which][0]) v = m->clamp[which][0];
+    if (m->has_clamp[which][1] && v > m->clamp[which][1]) v = m->clamp[which][1];
+    return v;
+}
+
+/* Whether the gradient flows through the clamp at a clamped value v: strictly inside the limits. */
+static int clamp_passes(const nrt_model_t *m, int which, double v) {
+    return (!m->has_clamp[which][0] || v > m->clamp[which][0]) && (!m->has_clamp[which][1] || v < m->clamp[which][1]);
+}
+
 static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
     char *text = malloc(size + 1);
     if (text == NULL) return NRT_FAIL_HOST_MEM_ALLOC;
@@ -317,7 +364,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
     memset(m, 0, sizeof *m);
     for (char *line = strtok_r(text, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save), line_no++) {
         char word[64], name[NRT_TENSOR_NAME_MAX], value[64];
-        int version, used = 0;
+        int version, used = 0, which, bound_index;
         if (line_no == 0) {
             if (sscanf(line, "moekit-fake-neff %d%n", &version, &used) != 1 || line[used] != '\0') {
                 status = NRT_INVALID;
@@ -353,6 +400,12 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
                 for (int f = 0; f < ACT_FN_COUNT; f++)
                     if (strcmp(value, ACT_FN_NAMES[f]) == 0) m->act_fn = f;
                 if (m->act_fn < 0) status = NRT_INVALID;
+            } else if (clamp_param(name, &which, &bound_index)) {
+                char *end;
+                double limit = strtod(value, &end);
+                if (*end != '\0' || !isfinite(limit)) status = NRT_INVALID;
+                m->clamp[which][bound_index] = limit;
+                m->has_clamp[which][bound_index] = 1;
             } else if (strcmp(name, "expert_affinities_scaling_mode") == 0) {
                 m->scaling = -1;
                 for (int s = 0; s < SCALE_MODE_COUNT; s++)
@@ -721,7 +774,7 @@ static NRT_STATUS plan_slot(const plan_t *p, size_t blockn, size_t slot, int *us
     if (!(expert_id >= 0 && expert_id < (double)p->e) || !(token_id >= 0 && token_id <= (double)p->t))
         return NRT_EXEC_OOB;
     *used = token_id < (double)p->t;
-    *token = *used ? (size_t)token_id : 0;
+    *token = (size_t)token_id; /* T, the zero row, for a padding slot */
     *expert = (size_t)expert_id;
     return NRT_SUCCESS;
 }
@@ -733,15 +786,19 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     nrt_dtype_t dx, da, dg, dd, dout;
     nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
     nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
-    nrt_dtype_t dgt = NRT_DTYPE_FLOAT32, ddn = NRT_DTYPE_FLOAT32;
+    nrt_dtype_t dgt = NRT_DTYPE_FLOAT32, ddn = NRT_DTYPE_FLOAT32, dgb = NRT_DTYPE_FLOAT32, ddb = NRT_DTYPE_FLOAT32;
     nrt_tensor_t *output = bound(b, "output", out, &dout);
+    /* Optional biases [E, 2, I] and [E, H], added before the clamps and the affinity scaling. */
+    nrt_tensor_t *gu_bias = bound(b, "gate_and_up_proj_bias", in, &dgb);
+    nrt_tensor_t *down_bias = bound(b, "down_proj_bias", in, &ddb);
     /* Optional checkpoints: gate/up before the activation [N, 2, I, B], the down projection
      * before affinity scaling [N, B, H]; zeros in padding slots. */
     nrt_tensor_t *gate_up_t = bound(b, "gate_up_activations_T", out, &dgt);
     nrt_tensor_t *down_act = bound(b, "down_activations", out, &ddn);
     if (gate_up_t != NULL) memset(gate_up_t->data, 0, gate_up_t->size);
     if (down_act != NULL) memset(down_act->data, 0, down_act->size);
-    /* output [T+1, H]: the padding slots' affinity is 0, so row T stays zero. */
+    /* output [T+1, H]. A padding slot runs its block's expert on the zero row T (non-zero with a
+     * bias or a clamp that moves 0), weighted by row T's zero affinity under POST_SCALE. */
     double *acc = calloc((t + 1) * h, sizeof *acc), *act = malloc(inter * sizeof *act);
     if (acc == NULL || act == NULL) {
         free(acc), free(act);
@@ -754,7 +811,6 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
             int used;
             status = plan_slot(&plan, blockn, slot, &used, &tok, &ex);
             if (status != NRT_SUCCESS) break;
-            if (!used) continue;
             /* PRE_SCALE multiplies the token row by the affinity, POST_SCALE the output. */
             double a = load(aff, da, tok * e + ex);
             double row_scale = b->model->scaling >= 2 ? a : 1.0, out_scale = b->model->scaling == 0 ? a : 1.0;
@@ -765,6 +821,12 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
                     gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
                     up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
                 }
+                if (gu_bias != NULL) {
+                    gate += load(gu_bias, dgb, (ex * 2 + 0) * inter + j);
+                    up += load(gu_bias, dgb, (ex * 2 + 1) * inter + j);
+                }
+                gate = clamp_apply(b->model, 0, gate);
+                up = clamp_apply(b->model, 1, up);
                 double unused;
                 act[j] = gate_act(b->model->act_fn, gate, &unused) * up;
                 if (gate_up_t != NULL) {
@@ -775,6 +837,7 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
             for (size_t c = 0; c < h; c++) {
                 double y = 0.0;
                 for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
+                if (down_bias != NULL) y += load(down_bias, ddb, ex * h + c);
                 acc[tok * h + c] += out_scale * y;
                 if (down_act != NULL) store(down_act, ddn, (blockn * bs + slot) * h + c, y);
             }
@@ -803,12 +866,18 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
     nrt_tensor_t *daff_out = bound(b, "expert_affinities_masked_grad", out, &o2);
     nrt_tensor_t *dgu_out = bound(b, "gate_up_proj_weight_grad", out, &o3);
     nrt_tensor_t *ddown_out = bound(b, "down_proj_weight_grad", out, &o4);
+    /* Optional bias gradients [E, 2, I] and [E, H]. */
+    nrt_dtype_t o5 = NRT_DTYPE_FLOAT32, o6 = NRT_DTYPE_FLOAT32;
+    nrt_tensor_t *dgub_out = bound(b, "gate_and_up_proj_bias_grad", out, &o5);
+    nrt_tensor_t *ddb_out = bound(b, "down_proj_bias_grad", out, &o6);
     /* hidden_states_grad [T+1, H]: the padding row's gradient is zero. */
     double *dxs = calloc(rows * h, sizeof *dxs), *daff = calloc(rows * e, sizeof *daff);
     double *dgu = calloc(e * h * 2 * inter, sizeof *dgu), *ddown = calloc(e * inter * h, sizeof *ddown);
     double *dgate = malloc(inter * sizeof *dgate), *dup = malloc(inter * sizeof *dup);
+    double *dgub = calloc(e * 2 * inter, sizeof *dgub), *ddb = calloc(e * h, sizeof *ddb);
     NRT_STATUS status = NRT_SUCCESS;
-    if (dxs == NULL || daff == NULL || dgu == NULL || ddown == NULL || dgate == NULL || dup == NULL)
+    if (dxs == NULL || daff == NULL || dgu == NULL || ddown == NULL || dgate == NULL || dup == NULL || dgub == NULL ||
+        ddb == NULL)
         status = NRT_FAIL_HOST_MEM_ALLOC;
     for (size_t blockn = 0; blockn < n && status == NRT_SUCCESS; blockn++) {
         for (size_t slot = 0; slot < bs; slot++) {
@@ -832,9 +901,13 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
                     d_act += load(down, dd, (ex * inter + j) * h + c) * g;
                     ddown[(ex * inter + j) * h + c] += f * up * g;
                 }
-                dgate[j] = d_act * up * f_grad;
-                dup[j] = d_act * f;
+                /* The checkpoint holds the clamped projections: no gradient at or past a limit. */
+                dgate[j] = clamp_passes(b->model, 0, gate) ? d_act * up * f_grad : 0.0;
+                dup[j] = clamp_passes(b->model, 1, up) ? d_act * f : 0.0;
+                dgub[(ex * 2 + 0) * inter + j] += dgate[j];
+                dgub[(ex * 2 + 1) * inter + j] += dup[j];
             }
+            for (size_t c = 0; c < h; c++) ddb[ex * h + c] += out_scale * load(grad, dy, tok * h + c);
             /* The projection saw x' = row_scale · x: d x = row_scale · d x', and under PRE_SCALE
              * d affinity = <d x', x>. */
             for (size_t c = 0; c < h; c++) {
@@ -856,8 +929,12 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
         for (size_t i = 0; i < rows * e; i++) store(daff_out, o2, i, daff[i]);
         for (size_t i = 0; i < e * h * 2 * inter; i++) store(dgu_out, o3, i, dgu[i]);
         for (size_t i = 0; i < e * inter * h; i++) store(ddown_out, o4, i, ddown[i]);
+        if (dgub_out != NULL)
+            for (size_t i = 0; i < e * 2 * inter; i++) store(dgub_out, o5, i, dgub[i]);
+        if (ddb_out != NULL)
+            for (size_t i = 0; i < e * h; i++) store(ddb_out, o6, i, ddb[i]);
     }
-    free(dxs), free(daff), free(dgu), free(ddown), free(dgate), free(dup);
+    free(dxs), free(daff), free(dgu), free(ddown), free(dgate), free(dup), free(dgub), free(ddb);
     return status;
 }
 

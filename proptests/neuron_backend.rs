@@ -208,6 +208,7 @@ proptest! {
         seed in any::<u64>(),
         checkpoint in any::<bool>(),
         (activation, scaling) in (0..ActFnType::ALL.len(), 0..ExpertAffinityScaleMode::ALL.len()),
+        extras in any::<bool>(),
     ) {
         let (activation, scaling) = (ActFnType::ALL[activation], ExpertAffinityScaleMode::ALL[scaling]);
         let _guard = exclusive();
@@ -229,6 +230,17 @@ proptest! {
         let hidden_states = f32_tensor(&[t + 1, h], &padded);
         let gate_up = f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 0.5));
         let down = f32_tensor(&[e, i, h], &rng.values(e * i * h, 0.5));
+        // With `extras`: both biases and clamps on both projections (the up's lower limit above
+        // 0, so padding slots have outputs).
+        let gate_up_bias = f32_tensor(&[e, 2, i], &rng.values(e * 2 * i, 0.5));
+        let down_bias = f32_tensor(&[e, h], &rng.values(e * h, 0.5));
+        let clamp = match extras {
+            true => ClampLimits {
+                gate: Clamp { lower: Some(-0.6), upper: Some(1.5) },
+                up: Clamp { lower: Some(0.125), upper: None },
+            },
+            false => ClampLimits::default(),
+        };
         let inputs = BlockwiseMmInputs {
             hidden_states: &hidden_states,
             expert_affinities_masked: &plan.expert_affinities_masked,
@@ -236,14 +248,14 @@ proptest! {
             down_proj_weight: &down,
             token_position_to_id: &plan.token_position_to_id,
             block_to_expert: &plan.block_to_expert,
-            gate_and_up_proj_bias: None,
-            down_proj_bias: None,
+            gate_and_up_proj_bias: extras.then_some(&gate_up_bias),
+            down_proj_bias: extras.then_some(&down_bias),
         };
         let params = BlockwiseMmParams {
             checkpoint_activation: checkpoint,
             activation_function: activation,
             expert_affinities_scaling_mode: scaling,
-            ..BlockwiseMmParams::default()
+            clamp,
         };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
@@ -261,6 +273,25 @@ proptest! {
         ] {
             neff += &decl("input", name, &tensor.dtype().to_string(), tensor.shape());
         }
+        // The clamp limits as nki-library's forward names them, for the NEFF and its entry.
+        let limits = [
+            ("gate_clamp_lower_limit", clamp.gate.lower),
+            ("gate_clamp_upper_limit", clamp.gate.upper),
+            ("up_clamp_lower_limit", clamp.up.lower),
+            ("up_clamp_upper_limit", clamp.up.upper),
+        ];
+        let mut limit_keys = String::new();
+        for (name, limit) in limits {
+            if let Some(limit) = limit {
+                neff += &format!("param {name} {limit}\n");
+                limit_keys += &format!("{name} = {limit}\n");
+            }
+        }
+        let forward_limits = neff.clone();
+        if extras {
+            neff += &decl("input", "gate_and_up_proj_bias", "f32", &[e, 2, i]);
+            neff += &decl("input", "down_proj_bias", "f32", &[e, h]);
+        }
         neff += &decl("output", "output", "f32", &[t + 1, h]);
         if checkpoint {
             neff += &decl("output", "gate_up_activations_T", "f32", &[n, 2, i, b]);
@@ -268,11 +299,15 @@ proptest! {
         }
         let entry = format!(
             "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\nactivation_function = \"{activation}\"\n\
-             expert_affinities_scaling_mode = \"{scaling}\"\n"
+             expert_affinities_scaling_mode = \"{scaling}\"\ngate_and_up_proj_bias = {extras}\ndown_proj_bias = {extras}\n{limit_keys}"
         );
-        // The backward's NEFF: the forward's inputs, its checkpoints and the output gradient.
-        let mut bwd_neff = neff.replace("kernel blockwise_mm\n", "kernel blockwise_mm_bwd\n");
-        bwd_neff.truncate(bwd_neff.find("output output").unwrap());
+        // The backward's NEFF: the forward's inputs but the biases, its checkpoints and the
+        // output gradient, the clamps under the backward's names; with `bias`, the biases'
+        // gradients.
+        let mut bwd_neff = forward_limits
+            .replace("kernel blockwise_mm\n", "kernel blockwise_mm_bwd\n")
+            .replace("param gate_clamp", "param non_linear_clamp")
+            .replace("param up_clamp", "param linear_clamp");
         bwd_neff += &decl("input", "gate_up_proj_act_checkpoint_T", "f32", &[n, 2, i, b]);
         bwd_neff += &decl("input", "down_proj_act_checkpoint", "f32", &[n, b, h]);
         bwd_neff += &decl("input", "output_hidden_states_grad", "f32", &[t + 1, h]);
@@ -280,9 +315,16 @@ proptest! {
         bwd_neff += &decl("output", "expert_affinities_masked_grad", "f32", &[(t + 1) * e, 1]);
         bwd_neff += &decl("output", "gate_up_proj_weight_grad", "f32", &[e, h, 2, i]);
         bwd_neff += &decl("output", "down_proj_weight_grad", "f32", &[e, i, h]);
+        if extras {
+            bwd_neff += &decl("output", "gate_and_up_proj_bias_grad", "f32", &[e, 2, i]);
+            bwd_neff += &decl("output", "down_proj_bias_grad", "bf16", &[e, h]);
+        }
+        let bwd_limit_keys = limit_keys
+            .replace("gate_clamp", "non_linear_clamp")
+            .replace("up_clamp", "linear_clamp");
         let bwd_entry = format!(
             "name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\nactivation_type = \"{activation}\"\n\
-             expert_affinities_scaling_mode = \"{scaling}\"\n"
+             expert_affinities_scaling_mode = \"{scaling}\"\nbias = {extras}\n{bwd_limit_keys}"
         );
         let dir = workdir("blockwise");
         let backend = backend_with(
@@ -318,7 +360,8 @@ proptest! {
             BlockwiseMmBwdParams {
                 activation_type: activation,
                 expert_affinities_scaling_mode: scaling,
-                ..BlockwiseMmBwdParams::default()
+                clamp,
+                bias: extras,
             },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
@@ -333,6 +376,20 @@ proptest! {
                 prop_assert_eq!(got.shape(), want.shape(), "{}", name);
                 let expected = f32s(want);
                 assert_close(name, &f32s(got), &expected, 1e-5, 1e-5 * scale(&expected))?;
+            }
+            prop_assert_eq!(got.gate_and_up_proj_bias_grad.is_some(), extras);
+            if extras {
+                // down_proj_bias_grad comes back from a bf16 NEFF output, as f32 (the call's
+                // dtypes): bf16 rounding.
+                for (name, got, want, rtol) in [
+                    ("gate_and_up_proj_bias_grad", &got.gate_and_up_proj_bias_grad, &want.gate_and_up_proj_bias_grad, 1e-5),
+                    ("down_proj_bias_grad", &got.down_proj_bias_grad, &want.down_proj_bias_grad, 4e-3),
+                ] {
+                    let (got, want) = (got.as_ref().unwrap(), want.as_ref().unwrap());
+                    prop_assert_eq!(got.dtype(), moekit::DType::F32, "{}", name);
+                    let expected = want.to_f64_vec();
+                    assert_close(name, &got.to_f64_vec(), &expected, rtol, rtol * scale(&expected))?;
+                }
             }
         } else {
             prop_assert!(got.gate_up_activations_t.is_none() && got.down_activations.is_none());
@@ -580,14 +637,18 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         "{err}"
     );
 
-    // The blockwise biases and clamps are not bound to a NEFF yet: refused before any lookup.
+    // One runtime per process: the backends above close theirs.
+    drop((no_library, no_neff));
+
+    // A NEFF registered without clamp limits was compiled without clamps: a clamped call does
+    // not match it, and the error names the limit; with the limit in the entry it matches (and
+    // then fails on the missing NEFF file).
     let hidden = f32_tensor(&[2, 1], &[0.5, 0.0]);
     let masked = f32_tensor(&[4, 1], &[1.0, 0.0, 0.0, 0.0]);
     let gate_up = f32_tensor(&[2, 1, 2, 1], &[0.1; 4]);
     let down = f32_tensor(&[2, 1, 1], &[0.2; 2]);
     let positions = i32_tensor(&[2], &[0, 1]);
     let blocks = i32_tensor(&[2, 1], &[0, 1]);
-    let bias = f32_tensor(&[2, 2, 1], &[0.0; 4]);
     let inputs = BlockwiseMmInputs {
         hidden_states: &hidden,
         expert_affinities_masked: &masked,
@@ -595,30 +656,39 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         down_proj_weight: &down,
         token_position_to_id: &positions,
         block_to_expert: &blocks,
-        gate_and_up_proj_bias: Some(&bias),
+        gate_and_up_proj_bias: None,
         down_proj_bias: None,
     };
-    let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
-    let err = no_neff.blockwise_mm(&call).unwrap_err();
-    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
-    assert!(err.to_string().contains("gate_and_up_proj_bias"), "{err}");
     let clamped = BlockwiseMmParams {
         clamp: ClampLimits {
             gate: Clamp {
                 lower: None,
-                upper: Some(1.0),
+                upper: Some(1.5),
             },
             ..ClampLimits::default()
         },
         ..BlockwiseMmParams::default()
     };
-    let inputs = BlockwiseMmInputs {
-        gate_and_up_proj_bias: None,
-        ..inputs
-    };
     let call = BlockwiseMm::new(inputs, clamped).unwrap();
-    let err = no_neff.blockwise_mm(&call).unwrap_err();
-    assert!(err.to_string().contains("clamp limits"), "{err}");
+    let entry = "[[kernel]]\nname = \"blockwise_mm\"\nneff = \"clamped.neff\"\n";
+    let run = |manifest: &str, text: String| {
+        std::fs::write(dir.join(manifest), text).unwrap();
+        let backend = NeuronBackend::new(NeuronConfig {
+            library: Some(PathBuf::from(FAKE)),
+            manifest: dir.join(manifest),
+        });
+        backend.blockwise_mm(&call).unwrap_err().to_string()
+    };
+    let err = run("unclamped.toml", entry.to_owned());
+    assert!(
+        err.contains("no NEFF for blockwise_mm") && err.contains("gate_clamp_upper_limit=1.5"),
+        "{err}"
+    );
+    let err = run(
+        "clamped.toml",
+        format!("{entry}gate_clamp_upper_limit = 1.5\n"),
+    );
+    assert!(err.contains("clamped.neff"), "{err}");
 }
 
 #[test]

@@ -36,7 +36,7 @@ use crate::contracts::tensors::{
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmInputs, BlockwiseMmOutputs, ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd,
+    BlockwiseMmOutputs, ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd,
     LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads,
     PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
@@ -525,7 +525,26 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
                 Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
             ),
             (Param::CheckpointActivation.name(), Value::Bool(checkpoint)),
-        ],
+            (
+                fwd::GATE_AND_UP_PROJ_BIAS.name,
+                Value::Bool(inputs.gate_and_up_proj_bias.is_some()),
+            ),
+            (
+                fwd::DOWN_PROJ_BIAS.name,
+                Value::Bool(inputs.down_proj_bias.is_some()),
+            ),
+        ]
+        .into_iter()
+        .chain(limit_keys(
+            [
+                Param::GateClampLowerLimit,
+                Param::GateClampUpperLimit,
+                Param::UpClampLowerLimit,
+                Param::UpClampUpperLimit,
+            ],
+            call.params().clamp,
+        ))
+        .collect(),
         inputs: inputs.named(),
         outputs: vec![
             OutputSpec::new(&fwd::OUTPUT, &[t + 1, h], true),
@@ -537,6 +556,7 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
 
 fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
     let (inputs, dims) = (call.inputs(), call.dims());
+    let bias = call.params().bias;
     let (t, h, e, i) = (dims.t, dims.h, dims.e, dims.i);
     Call {
         kernel: Kernel::BlockwiseMmBwd,
@@ -555,18 +575,41 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
                 Param::ExpertAffinitiesScalingMode.name(),
                 Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
             ),
-        ],
-        // `expert_index` (moekit's own) maps the affinity gradient on the host.
+            (Param::Bias.name(), Value::Bool(bias)),
+        ]
+        .into_iter()
+        .chain(limit_keys(
+            [
+                Param::NonLinearClampLowerLimit,
+                Param::NonLinearClampUpperLimit,
+                Param::LinearClampLowerLimit,
+                Param::LinearClampUpperLimit,
+            ],
+            call.params().clamp,
+        ))
+        .collect(),
+        // nki-library's backward takes neither the biases (the checkpoints hold their effect)
+        // nor `expert_index` (moekit's own, which maps the affinity gradient on the host).
         inputs: inputs
             .named()
             .into_iter()
-            .filter(|(spec, _)| spec.name != bwd::EXPERT_INDEX.name)
+            .filter(|(spec, _)| {
+                ![
+                    bwd::EXPERT_INDEX,
+                    bwd::GATE_AND_UP_PROJ_BIAS,
+                    bwd::DOWN_PROJ_BIAS,
+                ]
+                .iter()
+                .any(|host| host.name == spec.name)
+            })
             .collect(),
         outputs: vec![
             OutputSpec::new(&bwd::HIDDEN_STATES_GRAD, &[t + 1, h], true),
             OutputSpec::new(&bwd::EXPERT_AFFINITIES_MASKED_GRAD, &[(t + 1) * e, 1], true),
             OutputSpec::new(&bwd::GATE_UP_PROJ_WEIGHT_GRAD, &[e, h, 2, i], true),
             OutputSpec::new(&bwd::DOWN_PROJ_WEIGHT_GRAD, &[e, i, h], true),
+            OutputSpec::new(&bwd::GATE_AND_UP_PROJ_BIAS_GRAD, &[e, 2, i], bias),
+            OutputSpec::new(&bwd::DOWN_PROJ_BIAS_GRAD, &[e, h], bias),
         ],
     }
 }
@@ -603,28 +646,22 @@ fn take(outputs: &mut BTreeMap<&'static str, Tensor>, spec: &TensorSpec) -> Resu
         .ok_or_else(|| Error::MissingTensor(spec.name.to_owned()))
 }
 
-/// The blockwise options the `neuron` backend does not bind yet: the biases and the clamps.
-fn unbound_options(
-    kernel: Kernel,
-    inputs: &BlockwiseMmInputs<'_>,
+/// The manifest keys of the four clamp limits (gate lower, gate upper, up lower, up upper, by
+/// the kernel's `names`): each limit, or `none`.
+fn limit_keys(
+    names: [Param; 4],
     clamp: ClampLimits,
-) -> Result<()> {
-    let given = [
-        (
-            fwd::GATE_AND_UP_PROJ_BIAS.name,
-            inputs.gate_and_up_proj_bias.is_some(),
-        ),
-        (fwd::DOWN_PROJ_BIAS.name, inputs.down_proj_bias.is_some()),
-        ("clamp limits", clamp != ClampLimits::default()),
+) -> impl Iterator<Item = (&'static str, Value)> {
+    let limits = [
+        clamp.gate.lower,
+        clamp.gate.upper,
+        clamp.up.lower,
+        clamp.up.upper,
     ];
-    match given.iter().find(|(_, given)| *given) {
-        Some((what, _)) => Err(Error::Unsupported {
-            backend: "neuron",
-            kernel: kernel.name(),
-            message: format!("it does not bind {what} to a NEFF yet"),
-        }),
-        None => Ok(()),
-    }
+    names
+        .into_iter()
+        .zip(limits)
+        .map(|(name, limit)| (name.name(), Value::limit(limit)))
 }
 
 fn unsupported(kernel: Kernel) -> Error {
@@ -701,7 +738,6 @@ impl Backend for NeuronBackend {
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
-        unbound_options(Kernel::BlockwiseMm, &call.inputs(), call.params().clamp)?;
         let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
         let checkpoint = call.params().checkpoint_activation;
         call.cast_outputs(BlockwiseMmOutputs {
@@ -716,15 +752,7 @@ impl Backend for NeuronBackend {
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-        let params = call.params();
-        unbound_options(Kernel::BlockwiseMmBwd, &call.inputs().forward, params.clamp)?;
-        if params.bias {
-            return Err(Error::Unsupported {
-                backend: "neuron",
-                kernel: Kernel::BlockwiseMmBwd.name(),
-                message: "it does not return the biases' gradients yet".to_owned(),
-            });
-        }
+        let bias = call.params().bias;
         let mut out = self
             .run(&blockwise_mm_bwd_call(call), Execution::Once)?
             .outputs;
@@ -756,8 +784,10 @@ impl Backend for NeuronBackend {
             gate_up_proj_weight_grad: take(&mut out, &bwd::GATE_UP_PROJ_WEIGHT_GRAD)?,
             down_proj_weight_grad: take(&mut out, &bwd::DOWN_PROJ_WEIGHT_GRAD)?,
             d_topk_affinities,
-            gate_and_up_proj_bias_grad: None,
-            down_proj_bias_grad: None,
+            gate_and_up_proj_bias_grad: out
+                .remove(bwd::GATE_AND_UP_PROJ_BIAS_GRAD.name)
+                .filter(|_| bias),
+            down_proj_bias_grad: out.remove(bwd::DOWN_PROJ_BIAS_GRAD.name).filter(|_| bias),
         })
     }
 }

@@ -16,7 +16,8 @@
 //! ```
 //!
 //! A call runs the first entry of its kernel whose every key equals the call's value (a key an
-//! entry leaves out matches any value). Keys per kernel are listed by [`keys`]; an unknown key,
+//! entry leaves out matches any value, except a clamp limit: an entry without it was compiled
+//! without that clamp, and matches only calls without it). Keys per kernel are listed by [`keys`]; an unknown key,
 //! kernel or value type is an error when the manifest is read.
 
 use std::collections::BTreeMap;
@@ -25,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::contracts::tensors::router_topk;
+use crate::contracts::tensors::{blockwise_mm, router_topk};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
 
@@ -56,7 +57,19 @@ pub enum ValueKind {
     Index,
     Bool,
     Str,
+    /// A clamp limit: a number, or `"none"` (also what an entry that leaves the key out means).
+    Limit,
 }
+
+impl Value {
+    /// A clamp limit's key value: the number as f32 prints it (shortest round trip), or `none`.
+    pub fn limit(limit: Option<f32>) -> Value {
+        Value::Str(limit.map_or_else(|| NO_LIMIT.to_owned(), |v| v.to_string()))
+    }
+}
+
+/// A clamp limit that is not set.
+const NO_LIMIT: &str = "none";
 
 /// `router_topk`'s keys.
 const ROUTER_TOPK_KEYS: &[(&str, ValueKind)] = &[
@@ -88,6 +101,13 @@ const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     // An `ExpertAffinityScaleMode` member: NO_SCALE, POST_SCALE, PRE_SCALE, PRE_SCALE_DELAYED.
     (Param::ExpertAffinitiesScalingMode.name(), ValueKind::Str),
     (Param::CheckpointActivation.name(), ValueKind::Bool),
+    // Whether the NEFF takes the `gate_and_up_proj_bias` / `down_proj_bias` inputs.
+    (blockwise_mm::GATE_AND_UP_PROJ_BIAS.name, ValueKind::Bool),
+    (blockwise_mm::DOWN_PROJ_BIAS.name, ValueKind::Bool),
+    (Param::GateClampLowerLimit.name(), ValueKind::Limit),
+    (Param::GateClampUpperLimit.name(), ValueKind::Limit),
+    (Param::UpClampLowerLimit.name(), ValueKind::Limit),
+    (Param::UpClampUpperLimit.name(), ValueKind::Limit),
 ];
 
 /// `blockwise_mm_bwd`'s keys.
@@ -100,6 +120,12 @@ const BLOCKWISE_MM_BWD_KEYS: &[(&str, ValueKind)] = &[
     ("num_blocks", ValueKind::Int),
     (Param::ActivationType.name(), ValueKind::Str),
     (Param::ExpertAffinitiesScalingMode.name(), ValueKind::Str),
+    // Whether the NEFF returns `gate_and_up_proj_bias_grad` and `down_proj_bias_grad`.
+    (Param::Bias.name(), ValueKind::Bool),
+    (Param::NonLinearClampLowerLimit.name(), ValueKind::Limit),
+    (Param::NonLinearClampUpperLimit.name(), ValueKind::Limit),
+    (Param::LinearClampLowerLimit.name(), ValueKind::Limit),
+    (Param::LinearClampUpperLimit.name(), ValueKind::Limit),
 ];
 
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does
@@ -133,10 +159,20 @@ pub struct Entry {
 
 impl Entry {
     fn matches(&self, key: &[(&str, Value)]) -> bool {
-        self.params.iter().all(|(name, value)| {
+        let set_keys_match = self.params.iter().all(|(name, value)| {
             key.iter()
                 .any(|(call_name, call_value)| call_name == name && call_value == value)
-        })
+        });
+        // A clamp limit the entry leaves out: compiled without it.
+        let limits = keys(self.kernel)
+            .unwrap_or_default()
+            .iter()
+            .filter(|(name, kind)| *kind == ValueKind::Limit && !self.params.contains_key(*name));
+        set_keys_match
+            && limits.into_iter().all(|(name, _)| {
+                key.iter()
+                    .all(|(call_name, value)| call_name != name || *value == Value::limit(None))
+            })
     }
 }
 
@@ -212,12 +248,22 @@ impl Manifest {
                             }
                             (ValueKind::Bool, toml::Value::Boolean(v)) => Value::Bool(*v),
                             (ValueKind::Str, toml::Value::String(v)) => Value::Str(v.clone()),
+                            (ValueKind::Limit, toml::Value::String(v)) if v == NO_LIMIT => {
+                                Value::limit(None)
+                            }
+                            (ValueKind::Limit, toml::Value::Float(v)) if v.is_finite() => {
+                                Value::limit(Some(*v as f32))
+                            }
+                            (ValueKind::Limit, toml::Value::Integer(v)) => {
+                                Value::limit(Some(*v as f32))
+                            }
                             (kind, _) => {
                                 let expected = match kind {
                                     ValueKind::Int => "a positive integer",
                                     ValueKind::Index => "a non-negative integer",
                                     ValueKind::Bool => "true or false",
                                     ValueKind::Str => "a string",
+                                    ValueKind::Limit => "a number or \"none\"",
                                 };
                                 return Err(format(format!(
                                     "{at}: `{name}` must be {expected}, got {value}"
