@@ -689,6 +689,20 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         format!("{entry}gate_clamp_upper_limit = 1.5\n"),
     );
     assert!(err.contains("clamped.neff"), "{err}");
+    let err = run(
+        "bad-limit.toml",
+        format!("{entry}gate_clamp_upper_limit = \"high\"\n"),
+    );
+    assert!(
+        err.contains("`gate_clamp_upper_limit` must be a number or \"none\""),
+        "{err}"
+    );
+    // `"none"` says what leaving the key out says: compiled without that clamp.
+    let err = run(
+        "none.toml",
+        format!("{entry}gate_clamp_upper_limit = \"none\"\n"),
+    );
+    assert!(err.contains("no NEFF for blockwise_mm"), "{err}");
 }
 
 #[test]
