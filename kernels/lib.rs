@@ -100,4 +100,4 @@ mod uninit;
 pub use backend::{Backend, BackendKind};
 pub use buffer::Buffer;
 pub use error::{Error, Result};
-pub use tensor::{DType, Storage, Tensor};
+pub use tensor::{DType, Floats, Storage, Tensor};

@@ -86,6 +86,65 @@ impl Storage {
     }
 }
 
+/// The elements of a floating-point tensor as stored: what a validated call hands a backend,
+/// so that it never matches an index dtype it cannot be given.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Floats<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+}
+
+impl<'a> Floats<'a> {
+    /// The number of elements.
+    pub fn len(self) -> usize {
+        match self {
+            Floats::F32(v) => v.len(),
+            Floats::BF16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element `i` widened exactly to f32, or `None` past the end.
+    pub fn get(self, i: usize) -> Option<f32> {
+        match self {
+            Floats::F32(v) => v.get(i).copied(),
+            Floats::BF16(v) => v.get(i).map(|x| x.to_f32()),
+        }
+    }
+
+    /// The elements `range`, as stored.
+    pub fn slice(self, range: std::ops::Range<usize>) -> Floats<'a> {
+        match self {
+            Floats::F32(v) => Floats::F32(&v[range]),
+            Floats::BF16(v) => Floats::BF16(&v[range]),
+        }
+    }
+
+    /// Writes the elements, widened exactly to f32, into `dst` (of the same length).
+    pub fn write_f32(self, dst: &mut [f32]) {
+        match self {
+            Floats::F32(v) => dst.copy_from_slice(v),
+            Floats::BF16(v) => {
+                for (d, x) in dst.iter_mut().zip(v) {
+                    *d = x.to_f32();
+                }
+            }
+        }
+    }
+
+    /// The elements widened exactly to f32: borrowed when already f32.
+    pub fn to_f32(self) -> Cow<'a, [f32]> {
+        match self {
+            Floats::F32(v) => Cow::Borrowed(v),
+            Floats::BF16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+}
+
 /// A row-major tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
@@ -154,6 +213,15 @@ impl Tensor {
         match &self.storage {
             Storage::F32(v) => Some(v),
             _ => None,
+        }
+    }
+
+    /// The elements if the tensor is f32 or bf16.
+    pub fn floats(&self) -> Option<Floats<'_>> {
+        match &self.storage {
+            Storage::F32(v) => Some(Floats::F32(v)),
+            Storage::BF16(v) => Some(Floats::BF16(v)),
+            Storage::I32(_) => None,
         }
     }
 

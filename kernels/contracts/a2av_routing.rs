@@ -76,6 +76,8 @@ impl A2avRoutingDims {
 #[derive(Clone, Copy, Debug)]
 pub struct A2avRouting<'a> {
     inputs: A2avRoutingInputs<'a>,
+    /// `expert_index`'s values.
+    expert_ids: &'a [i32],
     dims: A2avRoutingDims,
 }
 
@@ -111,12 +113,18 @@ impl<'a> A2avRouting<'a> {
         }
         Ok(Self {
             inputs,
+            expert_ids: ids,
             dims: A2avRoutingDims { t, k, e, ranks },
         })
     }
 
     pub fn inputs(&self) -> A2avRoutingInputs<'a> {
         self.inputs
+    }
+
+    /// `expert_index`'s values: ids in `[0, E)` or [`SKIP`](super::SKIP).
+    pub fn expert_ids(&self) -> &'a [i32] {
+        self.expert_ids
     }
 
     pub fn dims(&self) -> A2avRoutingDims {

@@ -47,7 +47,7 @@ use super::spec::{self, Named, TensorSpec};
 use super::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use super::{BlockPlan, OutputDType, SKIP, validate};
 use crate::error::{Error, Result, find_named};
-use crate::tensor::Tensor;
+use crate::tensor::{Floats, Tensor};
 
 /// The activation of the gate projection, which then multiplies the up projection:
 /// nki-library's `ActFnType`, spelled as its members.
@@ -352,6 +352,7 @@ pub struct BlockwiseDims {
 #[derive(Clone, Copy, Debug)]
 pub struct BlockwiseMm<'a> {
     inputs: BlockwiseMmInputs<'a>,
+    floats: BlockwiseFloats<'a>,
     params: BlockwiseMmParams,
     dims: BlockwiseDims,
     plan: BlockPlan<'a>,
@@ -364,6 +365,7 @@ impl<'a> BlockwiseMm<'a> {
         let (dims, plan, _) = check(&inputs)?;
         params.clamp.check()?;
         Ok(Self {
+            floats: BlockwiseFloats::new(&inputs)?,
             inputs,
             params,
             dims,
@@ -374,6 +376,11 @@ impl<'a> BlockwiseMm<'a> {
 
     pub fn inputs(&self) -> BlockwiseMmInputs<'a> {
         self.inputs
+    }
+
+    /// The float inputs as stored.
+    pub fn floats(&self) -> BlockwiseFloats<'a> {
+        self.floats
     }
 
     pub fn params(&self) -> BlockwiseMmParams {
@@ -404,6 +411,46 @@ impl<'a> BlockwiseMm<'a> {
     pub fn cast_outputs(&self, outputs: BlockwiseMmOutputs) -> Result<BlockwiseMmOutputs> {
         let inputs = self.inputs.named();
         outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
+    }
+}
+
+/// The float inputs of a validated blockwise call, as stored (f32 or bf16).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseFloats<'a> {
+    /// `[T+1, H]`.
+    pub hidden_states: Floats<'a>,
+    /// `[(T+1)·E]`.
+    pub expert_affinities_masked: Floats<'a>,
+    /// `[E, H, 2, I]`.
+    pub gate_up_proj_weight: Floats<'a>,
+    /// `[E, I, H]`.
+    pub down_proj_weight: Floats<'a>,
+    /// `[E, 2, I]`.
+    pub gate_and_up_proj_bias: Option<Floats<'a>>,
+    /// `[E, H]`.
+    pub down_proj_bias: Option<Floats<'a>>,
+}
+
+impl<'a> BlockwiseFloats<'a> {
+    fn new(inputs: &BlockwiseMmInputs<'a>) -> Result<Self> {
+        let floats = |spec: &TensorSpec, tensor| validate::floats(spec.name, tensor);
+        Ok(Self {
+            hidden_states: floats(&fwd::HIDDEN_STATES, inputs.hidden_states)?,
+            expert_affinities_masked: floats(
+                &fwd::EXPERT_AFFINITIES_MASKED,
+                inputs.expert_affinities_masked,
+            )?,
+            gate_up_proj_weight: floats(&fwd::GATE_UP_PROJ_WEIGHT, inputs.gate_up_proj_weight)?,
+            down_proj_weight: floats(&fwd::DOWN_PROJ_WEIGHT, inputs.down_proj_weight)?,
+            gate_and_up_proj_bias: inputs
+                .gate_and_up_proj_bias
+                .map(|bias| floats(&fwd::GATE_AND_UP_PROJ_BIAS, bias))
+                .transpose()?,
+            down_proj_bias: inputs
+                .down_proj_bias
+                .map(|bias| floats(&fwd::DOWN_PROJ_BIAS, bias))
+                .transpose()?,
+        })
     }
 }
 
@@ -585,6 +632,18 @@ impl<'a> BlockwiseMmBwdInputs<'a> {
     }
 }
 
+/// The float inputs of a validated `blockwise_mm_bwd` call, as stored (f32 or bf16).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseBwdFloats<'a> {
+    pub forward: BlockwiseFloats<'a>,
+    /// `[N, 2, I, B]`.
+    pub gate_up_proj_act_checkpoint_t: Floats<'a>,
+    /// `[N, B, H]`.
+    pub down_proj_act_checkpoint: Floats<'a>,
+    /// `[T+1, H]`.
+    pub output_hidden_states_grad: Floats<'a>,
+}
+
 /// A validated `blockwise_mm_bwd` call.
 ///
 /// Fields are private: a call can only come from `new`, which validates it, and cannot be
@@ -592,6 +651,9 @@ impl<'a> BlockwiseMmBwdInputs<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct BlockwiseMmBwd<'a> {
     inputs: BlockwiseMmBwdInputs<'a>,
+    floats: BlockwiseBwdFloats<'a>,
+    /// `expert_index`'s values and K, when given.
+    expert_ids: Option<(&'a [i32], usize)>,
     params: BlockwiseMmBwdParams,
     dims: BlockwiseDims,
     plan: BlockPlan<'a>,
@@ -625,8 +687,10 @@ impl<'a> BlockwiseMmBwd<'a> {
             t,
             h,
         )?;
+        let mut expert_ids = None;
         if let Some(index) = inputs.expert_index {
             let (shape, ids) = validate::index_input(&bwd::EXPERT_INDEX, index, &[Some(t), None])?;
+            expert_ids = Some((ids, shape[1]));
             validate::non_empty(bwd::EXPERT_INDEX.name, "K (top_k)", shape[1])?;
             validate::expert_ids_or_skip(bwd::EXPERT_INDEX.name, ids, &shape, e)?;
             let k = shape[1];
@@ -645,8 +709,25 @@ impl<'a> BlockwiseMmBwd<'a> {
                 ));
             }
         }
+        let floats = BlockwiseBwdFloats {
+            forward: BlockwiseFloats::new(&inputs.forward)?,
+            gate_up_proj_act_checkpoint_t: validate::floats(
+                bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T.name,
+                inputs.gate_up_proj_act_checkpoint_t,
+            )?,
+            down_proj_act_checkpoint: validate::floats(
+                bwd::DOWN_PROJ_ACT_CHECKPOINT.name,
+                inputs.down_proj_act_checkpoint,
+            )?,
+            output_hidden_states_grad: validate::floats(
+                bwd::OUTPUT_HIDDEN_STATES_GRAD.name,
+                inputs.output_hidden_states_grad,
+            )?,
+        };
         Ok(Self {
             inputs,
+            floats,
+            expert_ids,
             params,
             dims,
             plan,
@@ -656,6 +737,16 @@ impl<'a> BlockwiseMmBwd<'a> {
 
     pub fn inputs(&self) -> BlockwiseMmBwdInputs<'a> {
         self.inputs
+    }
+
+    /// The float inputs as stored.
+    pub fn floats(&self) -> BlockwiseBwdFloats<'a> {
+        self.floats
+    }
+
+    /// `expert_index`'s values (ids in `[0, E)` or [`SKIP`]) and K, when given.
+    pub fn expert_ids(&self) -> Option<(&'a [i32], usize)> {
+        self.expert_ids
     }
 
     pub fn params(&self) -> BlockwiseMmBwdParams {

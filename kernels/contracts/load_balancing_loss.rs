@@ -65,18 +65,29 @@ pub struct LoadBalancingDims {
 #[derive(Clone, Copy, Debug)]
 pub struct LoadBalancingLoss<'a> {
     inputs: LoadBalancingLossInputs<'a>,
+    /// `expert_index`'s values.
+    expert_ids: &'a [i32],
     dims: LoadBalancingDims,
 }
 
 impl<'a> LoadBalancingLoss<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: LoadBalancingLossInputs<'a>) -> Result<Self> {
-        let dims = check(inputs.router_logits, inputs.expert_index)?;
-        Ok(Self { inputs, dims })
+        let (dims, expert_ids) = check(inputs.router_logits, inputs.expert_index)?;
+        Ok(Self {
+            inputs,
+            expert_ids,
+            dims,
+        })
     }
 
     pub fn inputs(&self) -> LoadBalancingLossInputs<'a> {
         self.inputs
+    }
+
+    /// `expert_index`'s values, ids in `[0, E)`.
+    pub fn expert_ids(&self) -> &'a [i32] {
+        self.expert_ids
     }
 
     pub fn dims(&self) -> LoadBalancingDims {
@@ -84,8 +95,12 @@ impl<'a> LoadBalancingLoss<'a> {
     }
 }
 
-/// Validates `router_logits [L,T,E]` against `expert_index [L,T,K]`.
-fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<LoadBalancingDims> {
+/// Validates `router_logits [L,T,E]` against `expert_index [L,T,K]`; returns the dimensions and
+/// the expert ids.
+fn check<'a>(
+    router_logits: &Tensor,
+    expert_index: &'a Tensor,
+) -> Result<(LoadBalancingDims, &'a [i32])> {
     let rank = router_logits.shape().len();
     let (layout, dims): (&str, &[Option<usize>]) = if rank == 2 {
         ("[T, E]", &[None, None])
@@ -116,7 +131,7 @@ fn check(router_logits: &Tensor, expert_index: &Tensor) -> Result<LoadBalancingD
         ));
     }
     validate::expert_ids(fwd::EXPERT_INDEX.name, ids, &shape, e)?;
-    Ok(LoadBalancingDims { l, t, e, k })
+    Ok((LoadBalancingDims { l, t, e, k }, ids))
 }
 
 /// Outputs of `load_balancing_loss`.
@@ -176,6 +191,8 @@ impl<'a> LoadBalancingLossBwdInputs<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct LoadBalancingLossBwd<'a> {
     inputs: LoadBalancingLossBwdInputs<'a>,
+    /// `expert_index`'s values.
+    expert_ids: &'a [i32],
     dims: LoadBalancingDims,
     output_dtype: OutputDType,
 }
@@ -183,10 +200,11 @@ pub struct LoadBalancingLossBwd<'a> {
 impl<'a> LoadBalancingLossBwd<'a> {
     /// Checks shapes, dtypes, finiteness and expert ids.
     pub fn new(inputs: LoadBalancingLossBwdInputs<'a>) -> Result<Self> {
-        let dims = check(inputs.router_logits, inputs.expert_index)?;
+        let (dims, expert_ids) = check(inputs.router_logits, inputs.expert_index)?;
         validate::float_input(&bwd::D_AUX_LOSS, inputs.d_aux_loss, &[Some(1)])?;
         Ok(Self {
             inputs,
+            expert_ids,
             dims,
             output_dtype: OutputDType::default(),
         })
@@ -194,6 +212,11 @@ impl<'a> LoadBalancingLossBwd<'a> {
 
     pub fn inputs(&self) -> LoadBalancingLossBwdInputs<'a> {
         self.inputs
+    }
+
+    /// `expert_index`'s values, ids in `[0, E)`.
+    pub fn expert_ids(&self) -> &'a [i32] {
+        self.expert_ids
     }
 
     pub fn dims(&self) -> LoadBalancingDims {

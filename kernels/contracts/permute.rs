@@ -128,6 +128,8 @@ pub struct PermuteDims {
 #[derive(Clone, Copy, Debug)]
 pub struct Permute<'a> {
     inputs: PermuteInputs<'a>,
+    /// `expert_index`'s values.
+    expert_ids: &'a [i32],
     dims: PermuteDims,
     output_dtype: OutputDType,
 }
@@ -155,15 +157,16 @@ fn check_num_experts(num_experts: usize, t: usize) -> Result<()> {
 
 /// Checks `expert_index [T, K]` against `num_experts`: i32, T and K at least 1, ids in
 /// `[0, E)` distinct per row or [`SKIP`], and every masked-affinity index within i32. Returns
-/// `(T, K)`. (K may exceed E when a row skips slots, as on an expert-parallel receiver.)
-fn check_expert_index(expert_index: &Tensor, e: usize) -> Result<(usize, usize)> {
+/// `(T, K, the ids)`. (K may exceed E when a row skips slots, as on an expert-parallel
+/// receiver.)
+fn check_expert_index(expert_index: &Tensor, e: usize) -> Result<(usize, usize, &[i32])> {
     let (shape, ids) = validate::index_input(&fwd::EXPERT_INDEX, expert_index, &[None, None])?;
     let (t, k) = (shape[0], shape[1]);
     validate::non_empty(fwd::EXPERT_INDEX.name, "T (tokens)", t)?;
     validate::non_empty(fwd::EXPERT_INDEX.name, "K (top_k)", k)?;
     check_num_experts(e, t)?;
     validate::expert_ids_or_skip(fwd::EXPERT_INDEX.name, ids, &shape, e)?;
-    Ok((t, k))
+    Ok((t, k, ids))
 }
 
 impl<'a> Permute<'a> {
@@ -173,13 +176,12 @@ impl<'a> Permute<'a> {
         if b == 0 {
             return Err(Error::param("block_size", "must be at least 1, got 0"));
         }
-        let (t, k) = check_expert_index(inputs.expert_index, e)?;
+        let (t, k, ids) = check_expert_index(inputs.expert_index, e)?;
         validate::float_input(
             &fwd::TOPK_AFFINITIES,
             inputs.topk_affinities,
             &[Some(t), Some(k)],
         )?;
-        let ids = inputs.expert_index.as_i32().expect("validated as i32");
         if let Some(pair) = ids
             .iter()
             .enumerate()
@@ -218,6 +220,7 @@ impl<'a> Permute<'a> {
             })?;
         Ok(Self {
             inputs,
+            expert_ids: ids,
             dims: PermuteDims { t, k, e, b, n },
             output_dtype: OutputDType::default(),
         })
@@ -225,6 +228,11 @@ impl<'a> Permute<'a> {
 
     pub fn inputs(&self) -> PermuteInputs<'a> {
         self.inputs
+    }
+
+    /// `expert_index`'s values: ids in `[0, E)` or [`SKIP`].
+    pub fn expert_ids(&self) -> &'a [i32] {
+        self.expert_ids
     }
 
     pub fn dims(&self) -> PermuteDims {
@@ -345,6 +353,8 @@ pub struct PermuteBwdParams {
 #[derive(Clone, Copy, Debug)]
 pub struct PermuteBwd<'a> {
     inputs: PermuteBwdInputs<'a>,
+    /// `expert_index`'s values.
+    expert_ids: &'a [i32],
     /// T, K and E; B and N do not apply.
     dims: (usize, usize, usize),
     output_dtype: OutputDType,
@@ -354,7 +364,7 @@ impl<'a> PermuteBwd<'a> {
     /// Checks shapes, dtypes and ids.
     pub fn new(inputs: PermuteBwdInputs<'a>, params: PermuteBwdParams) -> Result<Self> {
         let e = params.num_experts;
-        let (t, k) = check_expert_index(inputs.expert_index, e)?;
+        let (t, k, expert_ids) = check_expert_index(inputs.expert_index, e)?;
         validate::masked_affinities(
             bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
             inputs.expert_affinities_masked_grad,
@@ -362,6 +372,7 @@ impl<'a> PermuteBwd<'a> {
         )?;
         Ok(Self {
             inputs,
+            expert_ids,
             dims: (t, k, e),
             output_dtype: OutputDType::default(),
         })
@@ -369,6 +380,11 @@ impl<'a> PermuteBwd<'a> {
 
     pub fn inputs(&self) -> PermuteBwdInputs<'a> {
         self.inputs
+    }
+
+    /// `expert_index`'s values: ids in `[0, E)` or [`SKIP`].
+    pub fn expert_ids(&self) -> &'a [i32] {
+        self.expert_ids
     }
 
     /// `(T, K, E)`.

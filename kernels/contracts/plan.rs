@@ -98,6 +98,16 @@ impl<'a> BlockPlan<'a> {
         Ok(covered)
     }
 
+    /// `token_position_to_id [N·B]`: token ids, T in padding slots.
+    pub fn token_position_to_id(&self) -> &'a [i32] {
+        self.positions
+    }
+
+    /// `block_to_expert [N]`: expert ids in `[0, E)`.
+    pub fn block_to_expert(&self) -> &'a [i32] {
+        self.experts
+    }
+
     /// N, blocks.
     pub fn blocks(&self) -> usize {
         self.experts.len()

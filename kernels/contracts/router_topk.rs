@@ -444,6 +444,8 @@ impl<'a> RouterTopkBwdInputs<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct RouterTopkBwd<'a> {
     inputs: RouterTopkBwdInputs<'a>,
+    /// `expert_index`'s values.
+    expert_ids: &'a [i32],
     params: RouterTopkBwdParams,
     dims: RouterDims,
     output_dtype: OutputDType,
@@ -481,6 +483,7 @@ impl<'a> RouterTopkBwd<'a> {
         }
         Ok(Self {
             inputs,
+            expert_ids: ids,
             params,
             dims: RouterDims { t, h, e, k },
             output_dtype: OutputDType::default(),
@@ -489,6 +492,11 @@ impl<'a> RouterTopkBwd<'a> {
 
     pub fn inputs(&self) -> RouterTopkBwdInputs<'a> {
         self.inputs
+    }
+
+    /// `expert_index`'s values, ids in `[0, E)`.
+    pub fn expert_ids(&self) -> &'a [i32] {
+        self.expert_ids
     }
 
     pub fn params(&self) -> RouterTopkBwdParams {

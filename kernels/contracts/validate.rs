@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::spec::TensorSpec;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Storage, Tensor};
+use crate::tensor::{DType, Floats, Storage, Tensor};
 
 /// Requires an f32 or bf16 tensor of rank `dims.len()` whose extents match; `None` entries in
 /// `dims` are free and are returned as read. `layout` is the human form, e.g. `"[T, H]"`.
@@ -18,6 +18,15 @@ pub(crate) fn float_tensor(
     let shape = float_tensor_shape(name, tensor, layout, dims)?;
     finite(name, tensor)?;
     Ok(shape)
+}
+
+/// The elements of float tensor `name`, or the dtype error naming it.
+pub(crate) fn floats<'t>(name: &str, tensor: &'t Tensor) -> Result<Floats<'t>> {
+    tensor.floats().ok_or_else(|| Error::DType {
+        tensor: name.to_owned(),
+        expected: "f32 or bf16".to_owned(),
+        actual: tensor.dtype(),
+    })
 }
 
 /// [`float_tensor`] for the contract tensor `spec`, in its declared layout.
@@ -46,13 +55,7 @@ pub(crate) fn float_tensor_shape(
     layout: &str,
     dims: &[Option<usize>],
 ) -> Result<Vec<usize>> {
-    if tensor.dtype() == DType::I32 {
-        return Err(Error::DType {
-            tensor: name.to_owned(),
-            expected: "f32 or bf16".to_owned(),
-            actual: tensor.dtype(),
-        });
-    }
+    floats(name, tensor)?;
     extents(name, tensor, layout, dims)
 }
 

@@ -10,11 +10,7 @@ use crate::tensor::{Tensor, try_filled};
 pub(super) fn forward(call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
     let dims = call.dims();
     let (t, k, ranks) = (dims.t, dims.k, dims.ranks);
-    let ids = call
-        .inputs()
-        .expert_index
-        .as_i32()
-        .expect("validated as i32");
+    let ids = call.expert_ids();
     let mut send_indices = try_filled(&output(&a2::SEND_INDICES), &[t, ranks], t as i32)?;
     let mut counts = vec![0usize; ranks];
     // The last token each rank received, so a token goes to a rank once however many of its

@@ -39,11 +39,11 @@ use super::{f32_output, screened_f32_output};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
-    BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads, BlockwiseMmInputs,
+    BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, Clamp, ClampLimits,
 };
 use crate::error::Result;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::Floats;
 use crate::uninit::{assume_init, write_copy, zero};
 
 /// Most rows of one expert that one task computes: a forward run stops adding blocks before
@@ -192,16 +192,15 @@ impl TokenRows {
 fn weight_product(
     dst: &mut [f32],
     a: MatRef<'_>,
-    weights: &Tensor,
+    weights: Floats<'_>,
     expert: usize,
     (k, n): (usize, usize),
     panel: &mut Vec<f32>,
 ) {
     let range = expert * k * n..(expert + 1) * k * n;
-    match weights.storage() {
-        Storage::F32(w) => matmul(dst, a, MatRef::row_major(&w[range], k, n), false),
-        Storage::BF16(w) => matmul_bf16_b(dst, a, &w[range], panel),
-        Storage::I32(_) => unreachable!("validated as a float tensor"),
+    match weights {
+        Floats::F32(w) => matmul(dst, a, MatRef::row_major(&w[range], k, n), false),
+        Floats::BF16(w) => matmul_bf16_b(dst, a, &w[range], panel),
     }
 }
 
@@ -209,13 +208,13 @@ fn weight_product(
 fn weight_product_into<'d>(
     dst: &'d mut [MaybeUninit<f32>],
     a: MatRef<'_>,
-    weights: &Tensor,
+    weights: Floats<'_>,
     expert: usize,
     (k, n): (usize, usize),
     panel: &mut Vec<f32>,
 ) -> &'d mut [f32] {
-    match weights.storage() {
-        Storage::F32(w) => matmul_into(
+    match weights {
+        Floats::F32(w) => matmul_into(
             dst,
             a,
             MatRef::row_major(&w[expert * k * n..(expert + 1) * k * n], k, n),
@@ -234,16 +233,15 @@ fn weight_product_into<'d>(
 fn weight_nt(
     dst: &mut [f32],
     a: &[f32],
-    weights: &Tensor,
+    weights: Floats<'_>,
     expert: usize,
     (m, n, k): (usize, usize, usize),
     scratch: (&mut Vec<f32>, &mut Vec<f32>),
 ) {
     let range = expert * n * k..(expert + 1) * n * k;
-    match weights.storage() {
-        Storage::F32(w) => matmul_nt(dst, a, &w[range], (m, n, k), false),
-        Storage::BF16(w) => matmul_nt_bf16(dst, a, &w[range], (m, n, k), scratch),
-        Storage::I32(_) => unreachable!("validated as a float tensor"),
+    match weights {
+        Floats::F32(w) => matmul_nt(dst, a, &w[range], (m, n, k), false),
+        Floats::BF16(w) => matmul_nt_bf16(dst, a, &w[range], (m, n, k), scratch),
     }
 }
 
@@ -262,7 +260,7 @@ struct PaddingOutputs {
 impl PaddingOutputs {
     /// The zero row through every expert of `call`.
     fn new(call: &BlockwiseMm<'_>) -> Self {
-        let (inputs, params) = (call.inputs(), call.params());
+        let (inputs, params) = (call.floats(), call.params());
         let BlockwiseDims { h, e, i, .. } = call.dims();
         let mut out = Self {
             gate_up: Vec::with_capacity(e * 2 * i),
@@ -346,13 +344,10 @@ fn fill(row: &mut [MaybeUninit<f32>], values: Option<&[f32]>) {
 }
 
 /// Expert `expert`'s `len` values of a bias stored `[E, len]` (f32 or bf16), as f32.
-fn bias_row(bias: &Tensor, expert: usize, len: usize) -> Vec<f32> {
-    let range = expert * len..(expert + 1) * len;
-    match bias.storage() {
-        Storage::F32(values) => values[range].to_vec(),
-        Storage::BF16(values) => values[range].iter().map(|v| v.to_f32()).collect(),
-        Storage::I32(_) => bias.f32_values()[range].to_vec(),
-    }
+fn bias_row(bias: Floats<'_>, expert: usize, len: usize) -> Vec<f32> {
+    bias.slice(expert * len..(expert + 1) * len)
+        .to_f32()
+        .into_owned()
 }
 
 /// Adds `bias` to every `bias.len()`-long row of `rows`.
@@ -389,18 +384,9 @@ fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
     }
 }
 
-fn gather_rows(tensor: &Tensor, rows: &[usize], width: usize, dst: &mut [f32]) {
+fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst: &mut [f32]) {
     for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
-        let range = row * width..(row + 1) * width;
-        match tensor.storage() {
-            Storage::F32(v) => dst.copy_from_slice(&v[range]),
-            Storage::BF16(v) => {
-                for (d, x) in dst.iter_mut().zip(&v[range]) {
-                    *d = x.to_f32();
-                }
-            }
-            Storage::I32(_) => unreachable!("validated as a float tensor"),
-        }
+        values.slice(row * width..(row + 1) * width).write_f32(dst);
     }
 }
 
@@ -453,7 +439,7 @@ struct RunOutputs<'a> {
 /// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored, each row
 /// multiplied first by its entry of `row_scales` when given (PRE_SCALE).
 fn gate_up_product(
-    inputs: &BlockwiseMmInputs<'_>,
+    inputs: &BlockwiseFloats<'_>,
     dims: BlockwiseDims,
     (expert, tokens): (usize, &[usize]),
     row_scales: Option<&[f32]>,
@@ -469,15 +455,10 @@ fn gate_up_product(
         ..
     } = scratch;
     let gate_up = resized(gate_up, m * 2 * i);
-    match (
-        inputs.hidden_states.storage(),
-        inputs.gate_up_proj_weight.storage(),
-    ) {
+    match (inputs.hidden_states, inputs.gate_up_proj_weight) {
         // Both operands stored in bf16: their products are exact in f32, so the pairwise bf16
         // dot product gives the f32 sums at twice the f32 rate, without widening the weights.
-        (Storage::BF16(x), Storage::BF16(w))
-            if bf16_matmul::available() && row_scales.is_none() =>
-        {
+        (Floats::BF16(x), Floats::BF16(w)) if bf16_matmul::available() && row_scales.is_none() => {
             let lda = h.next_multiple_of(2);
             rows.clear();
             for &token in tokens {
@@ -515,7 +496,7 @@ fn run_forward(
     out: RunOutputs<'_>,
     scratch: &mut Scratch,
 ) -> bool {
-    let (inputs, dims) = (&call.inputs(), call.dims());
+    let (inputs, dims) = (&call.floats(), call.dims());
     let act_fn = call.params().activation_function;
     let BlockwiseDims { h, i, b, .. } = dims;
     let m = run.tokens.len();
@@ -546,11 +527,7 @@ fn run_forward(
         let affinities = inputs.expert_affinities_masked;
         run.tokens
             .iter()
-            .map(|&token| {
-                affinities
-                    .get_f64(token * dims.e + expert)
-                    .map_or(0.0, |a| a as f32)
-            })
+            .map(|&token| affinities.get(token * dims.e + expert).unwrap_or(0.0))
             .collect()
     });
     gate_up_product(
@@ -670,7 +647,7 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
             .zip(&run.slots)
             .map(move |(&token, &slot)| (token, (expert, slot)))
     });
-    let affinities = inputs.expert_affinities_masked.f32_values();
+    let affinities = call.floats().expert_affinities_masked.to_f32();
     let mut output = output_buffer(fwd::OUTPUT.name, &[t + 1, h])?;
     let (tokens, padding_row) = output.split_at_mut(t * h);
     TokenRows::new(t, rows).combine(
@@ -794,7 +771,7 @@ fn rows_backward(
     piece: RowPiece<'_>,
     s: &mut Scratch,
 ) {
-    let inputs = call.inputs();
+    let inputs = call.floats();
     let forward = inputs.forward;
     let BlockwiseDims { e, h, i, b, .. } = call.dims();
     let m = piece.tokens.len();
@@ -997,7 +974,6 @@ fn column_sums(rows: &[f32], width: usize) -> Vec<f32> {
 }
 
 pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-    let inputs = call.inputs();
     let dims = call.dims();
     let BlockwiseDims { t, h, e, i, .. } = dims;
     let groups = group_by_expert(call.plan(), dims);
@@ -1007,8 +983,8 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     }
 
     // Read once here, not once per expert (bf16 inputs are widened).
-    let affinities = inputs.forward.expert_affinities_masked.f32_values();
-    let checkpoint = inputs.gate_up_proj_act_checkpoint_t.f32_values();
+    let affinities = call.floats().forward.expert_affinities_masked.to_f32();
+    let checkpoint = call.floats().gate_up_proj_act_checkpoint_t.to_f32();
     // Each expert writes its own slices of the weight gradients whole: its products, or zeros
     // when it has no tokens. Nothing clears them first.
     let mut d_gate_up_weight = output_buffer("gate_up_proj_weight_grad", &[e, h, 2, i])?;
@@ -1064,9 +1040,9 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     zero(padding);
     // SAFETY: `combine` wrote every token's row, and row T is zeroed.
     let d_hidden = unsafe { assume_init(d_hidden) };
-    let d_topk_affinities = inputs
-        .expert_index
-        .map(|index| topk_gradient(index, &d_affinities, e))
+    let d_topk_affinities = call
+        .expert_ids()
+        .map(|ids| topk_gradient(ids, &d_affinities, e))
         .transpose()?;
     // Each expert's bias gradients in place; zeros for experts without tokens.
     let bias_grads = call.params().bias.then(|| {

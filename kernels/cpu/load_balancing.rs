@@ -43,7 +43,7 @@ pub(super) fn forward(call: &LoadBalancingLoss<'_>) -> Result<LoadBalancingLossO
     let dims = call.dims();
     let LoadBalancingDims { l, t, e, .. } = dims;
     let logits = inputs.router_logits.f32_values();
-    let ids = inputs.expert_index.as_i32().expect("validated as i32");
+    let ids = call.expert_ids();
     // Σ_n p[n, e] per chunk, then over chunks in order.
     let partial: Vec<Vec<f64>> = logits
         .par_chunks(CHUNK_ROWS * e)
@@ -84,7 +84,7 @@ pub(super) fn backward(call: &LoadBalancingLossBwd<'_>) -> Result<LoadBalancingL
     let dims = call.dims();
     let LoadBalancingDims { l, t, e, .. } = dims;
     let logits = inputs.router_logits.f32_values();
-    let ids = inputs.expert_index.as_i32().expect("validated as i32");
+    let ids = call.expert_ids();
     let d_aux = f64::from(inputs.d_aux_loss.f32_values()[0]);
     let (pooled, _) = counts(ids, dims);
     let rows = (l * t) as f64;

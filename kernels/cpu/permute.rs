@@ -10,7 +10,7 @@ use crate::tensor::{Tensor, try_filled as filled};
 pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let inputs = call.inputs();
     let PermuteDims { t, k, e, b, n } = call.dims();
-    let ids = inputs.expert_index.as_i32().expect("validated as i32");
+    let ids = call.expert_ids();
     let affinities = inputs.topk_affinities.f32_values();
 
     let mut counts = filled(&output(&pm::EXPERT_COUNTS), &[e], 0usize)?;
@@ -53,15 +53,14 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     })
 }
 
-/// `d_topk_affinities [T, K]` from a masked `[(T+1)·E]` affinity gradient and a validated
-/// `expert_index [T, K]`: entry `t·E + expert_index[t, k]`, 0 in skipped slots.
+/// `d_topk_affinities [T, K]` from a masked `[(T+1)·E]` affinity gradient and the validated
+/// ids of `expert_index [T, K]`: entry `t·E + expert_index[t, k]`, 0 in skipped slots.
 pub(super) fn topk_gradient(
-    expert_index: &Tensor,
+    (ids, k): (&[i32], usize),
     masked_grad: &[f32],
     e: usize,
 ) -> Result<Tensor> {
-    let ids = expert_index.as_i32().expect("validated as i32");
-    let (t, k) = (expert_index.shape()[0], expert_index.shape()[1]);
+    let t = ids.len() / k;
     let d = ids
         .iter()
         .enumerate()
@@ -78,6 +77,6 @@ pub(super) fn backward(call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
     let (_, _, e) = call.dims();
     let grad = inputs.expert_affinities_masked_grad.f32_values();
     Ok(PermuteGrads {
-        d_topk_affinities: topk_gradient(inputs.expert_index, &grad, e)?,
+        d_topk_affinities: topk_gradient((call.expert_ids(), call.dims().1), &grad, e)?,
     })
 }

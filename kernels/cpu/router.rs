@@ -172,7 +172,7 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let norm = pipeline.renormalises();
     let RouterDims { t, h, e, k } = call.dims();
     let logits = inputs.router_logits.f32_values();
-    let expert_index = inputs.expert_index.as_i32().expect("validated as i32");
+    let expert_index = call.expert_ids();
     let d_topk = inputs.d_topk_affinities.f32_values();
     let d_extra = inputs.d_router_logits.map(Tensor::f32_values);
 

@@ -761,21 +761,17 @@ impl Backend for NeuronBackend {
         // 0 for a skipped slot. The contract has validated the ids against E.
         let e = call.dims().e;
         let d_topk_affinities = call
-            .inputs()
-            .expert_index
-            .map(|index| {
+            .expert_ids()
+            .map(|(ids, k)| {
                 let grad = expert_affinities_masked_grad.f32_values();
-                let k = index.shape()[1];
-                let values = index
-                    .as_i32()
-                    .unwrap_or_default()
+                let values = ids
                     .iter()
                     .enumerate()
                     .map(|(slot, &id)| {
                         usize::try_from(id).map_or(0.0, |id| grad[(slot / k) * e + id])
                     })
                     .collect();
-                Tensor::from_f32(index.shape().to_vec(), values)
+                Tensor::from_f32([ids.len() / k, k], values)
             })
             .transpose()?;
         call.cast_outputs(BlockwiseMmGrads {

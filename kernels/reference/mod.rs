@@ -23,11 +23,11 @@ use crate::contracts::tensors::{
     router_topk_bwd as rtb,
 };
 use crate::contracts::{
-    A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd,
-    LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteDims,
-    PermuteGrads, PermuteOutputs, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads,
-    RouterTopkOutputs, SKIP,
+    A2avRouting, A2avRoutingOutputs, BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
+    BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss,
+    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
+    PermuteDims, PermuteGrads, PermuteOutputs, RouterDims, RouterTopk, RouterTopkBwd,
+    RouterTopkGrads, RouterTopkOutputs, SKIP,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, try_filled};
@@ -68,14 +68,9 @@ fn i32_output(
     Tensor::from_i32(shape, data)
 }
 
-/// The values of an index tensor the call's validation has already checked to be i32.
-fn indices(tensor: &Tensor) -> &[i32] {
-    tensor.as_i32().expect("validated as i32")
-}
-
-/// Expert ids of a validated `expert_index` tensor (non-negative by validation).
-fn expert_ids(tensor: &Tensor) -> Vec<usize> {
-    indices(tensor).iter().map(|&id| id as usize).collect()
+/// Expert ids a validation found in `[0, E)`.
+fn expert_ids(ids: &[i32]) -> Vec<usize> {
+    ids.iter().map(|&id| id as usize).collect()
 }
 
 /// Widened copies of the blockwise operands.
@@ -100,19 +95,15 @@ impl OwnedOperands {
         }
     }
 
-    fn borrow<'a>(
-        &'a self,
-        inputs: &BlockwiseMmInputs<'a>,
-        dims: BlockwiseDims,
-    ) -> BlockwiseOperands<'a> {
+    fn borrow<'a>(&'a self, plan: BlockPlan<'a>, dims: BlockwiseDims) -> BlockwiseOperands<'a> {
         BlockwiseOperands {
             dims,
             hidden_states: &self.hidden_states,
             expert_affinities_masked: &self.affinities,
             gate_up_proj_weight: &self.gate_up,
             down_proj_weight: &self.down,
-            token_position_to_id: indices(inputs.token_position_to_id),
-            block_to_expert: indices(inputs.block_to_expert),
+            token_position_to_id: plan.token_position_to_id(),
+            block_to_expert: plan.block_to_expert(),
             gate_and_up_proj_bias: self.gate_up_bias.as_deref(),
             down_proj_bias: self.down_bias.as_deref(),
         }
@@ -157,7 +148,7 @@ impl Backend for ReferenceBackend {
             &pipeline.x_hbm_layout.tokens_major(inputs.x)?.to_f64_vec(),
             &inputs.w.to_f64_vec(),
             &inputs.router_logits.to_f64_vec(),
-            &expert_ids(inputs.expert_index),
+            &expert_ids(call.expert_ids()),
             &inputs.d_topk_affinities.to_f64_vec(),
             d_router_logits.as_deref(),
             (t, h, e, k),
@@ -178,7 +169,7 @@ impl Backend for ReferenceBackend {
         let (inputs, dims) = (call.inputs(), call.dims());
         let (loss, counts) = load_balancing::load_balancing_forward(
             &inputs.router_logits.to_f64_vec(),
-            &expert_ids(inputs.expert_index),
+            &expert_ids(call.expert_ids()),
             dims,
         );
         Ok(LoadBalancingLossOutputs {
@@ -194,7 +185,7 @@ impl Backend for ReferenceBackend {
         let inputs = call.inputs();
         let d_logits = load_balancing::load_balancing_backward(
             &inputs.router_logits.to_f64_vec(),
-            &expert_ids(inputs.expert_index),
+            &expert_ids(call.expert_ids()),
             inputs.d_aux_loss.to_f64_vec()[0],
             call.dims(),
         );
@@ -211,7 +202,7 @@ impl Backend for ReferenceBackend {
         let (inputs, dims) = (call.inputs(), call.dims());
         let PermuteDims { t, e, b, n, .. } = dims;
         let plan = permute::permute(
-            indices(inputs.expert_index),
+            call.expert_ids(),
             &inputs.topk_affinities.to_f64_vec(),
             dims,
         )?;
@@ -231,7 +222,7 @@ impl Backend for ReferenceBackend {
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
         let (inputs, (t, k, e)) = (call.inputs(), call.dims());
         let d = permute::permute_backward(
-            indices(inputs.expert_index),
+            call.expert_ids(),
             &inputs.expert_affinities_masked_grad.to_f64_vec(),
             k,
             e,
@@ -247,7 +238,7 @@ impl Backend for ReferenceBackend {
         let owned = OwnedOperands::new(&inputs);
         let params = call.params();
         let fwd = blockwise::blockwise_forward(
-            &owned.borrow(&inputs, dims),
+            &owned.borrow(call.plan(), dims),
             blockwise::ExpertOptions {
                 act_fn: params.activation_function,
                 scaling: params.expert_affinities_scaling_mode,
@@ -275,7 +266,7 @@ impl Backend for ReferenceBackend {
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
         let dims = call.dims();
         let (t, k, ranks) = (dims.t, dims.k, dims.ranks);
-        let ids = indices(call.inputs().expert_index);
+        let ids = call.expert_ids();
         // Rank by rank, the tokens with an expert there, ascending.
         let mut send_indices = try_filled(&output(&a2::SEND_INDICES), &[t, ranks], t as i32)?;
         let mut send_counts = Vec::with_capacity(ranks);
@@ -303,7 +294,7 @@ impl Backend for ReferenceBackend {
         let BlockwiseDims { t, h, e, i, .. } = dims;
         let owned = OwnedOperands::new(&inputs.forward);
         let grads = blockwise::blockwise_backward(
-            &owned.borrow(&inputs.forward, dims),
+            &owned.borrow(call.plan(), dims),
             &inputs.gate_up_proj_act_checkpoint_t.to_f64_vec(),
             &inputs.down_proj_act_checkpoint.to_f64_vec(),
             &inputs.output_hidden_states_grad.to_f64_vec(),
@@ -314,16 +305,10 @@ impl Backend for ReferenceBackend {
             },
         )?;
         let bias = call.params().bias;
-        let d_topk_affinities = inputs
-            .expert_index
-            .map(|index| {
-                let k = index.shape()[1];
-                let d = permute::permute_backward(
-                    indices(index),
-                    &grads.expert_affinities_masked_grad,
-                    k,
-                    e,
-                );
+        let d_topk_affinities = call
+            .expert_ids()
+            .map(|(ids, k)| {
+                let d = permute::permute_backward(ids, &grads.expert_affinities_masked_grad, k, e);
                 f32_output(bmb::D_TOPK_AFFINITIES.name, &[t, k], &d)
             })
             .transpose()?;
