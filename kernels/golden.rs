@@ -1,7 +1,9 @@
 //! Golden-tensor files: named tensors in safetensors format, the exchange format between moekit
 //! and other implementations (an NKI kernel's harness, PyTorch). f32, bf16 and i32 tensors are
-//! read; files are written atomically (temporary file, then rename), so an existing file is never
-//! left half-written.
+//! read, and u32 index tensors (as nki-library's tests store `expert_index`) as i32; files are
+//! written atomically (temporary file, then rename), so an existing file is never left
+//! half-written. Only regular files are read, into memory reserved up front (a file too large
+//! for it is an error, not an abort), and a header that names a tensor twice is refused.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -40,10 +42,25 @@ fn to_tensor(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Tensor> {
         StDtype::F32 => Tensor::from_f32(shape, words(bytes).map(f32::from_le_bytes).collect()),
         StDtype::BF16 => Tensor::from_bf16(shape, words(bytes).map(bf16::from_le_bytes).collect()),
         StDtype::I32 => Tensor::from_i32(shape, words(bytes).map(i32::from_le_bytes).collect()),
+        StDtype::U32 => {
+            let values: Vec<u32> = words(bytes).map(u32::from_le_bytes).collect();
+            if let Some(index) = values.iter().position(|&v| i32::try_from(v).is_err()) {
+                return Err(format_error(
+                    path,
+                    format!(
+                        "tensor `{name}`: u32 value {} at {} does not fit in i32 (moekit reads \
+                         u32 indices as i32)",
+                        values[index],
+                        crate::contracts::validate::position(&shape, index)
+                    ),
+                ));
+            }
+            Tensor::from_i32(shape, values.into_iter().map(|v| v as i32).collect())
+        }
         other => {
             return Err(format_error(
                 path,
-                format!("tensor `{name}` has dtype {other:?}; moekit reads F32, BF16 and I32"),
+                format!("tensor `{name}` has dtype {other:?}; moekit reads F32, BF16, I32 and U32"),
             ));
         }
     };
@@ -53,12 +70,18 @@ fn to_tensor(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Tensor> {
 impl TensorFile {
     /// Reads every tensor and the metadata of a safetensors file.
     pub fn read(path: &Path) -> Result<Self> {
-        let bytes = fs::read(path).map_err(|source| Error::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        let (_, header) = SafeTensors::read_metadata(&bytes)
+        let bytes = read_regular_file(path)?;
+        let (header_len, header) = SafeTensors::read_metadata(&bytes)
             .map_err(|e| format_error(path, format!("not a valid safetensors file: {e}")))?;
+        // The header is valid JSON (`read_metadata` parsed it), but a map that names a tensor
+        // twice parses to its last entry: refused here.
+        let json = &bytes[8..8 + header_len];
+        if let Some(name) = repeated_key(json) {
+            return Err(format_error(
+                path,
+                format!("the header declares tensor `{name}` more than once"),
+            ));
+        }
         let parsed = SafeTensors::deserialize(&bytes)
             .map_err(|e| format_error(path, format!("not a valid safetensors file: {e}")))?;
         let mut tensors = BTreeMap::new();
@@ -98,6 +121,65 @@ impl TensorFile {
     }
 }
 
+/// The whole of the regular file at `path`, read into memory reserved for its size first: a
+/// device, a pipe or a folder is an error (an endless input is never read), and so is a file
+/// whose size cannot be allocated.
+pub fn read_regular_file(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let io = |source| Error::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let file = fs::File::open(path).map_err(io)?;
+    let metadata = file.metadata().map_err(io)?;
+    if !metadata.is_file() {
+        return Err(format_error(path, "not a regular file"));
+    }
+    let len = usize::try_from(metadata.len()).unwrap_or(usize::MAX);
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(len)
+        .map_err(|source| Error::Allocation {
+            what: format!("the {len} bytes of {}", path.display()),
+            source,
+        })?;
+    // The file may have grown since: read no more than its size then.
+    file.take(len as u64).read_to_end(&mut bytes).map_err(io)?;
+    Ok(bytes)
+}
+
+/// The first key a JSON object names twice, if any (`json` must be a valid JSON object).
+fn repeated_key(json: &[u8]) -> Option<String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct FirstRepeat;
+    impl<'de> Visitor<'de> for FirstRepeat {
+        type Value = Option<String>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            let mut repeated = None;
+            while let Some(key) = map.next_key::<String>()? {
+                map.next_value::<IgnoredAny>()?;
+                if !seen.insert(key.clone()) && repeated.is_none() {
+                    repeated = Some(key);
+                }
+            }
+            Ok(repeated)
+        }
+    }
+    serde_json::Deserializer::from_slice(json)
+        .deserialize_map(FirstRepeat)
+        .ok()
+        .flatten()
+}
+
 /// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let io = |path: &Path| {
@@ -118,4 +200,79 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh folder for one test's files.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("moekit-golden-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A safetensors file from a header written out by hand and the data bytes.
+    fn raw_file(path: &Path, header: &str, data: &[u8]) {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(data);
+        fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn u32_indices_are_read_as_i32_and_values_past_i32_are_errors() {
+        let dir = scratch("u32");
+        let path = dir.join("index.safetensors");
+        let data: Vec<u8> = [3u32, 0, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+        raw_file(
+            &path,
+            r#"{"expert_index":{"dtype":"U32","shape":[3,1],"data_offsets":[0,12]}}"#,
+            &data,
+        );
+        let file = TensorFile::read(&path).unwrap();
+        assert_eq!(
+            file.tensors["expert_index"],
+            Tensor::from_i32([3, 1], vec![3, 0, 7]).unwrap()
+        );
+        let data: Vec<u8> = [1u32, 1 << 31]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        raw_file(
+            &path,
+            r#"{"expert_index":{"dtype":"U32","shape":[2],"data_offsets":[0,8]}}"#,
+            &data,
+        );
+        let err = TensorFile::read(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("`expert_index`") && err.contains("2147483648") && err.contains("[1]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_tensor_declared_twice_is_an_error_naming_it() {
+        let dir = scratch("repeated");
+        let path = dir.join("twice.safetensors");
+        let header = r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}}"#;
+        raw_file(&path, header, &[0; 8]);
+        let err = TensorFile::read(&path).unwrap_err().to_string();
+        assert!(err.contains("declares tensor `x` more than once"), "{err}");
+        // One declaration reads.
+        let once = r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        raw_file(&path, once, &[0; 8]);
+        assert_eq!(TensorFile::read(&path).unwrap().tensors.len(), 1);
+    }
+
+    #[test]
+    fn only_regular_files_are_read() {
+        let dir = scratch("regular");
+        for path in [Path::new("/dev/zero"), dir.as_path()] {
+            let err = TensorFile::read(path).unwrap_err().to_string();
+            assert!(err.contains("not a regular file"), "{err}");
+        }
+    }
 }

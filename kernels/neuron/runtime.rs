@@ -320,10 +320,7 @@ impl Runtime {
 
     /// Reads the NEFF at `path` and loads it (see [`Runtime::load`]).
     pub fn load_file(&self, path: &Path, start_vnc: i32, vnc_count: i32) -> Result<Model> {
-        let neff = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let neff = crate::golden::read_regular_file(path)?;
         self.load(&neff, &path.display().to_string(), start_vnc, vnc_count)
     }
 
