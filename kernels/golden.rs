@@ -96,15 +96,12 @@ impl TensorFile {
     }
 
     /// Writes the tensors and metadata atomically: to `<path>.tmp-<pid>`, then renamed over
-    /// `path`.
+    /// `path`. The tensors are written from where they lie, without a copy of the file in
+    /// memory.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let buffers: Vec<(String, Vec<u8>, &Tensor)> = self
-            .tensors
-            .iter()
-            .map(|(name, tensor)| (name.clone(), tensor.to_le_bytes(), tensor))
-            .collect();
-        let mut views = Vec::with_capacity(buffers.len());
-        for (name, bytes, tensor) in &buffers {
+        let bytes: Vec<_> = self.tensors.values().map(Tensor::le_bytes).collect();
+        let mut views = Vec::with_capacity(self.tensors.len());
+        for ((name, tensor), bytes) in self.tensors.iter().zip(&bytes) {
             let dtype = match tensor.dtype() {
                 DType::F32 => StDtype::F32,
                 DType::BF16 => StDtype::BF16,
@@ -115,9 +112,10 @@ impl TensorFile {
             views.push((name.as_str(), view));
         }
         let metadata = (!self.metadata.is_empty()).then(|| self.metadata.clone());
-        let bytes = safetensors::serialize(views, metadata)
-            .map_err(|e| format_error(path, format!("cannot serialize: {e}")))?;
-        write_atomically(path, &bytes)
+        write_atomically_with(path, |tmp| {
+            safetensors::serialize_to_file(views, metadata, tmp)
+                .map_err(|e| format_error(path, format!("cannot write: {e}")))
+        })
     }
 }
 
@@ -182,6 +180,17 @@ fn repeated_key(json: &[u8]) -> Option<String> {
 
 /// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomically_with(path, |tmp| {
+        fs::write(tmp, bytes).map_err(|source| Error::Io {
+            path: tmp.to_owned(),
+            source,
+        })
+    })
+}
+
+/// Has `write` create a temporary file beside `path` (`<name>.tmp-<pid>`), syncs it, and
+/// renames it over `path`; the temporary file is removed if anything fails.
+fn write_atomically_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| Error::Io { path, source }
@@ -190,10 +199,10 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp: PathBuf = path.with_file_name(tmp_name);
     let result = (|| {
-        use std::io::Write;
-        let mut file = fs::File::create(&tmp).map_err(io(&tmp))?;
-        file.write_all(bytes).map_err(io(&tmp))?;
-        file.sync_all().map_err(io(&tmp))?;
+        write(&tmp)?;
+        fs::File::open(&tmp)
+            .and_then(|file| file.sync_all())
+            .map_err(io(&tmp))?;
         fs::rename(&tmp, path).map_err(io(path))
     })();
     if result.is_err() {
@@ -265,6 +274,33 @@ mod tests {
         let once = r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
         raw_file(&path, once, &[0; 8]);
         assert_eq!(TensorFile::read(&path).unwrap().tensors.len(), 1);
+    }
+
+    #[test]
+    fn written_files_read_back_exactly_and_leave_no_temporary_file() {
+        let dir = scratch("round-trip");
+        let path = dir.join("out.safetensors");
+        let x = Tensor::from_f32([2, 3], vec![1.5, -0.0, 3.25, f32::MIN, 7.0, 1e-30]).unwrap();
+        let file = TensorFile {
+            tensors: [
+                ("x".to_owned(), x.clone()),
+                ("x_bf16".to_owned(), x.to_bf16()),
+                (
+                    "ids".to_owned(),
+                    Tensor::from_i32([3], vec![-1, 0, 9]).unwrap(),
+                ),
+            ]
+            .into_iter()
+            .collect(),
+            metadata: [("kernel".to_owned(), "permute".to_owned())].into(),
+        };
+        file.write(&path).unwrap();
+        assert_eq!(TensorFile::read(&path).unwrap(), file);
+        let names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["out.safetensors"]);
     }
 
     #[test]

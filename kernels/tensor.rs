@@ -355,6 +355,19 @@ impl Tensor {
         Tensor::new([cols, rows], storage)
     }
 
+    /// The buffer's little-endian bytes: borrowed on a little-endian machine, copied otherwise.
+    pub fn le_bytes(&self) -> Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            Cow::Borrowed(match &self.storage {
+                Storage::F32(v) => bytemuck::cast_slice(v),
+                Storage::BF16(v) => bytemuck::cast_slice(v),
+                Storage::I32(v) => bytemuck::cast_slice(v),
+            })
+        } else {
+            Cow::Owned(self.to_le_bytes())
+        }
+    }
+
     /// The raw little-endian bytes of the buffer.
     pub fn to_le_bytes(&self) -> Vec<u8> {
         match &self.storage {

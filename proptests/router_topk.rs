@@ -1,7 +1,7 @@
 //! `router_topk` forward against a direct softmax/sigmoid + sort formulation in every
 //! nki-library mode (ACT1 with dense or renormalised affinities, ACT2, SOFTMAX and SIGMOID,
 //! `x [T, H]` and `[H, T]`, `w_bias`), its backward against central finite differences,
-//! tie-breaking, edge cases and error paths.
+//! tie-breaking, edge cases and error paths (logits too large to allocate included).
 
 #![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
 
@@ -13,7 +13,7 @@ use moekit::contracts::{
     RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use moekit::reference::router::{router_backward, router_forward};
-use moekit::{Backend, Error, Tensor, reference::ReferenceBackend};
+use moekit::{Backend, BackendKind, Error, Tensor, reference::ReferenceBackend};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -280,11 +280,11 @@ proptest! {
         let sel = c.selection_bias.as_deref();
         // L(x, w, bias) = Σ d_topk ⊙ topk_affinities + Σ d_logits ⊙ router_logits.
         let loss = |x: &[f64], w: &[f64], b: &[f64]| {
-            let f = router_forward(x, w, Some(b), sel, (t, h, e, k), pipeline);
+            let f = router_forward(x, w, Some(b), sel, (t, h, e, k), pipeline).unwrap();
             dot(&d_topk, &f.topk_affinities) + d_logits.as_ref().map_or(0.0, |d| dot(d, &f.logits))
         };
         let bwd_params = RouterTopkBwdParams { pipeline };
-        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e, k), pipeline);
+        let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e, k), pipeline).unwrap();
         let grads = router_backward(&c.x, &c.w, &fwd.logits, &fwd.expert_index, &d_topk,
             d_logits.as_deref(), (t, h, e, k), pipeline);
         let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(x, &c.w, &bias));
@@ -470,4 +470,32 @@ fn backward_rejects_inconsistent_inputs() {
         bwd(&f32_tensor(&[2, 2], &[0.0; 4]), &d),
         &["expert_index", "i32"],
     );
+}
+
+#[test]
+fn logits_too_large_to_allocate_are_errors_naming_them() {
+    // x [2^22, 1] and w [1, 2^20] are 20 MB; their logits [T, E] would be 16 TiB.
+    let (t, e) = (1usize << 22, 1usize << 20);
+    let x = Tensor::from_f32([t, 1], vec![0.5; t]).unwrap();
+    let w = Tensor::from_f32([1, e], vec![0.25; e]).unwrap();
+    let call = RouterTopk::new(
+        RouterTopkInputs {
+            x: &x,
+            w: &w,
+            w_bias: None,
+            selection_bias: None,
+        },
+        RouterTopkParams {
+            k: 1,
+            pipeline: RouterPipeline::QWEN3_MOE,
+        },
+    )
+    .unwrap();
+    for backend in [BackendKind::Reference, BackendKind::Cpu] {
+        let err = backend.create().router_topk(&call).unwrap_err().to_string();
+        assert!(
+            err.contains("output `router_logits`") && err.contains("[4194304, 1048576]"),
+            "{backend}: {err}"
+        );
+    }
 }

@@ -7,12 +7,13 @@ use rayon::prelude::*;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::matmul::{MatRef, matmul};
 use super::{ROW_TILE, ensure_finite, f32_output};
+use crate::contracts::spec::output;
 use crate::contracts::tensors::{router_topk as rt, router_topk_bwd as rtb};
 use crate::contracts::{
     RouterActFnType, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{Storage, Tensor, try_filled};
 
 /// `ln(1 + eˣ)` without overflow.
 fn softplus(x: f32) -> f32 {
@@ -64,10 +65,12 @@ fn logits(
     w: &Tensor,
     bias: Option<&[f32]>,
     (t, h, e): (usize, usize, usize),
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
+    // `[T, E]` outgrows the inputs (`[T, H]` and `[H, E]`) when H is small: allocated checked.
+    let what = output(&rt::ROUTER_LOGITS);
     let mut logits = match (x.storage(), w.storage()) {
         (Storage::BF16(x), Storage::BF16(w)) if h % 2 == 0 && bf16_matmul::available() => {
-            let mut out = vec![0.0f32; t * e];
+            let mut out = try_filled(&what, &[t, e], 0.0f32)?;
             out.par_chunks_mut(ROW_TILE * e)
                 .zip(x.par_chunks(ROW_TILE * h))
                 .for_each(|(out, x)| matmul_bf16(out, x, h, w, (out.len() / e, e, h)));
@@ -77,8 +80,8 @@ fn logits(
             &x.f32_values(),
             h,
             MatRef::row_major(&w.f32_values(), h, e),
-            t,
-        ),
+            (t, &what),
+        )?,
     };
     if let Some(bias) = bias {
         for row in logits.chunks_mut(e) {
@@ -87,20 +90,26 @@ fn logits(
             }
         }
     }
-    logits
+    Ok(logits)
 }
 
-/// `a [rows, k] · b [k, n]` as a new `[rows, n]` buffer, computed in parallel tiles of
-/// [`ROW_TILE`] rows (a fixed tiling, so results do not depend on the thread count).
-fn row_tiled_product(a: &[f32], k: usize, b: MatRef<'_>, rows: usize) -> Vec<f32> {
+/// `a [rows, k] · b [k, n]` as a new `[rows, n]` buffer (`what`, named in an allocation
+/// error), computed in parallel tiles of [`ROW_TILE`] rows (a fixed tiling, so results do not
+/// depend on the thread count).
+fn row_tiled_product(
+    a: &[f32],
+    k: usize,
+    b: MatRef<'_>,
+    (rows, what): (usize, &str),
+) -> Result<Vec<f32>> {
     let n = b.cols();
-    let mut out = vec![0.0f32; rows * n];
+    let mut out = try_filled(what, &[rows, n], 0.0f32)?;
     out.par_chunks_mut(ROW_TILE * n)
         .zip(a.par_chunks(ROW_TILE * k))
         .for_each(|(out, a)| {
             matmul(out, MatRef::row_major(a, out.len() / n, k), b, false);
         });
-    out
+    Ok(out)
 }
 
 pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
@@ -110,12 +119,12 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
     let bias = inputs.w_bias.map(Tensor::f32_values);
     let selection_bias = inputs.selection_bias.map(Tensor::f32_values);
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
-    let logits = logits(&x, inputs.w, bias.as_deref(), (t, h, e));
+    let logits = logits(&x, inputs.w, bias.as_deref(), (t, h, e))?;
     ensure_finite(rt::ROUTER_LOGITS.name, &[t, e], &logits)?;
 
-    let mut expert_index = vec![0i32; t * k];
-    let mut topk = vec![0.0f32; t * k];
-    let mut scattered = vec![0.0f32; t * e];
+    let mut expert_index = try_filled(&output(&rt::EXPERT_INDEX), &[t, k], 0i32)?;
+    let mut topk = try_filled(&output(&rt::TOPK_AFFINITIES), &[t, k], 0.0f32)?;
+    let mut scattered = try_filled(&output(&rt::EXPERT_AFFINITIES), &[t, e], 0.0f32)?;
     expert_index
         .par_chunks_mut(k)
         .zip(topk.par_chunks_mut(k))
@@ -224,7 +233,12 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let x = x.f32_values();
     let w = inputs.w.f32_values();
     // d_x [T, H] = d_logits · wᵀ, in row tiles.
-    let d_x = row_tiled_product(&d_logits, e, MatRef::row_major(&w, h, e).t(), t);
+    let d_x = row_tiled_product(
+        &d_logits,
+        e,
+        MatRef::row_major(&w, h, e).t(),
+        (t, &output(&rtb::D_X)),
+    )?;
     // d_w [H, E] = xᵀ · d_logits, in tiles of rows of d_w (each token reduction stays inside
     // one product).
     let mut d_w = vec![0.0f32; h * e];

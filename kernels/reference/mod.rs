@@ -127,7 +127,7 @@ impl Backend for ReferenceBackend {
             selection_bias.as_deref(),
             (t, h, e, k),
             pipeline,
-        );
+        )?;
         call.cast_outputs(RouterTopkOutputs {
             router_logits: f32_output(rt::ROUTER_LOGITS.name, &[t, e], &fwd.logits)?,
             expert_index: i32_output(rt::EXPERT_INDEX.name, &[t, k], fwd.expert_index)?,

@@ -3,7 +3,11 @@
 //! Affinities are computed from log-affinities (`log softmax` or `log sigmoid`), so the
 //! renormalised top-k values stay exact even when the selected probabilities underflow.
 
+use crate::contracts::spec::output;
+use crate::contracts::tensors::router_topk as rt;
 use crate::contracts::{RouterActFnType, RouterPipeline};
+use crate::error::Result;
+use crate::tensor::{try_capacity, try_filled};
 
 /// Forward results in f64.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,12 +84,13 @@ pub fn router_forward(
     selection_bias: Option<&[f64]>,
     (t, h, e, k): (usize, usize, usize, usize),
     pipeline: RouterPipeline,
-) -> RouterForward {
+) -> Result<RouterForward> {
+    // `[T, E]` outgrows the inputs when H is small: allocated checked.
     let mut out = RouterForward {
-        logits: vec![0.0; t * e],
-        expert_index: Vec::with_capacity(t * k),
-        topk_affinities: Vec::with_capacity(t * k),
-        expert_affinities: vec![0.0; t * e],
+        logits: try_filled(&output(&rt::ROUTER_LOGITS), &[t, e], 0.0)?,
+        expert_index: try_capacity(&output(&rt::EXPERT_INDEX), &[t, k])?,
+        topk_affinities: try_capacity(&output(&rt::TOPK_AFFINITIES), &[t, k])?,
+        expert_affinities: try_filled(&output(&rt::EXPERT_AFFINITIES), &[t, e], 0.0)?,
     };
     for token in 0..t {
         let row = &mut out.logits[token * e..(token + 1) * e];
@@ -120,7 +125,7 @@ pub fn router_forward(
         out.topk_affinities.extend(affinities);
         out.expert_index.extend(selected);
     }
-    out
+    Ok(out)
 }
 
 /// Router gradients in f64.
