@@ -952,3 +952,74 @@ fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() 
         assert!(ms > 0.0 && ms.is_finite(), "{row}");
     }
 }
+
+#[test]
+fn lenient_arguments_and_endless_inputs_are_errors() {
+    let dir = scratch("lenient");
+    let inputs = dir.join("inputs.safetensors");
+    let index = Tensor::from_i32([2, 1], vec![0, 1]).unwrap();
+    let affinities = Tensor::from_f32([2, 1], vec![1.0, 1.0]).unwrap();
+    write(
+        &inputs,
+        &[("expert_index", &index), ("topk_affinities", &affinities)],
+        &[],
+    );
+    let output = dir.join("out.safetensors");
+    let (inputs, output) = (inputs.to_str().unwrap(), output.to_str().unwrap());
+    for (args, needle) in [
+        (
+            vec!["check", "--backend", "reference"],
+            "compares a backend against the reference",
+        ),
+        (
+            vec!["check", "--rtol", "NaN"],
+            "finite number of at least 0",
+        ),
+        (vec!["check", "--atol=-1"], "finite number of at least 0"),
+        (vec!["ep-bench", "--tokens", "0"], "at least 1"),
+        (vec!["ep-bench", "--iterations", "0"], "at least 1"),
+        (
+            vec![
+                "run",
+                "permute",
+                "--inputs",
+                inputs,
+                "--output",
+                output,
+                "--param",
+                "num_experts=2",
+                "--param",
+                "block_size=1",
+                "--param",
+                "num_experts=3",
+            ],
+            "param `num_experts`: given twice with --param",
+        ),
+        (
+            vec![
+                "run",
+                "permute",
+                "--inputs",
+                "/dev/zero",
+                "--output",
+                output,
+            ],
+            "not a regular file",
+        ),
+    ] {
+        let out = moekit(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_moekit"))
+        .args(["neuron", "tensors", "/dev/zero"])
+        .env("NEURON_RT_LIB", FAKE_NRT)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("not a regular file"),
+        "{stderr}"
+    );
+}

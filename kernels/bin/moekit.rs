@@ -122,10 +122,10 @@ enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// Relative tolerance (default: the backend's documented one).
-        #[arg(long)]
+        #[arg(long, value_parser = tolerance)]
         rtol: Option<f64>,
         /// Absolute tolerance, times max(1, max |reference|) (default: the backend's).
-        #[arg(long)]
+        #[arg(long, value_parser = tolerance)]
         atol: Option<f64>,
         #[command(flatten)]
         neuron: NeuronArgs,
@@ -149,12 +149,30 @@ enum Command {
         #[arg(long, default_value = "qwen3-30b-a3b")]
         shape: String,
         /// Tokens per rank (repeat for several).
-        #[arg(long = "tokens", default_values_t = [512])]
+        #[arg(long = "tokens", default_values_t = [512], value_parser = at_least_one)]
         tokens: Vec<usize>,
         /// Timed iterations (the median is reported).
-        #[arg(long, default_value_t = 20)]
+        #[arg(long, default_value_t = 20, value_parser = at_least_one)]
         iterations: usize,
     },
+}
+
+/// A count of at least 1 (`--tokens`, `--iterations`).
+fn at_least_one(value: &str) -> std::result::Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("expected an integer of at least 1, got `{value}`")),
+    }
+}
+
+/// A tolerance: a finite number of at least 0.
+fn tolerance(value: &str) -> std::result::Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "expected a finite number of at least 0, got `{value}`"
+        )),
+    }
 }
 
 /// Where the `neuron` backend finds libnrt and its kernel manifest.
@@ -263,6 +281,13 @@ struct CheckArgs<'a> {
 /// `moekit check`: prints the report; `Ok(false)` if any output is outside the tolerance.
 fn check(args: &CheckArgs<'_>) -> Result<bool> {
     let kind: BackendKind = args.backend.parse()?;
+    if kind == BackendKind::Reference {
+        return Err(moekit::Error::Param {
+            param: "backend".to_owned(),
+            message: "`check` compares a backend against the reference; choose cpu or neuron"
+                .to_owned(),
+        });
+    }
     let kernel = args.kernel.map(str::parse::<Kernel>).transpose()?;
     let dtype = parse_dtype(args.dtype)?;
     let defaults = Tolerance::of(kind);
@@ -311,7 +336,7 @@ fn ep_bench(
     let measure = |comm: &dyn Communicator| -> Result<Vec<ExchangeRow>> {
         tokens
             .iter()
-            .map(|&t| exchange::run(comm, shape, t, iterations.max(1)))
+            .map(|&t| exchange::run(comm, shape, t, iterations))
             .collect()
     };
     match comm {
@@ -460,12 +485,20 @@ fn run(
     {
         eprintln!("warning: metadata key `{key}` is not a kernel parameter; ignored");
     }
+    let mut given = std::collections::BTreeSet::new();
     for item in overrides {
         let (name, value) = item.split_once('=').ok_or_else(|| moekit::Error::Param {
             param: item.clone(),
             message: "expected NAME=VALUE".to_owned(),
         })?;
-        params.set(name.trim(), value)?;
+        let name = name.trim();
+        if !given.insert(name) {
+            return Err(moekit::Error::Param {
+                param: name.to_owned(),
+                message: "given twice with --param".to_owned(),
+            });
+        }
+        params.set(name, value)?;
     }
     let outputs = kernel.run(backend.as_ref(), &file.tensors, &params)?;
     let written = TensorFile {
