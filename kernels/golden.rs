@@ -95,8 +95,8 @@ impl TensorFile {
         })
     }
 
-    /// Writes the tensors and metadata atomically: to `<path>.tmp-<pid>`, then renamed over
-    /// `path`. The tensors are written from where they lie, without a copy of the file in
+    /// Writes the tensors and metadata atomically: to a temporary file beside `path`, then
+    /// renamed over it. The tensors are written from where they lie, without a copy of the file in
     /// memory.
     pub fn write(&self, path: &Path) -> Result<()> {
         let bytes: Vec<_> = self.tensors.values().map(Tensor::le_bytes).collect();
@@ -188,15 +188,19 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
-/// Has `write` create a temporary file beside `path` (`<name>.tmp-<pid>`), syncs it, and
-/// renames it over `path`; the temporary file is removed if anything fails.
+/// Has `write` create a temporary file beside `path` (`<name>.tmp-<pid>-<n>`, n counting this
+/// process's writes, so threads writing the same path never share one), syncs it, and renames
+/// it over `path`; the temporary file is removed if anything fails.
 fn write_atomically_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static WRITES: AtomicU64 = AtomicU64::new(0);
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| Error::Io { path, source }
     };
     let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    tmp_name.push(format!(".tmp-{}-{n}", std::process::id()));
     let tmp: PathBuf = path.with_file_name(tmp_name);
     let result = (|| {
         write(&tmp)?;

@@ -9,6 +9,16 @@ use moekit::Tensor;
 use moekit::golden::TensorFile;
 use proptest::prelude::*;
 
+/// A fresh folder of its own for each case of `test`.
+fn case_dir(test: &str) -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static CASES: AtomicUsize = AtomicUsize::new(0);
+    scratch_dir(
+        "golden",
+        &format!("{test}-{}", CASES.fetch_add(1, Ordering::Relaxed)),
+    )
+}
+
 /// A valid file of a few tensors of every dtype, from `seed`.
 fn valid_file(seed: u64) -> TensorFile {
     let mut rng = SeededRng::new(seed);
@@ -34,9 +44,11 @@ proptest! {
 
     #[test]
     fn arbitrary_bytes_are_read_or_refused(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-        let path = scratch_dir("golden", "arbitrary").join("bytes.safetensors");
+        let dir = case_dir("arbitrary");
+        let path = dir.join("bytes.safetensors");
         std::fs::write(&path, &bytes).unwrap();
         let _ = TensorFile::read(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -46,7 +58,7 @@ proptest! {
         cut in any::<prop::sample::Index>(),
         damage in 0usize..3,
     ) {
-        let dir = scratch_dir("golden", "damaged");
+        let dir = case_dir("damaged");
         let path = dir.join("file.safetensors");
         let file = valid_file(seed);
         file.write(&path).unwrap();
@@ -67,5 +79,6 @@ proptest! {
         }
         std::fs::write(&path, &bytes).unwrap();
         let _ = TensorFile::read(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
