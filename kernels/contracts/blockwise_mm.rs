@@ -47,7 +47,7 @@ use super::spec::{self, Named, TensorSpec};
 use super::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use super::{BlockPlan, OutputDType, SKIP, validate};
 use crate::error::{Error, Result, find_named};
-use crate::tensor::{Floats, Tensor};
+use crate::tensor::{DType, Floats, Tensor};
 
 /// The activation of the gate projection, which then multiplies the up projection:
 /// nki-library's `ActFnType`, spelled as its members.
@@ -405,6 +405,14 @@ impl<'a> BlockwiseMm<'a> {
 
     pub fn output_dtype(&self) -> OutputDType {
         self.output_dtype
+    }
+
+    /// The dtype this call gives float output `spec` (one of [`fwd::OUTPUTS`]), for a backend
+    /// that writes it directly: f32 where [`OutputDType::dtype_of`] leaves it open.
+    pub fn output_dtype_of(&self, spec: &TensorSpec) -> DType {
+        self.output_dtype
+            .dtype_of(spec, &self.inputs.named())
+            .unwrap_or(DType::F32)
     }
 
     /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
@@ -771,6 +779,14 @@ impl<'a> BlockwiseMmBwd<'a> {
 
     pub fn output_dtype(&self) -> OutputDType {
         self.output_dtype
+    }
+
+    /// The dtype this call gives float output `spec` (one of [`bwd::OUTPUTS`]), for a backend
+    /// that writes it directly: f32 where [`OutputDType::dtype_of`] leaves it open.
+    pub fn output_dtype_of(&self, spec: &TensorSpec) -> DType {
+        self.output_dtype
+            .dtype_of(spec, &self.inputs.named())
+            .unwrap_or(DType::F32)
     }
 
     /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).

@@ -47,19 +47,28 @@ impl OutputDType {
         }
     }
 
-    /// `output`, declared by `spec`, in the dtype this choice gives it in a call with `inputs`:
-    /// an output [`DTypeSpec::Like`] an input takes that input's dtype (or f32), an
-    /// [`DTypeSpec::F32`] one f32; unchanged when it already has it, else rounded once (to
-    /// nearest even). Indices are returned as they are.
-    pub fn cast(self, spec: &TensorSpec, output: Tensor, inputs: &Named<'_>) -> Result<Tensor> {
-        let dtype = match spec.dtype {
+    /// The dtype this choice gives output `spec` in a call with `inputs`: an output
+    /// [`DTypeSpec::Like`] an input takes that input's dtype (or f32), an [`DTypeSpec::F32`]
+    /// one f32; `None` for outputs whose dtype is not chosen (indices, and floats in the dtype
+    /// the kernel computes them in).
+    pub fn dtype_of(self, spec: &TensorSpec, inputs: &Named<'_>) -> Option<DType> {
+        match spec.dtype {
             DTypeSpec::Like(input) => {
-                self.resolve(spec::find(inputs, input).map_or(DType::F32, Tensor::dtype))
+                Some(self.resolve(spec::find(inputs, input).map_or(DType::F32, Tensor::dtype)))
             }
-            DTypeSpec::F32 => DType::F32,
-            DTypeSpec::Float | DTypeSpec::Index => return Ok(output),
-        };
-        output.into_float_dtype(spec.name, dtype)
+            DTypeSpec::F32 => Some(DType::F32),
+            DTypeSpec::Float | DTypeSpec::Index => None,
+        }
+    }
+
+    /// `output`, declared by `spec`, in the dtype this choice gives it in a call with `inputs`
+    /// ([`Self::dtype_of`]): unchanged when it already has it, else rounded once (to nearest
+    /// even). Indices are returned as they are.
+    pub fn cast(self, spec: &TensorSpec, output: Tensor, inputs: &Named<'_>) -> Result<Tensor> {
+        match self.dtype_of(spec, inputs) {
+            Some(dtype) => output.into_float_dtype(spec.name, dtype),
+            None => Ok(output),
+        }
     }
 }
 

@@ -21,15 +21,14 @@ const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
 
 /// A buffer for output `name` of `shape`, to be written whole; large ones are advised to use
 /// huge pages before first touch. An error names the output when it cannot be allocated.
-pub fn output_buffer(name: &str, shape: &[usize]) -> Result<Vec<MaybeUninit<f32>>> {
+pub fn output_buffer<T>(name: &str, shape: &[usize]) -> Result<Vec<MaybeUninit<T>>> {
     let mut buffer = try_uninit(name, shape)?;
-    advise_if_large(buffer.as_mut_ptr().cast(), buffer.len());
+    advise_if_large(buffer.as_mut_ptr().cast(), size_of_val(buffer.as_slice()));
     Ok(buffer)
 }
 
-/// Advises huge pages for a buffer of `len` f32 from `start` when it is large enough.
-fn advise_if_large(start: *mut u8, len: usize) {
-    let bytes = len * std::mem::size_of::<f32>();
+/// Advises huge pages for a buffer of `bytes` from `start` when it is large enough.
+fn advise_if_large(start: *mut u8, bytes: usize) {
     if bytes >= HUGE_PAGE_MIN_BYTES {
         advise_huge_pages(start, bytes);
     }
@@ -62,7 +61,7 @@ mod tests {
     #[test]
     fn buffers_are_sized_and_hold_what_is_written_below_and_above_the_threshold() {
         for len in [0, 1, 1000, (HUGE_PAGE_MIN_BYTES / 4) + 12345] {
-            let mut buffer = output_buffer("x", &[len]).unwrap();
+            let mut buffer = output_buffer::<f32>("x", &[len]).unwrap();
             assert_eq!(buffer.len(), len);
             zero(&mut buffer)
                 .iter_mut()
@@ -77,7 +76,7 @@ mod tests {
     #[test]
     fn outputs_past_the_address_space_are_errors_naming_them() {
         for shape in [[1 << 40, 1 << 10], [1 << 40, 1 << 40]] {
-            let err = output_buffer("down_activations", &shape)
+            let err = output_buffer::<f32>("down_activations", &shape)
                 .unwrap_err()
                 .to_string();
             assert!(

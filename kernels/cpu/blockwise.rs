@@ -32,19 +32,24 @@ use rayon::prelude::*;
 use super::alloc::output_buffer;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::dot::{matmul_nt, matmul_nt_bf16};
+use super::element::{
+    Element, all_fit, finite_output, screened_output, write_rounded, write_zeros,
+};
 use super::gated;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use super::permute::topk_gradient;
-use super::{f32_output, screened_f32_output};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
-use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, Clamp, ClampLimits,
 };
 use crate::error::Result;
-use crate::tensor::Floats;
-use crate::uninit::{assume_init, write_copy, zero};
+use crate::tensor::{DType, Floats, Tensor};
+use crate::uninit::{assume_init, assume_init_ref, write_copy, zero};
+
+/// Bytes of f32 results of a weight gradient computed at a time before they are rounded to the
+/// output's dtype and screened: small enough to still be in L2 cache.
+const ROUNDED_PIECE_BYTES: usize = 256 << 10;
 
 /// Most rows of one expert that one task computes: a forward run stops adding blocks before
 /// it would exceed this, and the backward splits experts with more into pieces of this many
@@ -429,11 +434,13 @@ struct ExpertGrads {
     rows: Scratch,
 }
 
-/// A run's share of the forward's outputs: its blocks of `down [blocks, B, H]` and, when
-/// checkpointing, of `gate_up_t [blocks, 2I, B]`.
-struct RunOutputs<'a> {
+/// A run's share of the forward's outputs: its blocks of `down [blocks, B, H]` in f32 (which
+/// the combine reads) and, when checkpointing, of `gate_up_t [blocks, 2I, B]` in `G` and,
+/// when the checkpoint's dtype `D` is not f32, of its copy of `down` in `D`.
+struct RunOutputs<'a, G, D> {
     down: &'a mut [MaybeUninit<f32>],
-    gate_up_t: Option<&'a mut [MaybeUninit<f32>]>,
+    down_rounded: Option<&'a mut [MaybeUninit<D>]>,
+    gate_up_t: Option<&'a mut [MaybeUninit<G>]>,
 }
 
 /// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored, each row
@@ -487,13 +494,35 @@ fn gate_up_product(
 }
 
 /// Runs one [`BlockRun`]: writes its rows of `down` (expert outputs before affinity scaling,
-/// zeros in padding slots) and its blocks of `gate_up_t`. Returns whether every value it wrote
-/// is finite.
-fn run_forward(
+/// zeros in padding slots), their rounded copy, and its blocks of `gate_up_t`. Returns whether
+/// every value it wrote is finite in its dtype.
+fn run_forward<G: Element, D: Element>(
     call: &BlockwiseMm<'_>,
     run: &BlockRun,
     padding: Option<&PaddingOutputs>,
-    out: RunOutputs<'_>,
+    out: RunOutputs<'_, G, D>,
+    scratch: &mut Scratch,
+) -> bool {
+    let RunOutputs {
+        down,
+        down_rounded,
+        gate_up_t,
+    } = out;
+    let finite = run_products::<G, D>(call, run, padding, (down, gate_up_t), scratch);
+    match down_rounded {
+        // SAFETY: `run_products` wrote the run's rows of `down` whole.
+        Some(rounded) => write_rounded(rounded, unsafe { assume_init_ref(down) }) && finite,
+        None => finite,
+    }
+}
+
+/// [`run_forward`]'s products: the run's rows of `down` and blocks of `gate_up_t`. Returns
+/// whether every value of `down` is finite in `D` and of `gate_up_t` in `G`.
+fn run_products<G: Element, D: Element>(
+    call: &BlockwiseMm<'_>,
+    run: &BlockRun,
+    padding: Option<&PaddingOutputs>,
+    (down, gate_up_t): (&mut [MaybeUninit<f32>], Option<&mut [MaybeUninit<G>]>),
     scratch: &mut Scratch,
 ) -> bool {
     let (inputs, dims) = (&call.floats(), call.dims());
@@ -509,14 +538,15 @@ fn run_forward(
         None => (None, None),
     };
     let Some(expert) = run.expert.filter(|_| m > 0) else {
-        for row in out.down.chunks_exact_mut(h) {
+        for row in down.chunks_exact_mut(h) {
             fill(row, padding_down);
         }
-        if let Some(gate_up_t) = out.gate_up_t {
+        if let Some(gate_up_t) = gate_up_t {
             for block_t in gate_up_t.chunks_exact_mut(2 * i * b) {
                 transpose_block(block_t, &vec![None; b], &[], padding_gate_up);
             }
         }
+        // The padding outputs are screened once, in `forward`.
         return true;
     };
     let clamp = call.params().clamp;
@@ -541,7 +571,7 @@ fn run_forward(
         add_bias_rows(&mut scratch.gate_up, &bias_row(bias, expert, 2 * i));
     }
     clamp_rows(&mut scratch.gate_up, i, clamp);
-    let mut finite = all_finite_f32(&scratch.gate_up);
+    let mut finite = all_fit::<G>(&scratch.gate_up);
     let act = resized(&mut scratch.act, m * i);
     for (gu, act) in scratch.gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
         let (gate, up) = gu.split_at(i);
@@ -556,7 +586,7 @@ fn run_forward(
     if end - start == m {
         // Consecutive real slots (padding only around them): the product writes its rows in
         // place.
-        let (before, rows) = out.down.split_at_mut(start * h);
+        let (before, rows) = down.split_at_mut(start * h);
         let (rows, after) = rows.split_at_mut(m * h);
         for row in before.chunks_exact_mut(h).chain(after.chunks_exact_mut(h)) {
             fill(row, padding_down);
@@ -565,17 +595,17 @@ fn run_forward(
         if let Some(bias) = inputs.down_proj_bias {
             add_bias_rows(rows, &bias_row(bias, expert, h));
         }
-        finite &= all_finite_f32(rows);
+        finite &= all_fit::<D>(rows);
     } else {
         let y = resized(&mut scratch.y, m * h);
         weight_product(y, act, weights, expert, (i, h), &mut scratch.panel);
         if let Some(bias) = inputs.down_proj_bias {
             add_bias_rows(y, &bias_row(bias, expert, h));
         }
-        finite &= all_finite_f32(y);
+        finite &= all_fit::<D>(y);
         let mut real = run.slots.iter().map(|slot| slot - first).zip(y.chunks(h));
         let mut next = real.next();
-        for (slot, row) in out.down.chunks_exact_mut(h).enumerate() {
+        for (slot, row) in down.chunks_exact_mut(h).enumerate() {
             match next {
                 Some((real_slot, values)) if real_slot == slot => {
                     write_copy(row, values);
@@ -586,7 +616,7 @@ fn run_forward(
         }
     }
 
-    if let Some(gate_up_t) = out.gate_up_t {
+    if let Some(gate_up_t) = gate_up_t {
         // Each slot's row of `gate_up`, or none for padding.
         let mut source = vec![None; run.blocks.len() * b];
         for (row, slot) in run.slots.iter().enumerate() {
@@ -600,6 +630,40 @@ fn run_forward(
 }
 
 pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+    let checkpoint_dtypes = (
+        call.output_dtype_of(&fwd::GATE_UP_ACTIVATIONS_T),
+        call.output_dtype_of(&fwd::DOWN_ACTIVATIONS),
+    );
+    match checkpoint_dtypes {
+        _ if !call.params().checkpoint_activation => forward_as::<f32, f32>(call),
+        (DType::BF16, DType::BF16) => forward_as::<bf16, bf16>(call),
+        (DType::BF16, _) => forward_as::<bf16, f32>(call),
+        (_, DType::BF16) => forward_as::<f32, bf16>(call),
+        _ => forward_as::<f32, f32>(call),
+    }
+}
+
+/// Splits `buffer` into one part per run of `per_block` elements per block, or gives every
+/// run `None` when `buffer` is not written.
+fn parts_by_runs<'a, T>(
+    buffer: &'a mut [T],
+    runs: &[BlockRun],
+    per_block: usize,
+    written: bool,
+) -> Vec<Option<&'a mut [T]>> {
+    if written {
+        split_by_runs(buffer, runs, per_block)
+            .into_iter()
+            .map(Some)
+            .collect()
+    } else {
+        runs.iter().map(|_| None).collect()
+    }
+}
+
+/// The forward with the checkpoints `gate_up_activations_T` in `G` and `down_activations` in
+/// `D`, each rounded where it is produced.
+fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let BlockwiseDims { t, h, e, i, b, n } = dims;
     let runs = block_runs(call.plan());
@@ -609,33 +673,49 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         .padding_has_outputs(params.clamp)
         .then(|| PaddingOutputs::new(call));
 
-    // The expert outputs land in `down [N, B, H]`, the checkpoint's layout, whether or not it
-    // is returned.
-    let mut down = output_buffer("down_activations", &[n, b, h])?;
-    let gate_up_shape = if checkpoint { [n, 2, i, b] } else { [0; 4] };
-    let mut gate_up_t = output_buffer("gate_up_activations_T", &gate_up_shape)?;
-    let gate_up_parts: Vec<Option<&mut [MaybeUninit<f32>]>> = if checkpoint {
-        split_by_runs(&mut gate_up_t, &runs, 2 * i * b)
-            .into_iter()
-            .map(Some)
-            .collect()
-    } else {
-        runs.iter().map(|_| None).collect()
-    };
-    let finite = split_by_runs(&mut down, &runs, b * h)
+    // The expert outputs land in `down [N, B, H]` in f32, the checkpoint's layout, whether or
+    // not it is returned; a checkpoint in another dtype is a rounded copy.
+    let (gate_up_shape, down_shape) = ([n, 2, i, b], [n, b, h]);
+    let rounds_down = checkpoint && D::DTYPE != DType::F32;
+    let extent = |written: bool| usize::from(written);
+    let mut down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &down_shape)?;
+    let mut down_rounded =
+        output_buffer::<D>(fwd::DOWN_ACTIVATIONS.name, &[extent(rounds_down) * n, b, h])?;
+    let mut gate_up_t = output_buffer::<G>(
+        fwd::GATE_UP_ACTIVATIONS_T.name,
+        &[extent(checkpoint) * n, 2, i, b],
+    )?;
+    let gate_up_parts = parts_by_runs(&mut gate_up_t, &runs, 2 * i * b, checkpoint);
+    let down_rounded_parts = parts_by_runs(&mut down_rounded, &runs, b * h, rounds_down);
+    let fits = split_by_runs(&mut down, &runs, b * h)
         .into_par_iter()
+        .zip(down_rounded_parts)
         .zip(gate_up_parts)
         .zip(&runs)
-        .map_init(Scratch::default, |scratch, ((down, gate_up_t), run)| {
-            let out = RunOutputs { down, gate_up_t };
-            run_forward(call, run, padding.as_ref(), out, scratch)
-        })
+        .map_init(
+            Scratch::default,
+            |scratch, (((down, down_rounded), gate_up_t), run)| {
+                let out = RunOutputs {
+                    down,
+                    down_rounded,
+                    gate_up_t,
+                };
+                run_forward(call, run, padding.as_ref(), out, scratch)
+            },
+        )
         .reduce(|| true, |a, b| a && b)
         && padding
             .as_ref()
-            .is_none_or(|p| all_finite_f32(&p.gate_up) && all_finite_f32(&p.down));
-    // SAFETY: the runs cover every block, and each run wrote its blocks of both buffers whole.
-    let (down, gate_up_t) = unsafe { (assume_init(down), assume_init(gate_up_t)) };
+            .is_none_or(|p| all_fit::<G>(&p.gate_up) && all_fit::<D>(&p.down));
+    // SAFETY: the runs cover every block, and each run wrote its blocks of every buffer it was
+    // given whole; the buffers it was not given are empty.
+    let (down, down_rounded, gate_up_t) = unsafe {
+        (
+            assume_init(down),
+            assume_init(down_rounded),
+            assume_init(gate_up_t),
+        )
+    };
 
     // Combine in ascending expert order (runs of one expert in block order).
     let mut by_expert: Vec<&BlockRun> = runs.iter().filter(|run| run.expert.is_some()).collect();
@@ -664,27 +744,25 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     );
     write_copy(padding_row, &padding_row_output(call, padding.as_ref()));
     // SAFETY: `combine` wrote every token's row, and the padding row is written.
-    let output = f32_output(fwd::OUTPUT.name, &[t + 1, h], unsafe {
+    let output = finite_output(fwd::OUTPUT.name, &[t + 1, h], unsafe {
         assume_init(output)
     })?;
 
     // Checked after `output`, as the reference checks them. Intermediates the caller does not
     // keep are not checked: a non-finite one reaches `output`.
     let (gate_up_activations_t, down_activations) = if checkpoint {
-        (
-            Some(screened_f32_output(
-                fwd::GATE_UP_ACTIVATIONS_T.name,
-                &[n, 2, i, b],
-                gate_up_t,
-                finite,
-            )?),
-            Some(screened_f32_output(
-                fwd::DOWN_ACTIVATIONS.name,
-                &[n, b, h],
-                down,
-                finite,
-            )?),
-        )
+        let gate_up_t = screened_output(
+            fwd::GATE_UP_ACTIVATIONS_T.name,
+            &gate_up_shape,
+            gate_up_t,
+            fits,
+        )?;
+        let down = if rounds_down {
+            screened_output(fwd::DOWN_ACTIVATIONS.name, &down_shape, down_rounded, fits)?
+        } else {
+            screened_output(fwd::DOWN_ACTIVATIONS.name, &down_shape, down, fits)?
+        };
+        (Some(gate_up_t), Some(down))
     } else {
         (None, None)
     };
@@ -695,12 +773,12 @@ pub(super) fn forward(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     })
 }
 
-/// Writes one block's rows, transposed, into the whole of `block_t [C, B]` (C =
+/// Writes one block's rows, transposed and rounded to `G`, into the whole of `block_t [C, B]` (C =
 /// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`, and
 /// for padding (`None`) the row `padding [C]`, or zeros. Works in 16 × 16 tiles gathered on the
 /// stack, so every read and write is a contiguous run of up to 16 values.
-fn transpose_block(
-    block_t: &mut [MaybeUninit<f32>],
+fn transpose_block<G: Element>(
+    block_t: &mut [MaybeUninit<G>],
     source: &[Option<usize>],
     rows: &[f32],
     padding: Option<&[f32]>,
@@ -726,7 +804,7 @@ fn transpose_block(
             }
             for (dc, out) in block_t[c0 * b..].chunks_mut(b).take(cols).enumerate() {
                 for (dj, value) in out[j0..j0 + slots.len()].iter_mut().enumerate() {
-                    value.write(tile[dj][dc]);
+                    value.write(G::round(tile[dj][dc]));
                 }
             }
         }
@@ -740,6 +818,8 @@ struct ExpertBackward {
     d_affinity: Vec<f32>,
     /// `[2I]` and `[H]`: the biases' gradients, summed over the rows in order (with `bias`).
     d_biases: Option<(Vec<f32>, Vec<f32>)>,
+    /// Whether every weight gradient value it wrote is finite in the output dtype.
+    weights_fit: bool,
 }
 
 /// One piece of an expert's rows in the backward's row-wise stage: its slots and tokens, and
@@ -766,7 +846,7 @@ struct RowPiece<'a> {
 /// weights'.
 fn rows_backward(
     call: &BlockwiseMmBwd<'_>,
-    (affinities, checkpoint): (&[f32], &[f32]),
+    (affinities, checkpoint): (&[f32], Floats<'_>),
     expert: usize,
     piece: RowPiece<'_>,
     s: &mut Scratch,
@@ -803,9 +883,10 @@ fn rows_backward(
     let gate_up = resized(&mut s.gate_up, m * 2 * i);
     for (&slot, row) in piece.slots.iter().zip(gate_up.chunks_exact_mut(2 * i)) {
         let (block, j) = (slot / b, slot % b);
-        let column = &checkpoint[block * 2 * i * b + j..];
-        for (c, value) in row.iter_mut().enumerate() {
-            *value = column[c * b];
+        let start = block * 2 * i * b + j;
+        match checkpoint {
+            Floats::F32(c) => strided_into(row, &c[start..], b, |x| x),
+            Floats::BF16(c) => strided_into(row, &c[start..], b, bf16::to_f32),
         }
     }
     // d act [m, I] = d y · Dᵀ.
@@ -874,31 +955,52 @@ fn rows_backward(
     }
 }
 
-/// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), written whole into
-/// memory not yet written, in bands of
-/// `dst`'s rows in parallel: one band per [`TASK_ROWS`] rows of the inner dimension m, so the
-/// bands depend only on the shapes.
-fn transposed_product(dst: &mut [MaybeUninit<f32>], a: MatRef<'_>, b: MatRef<'_>) {
-    let (r, n) = (a.cols(), b.cols());
-    let band = r.div_ceil(a.rows().div_ceil(TASK_ROWS)).max(1);
-    dst.par_chunks_mut(band * n)
-        .enumerate()
-        .for_each(|(index, dst)| {
-            let rows = index * band..(index * band + band).min(r);
-            matmul_into(dst, a.columns(rows).t(), b);
-        });
+/// `dst[c] = widen(src[c · stride])` for every c.
+fn strided_into<T: Copy>(dst: &mut [f32], src: &[T], stride: usize, widen: impl Fn(T) -> f32) {
+    for (value, &x) in dst.iter_mut().zip(src.iter().step_by(stride)) {
+        *value = widen(x);
+    }
 }
 
-/// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]`; the
-/// row-wise stage runs in pieces of [`TASK_ROWS`] rows and the weight gradients in bands, in
-/// parallel.
-fn expert_backward(
+/// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), rounded to `E` and
+/// written whole into memory not yet written, in bands of `dst`'s rows in parallel: one band per
+/// [`TASK_ROWS`] rows of the inner dimension m, so the bands depend only on the shapes. Each
+/// band runs in pieces of [`ROUNDED_PIECE_BYTES`] of f32 results, rounded and screened while
+/// they are in cache. Returns whether every result is finite in `E`.
+fn transposed_product<E: Element>(
+    dst: &mut [MaybeUninit<E>],
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+) -> bool {
+    let (r, n) = (a.cols(), b.cols());
+    let band = r.div_ceil(a.rows().div_ceil(TASK_ROWS)).max(1);
+    let piece = (ROUNDED_PIECE_BYTES / (size_of::<f32>() * n.max(1))).clamp(1, band);
+    dst.par_chunks_mut(band * n)
+        .enumerate()
+        .map_init(Vec::new, |results, (index, dst)| {
+            let mut fits = true;
+            for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
+                let start = index * band + k * piece;
+                let rows = start..start + dst.len() / n;
+                let results = resized(results, dst.len());
+                matmul(results, a.columns(rows).t(), b, false);
+                fits &= write_rounded(dst, results);
+            }
+            fits
+        })
+        .reduce(|| true, |a, b| a && b)
+}
+
+/// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]` in the
+/// weights' output dtypes `G` and `D`; the row-wise stage runs in pieces of [`TASK_ROWS`] rows and the
+/// weight gradients in bands, in parallel.
+fn expert_backward<G: Element, D: Element>(
     call: &BlockwiseMmBwd<'_>,
-    shared: (&[f32], &[f32]),
+    shared: (&[f32], Floats<'_>),
     group: &ExpertRows,
     grads: &mut ExpertGrads,
-    d_gate_up_weight: &mut [MaybeUninit<f32>],
-    d_down_weight: &mut [MaybeUninit<f32>],
+    d_gate_up_weight: &mut [MaybeUninit<G>],
+    d_down_weight: &mut [MaybeUninit<D>],
 ) -> ExpertBackward {
     let BlockwiseDims { h, i, .. } = call.dims();
     let m = group.tokens.len();
@@ -939,12 +1041,11 @@ fn expert_backward(
             });
     }
     // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up.
-    transposed_product(
+    let weights_fit = transposed_product(
         d_down_weight,
         MatRef::row_major(&grads.act, m, i),
         MatRef::row_major(&grads.d_y, m, h),
-    );
-    transposed_product(
+    ) & transposed_product(
         d_gate_up_weight,
         MatRef::row_major(&grads.x, m, h),
         MatRef::row_major(&grads.d_gate_up, m, 2 * i),
@@ -959,6 +1060,7 @@ fn expert_backward(
         d_x,
         d_affinity,
         d_biases,
+        weights_fit,
     }
 }
 
@@ -973,22 +1075,24 @@ fn column_sums(rows: &[f32], width: usize) -> Vec<f32> {
     sums
 }
 
-pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-    let dims = call.dims();
-    let BlockwiseDims { t, h, e, i, .. } = dims;
-    let groups = group_by_expert(call.plan(), dims);
+/// Every expert's backward, in parallel over experts: the weight gradients
+/// `gate_up_proj_weight_grad [E, H, 2, I]` in `G` and `down_proj_weight_grad [E, I, H]` in `D`
+/// (each expert writes its own slices whole: its products, or zeros when it has no tokens;
+/// nothing clears them first), and each group's other results, in group order.
+fn experts_backward<G: Element, D: Element>(
+    call: &BlockwiseMmBwd<'_>,
+    groups: &[ExpertRows],
+    shared: (&[f32], Floats<'_>),
+) -> Result<(Tensor, Tensor, Vec<ExpertBackward>)> {
+    let BlockwiseDims { h, e, i, .. } = call.dims();
     let mut group_of = vec![None; e];
     for (g, group) in groups.iter().enumerate() {
         group_of[group.expert] = Some(g);
     }
-
-    // Read once here, not once per expert (bf16 inputs are widened).
-    let affinities = call.floats().forward.expert_affinities_masked.to_f32();
-    let checkpoint = call.floats().gate_up_proj_act_checkpoint_t.to_f32();
-    // Each expert writes its own slices of the weight gradients whole: its products, or zeros
-    // when it has no tokens. Nothing clears them first.
-    let mut d_gate_up_weight = output_buffer("gate_up_proj_weight_grad", &[e, h, 2, i])?;
-    let mut d_down_weight = output_buffer("down_proj_weight_grad", &[e, i, h])?;
+    let (gate_up_shape, down_shape) = ([e, h, 2, i], [e, i, h]);
+    let mut d_gate_up_weight =
+        output_buffer::<G>(bwd::GATE_UP_PROJ_WEIGHT_GRAD.name, &gate_up_shape)?;
+    let mut d_down_weight = output_buffer::<D>(bwd::DOWN_PROJ_WEIGHT_GRAD.name, &down_shape)?;
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
@@ -997,11 +1101,10 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
             ExpertGrads::default,
             |grads, (expert, (d_gate_up, d_down))| {
                 let Some(g) = group_of[expert] else {
-                    zero(d_gate_up);
-                    zero(d_down);
+                    write_zeros(d_gate_up);
+                    write_zeros(d_down);
                     return None;
                 };
-                let shared = (&affinities[..], &checkpoint[..]);
                 let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
                 Some((g, result))
             },
@@ -1014,6 +1117,42 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         unsafe { (assume_init(d_gate_up_weight), assume_init(d_down_weight)) };
     results.sort_by_key(|(g, _)| *g);
     let results: Vec<ExpertBackward> = results.into_iter().map(|(_, r)| r).collect();
+    let fit = results.iter().all(|r| r.weights_fit);
+    Ok((
+        screened_output(
+            bwd::GATE_UP_PROJ_WEIGHT_GRAD.name,
+            &gate_up_shape,
+            d_gate_up_weight,
+            fit,
+        )?,
+        screened_output(
+            bwd::DOWN_PROJ_WEIGHT_GRAD.name,
+            &down_shape,
+            d_down_weight,
+            fit,
+        )?,
+        results,
+    ))
+}
+
+pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+    let dims = call.dims();
+    let BlockwiseDims { t, h, e, i, .. } = dims;
+    let groups = group_by_expert(call.plan(), dims);
+
+    // Read once here, not once per expert (bf16 affinities are widened).
+    let affinities = call.floats().forward.expert_affinities_masked.to_f32();
+    let shared = (&affinities[..], call.floats().gate_up_proj_act_checkpoint_t);
+    let weight_dtypes = (
+        call.output_dtype_of(&bwd::GATE_UP_PROJ_WEIGHT_GRAD),
+        call.output_dtype_of(&bwd::DOWN_PROJ_WEIGHT_GRAD),
+    );
+    let (gate_up_proj_weight_grad, down_proj_weight_grad, results) = match weight_dtypes {
+        (DType::BF16, DType::BF16) => experts_backward::<bf16, bf16>(call, &groups, shared),
+        (DType::BF16, _) => experts_backward::<bf16, f32>(call, &groups, shared),
+        (_, DType::BF16) => experts_backward::<f32, bf16>(call, &groups, shared),
+        _ => experts_backward::<f32, f32>(call, &groups, shared),
+    }?;
 
     let mut d_affinities = vec![0.0f32; (t + 1) * e];
     for (group, result) in groups.iter().zip(&results) {
@@ -1058,32 +1197,24 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
     });
     let (gate_and_up_proj_bias_grad, down_proj_bias_grad) = match bias_grads {
         Some((gate_up, down)) => (
-            Some(f32_output(
+            Some(finite_output(
                 bwd::GATE_AND_UP_PROJ_BIAS_GRAD.name,
                 &[e, 2, i],
                 gate_up,
             )?),
-            Some(f32_output(bwd::DOWN_PROJ_BIAS_GRAD.name, &[e, h], down)?),
+            Some(finite_output(bwd::DOWN_PROJ_BIAS_GRAD.name, &[e, h], down)?),
         ),
         None => (None, None),
     };
     Ok(BlockwiseMmGrads {
-        hidden_states_grad: f32_output(bwd::HIDDEN_STATES_GRAD.name, &[t + 1, h], d_hidden)?,
-        expert_affinities_masked_grad: f32_output(
+        hidden_states_grad: finite_output(bwd::HIDDEN_STATES_GRAD.name, &[t + 1, h], d_hidden)?,
+        expert_affinities_masked_grad: finite_output(
             bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
             &[(t + 1) * e, 1],
             d_affinities,
         )?,
-        gate_up_proj_weight_grad: f32_output(
-            bwd::GATE_UP_PROJ_WEIGHT_GRAD.name,
-            &[e, h, 2, i],
-            d_gate_up_weight,
-        )?,
-        down_proj_weight_grad: f32_output(
-            bwd::DOWN_PROJ_WEIGHT_GRAD.name,
-            &[e, i, h],
-            d_down_weight,
-        )?,
+        gate_up_proj_weight_grad,
+        down_proj_weight_grad,
         d_topk_affinities,
         gate_and_up_proj_bias_grad,
         down_proj_bias_grad,

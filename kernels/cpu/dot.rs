@@ -191,6 +191,16 @@ mod x86 {
         sums
     }
 
+    /// Rows of `a` and of `b` per AVX2 tile: 12 ymm accumulators, three rows of `a` and one
+    /// of `b` in the other four registers.
+    const MR2: usize = 3;
+    const NR2: usize = 4;
+
+    /// The AVX2 kernel: `MR2 × NR2` tiles of 8-lane accumulators, so that twelve independent
+    /// FMA chains hide the FMA latency (one dot product at a time runs at an eighth of the
+    /// FMA rate). Each sum adds its lanes in order, then the k tail, exactly as the generic
+    /// kernel does, so full tiles and edges sum alike.
+    ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
@@ -198,10 +208,58 @@ mod x86 {
         dst: &mut [f32],
         a: &[f32],
         b: &[f32],
-        dims: (usize, usize, usize),
+        (m, n, k): (usize, usize, usize),
         accumulate: bool,
     ) {
-        nt::<8, 1, 1>(dst, a, b, dims, accumulate, f32::mul_add);
+        let full_k = k / 8 * 8;
+        let (full_m, full_n) = (m / MR2 * MR2, n / NR2 * NR2);
+        // Columns outer: a tile of `b` rows stays in cache while every row of `a` passes it.
+        for c0 in (0..full_n).step_by(NR2) {
+            for r0 in (0..full_m).step_by(MR2) {
+                let mut acc = [[_mm256_setzero_ps(); NR2]; MR2];
+                let mut kk = 0;
+                while kk < full_k {
+                    // SAFETY: rows r0..r0+MR2 of `a` and c0..c0+NR2 of `b` exist (full tiles)
+                    // and kk + 8 ≤ k, so every 8-lane load stays inside its row.
+                    unsafe {
+                        let av: [__m256; MR2] = std::array::from_fn(|i| {
+                            _mm256_loadu_ps(a.as_ptr().add((r0 + i) * k + kk))
+                        });
+                        for j in 0..NR2 {
+                            let bv = _mm256_loadu_ps(b.as_ptr().add((c0 + j) * k + kk));
+                            for i in 0..MR2 {
+                                acc[i][j] = _mm256_fmadd_ps(av[i], bv, acc[i][j]);
+                            }
+                        }
+                    }
+                    kk += 8;
+                }
+                for i in 0..MR2 {
+                    for j in 0..NR2 {
+                        let mut lanes = [0.0f32; 8];
+                        // SAFETY: `lanes` holds 8 f32, one unaligned 256-bit store.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i][j]) };
+                        let mut sum = lanes.iter().sum::<f32>();
+                        let (a_row, b_row) = (&a[(r0 + i) * k..][..k], &b[(c0 + j) * k..][..k]);
+                        for kk in full_k..k {
+                            sum = a_row[kk].mul_add(b_row[kk], sum);
+                        }
+                        let d = &mut dst[(r0 + i) * n + c0 + j];
+                        *d = if accumulate { *d + sum } else { sum };
+                    }
+                }
+            }
+        }
+        // Ragged right and bottom edges through the generic kernel.
+        edges(
+            dst,
+            a,
+            b,
+            (m, n, k),
+            (full_m, full_n),
+            accumulate,
+            |d, a, b, dims, acc| nt::<8, 1, 1>(d, a, b, dims, acc, f32::mul_add),
+        );
     }
 
     /// Runs `kernel` on the rows `full_m..m` (all columns) and on the columns `full_n..n` of the
@@ -381,6 +439,29 @@ mod tests {
             let (mut panel, mut tile) = (Vec::new(), Vec::new());
             matmul_nt_bf16(&mut got, &a, &b, (m, n, k), (&mut panel, &mut tile));
             assert_eq!(got, want, "{m}x{n}x{k}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_tiles_sum_exactly_as_one_dot_product_at_a_time() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        // Full 3 × 4 tiles with ragged right and bottom edges, k below, at and past 8 lanes
+        // with a tail, accumulating or not.
+        for (m, n, k) in [(3, 4, 8), (7, 9, 13), (6, 8, 1), (10, 13, 2051), (2, 3, 40)] {
+            let a = values(m * k, 5);
+            let b = values(n * k, 6);
+            for accumulate in [false, true] {
+                let mut want = values(m * n, 7);
+                nt::<8, 1, 1>(&mut want, &a, &b, (m, n, k), accumulate, f32::mul_add);
+                let mut got = values(m * n, 7);
+                // SAFETY: AVX2 and FMA were detected above.
+                unsafe { x86::nt_avx2(&mut got, &a, &b, (m, n, k), accumulate) };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{m}x{n}x{k} {accumulate}");
+            }
         }
     }
 

@@ -6,10 +6,9 @@
 use rayon::prelude::*;
 
 use super::alloc::output_buffer;
+use super::element::{all_fit, finite_output, screened_output};
 use super::exp::softmax;
-use super::{f32_output, screened_f32_output};
 use crate::contracts::tensors::{load_balancing_loss as lb, load_balancing_loss_bwd as lbb};
-use crate::contracts::validate::all_finite_f32;
 use crate::contracts::{
     LoadBalancingDims, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
     LoadBalancingLossOutputs,
@@ -74,7 +73,7 @@ pub(super) fn forward(call: &LoadBalancingLoss<'_>) -> Result<LoadBalancingLossO
         .sum::<f64>()
         * e as f64;
     Ok(LoadBalancingLossOutputs {
-        aux_loss: f32_output(lb::AUX_LOSS.name, &[1], vec![loss as f32])?,
+        aux_loss: finite_output(lb::AUX_LOSS.name, &[1], vec![loss as f32])?,
         expert_counts: Tensor::from_i32([l, e], per_layer.into_iter().map(|c| c as i32).collect())?,
     })
 }
@@ -107,7 +106,7 @@ pub(super) fn backward(call: &LoadBalancingLossBwd<'_>) -> Result<LoadBalancingL
                     d.write(p * (g - centre));
                 }
                 // SAFETY: every element of the row was just written.
-                finite &= all_finite_f32(unsafe { assume_init_ref(d_row) });
+                finite &= all_fit::<f32>(unsafe { assume_init_ref(d_row) });
             }
             finite
         })
@@ -115,7 +114,7 @@ pub(super) fn backward(call: &LoadBalancingLossBwd<'_>) -> Result<LoadBalancingL
     // SAFETY: the chunks cover the buffer, and every row of every chunk was written.
     let d_logits = unsafe { assume_init(d_logits) };
     Ok(LoadBalancingLossGrads {
-        d_router_logits: screened_f32_output(
+        d_router_logits: screened_output(
             lbb::D_ROUTER_LOGITS.name,
             inputs.router_logits.shape(),
             d_logits,

@@ -9,6 +9,7 @@ mod alloc;
 mod bf16_matmul;
 mod blockwise;
 mod dot;
+mod element;
 mod exp;
 mod f32_tiles;
 mod gated;
@@ -36,10 +37,9 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
     LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, validate,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
-use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::error::Result;
 
 /// Rows per parallel task in row-tiled products; fixed so results do not depend on threads.
 const ROW_TILE: usize = 64;
@@ -47,41 +47,6 @@ const ROW_TILE: usize = 64;
 /// The CPU backend. Uses the current rayon thread pool.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
-
-/// Refuses a result that overflowed f32.
-fn ensure_finite(name: &str, shape: &[usize], values: &[f32]) -> Result<()> {
-    match validate::first_non_finite_f32(values) {
-        None => Ok(()),
-        Some(index) => Err(Error::invalid(
-            name,
-            format!(
-                "result {} at {} does not fit in f32",
-                values[index],
-                validate::position(shape, index)
-            ),
-        )),
-    }
-}
-
-/// An f32 output tensor, refusing non-finite results.
-fn f32_output(name: &str, shape: &[usize], values: Vec<f32>) -> Result<Tensor> {
-    ensure_finite(name, shape, &values)?;
-    Tensor::from_f32(shape, values)
-}
-
-/// An f32 output tensor whose values the kernel screened as it wrote them (`finite`: none was
-/// an infinity or NaN); searched again, for the error's position, only when one was.
-fn screened_f32_output(
-    name: &str,
-    shape: &[usize],
-    values: Vec<f32>,
-    finite: bool,
-) -> Result<Tensor> {
-    if !finite {
-        ensure_finite(name, shape, &values)?;
-    }
-    Tensor::from_f32(shape, values)
-}
 
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {

@@ -4,9 +4,10 @@
 
 use rayon::prelude::*;
 
+use super::ROW_TILE;
 use super::bf16_matmul::{self, matmul_bf16};
+use super::element::{ensure_finite, finite_output};
 use super::matmul::{MatRef, matmul};
-use super::{ROW_TILE, ensure_finite, f32_output};
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{router_topk as rt, router_topk_bwd as rtb};
 use crate::contracts::{
@@ -262,10 +263,12 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         }
     }
     Ok(RouterTopkGrads {
-        d_x: pipeline
-            .x_hbm_layout
-            .from_tokens_major(f32_output(rtb::D_X.name, &[t, h], d_x)?)?,
-        d_w: f32_output(rtb::D_W.name, &[h, e], d_w)?,
-        d_w_bias: f32_output(rtb::D_W_BIAS.name, &[e], d_w_bias)?,
+        d_x: pipeline.x_hbm_layout.from_tokens_major(finite_output(
+            rtb::D_X.name,
+            &[t, h],
+            d_x,
+        )?)?,
+        d_w: finite_output(rtb::D_W.name, &[h, e], d_w)?,
+        d_w_bias: finite_output(rtb::D_W_BIAS.name, &[e], d_w_bias)?,
     })
 }
