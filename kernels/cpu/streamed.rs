@@ -1,39 +1,51 @@
 //! `dst [m, n] (+)= a [m, k] · b [k, n]` in f32 for products whose `b` is read from memory once
 //! (an expert's weights, used by the expert's own tokens only): the `gemm` crate's AVX-512
-//! microkernels (64 × 6 register tiles of `dstᵀ`), driven by a loop of our own that streams
-//! `b` in under the arithmetic.
+//! microkernels (64 × 6 register tiles of `dstᵀ`) or, without AVX-512, its AVX2+FMA ones
+//! (16 × 6), driven by a loop of our own that streams `b` in under the arithmetic.
 //!
 //! `b` is stored in f32 or bf16 ([`Element`]) and packed one panel at a time, widened to f32:
-//! 64 of its columns over [`KC`] of its rows, contiguous per row (up to 128 KiB, held in L2).
+//! [`PANEL_COLS`] of its columns over [`KC`] of its rows (up to 128 KiB, held in L2), in strips
+//! of one register tile's columns (64 or 16), contiguous per row.
 //! While the microkernels run the current panel against `a`, six rows of `a` per call, each
 //! call also prefetches its share of the next panel's rows into L2, so that packing the next
 //! panel copies from L2 rather than waiting on memory. (The `gemm` crate's own driver packs
 //! each panel straight from memory with the arithmetic waiting on it: 13% of the cycles of
-//! Qwen3-30B-A3B's f32 `blockwise_mm` at T = 2048 on a 2-core Zen 4.)
+//! Qwen3-30B-A3B's f32 `blockwise_mm` at T = 2048 on a 2-core Zen 4; on a 2-core Zen 3
+//! without AVX-512, its AVX2 driver spends most of the product waiting on `b`'s rows.)
 //!
 //! Each output is summed over k in ascending order within a block of [`KC`] rows, blocks in
-//! ascending order: the order depends only on k.
+//! ascending order: the order depends only on k and the instruction set.
 
-#[cfg(target_arch = "x86_64")]
-use gemm_f32::microkernel::avx512f::f32::{MR_DIV_N, NR, UKR};
 use half::bf16;
 
-/// f32 lanes of one AVX-512 register.
-#[cfg(target_arch = "x86_64")]
-const LANES: usize = 16;
-/// Columns of `b` in one packed panel: the microkernel's register tile height.
-#[cfg(target_arch = "x86_64")]
-const MR: usize = MR_DIV_N * LANES;
-/// Rows of `b` in one packed panel: 512 rows of 64 columns (128 KiB) stay in L2 next to the
-/// 512-column blocks of `a`'s rows they meet.
+/// Rows of `b` in one packed panel: 512 rows of [`PANEL_COLS`] columns (128 KiB) stay in L2
+/// next to the 512-column blocks of `a`'s rows they meet.
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 512;
+/// Columns of `b` in one packed panel: one AVX-512 register tile, four AVX2 ones (packed and
+/// prefetched together, so each row of `b` is a few whole cache lines).
+#[cfg(target_arch = "x86_64")]
+const PANEL_COLS: usize = 64;
 
-/// Whether this CPU runs [`product`] (AVX-512 F).
+/// Whether this CPU runs [`product`] on AVX-512 F, whose 64-column panels stream bf16 weights
+/// in faster than whole-row panels widened ahead of the product do (not so on AVX2: see
+/// `matmul::matmul_bf16_b`).
+pub fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::avx512()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether this CPU runs [`product`] (AVX-512 F, or AVX2 and FMA).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512f")
+        x86::avx512() || x86::avx2()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -79,8 +91,8 @@ pub struct Operands<'a, B> {
 /// `accumulate` (otherwise each is written before it is read).
 ///
 /// # Panics
-/// If the CPU lacks AVX-512 F ([`available`]) or an operand's last element lies past its
-/// buffer.
+/// If the CPU lacks both AVX-512 F and AVX2+FMA ([`available`]) or an operand's last element
+/// lies past its buffer.
 pub unsafe fn product<B: Element>(
     dst: *mut f32,
     ops: Operands<'_, B>,
@@ -99,7 +111,10 @@ pub unsafe fn product<B: Element>(
         reaches(ops.a.len(), m, ops.lda, k) && reaches(ops.b.len(), k, ops.ldb, n),
         "operand too short for its shape"
     );
-    assert!(available(), "streamed::product needs AVX-512 F");
+    assert!(
+        available(),
+        "streamed::product needs AVX-512 F or AVX2 and FMA"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -111,10 +126,14 @@ pub unsafe fn product<B: Element>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512 F was checked above, both operands hold their shapes (checked above),
-    // and the caller guarantees `dst`.
+    // SAFETY: the instruction set of the chosen microkernels was detected, both operands hold
+    // their shapes (checked above), and the caller guarantees `dst`.
     unsafe {
-        x86::product(dst, ops, (m, n, k), accumulate);
+        if x86::avx512() {
+            x86::product::<x86::Avx512, B>(dst, ops, (m, n, k), accumulate);
+        } else {
+            x86::product::<x86::Avx2, B>(dst, ops, (m, n, k), accumulate);
+        }
     }
 }
 
@@ -123,59 +142,151 @@ mod x86 {
     use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     use std::cell::RefCell;
 
-    use super::{Element, KC, LANES, MR, NR, Operands, UKR};
+    use gemm_f32::microkernel::{avx512f, fma};
+
+    use super::{Element, KC, Operands, PANEL_COLS};
 
     /// Bytes per cache line.
     const LINE: usize = 64;
+
+    pub fn avx512() -> bool {
+        is_x86_feature_detected!("avx512f")
+    }
+
+    pub fn avx2() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    /// One instruction set's microkernels: `MR × NR` register tiles of `dstᵀ`, `MR` a multiple
+    /// of the f32 lanes of one register.
+    pub trait Microkernels {
+        const MR: usize;
+        const NR: usize;
+
+        /// `dstᵀ`'s `cols × rows` tile (`cols ≤ MR`, `1 ≤ rows ≤ NR`) over `kc` rows of the
+        /// packed `panel`: `dst(r, c) (+)= Σ_p a(r, p) · panel(p, c)`, with `dst`'s rows
+        /// `dst_rs` apart and `a`'s `lda` apart; `alpha_status` 1 adds to `dst`, 0 overwrites it.
+        ///
+        /// # Safety
+        /// The CPU supports the instruction set; the pointers cover the tile as described.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn tile(
+            cols: usize,
+            rows: usize,
+            kc: usize,
+            dst: *mut f32,
+            panel: *const f32,
+            a: *const f32,
+            dst_rs: isize,
+            lda: isize,
+            alpha_status: u8,
+        );
+    }
+
+    /// AVX-512 F: 64 × 6 tiles.
+    pub struct Avx512;
+    /// AVX2 and FMA: 16 × 6 tiles.
+    pub struct Avx2;
+
+    macro_rules! microkernels {
+        ($isa:ty, $kernels:ident, $lanes:expr) => {
+            impl Microkernels for $isa {
+                const MR: usize = $kernels::f32::MR_DIV_N * $lanes;
+                const NR: usize = $kernels::f32::NR;
+
+                unsafe fn tile(
+                    cols: usize,
+                    rows: usize,
+                    kc: usize,
+                    dst: *mut f32,
+                    panel: *const f32,
+                    a: *const f32,
+                    dst_rs: isize,
+                    lda: isize,
+                    alpha_status: u8,
+                ) {
+                    // SAFETY: the caller guarantees the instruction set and the pointers.
+                    unsafe {
+                        $kernels::f32::UKR[cols.div_ceil($lanes) - 1][rows - 1](
+                            cols,
+                            rows,
+                            kc,
+                            dst,
+                            panel,
+                            a,
+                            dst_rs,
+                            1,
+                            Self::MR as isize,
+                            1,
+                            lda,
+                            1.0,
+                            1.0,
+                            alpha_status,
+                            false,
+                            false,
+                            false,
+                            std::ptr::null(),
+                        )
+                    }
+                }
+            }
+        };
+    }
+    microkernels!(Avx512, avx512f, 16);
+    microkernels!(Avx2, fma, 8);
 
     thread_local! {
         /// The thread's packed-panel buffer, grown to the largest panel it has packed.
         static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
 
-    /// A packed panel: row r of the panel's `b` block at `r · MR`, zeros past its columns;
-    /// starts on a cache line.
+    /// A packed panel of up to [`PANEL_COLS`] columns: strips of `I::MR` columns, each `kc`
+    /// rows of `I::MR` values (row r of strip s at `(s · kc + r) · I::MR`), zeros past the
+    /// panel's columns; starts on a cache line.
     struct Panel<'a> {
         values: &'a mut [f32],
+        kc: usize,
     }
 
     impl<'a> Panel<'a> {
         /// A panel of up to `kc` rows in `buffer`.
         fn new(buffer: &'a mut Vec<f32>, kc: usize) -> Self {
-            let len = kc * MR + LINE / 4;
+            let len = kc * PANEL_COLS + LINE / 4;
             if buffer.len() < len {
                 buffer.resize(len, 0.0);
             }
             let start = buffer.as_ptr().align_offset(LINE).min(LINE / 4);
             Self {
-                values: &mut buffer[start..start + kc * MR],
+                values: &mut buffer[start..start + kc * PANEL_COLS],
+                kc: 0,
             }
         }
 
-        /// Packs rows `k0..k0 + kc`, columns `c0..c0 + cols` of `b`, widened to f32.
-        fn pack<B: Element>(
-            &mut self,
-            ops: Operands<'_, B>,
-            (k0, kc): (usize, usize),
-            (c0, cols): (usize, usize),
-        ) {
-            for (r, row) in self.values[..kc * MR].chunks_exact_mut(MR).enumerate() {
-                let src = &ops.b[(k0 + r) * ops.ldb + c0..];
-                if cols == MR {
-                    B::widen_into(row, &src[..MR]);
-                } else {
-                    B::widen_into(&mut row[..cols], &src[..cols]);
-                    row[cols..].fill(0.0);
+        /// Packs `block` of `b`, widened to f32, in strips of `I::MR` columns.
+        fn pack<I: Microkernels, B: Element>(&mut self, ops: Operands<'_, B>, block: Block) {
+            self.kc = block.kc;
+            for r in 0..block.kc {
+                let src = &ops.b[(block.k0 + r) * ops.ldb + block.c0..][..block.cols];
+                for (strip, src) in src.chunks(I::MR).enumerate() {
+                    let row = &mut self.values[(strip * block.kc + r) * I::MR..][..I::MR];
+                    if src.len() == I::MR {
+                        B::widen_into(row, src);
+                    } else {
+                        B::widen_into(&mut row[..src.len()], src);
+                        row[src.len()..].fill(0.0);
+                    }
                 }
             }
         }
 
-        fn as_ptr(&self) -> *const f32 {
-            self.values.as_ptr()
+        /// The start of strip `strip`.
+        fn strip<I: Microkernels>(&self, strip: usize) -> *const f32 {
+            self.values[strip * self.kc * I::MR..].as_ptr()
         }
     }
 
-    /// One panel's place: rows `k0..k0 + kc` and columns `c0..c0 + cols` of `b`.
+    /// One panel's place: rows `k0..k0 + kc` and columns `c0..c0 + cols` of `b`
+    /// (`cols ≤ PANEL_COLS`).
     #[derive(Clone, Copy)]
     struct Block {
         k0: usize,
@@ -199,8 +310,9 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX-512 F available; the operands hold their shapes; `dst` as for [`super::product`].
-    pub(super) unsafe fn product<B: Element>(
+    /// `I`'s instruction set available; the operands hold their shapes; `dst` as for
+    /// [`super::product`].
+    pub(super) unsafe fn product<I: Microkernels, B: Element>(
         dst: *mut f32,
         ops: Operands<'_, B>,
         (m, n, k): (usize, usize, usize),
@@ -209,57 +321,51 @@ mod x86 {
         let blocks: Vec<Block> = (0..k)
             .step_by(KC)
             .flat_map(|k0| {
-                (0..n).step_by(MR).map(move |c0| Block {
+                (0..n).step_by(PANEL_COLS).map(move |c0| Block {
                     k0,
                     kc: KC.min(k - k0),
                     c0,
-                    cols: MR.min(n - c0),
+                    cols: PANEL_COLS.min(n - c0),
                 })
             })
             .collect();
-        let tiles = m.div_ceil(NR);
+        let tiles = m.div_ceil(I::NR);
         PANEL.with_borrow_mut(|buffer| {
             let mut panel = Panel::new(buffer, KC.min(k));
             prefetch(ops, blocks[0], 0..blocks[0].kc);
             for (index, &block) in blocks.iter().enumerate() {
-                panel.pack(ops, (block.k0, block.kc), (block.c0, block.cols));
+                panel.pack::<I, B>(ops, block);
                 let next = blocks.get(index + 1).copied();
                 let share = next.map_or(0, |next| next.kc.div_ceil(tiles));
                 // The first block of k overwrites `dst` unless accumulating; the others add.
                 let alpha_status = u8::from(accumulate || block.k0 > 0);
-                let kernels = &UKR[block.cols.div_ceil(LANES) - 1];
                 for tile in 0..tiles {
                     if let Some(next) = next {
                         let first = (tile * share).min(next.kc);
                         prefetch(ops, next, first..(first + share).min(next.kc));
                     }
-                    let (r0, rows) = (tile * NR, NR.min(m - tile * NR));
-                    // SAFETY: the microkernel computes the `cols × rows` tile of `dstᵀ` at
-                    // (c0, r0) over the panel's kc rows: it reads the packed panel (kc rows of MR
-                    // values), `a`'s rows r0..r0 + rows at columns k0..k0 + kc (inside `a`, checked
-                    // by the caller), and writes `dst` at rows r0.., columns c0.. (inside its
-                    // m · n elements), reading them first only with `alpha_status` 1.
-                    unsafe {
-                        kernels[rows - 1](
-                            block.cols,
-                            rows,
-                            block.kc,
-                            dst.add(r0 * n + block.c0),
-                            panel.as_ptr(),
-                            ops.a.as_ptr().add(r0 * ops.lda + block.k0),
-                            n as isize,
-                            1,
-                            MR as isize,
-                            1,
-                            ops.lda as isize,
-                            1.0,
-                            1.0,
-                            alpha_status,
-                            false,
-                            false,
-                            false,
-                            std::ptr::null(),
-                        );
+                    let (r0, rows) = (tile * I::NR, I::NR.min(m - tile * I::NR));
+                    for strip in 0..block.cols.div_ceil(I::MR) {
+                        let c0 = strip * I::MR;
+                        // SAFETY: the microkernel computes the `cols × rows` tile of `dstᵀ` at
+                        // (block.c0 + c0, r0) over the panel's kc rows: it reads the strip (kc
+                        // rows of MR values), `a`'s rows r0..r0 + rows at columns k0..k0 + kc
+                        // (inside `a`, checked by the caller), and writes `dst` at rows r0..,
+                        // columns block.c0 + c0.. (inside its m · n elements), reading them
+                        // first only with `alpha_status` 1.
+                        unsafe {
+                            I::tile(
+                                I::MR.min(block.cols - c0),
+                                rows,
+                                block.kc,
+                                dst.add(r0 * n + block.c0 + c0),
+                                panel.strip::<I>(strip),
+                                ops.a.as_ptr().add(r0 * ops.lda + block.k0),
+                                n as isize,
+                                ops.lda as isize,
+                                alpha_status,
+                            );
+                        }
                     }
                 }
             }
