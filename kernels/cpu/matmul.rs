@@ -1,9 +1,9 @@
 //! Safe f32 matrix products over strided views: on AVX-512 register tiles read straight from
 //! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small and
-//! `b`'s rows are contiguous; otherwise on packed panels: the `gemm` crate's AVX-512
-//! microkernels under [`streamed`]'s driver when both operands' rows are contiguous and the
-//! CPU has AVX-512, else the `gemm` crate's own driver (AVX-512 or AVX2+FMA chosen at run time,
-//! portable fallback otherwise).
+//! `b`'s rows are contiguous; otherwise on packed panels: the `gemm` crate's AVX-512 or
+//! AVX2+FMA microkernels under [`streamed`]'s driver when both operands' rows are contiguous,
+//! else the `gemm` crate's own driver (AVX-512 or AVX2+FMA chosen at run time, portable
+//! fallback otherwise).
 //!
 //! Every call runs single-threaded: the cpu backend parallelises over experts and row tiles
 //! itself, so the summation order of every output element depends only on the operands' shapes,
