@@ -26,8 +26,15 @@ pub struct KernelSpec {
     pub summary: &'static str,
     pub inputs: &'static [TensorSpec],
     pub outputs: &'static [TensorSpec],
-    /// Parameter names with their defaults (`None`: required).
-    pub params: &'static [(Param, Option<&'static str>)],
+    /// The parameters it takes, each required or at its default ([`Param::default_value`]).
+    pub params: &'static [(Param, ParamUse)],
+}
+
+/// Whether a kernel requires a parameter or takes its default when it is not given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamUse {
+    Required,
+    Defaulted,
 }
 
 /// Every kernel contract, forward and backward.
@@ -120,7 +127,9 @@ impl Kernel {
                 let params = PermuteParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
                     block_size: required_param(Param::BlockSize, params.block_size)?,
-                    n_block_per_iter: params.n_block_per_iter.unwrap_or(1),
+                    n_block_per_iter: params
+                        .n_block_per_iter
+                        .unwrap_or(PermuteParams::DEFAULT_N_BLOCK_PER_ITER),
                 };
                 let call = Permute::new(PermuteInputs::from_named(get)?, params)?;
                 backend
@@ -137,10 +146,17 @@ impl Kernel {
                     .into_named()
             }
             Kernel::BlockwiseMm => {
+                let default = BlockwiseMmParams::default();
                 let params = BlockwiseMmParams {
-                    checkpoint_activation: params.checkpoint_activation.unwrap_or(false),
-                    activation_function: params.activation_function.unwrap_or_default(),
-                    expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
+                    checkpoint_activation: params
+                        .checkpoint_activation
+                        .unwrap_or(default.checkpoint_activation),
+                    activation_function: params
+                        .activation_function
+                        .unwrap_or(default.activation_function),
+                    expert_affinities_scaling_mode: params
+                        .scaling_mode
+                        .unwrap_or(default.expert_affinities_scaling_mode),
                     clamp: params.clamp,
                 };
                 let call = BlockwiseMm::new(BlockwiseMmInputs::from_named(get)?, params)?
@@ -149,11 +165,14 @@ impl Kernel {
                 backend.blockwise_mm(&call)?.into_named()
             }
             Kernel::BlockwiseMmBwd => {
+                let default = BlockwiseMmBwdParams::default();
                 let params = BlockwiseMmBwdParams {
-                    activation_type: params.activation_type.unwrap_or_default(),
-                    expert_affinities_scaling_mode: params.scaling_mode.unwrap_or_default(),
+                    activation_type: params.activation_type.unwrap_or(default.activation_type),
+                    expert_affinities_scaling_mode: params
+                        .scaling_mode
+                        .unwrap_or(default.expert_affinities_scaling_mode),
                     clamp: params.clamp,
-                    bias: params.bias.unwrap_or(false),
+                    bias: params.bias.unwrap_or(default.bias),
                 };
                 let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
@@ -237,6 +256,43 @@ pub enum Param {
 }
 
 impl Param {
+    /// The value a kernel that does not require this parameter takes when it is not given, as
+    /// `moekit list` prints it: read off the contracts' typed defaults (nki-library's), so it
+    /// is declared once. Counts that have no default (`k`, `num_experts`,
+    /// `expert_parallel_degree`) print as `none`, which no catalog entry shows.
+    pub fn default_value(self) -> String {
+        let router = RouterPipeline::default();
+        let forward = BlockwiseMmParams::default();
+        let backward = BlockwiseMmBwdParams::default();
+        let limit = |limit: Option<f32>| limit.map_or_else(|| "none".to_owned(), |v| v.to_string());
+        match self {
+            Param::K | Param::NumExperts | Param::ExpertParallelDegree => "none".to_owned(),
+            Param::ActFn => router.act_fn.to_string(),
+            Param::RouterPreNorm => router.router_pre_norm.to_string(),
+            Param::NormTopkProb => router.norm_topk_prob.to_string(),
+            Param::XHbmLayout => router.x_hbm_layout.to_string(),
+            // The blockwise kernels read B off the plan; `permute` requires it.
+            Param::BlockSize => "the plan's B".to_owned(),
+            Param::NBlockPerIter => PermuteParams::DEFAULT_N_BLOCK_PER_ITER.to_string(),
+            Param::CheckpointActivation => forward.checkpoint_activation.to_string(),
+            Param::ActivationFunction => forward.activation_function.to_string(),
+            Param::ActivationType => backward.activation_type.to_string(),
+            Param::ExpertAffinitiesScalingMode => {
+                forward.expert_affinities_scaling_mode.to_string()
+            }
+            Param::GateClampLowerLimit => limit(forward.clamp.gate.lower),
+            Param::GateClampUpperLimit => limit(forward.clamp.gate.upper),
+            Param::UpClampLowerLimit => limit(forward.clamp.up.lower),
+            Param::UpClampUpperLimit => limit(forward.clamp.up.upper),
+            Param::NonLinearClampLowerLimit => limit(backward.clamp.gate.lower),
+            Param::NonLinearClampUpperLimit => limit(backward.clamp.gate.upper),
+            Param::LinearClampLowerLimit => limit(backward.clamp.up.lower),
+            Param::LinearClampUpperLimit => limit(backward.clamp.up.upper),
+            Param::Bias => backward.bias.to_string(),
+            Param::OutputDType => OutputDType::default().to_string(),
+        }
+    }
+
     pub const ALL: &'static [Param] = &[
         Param::K,
         Param::ActFn,
@@ -506,9 +562,11 @@ pub fn catalog_table() -> String {
         }
         if !spec.params.is_empty() {
             let _ = writeln!(out, "  params:");
-            for (param, default) in spec.params {
-                let default =
-                    default.map_or_else(|| "required".to_owned(), |d| format!("default {d}"));
+            for &(param, usage) in spec.params {
+                let default = match usage {
+                    ParamUse::Required => "required".to_owned(),
+                    ParamUse::Defaulted => format!("default {}", param.default_value()),
+                };
                 let _ = writeln!(
                     out,
                     "    {:<31} {:<16} {default}",
@@ -561,9 +619,9 @@ pub fn catalog_markdown() -> String {
         let params: Vec<String> = spec
             .params
             .iter()
-            .map(|(param, default)| match default {
-                Some(default) => format!("`{}` ({default})", param.name()),
-                None => format!("`{}`", param.name()),
+            .map(|&(param, usage)| match usage {
+                ParamUse::Defaulted => format!("`{}` ({})", param.name(), param.default_value()),
+                ParamUse::Required => format!("`{}`", param.name()),
             })
             .collect();
         let _ = writeln!(
@@ -584,12 +642,12 @@ const ROUTER_TOPK: KernelSpec = KernelSpec {
     inputs: tensors::router_topk::INPUTS,
     outputs: tensors::router_topk::OUTPUTS,
     params: &[
-        (Param::K, None),
-        (Param::ActFn, Some("SOFTMAX")),
-        (Param::RouterPreNorm, Some("true")),
-        (Param::NormTopkProb, Some("false")),
-        (Param::XHbmLayout, Some("1")),
-        (Param::OutputDType, Some("input")),
+        (Param::K, ParamUse::Required),
+        (Param::ActFn, ParamUse::Defaulted),
+        (Param::RouterPreNorm, ParamUse::Defaulted),
+        (Param::NormTopkProb, ParamUse::Defaulted),
+        (Param::XHbmLayout, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
 
@@ -599,11 +657,11 @@ const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
     inputs: tensors::router_topk_bwd::INPUTS,
     outputs: tensors::router_topk_bwd::OUTPUTS,
     params: &[
-        (Param::ActFn, Some("SOFTMAX")),
-        (Param::RouterPreNorm, Some("true")),
-        (Param::NormTopkProb, Some("false")),
-        (Param::XHbmLayout, Some("1")),
-        (Param::OutputDType, Some("input")),
+        (Param::ActFn, ParamUse::Defaulted),
+        (Param::RouterPreNorm, ParamUse::Defaulted),
+        (Param::NormTopkProb, ParamUse::Defaulted),
+        (Param::XHbmLayout, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
 
@@ -620,7 +678,7 @@ const LOAD_BALANCING_LOSS_BWD: KernelSpec = KernelSpec {
     summary: "gradient of the aux loss w.r.t. router_logits",
     inputs: tensors::load_balancing_loss_bwd::INPUTS,
     outputs: tensors::load_balancing_loss_bwd::OUTPUTS,
-    params: &[(Param::OutputDType, Some("input"))],
+    params: &[(Param::OutputDType, ParamUse::Defaulted)],
 };
 
 const PERMUTE: KernelSpec = KernelSpec {
@@ -629,10 +687,10 @@ const PERMUTE: KernelSpec = KernelSpec {
     inputs: tensors::permute::INPUTS,
     outputs: tensors::permute::OUTPUTS,
     params: &[
-        (Param::NumExperts, None),
-        (Param::BlockSize, None),
-        (Param::NBlockPerIter, Some("1")),
-        (Param::OutputDType, Some("input")),
+        (Param::NumExperts, ParamUse::Required),
+        (Param::BlockSize, ParamUse::Required),
+        (Param::NBlockPerIter, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
 
@@ -642,8 +700,8 @@ const PERMUTE_BWD: KernelSpec = KernelSpec {
     inputs: tensors::permute_bwd::INPUTS,
     outputs: tensors::permute_bwd::OUTPUTS,
     params: &[
-        (Param::NumExperts, None),
-        (Param::OutputDType, Some("input")),
+        (Param::NumExperts, ParamUse::Required),
+        (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
 
@@ -653,15 +711,15 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
     inputs: tensors::blockwise_mm::INPUTS,
     outputs: tensors::blockwise_mm::OUTPUTS,
     params: &[
-        (Param::BlockSize, Some("the plan's B")),
-        (Param::CheckpointActivation, Some("false")),
-        (Param::ActivationFunction, Some("SiLU")),
-        (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
-        (Param::GateClampLowerLimit, Some("none")),
-        (Param::GateClampUpperLimit, Some("none")),
-        (Param::UpClampLowerLimit, Some("none")),
-        (Param::UpClampUpperLimit, Some("none")),
-        (Param::OutputDType, Some("input")),
+        (Param::BlockSize, ParamUse::Defaulted),
+        (Param::CheckpointActivation, ParamUse::Defaulted),
+        (Param::ActivationFunction, ParamUse::Defaulted),
+        (Param::ExpertAffinitiesScalingMode, ParamUse::Defaulted),
+        (Param::GateClampLowerLimit, ParamUse::Defaulted),
+        (Param::GateClampUpperLimit, ParamUse::Defaulted),
+        (Param::UpClampLowerLimit, ParamUse::Defaulted),
+        (Param::UpClampUpperLimit, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
 
@@ -671,15 +729,15 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
     inputs: tensors::blockwise_mm_bwd::INPUTS,
     outputs: tensors::blockwise_mm_bwd::OUTPUTS,
     params: &[
-        (Param::BlockSize, Some("the plan's B")),
-        (Param::ActivationType, Some("SiLU")),
-        (Param::ExpertAffinitiesScalingMode, Some("POST_SCALE")),
-        (Param::Bias, Some("false")),
-        (Param::NonLinearClampLowerLimit, Some("none")),
-        (Param::NonLinearClampUpperLimit, Some("none")),
-        (Param::LinearClampLowerLimit, Some("none")),
-        (Param::LinearClampUpperLimit, Some("none")),
-        (Param::OutputDType, Some("input")),
+        (Param::BlockSize, ParamUse::Defaulted),
+        (Param::ActivationType, ParamUse::Defaulted),
+        (Param::ExpertAffinitiesScalingMode, ParamUse::Defaulted),
+        (Param::Bias, ParamUse::Defaulted),
+        (Param::NonLinearClampLowerLimit, ParamUse::Defaulted),
+        (Param::NonLinearClampUpperLimit, ParamUse::Defaulted),
+        (Param::LinearClampLowerLimit, ParamUse::Defaulted),
+        (Param::LinearClampUpperLimit, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
 
@@ -689,14 +747,57 @@ const A2AV_ROUTING: KernelSpec = KernelSpec {
     inputs: tensors::a2av_routing::INPUTS,
     outputs: tensors::a2av_routing::OUTPUTS,
     params: &[
-        (Param::NumExperts, None),
-        (Param::ExpertParallelDegree, None),
+        (Param::NumExperts, ParamUse::Required),
+        (Param::ExpertParallelDegree, ParamUse::Required),
     ],
 };
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printed_defaults_are_values_the_kernels_take_when_the_parameter_is_absent() {
+        for kernel in Kernel::ALL {
+            for &(param, usage) in kernel.spec().params {
+                let value = param.default_value();
+                if usage == ParamUse::Required {
+                    continue;
+                }
+                assert!(
+                    !matches!(
+                        param,
+                        Param::K | Param::NumExperts | Param::ExpertParallelDegree
+                    ),
+                    "{}: `{}` has no default",
+                    kernel.name(),
+                    param.name()
+                );
+                // Limits print `none` (no clamp), B "the plan's B": not values to pass.
+                if value == "none" || param == Param::BlockSize {
+                    continue;
+                }
+                let mut given = Params::default();
+                given
+                    .set(param.name(), &value)
+                    .unwrap_or_else(|e| panic!("`{}` = {value}: {e}", param.name()));
+                assert_eq!(given.router_pipeline(), Params::default().router_pipeline());
+            }
+        }
+        // The typed defaults that the run path and the catalog both read.
+        let (forward, backward) = (
+            BlockwiseMmParams::default(),
+            BlockwiseMmBwdParams::default(),
+        );
+        assert_eq!(forward.activation_function, ActFnType::Silu);
+        assert_eq!(backward.activation_type, ActFnType::Silu);
+        assert_eq!(
+            forward.expert_affinities_scaling_mode,
+            ExpertAffinityScaleMode::PostScale
+        );
+        assert!(!forward.checkpoint_activation && !backward.bias);
+        assert_eq!(forward.clamp, ClampLimits::default());
+    }
 
     #[test]
     fn the_readme_kernel_table_is_the_catalog() {

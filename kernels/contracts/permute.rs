@@ -66,12 +66,15 @@ pub struct PermuteParams {
 }
 
 impl PermuteParams {
-    /// `n_block_per_iter` = 1, as nki-library's `get_n_blocks` defaults it.
+    /// nki-library's `get_n_blocks` default of `n_block_per_iter`.
+    pub const DEFAULT_N_BLOCK_PER_ITER: usize = 1;
+
+    /// `n_block_per_iter` at its default, [`Self::DEFAULT_N_BLOCK_PER_ITER`].
     pub fn new(num_experts: usize, block_size: usize) -> Self {
         Self {
             num_experts,
             block_size,
-            n_block_per_iter: 1,
+            n_block_per_iter: Self::DEFAULT_N_BLOCK_PER_ITER,
         }
     }
 }
