@@ -47,7 +47,7 @@ use super::spec::{self, Named, TensorSpec};
 use super::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use super::{BlockPlan, OutputDType, SKIP, validate};
 use crate::error::{Error, Result, find_named};
-use crate::tensor::{DType, Floats, Tensor};
+use crate::tensor::{Floats, Tensor};
 
 /// The activation of the gate projection, which then multiplies the up projection:
 /// nki-library's `ActFnType`, spelled as its members.
@@ -395,32 +395,9 @@ impl<'a> BlockwiseMm<'a> {
     pub fn plan(&self) -> BlockPlan<'a> {
         self.plan
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// The dtype this call gives float output `spec` (one of [`fwd::OUTPUTS`]), for a backend
-    /// that writes it directly: f32 where [`OutputDType::dtype_of`] leaves it open.
-    pub fn output_dtype_of(&self, spec: &TensorSpec) -> DType {
-        self.output_dtype
-            .dtype_of(spec, &self.inputs.named())
-            .unwrap_or(DType::F32)
-    }
-
-    /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, outputs: BlockwiseMmOutputs) -> Result<BlockwiseMmOutputs> {
-        let inputs = self.inputs.named();
-        outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
-    }
 }
+
+output_dtype_accessors!(BlockwiseMm, BlockwiseMmOutputs);
 
 /// The float inputs of a validated blockwise call, as stored (f32 or bf16).
 #[derive(Clone, Copy, Debug)]
@@ -769,32 +746,9 @@ impl<'a> BlockwiseMmBwd<'a> {
     pub fn plan(&self) -> BlockPlan<'a> {
         self.plan
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// The dtype this call gives float output `spec` (one of [`bwd::OUTPUTS`]), for a backend
-    /// that writes it directly: f32 where [`OutputDType::dtype_of`] leaves it open.
-    pub fn output_dtype_of(&self, spec: &TensorSpec) -> DType {
-        self.output_dtype
-            .dtype_of(spec, &self.inputs.named())
-            .unwrap_or(DType::F32)
-    }
-
-    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, grads: BlockwiseMmGrads) -> Result<BlockwiseMmGrads> {
-        let inputs = self.inputs.named();
-        grads.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
-    }
 }
+
+output_dtype_accessors!(BlockwiseMmBwd, BlockwiseMmGrads);
 
 /// Gradients produced by `blockwise_mm_bwd`, shaped like the inputs they belong to.
 #[derive(Clone, Debug, PartialEq)]

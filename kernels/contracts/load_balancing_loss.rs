@@ -222,30 +222,9 @@ impl<'a> LoadBalancingLossBwd<'a> {
     pub fn dims(&self) -> LoadBalancingDims {
         self.dims
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, grads: LoadBalancingLossGrads) -> Result<LoadBalancingLossGrads> {
-        let inputs = self.inputs.named();
-        Ok(LoadBalancingLossGrads {
-            d_router_logits: self.output_dtype.cast(
-                &bwd::D_ROUTER_LOGITS,
-                grads.d_router_logits,
-                &inputs,
-            )?,
-        })
-    }
 }
+
+output_dtype_accessors!(LoadBalancingLossBwd, LoadBalancingLossGrads);
 
 /// Gradient produced by `load_balancing_loss_bwd`.
 #[derive(Clone, Debug, PartialEq)]
@@ -258,5 +237,15 @@ impl LoadBalancingLossGrads {
     /// The gradient by its spec ([`bwd::OUTPUTS`]).
     pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
         vec![(&bwd::D_ROUTER_LOGITS, self.d_router_logits)]
+    }
+
+    /// The gradient through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            d_router_logits: f(&bwd::D_ROUTER_LOGITS, self.d_router_logits)?,
+        })
     }
 }

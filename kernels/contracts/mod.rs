@@ -3,6 +3,43 @@
 //! (`RouterTopk`, `Permute`, …) that only exists once every input has been checked, and an
 //! outputs struct. Backends receive validated calls only.
 
+/// The `output_dtype` accessors of validated call type `$call`, whose fields `inputs` (with
+/// `named()`) and `output_dtype` hold its inputs and moekit's own [`OutputDType`], and whose
+/// outputs `$outputs` map through `try_map`.
+macro_rules! output_dtype_accessors {
+    ($call:ident, $outputs:ty) => {
+        impl $call<'_> {
+            /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`,
+            /// nki-library's choice, when not set).
+            pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
+                self.output_dtype = output_dtype;
+                self
+            }
+
+            pub fn output_dtype(&self) -> OutputDType {
+                self.output_dtype
+            }
+
+            /// The dtype this call gives float output `spec`, for a backend that writes it
+            /// directly: f32 where [`OutputDType::dtype_of`] leaves it open.
+            pub fn output_dtype_of(
+                &self,
+                spec: &$crate::contracts::TensorSpec,
+            ) -> $crate::tensor::DType {
+                self.output_dtype
+                    .dtype_of(spec, &self.inputs.named())
+                    .unwrap_or($crate::tensor::DType::F32)
+            }
+
+            /// `outputs` in the dtypes this call gives them ([`OutputDType`]).
+            pub fn cast_outputs(&self, outputs: $outputs) -> $crate::error::Result<$outputs> {
+                let inputs = self.inputs.named();
+                outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
+            }
+        }
+    };
+}
+
 pub mod a2av_routing;
 pub mod blockwise_mm;
 pub mod load_balancing_loss;

@@ -241,24 +241,9 @@ impl<'a> Permute<'a> {
     pub fn dims(&self) -> PermuteDims {
         self.dims
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, outputs: PermuteOutputs) -> Result<PermuteOutputs> {
-        let inputs = self.inputs.named();
-        outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
-    }
 }
+
+output_dtype_accessors!(Permute, PermuteOutputs);
 
 /// Outputs of `permute`.
 #[derive(Clone, Debug, PartialEq)]
@@ -394,30 +379,9 @@ impl<'a> PermuteBwd<'a> {
     pub fn dims(&self) -> (usize, usize, usize) {
         self.dims
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, grads: PermuteGrads) -> Result<PermuteGrads> {
-        let inputs = self.inputs.named();
-        Ok(PermuteGrads {
-            d_topk_affinities: self.output_dtype.cast(
-                &bwd::D_TOPK_AFFINITIES,
-                grads.d_topk_affinities,
-                &inputs,
-            )?,
-        })
-    }
 }
+
+output_dtype_accessors!(PermuteBwd, PermuteGrads);
 
 /// Gradient produced by `permute_bwd`.
 #[derive(Clone, Debug, PartialEq)]
@@ -430,5 +394,15 @@ impl PermuteGrads {
     /// The gradient by its spec ([`bwd::OUTPUTS`]).
     pub fn into_named(self) -> Vec<(&'static TensorSpec, Tensor)> {
         vec![(&bwd::D_TOPK_AFFINITIES, self.d_topk_affinities)]
+    }
+
+    /// The gradient through `f`, with its spec.
+    pub fn try_map(
+        self,
+        mut f: impl FnMut(&'static TensorSpec, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            d_topk_affinities: f(&bwd::D_TOPK_AFFINITIES, self.d_topk_affinities)?,
+        })
     }
 }

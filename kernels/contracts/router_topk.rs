@@ -295,24 +295,9 @@ impl<'a> RouterTopk<'a> {
     pub fn dims(&self) -> RouterDims {
         self.dims
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// `outputs` in the dtypes this call gives them ([`OutputDType`], [`fwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, outputs: RouterTopkOutputs) -> Result<RouterTopkOutputs> {
-        let inputs = self.inputs.named();
-        outputs.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
-    }
 }
+
+output_dtype_accessors!(RouterTopk, RouterTopkOutputs);
 
 pub(crate) fn check_top_k(k: usize, experts: usize) -> Result<()> {
     if k == 0 || k > experts {
@@ -506,24 +491,9 @@ impl<'a> RouterTopkBwd<'a> {
     pub fn dims(&self) -> RouterDims {
         self.dims
     }
-
-    /// This call with moekit's own `output_dtype` ([`OutputDType`]; `input`, nki-library's
-    /// choice, when not set).
-    pub fn with_output_dtype(mut self, output_dtype: OutputDType) -> Self {
-        self.output_dtype = output_dtype;
-        self
-    }
-
-    pub fn output_dtype(&self) -> OutputDType {
-        self.output_dtype
-    }
-
-    /// `grads` in the dtypes this call gives them ([`OutputDType`], [`bwd::OUTPUTS`]).
-    pub fn cast_outputs(&self, grads: RouterTopkGrads) -> Result<RouterTopkGrads> {
-        let inputs = self.inputs.named();
-        grads.try_map(|spec, t| self.output_dtype.cast(spec, t, &inputs))
-    }
 }
+
+output_dtype_accessors!(RouterTopkBwd, RouterTopkGrads);
 
 /// Gradients produced by `router_topk_bwd`.
 #[derive(Clone, Debug, PartialEq)]
