@@ -19,7 +19,8 @@ pub(crate) fn try_uninit<T>(
     name: &str,
     shape: &[usize],
 ) -> crate::error::Result<Vec<MaybeUninit<T>>> {
-    let mut buffer = crate::tensor::try_capacity(&format!("output `{name}`"), shape)?;
+    let what = crate::contracts::spec::output_named(name);
+    let mut buffer = crate::tensor::try_capacity(&what, shape)?;
     // The count did not overflow: the capacity for it was reserved.
     let len = shape.iter().product();
     // SAFETY: the capacity is at least `len`, and `MaybeUninit` needs no initialisation.

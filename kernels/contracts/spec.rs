@@ -103,7 +103,12 @@ pub fn find<'a>(named: &Named<'a>, spec: &TensorSpec) -> Option<&'a Tensor> {
 
 /// How an allocation error names output `spec`: "output `name`".
 pub(crate) fn output(spec: &TensorSpec) -> String {
-    format!("output `{}`", spec.name)
+    output_named(spec.name)
+}
+
+/// How an allocation error names the output called `name`: "output `name`".
+pub(crate) fn output_named(name: &str) -> String {
+    format!("output `{name}`")
 }
 
 /// The input `spec` that `get` finds, or the error naming it as missing.

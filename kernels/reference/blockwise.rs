@@ -1,6 +1,7 @@
 //! f64 blockwise expert matmul with a gated activation, forward and backward (see
 //! [`crate::contracts::blockwise_mm`]). Plain loops over blocks, slots and matrix indices.
 
+use crate::contracts::spec::output_named;
 use crate::contracts::tensors::blockwise_mm as bm;
 use crate::contracts::{ActFnType, BlockwiseDims, ClampLimits, ExpertAffinityScaleMode};
 use crate::error::Result;
@@ -8,7 +9,7 @@ use crate::tensor::try_filled;
 
 /// Zeros for output `name` of `shape`, or the error naming it when they cannot be allocated.
 fn zeros(name: &str, shape: &[usize]) -> Result<Vec<f64>> {
-    try_filled(&format!("output `{name}`"), shape, 0.0)
+    try_filled(&output_named(name), shape, 0.0)
 }
 
 /// Borrowed f64 operands shared by forward and backward.
