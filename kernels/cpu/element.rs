@@ -63,7 +63,8 @@ impl Element for bf16 {
     fn round(x: f32) -> Self {
         let bits = x.to_bits();
         // Branch-free round to nearest even on the bits (vectorises); NaN stays a quiet NaN.
-        let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+        // Only NaNs wrap (their bits lie above every number's), and they are replaced below.
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
         let value = if x.is_nan() { 0x7fc0 } else { rounded };
         bf16::from_bits(value as u16)
     }
