@@ -3,9 +3,12 @@
 //!
 //! Everything is written into a temporary folder beside the destination and renamed into place
 //! once complete, so an existing checkpoint or export is never overwritten or left half-written.
+//! A training checkpoint's last file, `checksums.json`, records the length and CRC-32 of every
+//! other file; a resume takes the newest checkpoint whose files still match it.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 use moekit::golden::{TensorFile, write_atomically};
@@ -192,6 +195,20 @@ fn read_hf_tensors(dir: &Path) -> Result<BTreeMap<String, Tensor>> {
     let mut shards: Vec<&str> = weight_map.values().filter_map(|v| v.as_str()).collect();
     shards.sort_unstable();
     shards.dedup();
+    for shard in &shards {
+        // A shard is a file of the directory itself: no separators, `..` or absolute paths.
+        let mut components = Path::new(shard).components();
+        ensure!(
+            matches!(
+                (components.next(), components.next()),
+                (Some(Component::Normal(_)), None)
+            ),
+            "{}: shard `{shard}` is not a file name in {} (the index may only name files of \
+             its own directory)",
+            index.display(),
+            dir.display()
+        );
+    }
     let mut tensors = BTreeMap::new();
     for shard in shards {
         tensors.extend(read_tensors(&dir.join(shard))?);
@@ -225,7 +242,55 @@ pub fn load_hf(
     let hf = read_hf_tensors(dir)?;
     assign(params, dir, |name, shape| {
         from_hf_tensor(name, shape, &hf, shard, dir)
-    })
+    })?;
+    let unknown = unknown_tensors(&hf, params, config.num_experts);
+    if !unknown.is_empty() {
+        const SHOWN: usize = 8;
+        let more = unknown.len().saturating_sub(SHOWN);
+        eprintln!(
+            "warning: {}: {} tensor(s) the model does not have, not loaded: {}{}",
+            dir.display(),
+            unknown.len(),
+            unknown[..unknown.len().min(SHOWN)].join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}
+
+/// The tensors of a Hugging Face directory that no parameter of the model reads, whichever
+/// expert shard loads it: neither a parameter's own name nor, for a fused expert parameter
+/// `{prefix}mlp.experts.gate_up_proj` or `down_proj`, a key `{prefix}mlp.experts.{e}.
+/// {gate,up,down}_proj.weight` with e below `num_experts`.
+fn unknown_tensors(
+    hf: &BTreeMap<String, Tensor>,
+    params: &[(String, Tensor)],
+    num_experts: usize,
+) -> Vec<String> {
+    let names: BTreeSet<&str> = params.iter().map(|(name, _)| name.as_str()).collect();
+    let expert_key = |key: &str| {
+        let Some((prefix, rest)) = key.split_once("mlp.experts.") else {
+            return false;
+        };
+        let Some((expert, projection)) = rest.split_once('.') else {
+            return false;
+        };
+        let fused = match projection {
+            "gate_proj.weight" | "up_proj.weight" => GATE_UP,
+            "down_proj.weight" => DOWN,
+            _ => return false,
+        };
+        expert.parse::<usize>().is_ok_and(|e| e < num_experts)
+            && names.contains(format!("{prefix}{fused}").as_str())
+    };
+    hf.keys()
+        .filter(|key| !names.contains(key.as_str()) && !expert_key(key))
+        .cloned()
+        .collect()
 }
 
 /// The first architecture field (anything that changes the function the weights compute)
@@ -380,6 +445,152 @@ fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     Ok(())
 }
 
+/// The manifest a training checkpoint writes last: the length and CRC-32 of each other file.
+const CHECKSUMS: &str = "checksums.json";
+
+/// One file's length and CRC-32 (IEEE).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+struct FileDigest {
+    bytes: u64,
+    crc32: u32,
+}
+
+impl FileDigest {
+    /// Reads `path` through once.
+    fn of(path: &Path) -> Result<Self> {
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let mut hasher = crc32fast::Hasher::new();
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut bytes = 0u64;
+        loop {
+            let read = file
+                .read(&mut buffer)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            if read == 0 {
+                break;
+            }
+            hasher.update(&buffer[..read]);
+            bytes += read as u64;
+        }
+        Ok(Self {
+            bytes,
+            crc32: hasher.finalize(),
+        })
+    }
+}
+
+/// Writes `dir/checksums.json`: the digest of every other regular file in `dir`.
+fn write_checksums(dir: &Path) -> Result<()> {
+    let mut files = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name != CHECKSUMS && entry.file_type()?.is_file() {
+            files.insert(name, FileDigest::of(&entry.path())?);
+        }
+    }
+    write_json(&dir.join(CHECKSUMS), &files)
+}
+
+/// Checks every file `dir/checksums.json` lists against its recorded length and CRC-32: an
+/// error naming the first that differs or is missing. A checkpoint written before checkpoints
+/// carried checksums (no `checksums.json`) passes with a warning.
+pub fn verify_checkpoint(dir: &Path) -> Result<()> {
+    let path = dir.join(CHECKSUMS);
+    if !path.exists() {
+        eprintln!(
+            "warning: {} has no {CHECKSUMS}; its files cannot be verified",
+            dir.display()
+        );
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let files: BTreeMap<String, FileDigest> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a valid checksum manifest", path.display()))?;
+    for (name, recorded) in &files {
+        let file = dir.join(name);
+        ensure!(
+            Path::new(name).components().count() == 1 && file.is_file(),
+            "{}: `{name}`, listed in {CHECKSUMS}, is missing",
+            dir.display()
+        );
+        let found = FileDigest::of(&file)?;
+        ensure!(
+            found == *recorded,
+            "{} is damaged: {} bytes with CRC-32 {:08x}, {CHECKSUMS} records {} bytes with \
+             CRC-32 {:08x}",
+            file.display(),
+            found.bytes,
+            found.crc32,
+            recorded.bytes,
+            recorded.crc32
+        );
+    }
+    Ok(())
+}
+
+/// Where a resume found its checkpoint ([`select_checkpoint`]).
+#[derive(Debug, Default)]
+pub struct Selection {
+    /// The newest checkpoint whose files pass [`verify_checkpoint`], as (step, folder).
+    pub newest: Option<(usize, PathBuf)>,
+    /// The newer checkpoints that failed, newest first, with why.
+    pub damaged: Vec<(PathBuf, anyhow::Error)>,
+}
+
+/// Looks for the newest verified checkpoint in `folder`, newest first; reads only. An error
+/// when checkpoints exist but none passes (naming why the newest failed), since starting over
+/// would write over their steps.
+pub fn select_checkpoint(folder: &Path) -> Result<Selection> {
+    let mut selection = Selection::default();
+    for (step, dir) in list_checkpoints(folder)?.into_iter().rev() {
+        match verify_checkpoint(&dir) {
+            Ok(()) => {
+                selection.newest = Some((step, dir));
+                return Ok(selection);
+            }
+            Err(err) => selection.damaged.push((dir, err)),
+        }
+    }
+    match selection.damaged.first() {
+        None => Ok(selection),
+        Some((dir, err)) => bail!(
+            "no checkpoint in {} passes verification; the newest, {}, fails: {err:#}",
+            folder.display(),
+            dir.display()
+        ),
+    }
+}
+
+/// Reports the damaged checkpoints of `selection` and renames each to `<name>.damaged` (or
+/// `.damaged-N`), out of the way of the steps the resumed run writes again; nothing is
+/// deleted.
+pub fn set_aside_damaged(selection: &Selection) -> Result<()> {
+    let Some((step, newest)) = &selection.newest else {
+        return Ok(());
+    };
+    for (dir, err) in &selection.damaged {
+        let mut aside = dir.with_extension("damaged");
+        for n in 1.. {
+            if !aside.exists() {
+                break;
+            }
+            aside = dir.with_extension(format!("damaged-{n}"));
+        }
+        std::fs::rename(dir, &aside)
+            .with_context(|| format!("cannot rename {} to {}", dir.display(), aside.display()))?;
+        eprintln!(
+            "warning: {err:#}; resuming from {} (step {step}) instead, the damaged checkpoint \
+             kept as {}",
+            newest.display(),
+            aside.display()
+        );
+    }
+    Ok(())
+}
+
 /// The run state a training checkpoint stores beside the tensors (`state.json`).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 pub struct TrainingState {
@@ -513,8 +724,9 @@ pub fn write_training_shard(
     write_tensors(&tmp.join(optimizer), &checkpoint.optimizer)
 }
 
-/// Stage 3 (one process, after every shard is written): `state.json` and `config.json`, the
-/// rename into place, and the rotation to the newest `keep_latest_k`. Returns the folder.
+/// Stage 3 (one process, after every shard is written): `state.json`, `config.json` and, last,
+/// `checksums.json`, the rename into place, and the rotation to the newest `keep_latest_k`.
+/// Returns the folder.
 pub fn finish_training(
     tmp: &Path,
     folder: &Path,
@@ -526,6 +738,7 @@ pub fn finish_training(
         &hf_config_json(&state.model, state.dtype.kind()),
     )?;
     write_json(&tmp.join("state.json"), state)?;
+    write_checksums(tmp)?;
     let dir = folder.join(step_folder(state.step));
     std::fs::rename(tmp, &dir)
         .with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
@@ -582,6 +795,7 @@ fn read_state(dir: &Path) -> Result<TrainingState> {
 /// are merged (replicated tensors from rank 0, expert tensors and their optimizer state
 /// concatenated in rank order), for evaluation and export.
 pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
+    verify_checkpoint(dir)?;
     let state = read_state(dir)?;
     let ranks = state.expert_parallel_degree;
     let mut shards = (0..ranks)
@@ -605,7 +819,7 @@ pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
 
 /// Reads rank `rank`'s part of an expert-parallel training checkpoint (the whole checkpoint
 /// for a single process's), to resume that rank; the checkpoint must have been saved by `ranks`
-/// ranks.
+/// ranks, and verified ([`select_checkpoint`]).
 pub fn load_training_shard(dir: &Path, rank: usize, ranks: usize) -> Result<TrainingCheckpoint> {
     let state = read_state(dir)?;
     ensure!(

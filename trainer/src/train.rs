@@ -14,9 +14,9 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{
-    TrainingCheckpoint, TrainingState, abandon_training, assign_params, begin_training,
-    finish_training, list_checkpoints, load_hf, load_training_shard, save_training, staging_folder,
-    step_folder, write_training_shard,
+    Selection, TrainingCheckpoint, TrainingState, abandon_training, assign_params, begin_training,
+    finish_training, load_hf, load_training_shard, save_training, select_checkpoint,
+    set_aside_damaged, staging_folder, step_folder, write_training_shard,
 };
 use crate::config::{JobConfig, ParamDtype};
 use crate::data::{Batches, Source, TextTokenizer};
@@ -221,19 +221,30 @@ impl Trainer {
             batches,
             step: 0,
         };
-        let latest = match config.checkpoint.enable {
-            true => list_checkpoints(&trainer.checkpoint_folder()).map(|mut all| all.pop()),
-            false => Ok(None),
+        let selection = match config.checkpoint.enable {
+            true => select_checkpoint(&trainer.checkpoint_folder()),
+            false => Ok(Selection::default()),
         };
-        let latest = match &trainer.group {
+        let selection = match &trainer.group {
             Some(group) => {
-                let latest = group.all_ok(latest)?;
-                let step = latest.as_ref().map_or(-1, |(step, _)| *step as i64);
-                group.same_everywhere("the newest checkpoint's step", step)?;
-                latest
+                let selection = group.all_ok(selection)?;
+                let newest = selection.newest.as_ref();
+                let step = newest.map_or(-1, |(step, _)| *step as i64);
+                group.same_everywhere("the newest verified checkpoint's step", step)?;
+                selection
             }
-            None => latest?,
+            None => selection?,
         };
+        // Every rank has chosen (reading only); one process sets the damaged ones aside.
+        let set_aside = match &trainer.group {
+            Some(group) if group.rank() != 0 => Ok(()),
+            _ => set_aside_damaged(&selection),
+        };
+        match &trainer.group {
+            Some(group) => group.all_ok(set_aside)?,
+            None => set_aside?,
+        }
+        let latest = selection.newest;
         let loaded = if let Some((_, dir)) = latest {
             trainer
                 .resume(&dir)

@@ -379,31 +379,47 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
     );
     assert_eq!(snapshot(&ckpt), before);
 
-    // A truncated tensor file.
+    // A truncated tensor file, in the only checkpoint: nothing to resume from, nothing moved.
     let model = ckpt.join("model.safetensors");
     let bytes = std::fs::read(&model).unwrap();
     std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
     let before = snapshot(&ckpt);
+    fail(&train_args(dump, &config, &[]), "no checkpoint in");
     fail(
         &train_args(dump, &config, &[]),
-        "not a valid safetensors file",
+        "model.safetensors is damaged",
     );
     fail(
         &export_args(&ckpt, &dir.join("x")),
-        "not a valid safetensors file",
+        "model.safetensors is damaged",
     );
     assert!(!dir.join("x").exists());
     assert_eq!(snapshot(&ckpt), before);
 
+    // Without its manifest (a checkpoint written before checksums), the same file is read and
+    // refused by the safetensors reader.
+    let manifest = std::fs::read(ckpt.join("checksums.json")).unwrap();
+    std::fs::remove_file(ckpt.join("checksums.json")).unwrap();
+    fail(
+        &train_args(dump, &config, &[]),
+        "not a valid safetensors file",
+    );
+    std::fs::write(ckpt.join("checksums.json"), manifest).unwrap();
+
     // A missing state file.
     std::fs::write(&model, &bytes).unwrap();
     std::fs::remove_file(ckpt.join("state.json")).unwrap();
-    fail(&train_args(dump, &config, &[]), "cannot read");
+    fail(
+        &train_args(dump, &config, &[]),
+        "state.json`, listed in checksums.json, is missing",
+    );
 
     // Evaluation inputs: token ids outside the vocabulary, a wrong dtype, a missing model.
     let tokens = dir.join("tokens.safetensors");
     write_tokens(&tokens, &[1, 2, 300, 4], [1, 4]);
     std::fs::write(ckpt.join("state.json"), b"{}").unwrap();
+    fail(&eval_args(&ckpt, &tokens), "state.json is damaged");
+    std::fs::remove_file(ckpt.join("checksums.json")).unwrap();
     fail(&eval_args(&ckpt, &tokens), "is not a valid training state");
     fail(
         &eval_args(&hf, &tokens),
@@ -423,6 +439,64 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
         &eval_args(&dir.join("none"), &floats),
         "cannot read model config",
     );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_newest_good_one() {
+    let dir = scratch("damaged");
+    let config = debug_config();
+    let (damaged, clean) = (dir.join("damaged"), dir.join("clean"));
+    for run in [&damaged, &clean] {
+        succeed(&train_args(run.to_str().unwrap(), &config, &[]));
+    }
+    let folder = damaged.join("checkpoints");
+    let newest = folder.join("step-00000020");
+    // One flipped bit in the last tensor's data: the file still parses.
+    let model = newest.join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x10;
+    std::fs::write(&model, &bytes).unwrap();
+    fail(
+        &export_args(&newest, &dir.join("x")),
+        "model.safetensors is damaged",
+    );
+
+    // Resuming to step 30 starts from step 10, keeps the damaged checkpoint aside, untouched,
+    // and trains steps 11 to 30 exactly as a run resumed from the same good checkpoint does.
+    let out = run(&train_args(
+        damaged.to_str().unwrap(),
+        &config,
+        &["--training.steps", "30"],
+    ));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("model.safetensors is damaged")
+            && stderr.contains("step-00000010 (step 10)")
+            && stderr.contains("step-00000020.damaged"),
+        "{stderr}"
+    );
+    let aside = folder.join("step-00000020.damaged");
+    assert_eq!(
+        std::fs::read(aside.join("model.safetensors")).unwrap(),
+        bytes
+    );
+    for step in ["step-00000010", "step-00000020", "step-00000030"] {
+        assert!(folder.join(step).join("checksums.json").is_file(), "{step}");
+    }
+    std::fs::remove_dir_all(clean.join("checkpoints/step-00000020")).unwrap();
+    succeed(&train_args(
+        clean.to_str().unwrap(),
+        &config,
+        &["--training.steps", "30"],
+    ));
+    let tail = |run: &Path| {
+        let all = losses(&metrics(run));
+        all[all.len() - 20..].to_vec()
+    };
+    assert_eq!(tail(&damaged), tail(&clean));
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -569,6 +643,48 @@ fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
         &eval_args(&sharded, &tokens),
         "`model.extra.weight` is not in its shard",
     );
+
+    // An index may only name files of its own directory.
+    for outside in [
+        "../hf/model.safetensors",
+        "/etc/passwd",
+        "sub/model.safetensors",
+    ] {
+        let mut escaping = index.clone();
+        escaping["weight_map"]["model.embed_tokens.weight"] = outside.into();
+        std::fs::write(
+            sharded.join("model.safetensors.index.json"),
+            serde_json::to_string(&escaping).unwrap(),
+        )
+        .unwrap();
+        fail(
+            &eval_args(&sharded, &tokens),
+            &format!("shard `{outside}` is not a file name"),
+        );
+    }
+
+    // A tensor the model does not have loads with a warning naming it.
+    let mut tensors = read_raw(&hf.join("model.safetensors"));
+    let extra = tensors[0].clone();
+    tensors.push((
+        "model.unknown_extra.weight".to_owned(),
+        extra.1,
+        extra.2,
+        extra.3,
+    ));
+    write_raw(&hf.join("model.safetensors"), &tensors);
+    let out = run(&eval_args(&hf, &tokens));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "1 tensor(s) the model does not have, not loaded: model.unknown_extra.weight"
+        ),
+        "{stderr}"
+    );
+    let loaded: Value =
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+    assert_eq!(loaded, from_ckpt);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -714,11 +830,17 @@ fn malformed_tensors_and_configs_are_errors_before_anything_is_built_from_them()
         &format!("rank 1's `{name}` has shape [2, 64, 2, 32], rank 0's has [4, 64, 2, 32]"),
     );
 
-    // Optimizer state of another dtype stops a resume.
+    // Optimizer state of another dtype stops a resume: as damage to the checkpoint, and, with
+    // no manifest to catch it, when the state is read.
     let optimizer = ckpt.join("optimizer.safetensors");
     let moments = read_raw(&optimizer);
     let key = moments[0].0.clone();
     write_raw(&optimizer, &edited(&moments, &key, |t| t.1 = Dtype::I32));
+    fail(
+        &train_args(dump, &config, &[]),
+        "optimizer.safetensors is damaged",
+    );
+    std::fs::remove_file(ckpt.join("checksums.json")).unwrap();
     fail(
         &train_args(dump, &config, &[]),
         &format!("optimizer state `{key}` holds Int values"),
