@@ -188,10 +188,82 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// Removes what writes of `path` by processes that are no longer running left beside it: the
+/// files and folders named `<name>.tmp-<pid>` or `<name>.tmp-<pid>-<n>` (the temporaries of
+/// [`write_atomically`] and of the trainer's folder writes) whose process `pid` is gone, as
+/// after a kill mid-write. A running process's temporaries, and every other entry, are left
+/// alone. Returns what was removed.
+pub fn remove_stale_temporaries(path: &Path) -> Vec<PathBuf> {
+    let (Some(name), Some(parent)) = (path.file_name(), path.parent()) else {
+        return Vec::new();
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    remove_stale_temporaries_named(parent, &format!("{}.tmp-", name.to_string_lossy()), "")
+}
+
+/// Removes the entries of `dir` named `{prefix}<pid>{suffix}` or `{prefix}<pid>-<n>{suffix}`
+/// whose process `pid` is gone ([`remove_stale_temporaries`] for temporaries named otherwise).
+pub fn remove_stale_temporaries_named(dir: &Path, prefix: &str, suffix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let entry_name = entry.file_name();
+        let Some(middle) = entry_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|n| n.strip_suffix(suffix))
+        else {
+            continue;
+        };
+        let mut parts = middle.splitn(2, '-');
+        let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
+        let count_ok = parts.next().is_none_or(|n| n.parse::<u64>().is_ok());
+        if !pid.is_some_and(|pid| count_ok && !process_is_running(pid)) {
+            continue;
+        }
+        let stale = entry.path();
+        let gone = match entry.file_type() {
+            Ok(kind) if kind.is_dir() => fs::remove_dir_all(&stale),
+            _ => fs::remove_file(&stale),
+        };
+        if gone.is_ok() {
+            removed.push(stale);
+        }
+    }
+    removed
+}
+
+/// Whether process `pid` exists (on platforms where that cannot be asked: assumed so).
+fn process_is_running(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return true;
+        };
+        // SAFETY: signal 0 only checks that the process exists and may be signalled; nothing
+        // is sent.
+        let status = unsafe { libc::kill(pid, 0) };
+        status == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
 /// Has `write` create a temporary file beside `path` (`<name>.tmp-<pid>-<n>`, n counting this
 /// process's writes, so threads writing the same path never share one), syncs it, and renames
-/// it over `path`; the temporary file is removed if anything fails.
+/// it over `path`; the temporary file is removed if anything fails. Temporaries that killed
+/// writers left beside `path` are removed first ([`remove_stale_temporaries`]).
 fn write_atomically_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    remove_stale_temporaries(path);
     use std::sync::atomic::{AtomicU64, Ordering};
     static WRITES: AtomicU64 = AtomicU64::new(0);
     let io = |path: &Path| {
@@ -233,6 +305,38 @@ mod tests {
         bytes.extend_from_slice(header.as_bytes());
         bytes.extend_from_slice(data);
         fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn a_write_removes_only_the_temporaries_of_writers_that_are_gone() {
+        let dir = scratch("stale");
+        // A process that has exited: its pid names no running process.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        let (gone, alive) = (child.id(), std::process::id());
+        let path = dir.join("x.safetensors");
+        let stale_file = dir.join(format!("x.safetensors.tmp-{gone}-3"));
+        let stale_folder = dir.join(format!("x.safetensors.tmp-{gone}"));
+        let kept = [
+            dir.join(format!("x.safetensors.tmp-{alive}-9")),
+            dir.join("x.safetensors.tmp-notapid-1"),
+            dir.join(format!("x.safetensors.tmp-{gone}-3-extra")),
+            dir.join(format!("y.safetensors.tmp-{gone}-0")),
+            dir.join(format!("x.safetensors.bak-{gone}")),
+        ];
+        fs::write(&stale_file, b"half").unwrap();
+        fs::create_dir_all(stale_folder.join("inner")).unwrap();
+        fs::write(stale_folder.join("inner/model.safetensors"), b"half").unwrap();
+        for other in &kept {
+            fs::write(other, b"keep").unwrap();
+        }
+        write_atomically(&path, b"new").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        assert!(!stale_file.exists() && !stale_folder.exists());
+        for other in &kept {
+            assert_eq!(fs::read(other).unwrap(), b"keep", "{}", other.display());
+        }
+        fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

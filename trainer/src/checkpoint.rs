@@ -424,6 +424,8 @@ fn write_folder(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent)
         .with_context(|| format!("cannot create {}", parent.display()))?;
+    // Folders that writes killed mid-way left here, `<name>.tmp-<pid>` of a process now gone.
+    moekit::golden::remove_stale_temporaries(dir);
     let mut tmp_name = dir.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp = dir.with_file_name(tmp_name);
@@ -710,6 +712,32 @@ pub fn begin_training(folder: &Path, step: usize) -> Result<PathBuf> {
 /// Where the checkpoint of `step` is written before it is renamed into place.
 pub fn staging_folder(folder: &Path, step: usize) -> PathBuf {
     folder.join(format!("{}.tmp", step_folder(step)))
+}
+
+/// Removes the staging folders ([`staging_folder`]) that saves interrupted by a crash or a kill
+/// left in `folder`; nothing else. For the one process that manages `folder`, before it saves.
+pub fn remove_stale_staging(folder: &Path) -> Result<()> {
+    if !folder.exists() {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(folder)
+        .with_context(|| format!("cannot list checkpoints in {}", folder.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name();
+        let is_staging = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.strip_suffix(".tmp"))
+            .is_some_and(|step| step.parse::<usize>().is_ok());
+        if is_staging && entry.file_type()?.is_dir() {
+            let path = entry.path();
+            std::fs::remove_dir_all(&path)
+                .with_context(|| format!("cannot remove {}", path.display()))?;
+            eprintln!("removed {}, left by an interrupted save", path.display());
+        }
+    }
+    Ok(())
 }
 
 /// Stage 2 (every rank): rank `rank` of `ranks`' parameters and optimizer state into `tmp`.

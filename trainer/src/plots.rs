@@ -46,7 +46,8 @@ fn ensure_font() -> Result<()> {
     .map_err(|message| anyhow!(message))
 }
 
-/// Draws into a temporary PNG beside `path` and renames it into place.
+/// Draws into a temporary PNG beside `path` (`.<stem>.tmp-<pid>.png`) and renames it into
+/// place; the temporaries of killed runs are removed first.
 fn draw_png(
     path: &Path,
     size: (u32, u32),
@@ -54,7 +55,16 @@ fn draw_png(
 ) -> Result<()> {
     ensure_font()?;
     let name = path.file_stem().unwrap_or_default().to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}.png", std::process::id()));
+    let (prefix, suffix) = (format!(".{name}.tmp-"), ".png");
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        moekit::golden::remove_stale_temporaries_named(dir, &prefix, suffix);
+    }
+    let tmp = path.with_file_name(format!("{prefix}{}{suffix}", std::process::id()));
     let result = (|| {
         let root = BitMapBackend::new(&tmp, size).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;

@@ -15,8 +15,8 @@ use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{
     Selection, TrainingCheckpoint, TrainingState, abandon_training, assign_params, begin_training,
-    finish_training, load_hf, load_training_shard, save_training, select_checkpoint,
-    set_aside_damaged, staging_folder, step_folder, write_training_shard,
+    finish_training, load_hf, load_training_shard, remove_stale_staging, save_training,
+    select_checkpoint, set_aside_damaged, staging_folder, step_folder, write_training_shard,
 };
 use crate::config::{JobConfig, ParamDtype};
 use crate::data::{Batches, Source, TextTokenizer};
@@ -235,10 +235,13 @@ impl Trainer {
             }
             None => selection?,
         };
-        // Every rank has chosen (reading only); one process sets the damaged ones aside.
+        // Every rank has chosen (reading only); one process sets the damaged ones aside and
+        // removes the staging folders of interrupted saves.
         let set_aside = match &trainer.group {
             Some(group) if group.rank() != 0 => Ok(()),
-            _ => set_aside_damaged(&selection),
+            _ if !config.checkpoint.enable => Ok(()),
+            _ => set_aside_damaged(&selection)
+                .and_then(|()| remove_stale_staging(&trainer.checkpoint_folder())),
         };
         match &trainer.group {
             Some(group) => group.all_ok(set_aside)?,

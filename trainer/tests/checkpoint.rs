@@ -306,6 +306,23 @@ fn only_the_newest_checkpoints_are_kept() {
     let dir = scratch("rotate");
     let config = debug_config();
     let dump = dir.to_str().unwrap();
+    // What a run killed while saving or drawing leaves behind: a staging folder and a plot's
+    // temporary, of a process that is gone; and files of other kinds, which stay.
+    let mut child = Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let gone = child.id();
+    let staging = dir.join("checkpoints/step-00000012.tmp");
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::write(staging.join("model.safetensors"), b"half").unwrap();
+    let plot = dir.join(format!(".loss.tmp-{gone}.png"));
+    std::fs::write(&plot, b"half").unwrap();
+    let kept = [
+        dir.join("checkpoints/notes.tmp"),
+        dir.join(".loss.tmp-x.png"),
+    ];
+    for file in &kept {
+        std::fs::write(file, b"keep").unwrap();
+    }
     succeed(&train_args(
         dump,
         &config,
@@ -321,7 +338,19 @@ fn only_the_newest_checkpoints_are_kept() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, ["step-00000016", "step-00000020"]);
+    assert_eq!(names, ["notes.tmp", "step-00000016", "step-00000020"]);
+    assert!(!plot.exists());
+    for file in &kept {
+        assert_eq!(std::fs::read(file).unwrap(), b"keep");
+    }
+
+    // An export's folder temporary of a killed process goes; the export lands.
+    let out = dir.join("hf");
+    let stale = dir.join(format!("hf.tmp-{gone}"));
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("config.json"), b"{").unwrap();
+    succeed(&export_args(&dir.join("checkpoints/step-00000020"), &out));
+    assert!(!stale.exists() && out.join("model.safetensors").is_file());
     std::fs::remove_dir_all(dir).unwrap();
 }
 
