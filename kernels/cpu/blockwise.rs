@@ -677,13 +677,16 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
     // not it is returned; a checkpoint in another dtype is a rounded copy.
     let (gate_up_shape, down_shape) = ([n, 2, i, b], [n, b, h]);
     let rounds_down = checkpoint && D::DTYPE != DType::F32;
-    let extent = |written: bool| usize::from(written);
+    // Buffers of outputs not written are empty: N = 0 blocks.
+    let (checkpoint_blocks, rounded_blocks) = (
+        if checkpoint { n } else { 0 },
+        if rounds_down { n } else { 0 },
+    );
     let mut down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &down_shape)?;
-    let mut down_rounded =
-        output_buffer::<D>(fwd::DOWN_ACTIVATIONS.name, &[extent(rounds_down) * n, b, h])?;
+    let mut down_rounded = output_buffer::<D>(fwd::DOWN_ACTIVATIONS.name, &[rounded_blocks, b, h])?;
     let mut gate_up_t = output_buffer::<G>(
         fwd::GATE_UP_ACTIVATIONS_T.name,
-        &[extent(checkpoint) * n, 2, i, b],
+        &[checkpoint_blocks, 2, i, b],
     )?;
     let gate_up_parts = parts_by_runs(&mut gate_up_t, &runs, 2 * i * b, checkpoint);
     let down_rounded_parts = parts_by_runs(&mut down_rounded, &runs, b * h, rounds_down);
