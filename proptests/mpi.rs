@@ -9,10 +9,14 @@
 //!   the `LocalComm` tests), for several routings including all tokens on rank 0.
 //! - With the argument `fault`, rank 1 gets a NaN in its tokens: every rank must report that
 //!   rank's error, and the binary exits non-zero (the test command checks both).
+//! - With the argument `stall`, rank 1 stops itself (SIGSTOP) before a barrier: the others must
+//!   end the job after the 1 s timeout, naming rank 1, rather than wait forever (the test
+//!   command checks the message and that `mpirun` exits non-zero in time).
 
 mod common;
 
-use std::process::ExitCode;
+use std::process::{Command, ExitCode};
+use std::time::Duration;
 
 use common::ep_layer::{EpCase, ep_data, run_rank, single_rank};
 use common::rows_exchange::RowsCase;
@@ -240,6 +244,22 @@ fn main() -> ExitCode {
         }
     };
     let rank = comm.rank();
+    if std::env::args().any(|a| a == "stall") {
+        let comm = comm.with_timeout(Duration::from_secs(1));
+        if rank == 1 {
+            let pid = std::process::id().to_string();
+            if let Err(err) = Command::new("kill").args(["-STOP", &pid]).status() {
+                report(format!("rank 1 cannot stop itself: {err}"));
+            }
+            // Continued only by mpirun ending the job.
+            return ExitCode::FAILURE;
+        }
+        let result = comm.barrier();
+        report(format!(
+            "rank {rank}: the barrier returned {result:?} although rank 1 was stopped"
+        ));
+        return ExitCode::FAILURE;
+    }
     if std::env::args().any(|a| a == "fault") {
         let c = EpCase {
             r: comm.size(),

@@ -60,34 +60,79 @@ every_rank_stops() {
     rm -f "${log}"
 }
 every_rank_stops 'rank 1: tensor `x`: non-finite' --features mpi --test mpi -- fault
-every_rank_stops 'rank(s) 1 loaded a different job config than rank 0' \
+every_rank_stops 'the ranks were given different job configs' \
     -p moekit-trainer --test expert_parallel -- mismatch
 
-# moekit-train launched wrongly under mpirun must stop every rank with a message and a
-# non-zero exit, never hang (timeout's 124 would mean a hang): E = 8 not divisible by R = 3,
-# and R = 2 asked of 3 ranks (MPI_Abort after the ranks agree on the error).
-# (The binary is the one `cargo test -p moekit-trainer` built above, in the test profile.)
-cargo test --locked -p moekit-trainer --no-run
-launch_fails() {
-    local ranks=$1 pattern=$2 log status
-    shift 2
+# fails_with PATTERN COMMAND...: COMMAND must exit non-zero within 300 s (timeout's 124 would
+# mean a hang) and print PATTERN.
+fails_with() {
+    local pattern=$1 log status
+    shift
     log=$(mktemp)
     set +e
-    timeout 300 mpirun -n "${ranks}" --oversubscribe target/debug/moekit-train train \
-        --config configs/qwen3_moe_debug.toml --job.dump_folder "$(mktemp -d)" "$@" >"${log}" 2>&1
+    timeout 300 "$@" >"${log}" 2>&1
     status=$?
     set -e
     if [ "${status}" -eq 0 ] || [ "${status}" -eq 124 ] || ! grep -qF "${pattern}" "${log}"; then
         cat "${log}" >&2
-        echo "moekit-train under mpirun -n ${ranks} $*: exit ${status}, expected a failure reporting \`${pattern}\`" >&2
+        echo "$*: exit ${status}, expected a failure reporting \`${pattern}\`" >&2
         exit 1
     fi
     rm -f "${log}"
+}
+
+# A rank that stops answering (SIGSTOP) ends the job after the timeout, naming it, instead of
+# holding the others forever.
+fails_with 'rank 0 stops: rank(s) 1 did not answer within 1 s' \
+    env "${runner}=mpirun -n 2" cargo test --locked --features mpi --test mpi -- stall
+
+# moekit-train launched wrongly under mpirun must stop every rank with a message and a
+# non-zero exit, never hang: E = 8 not divisible by R = 3, R = 2 asked of 3 ranks, R = 1 asked
+# of 2 ranks, and ranks given different degrees (MPI_Abort after the ranks agree on the error).
+# (The binary is the one `cargo test -p moekit-trainer` built above, in the test profile.)
+cargo test --locked -p moekit-trainer --no-run
+train=(target/debug/moekit-train train --config configs/qwen3_moe_debug.toml)
+launch_fails() {
+    local ranks=$1 pattern=$2
+    shift 2
+    fails_with "${pattern}" mpirun -n "${ranks}" --oversubscribe "${train[@]}" \
+        --job.dump_folder "$(mktemp -d)" "$@"
 }
 launch_fails 3 'parallelism.expert_parallel_degree = 3 must divide model.num_experts = 8' \
     --parallelism.expert_parallel_degree 3
 launch_fails 3 'parallelism.expert_parallel_degree = 2, but mpirun started 3 ranks' \
     --parallelism.expert_parallel_degree 2
+launch_fails 2 'parallelism.expert_parallel_degree = 1, but mpirun started 2 ranks'
+dump=$(mktemp -d)
+fails_with 'parallelism.expert_parallel_degree is 2 on rank 0, 1 on rank(s) 1' \
+    mpirun -n 1 "${train[@]}" --job.dump_folder "${dump}" --parallelism.expert_parallel_degree 2 : \
+    -n 1 "${train[@]}" --job.dump_folder "${dump}" --parallelism.expert_parallel_degree 1
+
+# A rank stopped mid-training: once rank 0 has logged a step, rank 1 gets SIGSTOP; rank 0 must
+# end the job after parallelism.collective_timeout_s, naming rank 1.
+dump=$(mktemp -d)
+log=$(mktemp)
+set +e
+timeout 300 mpirun -n 2 "${train[@]}" --job.dump_folder "${dump}" \
+    --parallelism.expert_parallel_degree 2 --parallelism.collective_timeout_s 3 \
+    --training.steps 1000000 --metrics.log_freq 1 >"${log}" 2>&1 &
+job=$!
+until [ -s "${dump}/metrics.jsonl" ] || ! kill -0 "${job}" 2>/dev/null; do sleep 0.2; done
+for pid in $(pgrep -f "${train[0]}"); do
+    if tr '\0' '\n' <"/proc/${pid}/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+        kill -STOP "${pid}"
+    fi
+done
+wait "${job}"
+status=$?
+set -e
+pattern='rank 0 stops: rank(s) 1 did not answer within 3 s'
+if [ "${status}" -eq 0 ] || [ "${status}" -eq 124 ] || ! grep -qF "${pattern}" "${log}"; then
+    cat "${log}" >&2
+    echo "a stopped rank 1: exit ${status}, expected a failure reporting \`${pattern}\`" >&2
+    exit 1
+fi
+rm -rf "${log}" "${dump}"
 
 # build.rs binds the Neuron SDK's headers where NEURON_RUNTIME_INCLUDE_DIR holds nrt/nrt.h:
 # exercise that path with the project's declarations laid out as the SDK installs them.

@@ -391,7 +391,7 @@ fn mpi_bench(
     if comm.rank() == 0 {
         print!(
             "{}",
-            exchange::table("MpiComm (Open MPI, MPI_Alltoallv)", shape, &rows)
+            exchange::table("MpiComm (Open MPI, point-to-point rounds)", shape, &rows)
         );
     }
     Ok(())

@@ -2,14 +2,18 @@
 //! `mpirun -n R ...`.
 
 use std::borrow::Cow;
+use std::io::Write;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use mpi::datatype::{Buffer, Equivalence, Partition, PartitionMut, UserDatatype, View};
+use mpi::datatype::{Buffer, Equivalence, UserDatatype, View};
 use mpi::environment::Universe;
-use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Source};
+use mpi::point_to_point::{Message, Status};
+use mpi::request::{Request, Scope};
+use mpi::topology::{Process, SimpleCommunicator};
+use mpi::traits::{Communicator as _, Destination, Source};
 use mpi::{Address, Tag};
 
 use super::comm::{
@@ -25,13 +29,31 @@ use crate::uninit::{assume_init, uninit, write_copy};
 /// exits non-zero with MPI's message; moekit's errors reach every rank before anything but
 /// the ranks' verdicts is exchanged ([`agree`](super::agree), or the status words that open
 /// the exchange kernels' first exchange).
+///
+/// Every operation travels point to point and is polled, never waited on blindly: a rank that
+/// does not answer within the [timeout](Self::with_timeout) (stopped, hung, or its host lost)
+/// ends the job, with a message naming it, instead of holding the others forever. MPI still
+/// holds the waiting rank's buffers then, so the call cannot return: it prints the message and
+/// `MPI_Abort`s, which stops every rank, the silent ones included.
 pub struct MpiComm {
     world: SimpleCommunicator,
+    timeout: Duration,
     // Declared after `world`, so MPI is finalised after the communicator is released.
     _universe: Universe,
 }
 
+/// Environment variables MPI launchers set in the processes they start: Open MPI's `mpirun`,
+/// PMIx (`prterun`, Slurm's `srun --mpi=pmix`) and MPICH's Hydra (PMI).
+const LAUNCHER_VARIABLES: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"];
+
+/// Exit status of a job [`MpiComm`] ends because a rank did not answer.
+const UNANSWERED_EXIT: i32 = 3;
+
 impl MpiComm {
+    /// How long an operation waits for the other ranks unless [`Self::with_timeout`] says
+    /// otherwise (what PyTorch's process groups wait by default).
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
     /// Initialises MPI; an error if it is already initialised in this process.
     pub fn init() -> Result<Self> {
         let universe = mpi::initialize().ok_or_else(|| Error::Collective {
@@ -40,8 +62,27 @@ impl MpiComm {
         })?;
         Ok(Self {
             world: universe.world(),
+            timeout: Self::DEFAULT_TIMEOUT,
             _universe: universe,
         })
+    }
+
+    /// Whether an MPI launcher (`mpirun`, `srun`, `mpiexec`) started this process, so that it
+    /// has peers to meet in `MPI_Init`.
+    pub fn launched() -> bool {
+        LAUNCHER_VARIABLES
+            .iter()
+            .any(|name| std::env::var_os(name).is_some())
+    }
+
+    /// How long each operation waits for the other ranks before ending the job.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        Self { timeout, ..self }
+    }
+
+    /// How long each operation waits for the other ranks before ending the job.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 }
 
@@ -53,10 +94,38 @@ impl MpiComm {
     }
 }
 
-/// Tag of the point-to-point messages of the word and row exchanges (collectives travel in
-/// their own context, apart from them). Each exchange sends one message per pair of ranks, and
-/// MPI keeps the messages of a pair in order, so every exchange meets its own messages.
+/// Tag of every message. Each round sends one message per ordered pair of ranks, and MPI
+/// keeps the messages of a pair in order, so every round meets its own messages.
 const P2P_TAG: Tag = 0x726f;
+
+/// What a round carries.
+trait Element: Equivalence {
+    /// Its name in messages, plural.
+    const PLURAL: &'static str;
+}
+
+impl Element for f32 {
+    const PLURAL: &'static str = "words";
+}
+
+impl Element for u8 {
+    const PLURAL: &'static str = "bytes";
+}
+
+impl Element for u64 {
+    const PLURAL: &'static str = "counts";
+}
+
+/// When the operation under way gives up on the ranks that have not answered (`None`: a
+/// timeout too long to represent, never).
+#[derive(Clone, Copy)]
+struct Deadline(Option<Instant>);
+
+impl Deadline {
+    fn passed(self) -> bool {
+        self.0.is_some_and(|at| Instant::now() >= at)
+    }
+}
 
 /// A receive slot MPI fills: `T`'s datatype over memory that needs no initialisation first
 /// (a receive buffer is written whole before it is read, so zero-filling it would be a pass
@@ -100,58 +169,83 @@ fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, 
 }
 
 impl MpiComm {
-    /// `MPI_Alltoallv` of bytes, preceded by an `MPI_Alltoall` of the counts.
-    fn all_to_all_v_bytes(
-        &self,
-        send: &[u8],
-        send_counts: &[usize],
-    ) -> Result<(Vec<u8>, Vec<usize>)> {
-        let (rank, size) = (self.rank(), self.size());
-        let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
-        let mut recv_counts = vec![0i32; size];
-        self.world
-            .all_to_all_into(&counts[..], &mut recv_counts[..]);
-        let recv_usize: Vec<usize> = recv_counts.iter().map(|&c| c as usize).collect();
-        let (recv_counts, recv_displacements) = counts_and_displacements(rank, &recv_usize)?;
-        let total: usize = recv_usize.iter().sum();
-        // Buffers of at least one element: two empty slices can share a dangling address,
-        // which Open MPI rejects as an aliased (in-place) send and receive buffer.
-        let mut received = uninit::<u8>(total.max(1));
-        let placeholder = [0u8];
-        let send = if send.is_empty() {
-            &placeholder[..]
-        } else {
-            send
-        };
-        {
-            let send = Partition::new(send, &counts[..], &displacements[..]);
-            let mut recv = PartitionMut::new(
-                as_slots(&mut received),
-                &recv_counts[..],
-                &recv_displacements[..],
-            );
-            self.world.all_to_all_varcount_into(&send, &mut recv);
-        }
-        received.truncate(total);
-        // SAFETY: `MPI_Alltoallv` wrote every one of the `total` bytes: each source sends
-        // exactly the count it announced in the `MPI_Alltoall`.
-        Ok((unsafe { assume_init(received) }, recv_usize))
+    /// When an operation starting now gives up.
+    fn deadline(&self) -> Deadline {
+        Deadline(Instant::now().checked_add(self.timeout))
     }
-}
 
-impl MpiComm {
-    /// One point-to-point round, every message posted at once: a receive from each other rank
-    /// into its chunk of `out` (the words `chunks[src]`: ascending, disjoint ranges; this
-    /// rank's own chunk and the words between chunks are left alone) and each `(dst, buffer)`
-    /// of `sends`. A source that sent fewer words than its chunk holds is an error naming it
-    /// (more is MPI's truncation error).
-    fn round<S: Buffer + ?Sized>(
+    /// Ends the job because the ranks `silent` did not answer by the deadline: see the type's
+    /// docs for why the call cannot return.
+    fn unanswered(&self, silent: &[usize]) -> ! {
+        let silent: Vec<String> = silent.iter().map(usize::to_string).collect();
+        let line = format!(
+            "rank {} stops: rank(s) {} did not answer within {} s (stopped, hung or lost); \
+             aborting the job\n",
+            self.rank(),
+            silent.join(", "),
+            self.timeout.as_secs_f64()
+        );
+        // One write, so that the lines of several ranks do not interleave.
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        self.world.abort(UNANSWERED_EXIT)
+    }
+
+    /// Completes `requests`, each paired with the rank at its other end; returns each one's
+    /// status with that rank, in the order they completed. Polls rather than blocks, so that a
+    /// rank that never answers ends the job at `deadline` ([`Self::unanswered`]).
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(
         &self,
-        out: &mut [MaybeUninit<f32>],
+        mut pending: Vec<(usize, Request<'a, D, S>)>,
+        deadline: Deadline,
+    ) -> Vec<(usize, Status)> {
+        let mut done = Vec::with_capacity(pending.len());
+        loop {
+            let mut waiting = Vec::with_capacity(pending.len());
+            for (rank, request) in pending {
+                match request.test() {
+                    Ok(status) => done.push((rank, status)),
+                    Err(request) => waiting.push((rank, request)),
+                }
+            }
+            if waiting.is_empty() {
+                return done;
+            }
+            if deadline.passed() {
+                let silent: Vec<usize> = waiting.iter().map(|&(rank, _)| rank).collect();
+                self.unanswered(&silent);
+            }
+            pending = waiting;
+            // Lets an oversubscribed peer run (more ranks than cores).
+            std::thread::yield_now();
+        }
+    }
+
+    /// Matches the next message from `from` (rank `src`), waiting for it until `deadline`.
+    fn probe(&self, from: &Process<'_>, src: usize, deadline: Deadline) -> (Message, Status) {
+        loop {
+            if let Some(matched) = from.immediate_matched_probe_with_tag(P2P_TAG) {
+                return matched;
+            }
+            if deadline.passed() {
+                self.unanswered(&[src]);
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// One point-to-point round, every message posted at once: a receive from each other rank
+    /// into its chunk of `out` (the elements `chunks[src]`: ascending, disjoint ranges; this
+    /// rank's own chunk and the elements between chunks are left alone) and each
+    /// `(dst, buffer)` of `sends`. A source that sent fewer elements than its chunk holds is an
+    /// error naming it (more is MPI's truncation error).
+    fn round<T: Element, S: Buffer + ?Sized>(
+        &self,
+        out: &mut [MaybeUninit<T>],
         chunks: &[Range<usize>],
         sends: &[(usize, &S)],
     ) -> Result<()> {
         let rank = self.rank();
+        let deadline = self.deadline();
         let mut rest = as_slots(out);
         let mut consumed = 0;
         let chunks: Vec<_> = chunks
@@ -164,43 +258,86 @@ impl MpiComm {
                 chunk
             })
             .collect();
-        let mut short = None;
-        mpi::request::scope(|scope| {
+        let expected: Vec<usize> = chunks.iter().map(|chunk| chunk.len()).collect();
+        let received = mpi::request::scope(|scope| {
             let receives: Vec<_> = chunks
                 .into_iter()
                 .enumerate()
                 .filter(|&(src, _)| src != rank)
                 .map(|(src, chunk)| {
                     let from = self.world.process_at_rank(src as i32);
-                    let expected = chunk.len();
-                    let request = from.immediate_receive_into_with_tag(scope, chunk, P2P_TAG);
-                    (src, expected, request)
+                    (
+                        src,
+                        from.immediate_receive_into_with_tag(scope, chunk, P2P_TAG),
+                    )
                 })
                 .collect();
             let sends: Vec<_> = sends
                 .iter()
                 .map(|&(dst, buffer)| {
                     let to = self.world.process_at_rank(dst as i32);
-                    to.immediate_send_with_tag(scope, buffer, P2P_TAG)
+                    (dst, to.immediate_send_with_tag(scope, buffer, P2P_TAG))
                 })
                 .collect();
-            for (src, expected, request) in receives {
-                let got = request.wait().count(f32::equivalent_datatype()) as usize;
-                if got != expected && short.is_none() {
-                    short = Some((src, got, expected));
-                }
-            }
-            for request in sends {
-                request.wait();
-            }
+            let received = self.complete(receives, deadline);
+            self.complete(sends, deadline);
+            received
         });
+        let short = received
+            .into_iter()
+            .map(|(src, status)| (src, status.count(T::equivalent_datatype()) as usize))
+            .filter(|&(src, got)| got != expected[src])
+            .min();
         match short {
-            Some((src, got, expected)) => Err(Error::Collective {
+            Some((src, got)) => Err(Error::Collective {
                 rank: src,
-                message: format!("sent {got} words where rank {rank} expected {expected}"),
+                message: format!(
+                    "sent {got} {} where rank {rank} expected {}",
+                    T::PLURAL,
+                    expected[src]
+                ),
             }),
             None => Ok(()),
         }
+    }
+
+    /// Variable all-to-all of bytes: a round of the counts (one `u64` to each rank), then one
+    /// of the bytes.
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+    ) -> Result<(Vec<u8>, Vec<usize>)> {
+        let (rank, size) = (self.rank(), self.size());
+        let (_, displacements) = counts_and_displacements(rank, send_counts)?;
+        let others = || (0..size).filter(move |&peer| peer != rank);
+
+        let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
+        let mut recv_counts = uninit::<u64>(size);
+        recv_counts[rank].write(counts[rank]);
+        let sends: Vec<(usize, &[u64])> =
+            others().map(|dst| (dst, &counts[dst..dst + 1])).collect();
+        let slots: Vec<Range<usize>> = (0..size).map(|src| src..src + 1).collect();
+        self.round(&mut recv_counts, &slots, &sends)?;
+        // SAFETY: this rank's count was written, every other one received.
+        let recv_counts: Vec<usize> = unsafe { assume_init(recv_counts) }
+            .into_iter()
+            .map(|c| usize::try_from(c).unwrap_or(usize::MAX))
+            .collect();
+        counts_and_displacements(rank, &recv_counts)?;
+
+        let chunks = RowChunks::Packed(&recv_counts);
+        let chunks: Vec<Range<usize>> = (0..size).map(|src| chunks.range(src)).collect();
+        let mut received = uninit::<u8>(chunks[size - 1].end);
+        let chunk = |dst: usize| {
+            let start = displacements[dst] as usize;
+            &send[start..start + send_counts[dst]]
+        };
+        write_copy(&mut received[chunks[rank].clone()], chunk(rank));
+        let sends: Vec<(usize, &[u8])> = others().map(|dst| (dst, chunk(dst))).collect();
+        self.round(&mut received, &chunks, &sends)?;
+        // SAFETY: this rank's chunk was copied, every other one received whole.
+        Ok((unsafe { assume_init(received) }, recv_counts))
     }
 }
 
@@ -278,13 +415,14 @@ impl Communicator for MpiComm {
                 Ok(Received::contiguous(values, known))
             }
             None => {
+                let deadline = self.deadline();
                 let mut chunks: Vec<(Arc<Vec<f32>>, Range<usize>)> = Vec::with_capacity(size);
                 mpi::request::scope(|scope| {
                     let sends: Vec<_> = (0..size)
                         .filter(|&dst| dst != rank)
                         .map(|dst| {
                             let to = self.world.process_at_rank(dst as i32);
-                            to.immediate_send_with_tag(scope, chunk(dst), P2P_TAG)
+                            (dst, to.immediate_send_with_tag(scope, chunk(dst), P2P_TAG))
                         })
                         .collect();
                     for src in 0..size {
@@ -292,18 +430,22 @@ impl Communicator for MpiComm {
                             chunk(rank).to_vec()
                         } else {
                             let from = self.world.process_at_rank(src as i32);
-                            let (message, status) = from.matched_probe_with_tag(P2P_TAG);
+                            let (message, status) = self.probe(&from, src, deadline);
                             let mut values = uninit::<f32>(status.count(float) as usize);
-                            message.matched_receive_into(as_slots(&mut values));
+                            mpi::request::scope(|receiving| {
+                                let request = message.immediate_matched_receive_into(
+                                    receiving,
+                                    as_slots(&mut values),
+                                );
+                                self.complete(vec![(src, request)], deadline);
+                            });
                             // SAFETY: the buffer holds exactly the probed message.
                             unsafe { assume_init(values) }
                         };
                         let len = values.len();
                         chunks.push((Arc::new(values), 0..len));
                     }
-                    for request in sends {
-                        request.wait();
-                    }
+                    self.complete(sends, deadline);
                 });
                 Ok(Received::from_chunks(chunks))
             }
@@ -391,17 +533,22 @@ impl Communicator for MpiComm {
         self.round(out, &chunks, &sends)
     }
 
+    /// Every rank's buffer gathered (a round), then summed in rank order: bit-identical on
+    /// every rank (`MPI_Allreduce`'s order is the implementation's).
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
-        // Gathered, then summed in rank order: bit-identical on every rank (MPI_Allreduce's
-        // order is the implementation's).
-        let size = self.size();
-        if buffer.is_empty() {
-            return self.barrier();
-        }
-        let mut all = vec![0f32; buffer.len() * size];
-        self.world.all_gather_into(&buffer[..], &mut all[..]);
+        let (rank, size, len) = (self.rank(), self.size(), buffer.len());
+        let mut all = uninit::<f32>(len * size);
+        write_copy(&mut all[rank * len..], buffer);
+        let chunks: Vec<Range<usize>> = (0..size).map(|src| src * len..(src + 1) * len).collect();
+        let sends: Vec<(usize, &[f32])> = (0..size)
+            .filter(|&dst| dst != rank)
+            .map(|dst| (dst, &buffer[..]))
+            .collect();
+        self.round(&mut all, &chunks, &sends)?;
+        // SAFETY: this rank's chunk was copied, every other one received whole.
+        let all = unsafe { assume_init(all) };
         buffer.fill(0.0);
-        for chunk in all.chunks_exact(buffer.len().max(1)).take(size) {
+        for chunk in all.chunks_exact(len.max(1)) {
             for (sum, v) in buffer.iter_mut().zip(chunk) {
                 *sum += v;
             }
@@ -409,8 +556,14 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
+    /// A round of empty messages: every rank has reached it once each has heard from all.
     fn barrier(&self) -> Result<()> {
-        self.world.barrier();
-        Ok(())
+        let rank = self.rank();
+        let sends: Vec<(usize, &[f32])> = (0..self.size())
+            .filter(|&dst| dst != rank)
+            .map(|dst| (dst, &[][..]))
+            .collect();
+        let empty: Vec<Range<usize>> = vec![0..0; self.size()];
+        self.round::<f32, _>(&mut [], &empty, &sends)
     }
 }

@@ -12,12 +12,14 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
+use moekit::ep::MpiComm;
+
 use crate::device::TrainDevice;
 use crate::model::Qwen3MoeConfig;
 use crate::moe::{MoeImpl, check_grouped_mm_alignment};
 
 /// A validated job config.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct JobConfig {
     pub job: Job,
     pub model: Qwen3MoeConfig,
@@ -32,7 +34,7 @@ pub struct JobConfig {
 }
 
 /// `[job]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Job {
     /// Where metrics (and later checkpoints and plots) are written; relative paths are taken
@@ -46,7 +48,7 @@ pub struct Job {
 }
 
 /// `[kernels]`: which implementation runs the MoE experts.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Kernels {
     pub moe: MoeImpl,
@@ -60,7 +62,7 @@ fn default_block_size() -> usize {
 }
 
 /// `[training]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Training {
     /// Optimizer steps.
@@ -115,7 +117,7 @@ fn one() -> usize {
 }
 
 /// `[parallelism]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Parallelism {
     /// R, the ranks the experts of every MoE layer are sharded over (each holds E/R of them,
@@ -123,10 +125,18 @@ pub struct Parallelism {
     /// `mpirun -n R`.
     #[serde(default = "one")]
     pub expert_parallel_degree: usize,
+    /// Seconds a rank waits in an exchange for the others before the job stops with an error
+    /// naming the ranks that did not answer (stopped, hung or lost).
+    #[serde(default = "default_collective_timeout_s")]
+    pub collective_timeout_s: u64,
+}
+
+fn default_collective_timeout_s() -> u64 {
+    MpiComm::DEFAULT_TIMEOUT.as_secs()
 }
 
 /// `[optimizer]`: AdamW with decoupled weight decay (PyTorch's `torch.optim.AdamW`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Optimizer {
     #[serde(default = "default_optimizer_name")]
@@ -152,7 +162,7 @@ fn default_eps() -> f64 {
 }
 
 /// How the learning rate decays after warmup.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum DecayType {
     Cosine,
@@ -162,7 +172,7 @@ pub enum DecayType {
 
 /// `[lr_scheduler]`: linear warmup from `lr / warmup_steps` to `optimizer.lr` over
 /// `warmup_steps`, then decay to `min_lr_factor · lr` at the last step.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LrScheduler {
     #[serde(default)]
@@ -178,7 +188,7 @@ fn default_decay_type() -> DecayType {
 }
 
 /// `[data]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Data {
     /// `"byte"` (one token per UTF-8 byte, ids 0–255) or the path of a Hugging Face
@@ -195,7 +205,7 @@ fn default_tokenizer() -> String {
 }
 
 /// `[checkpoint]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Checkpoint {
     /// Save training checkpoints, and resume from the newest one found in `folder`.
@@ -227,7 +237,7 @@ fn default_keep_latest_k() -> usize {
 }
 
 /// `[metrics]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Metrics {
     /// Print a progress line every `log_freq` steps (and at the last step).
@@ -275,6 +285,31 @@ impl JobConfig {
         }
         let base = path.parent().unwrap_or(Path::new("."));
         Self::from_table(table, base).with_context(|| format!("in job config {}", path.display()))
+    }
+
+    /// Every setting, defaults included, as `("section.key", value in JSON)` sorted by key: what
+    /// ranks compare to agree that they run the same job.
+    pub fn entries(&self) -> Result<Vec<(String, String)>> {
+        fn flatten(key: String, value: serde_json::Value, entries: &mut Vec<(String, String)>) {
+            match value {
+                serde_json::Value::Object(fields) => {
+                    for (name, value) in fields {
+                        flatten(format!("{key}.{name}"), value, entries);
+                    }
+                }
+                value => entries.push((key, value.to_string())),
+            }
+        }
+        let serde_json::Value::Object(sections) =
+            serde_json::to_value(self).context("cannot serialise the job config")?
+        else {
+            bail!("the job config did not serialise to sections");
+        };
+        let mut entries = Vec::new();
+        for (name, value) in sections {
+            flatten(name, value, &mut entries);
+        }
+        Ok(entries)
     }
 
     /// Builds and validates a config from a parsed TOML table; relative paths are taken from
@@ -335,6 +370,10 @@ impl JobConfig {
         ensure!(
             ranks >= 1,
             "parallelism.expert_parallel_degree must be at least 1, got 0"
+        );
+        ensure!(
+            self.parallelism.collective_timeout_s >= 1,
+            "parallelism.collective_timeout_s must be at least 1, got 0"
         );
         if ranks == 1 {
             return Ok(());

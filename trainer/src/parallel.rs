@@ -8,8 +8,9 @@
 //! first summed over the ranks (each rank's expert gradients already hold every rank's tokens,
 //! which dispatch and combine brought to it).
 
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use moekit::ep::{Communicator, MpiComm, agree, agree_with_values};
@@ -24,8 +25,8 @@ pub struct RankGroup {
 }
 
 impl RankGroup {
-    /// The group of `comm`'s ranks for `config`; checks, on every rank alike, that there are
-    /// `expert_parallel_degree` of them and that all loaded the same job config, so a mismatch
+    /// The group of `comm`'s ranks for `config`; checks, on every rank alike, that all loaded
+    /// the same job config and that there are `expert_parallel_degree` of them, so a mismatch
     /// is the same error on every rank.
     pub fn new(comm: Rc<dyn Communicator>, config: &JobConfig) -> Result<RankGroup> {
         let ranks = config.parallelism.expert_parallel_degree;
@@ -41,23 +42,29 @@ impl RankGroup {
         Ok(group)
     }
 
-    /// Every rank shares a fingerprint of its validated config; all fail alike on a mismatch.
+    /// Every rank sends every other its whole validated config ([`JobConfig::entries`]), and
+    /// each compares every rank's with rank 0's: on any difference all fail alike, naming the
+    /// keys and their values.
     fn check_same_job(&self, config: &JobConfig) -> Result<()> {
-        let mut hasher = DefaultHasher::new();
-        format!("{config:?}").hash(&mut hasher);
-        let fingerprint = hasher.finish() as i64;
-        let ((), values) = agree_with_values(self.comm.as_ref(), Ok(((), vec![fingerprint])))?;
-        let differing: Vec<String> = values
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.first() != values[0].first())
-            .map(|(rank, _)| rank.to_string())
-            .collect();
-        if !differing.is_empty() {
+        let local = serde_json::to_vec(&config.entries()?)?;
+        let size = self.ranks();
+        let send = local.repeat(size);
+        let (received, counts) = self.comm.all_to_all_v(&send, &vec![local.len(); size])?;
+        let mut configs = Vec::with_capacity(size);
+        let mut offset = 0;
+        for (rank, count) in counts.into_iter().enumerate() {
+            let entries: Vec<(String, String)> =
+                serde_json::from_slice(&received[offset..offset + count])
+                    .with_context(|| format!("rank {rank} sent a malformed job config"))?;
+            configs.push(entries.into_iter().collect::<BTreeMap<_, _>>());
+            offset += count;
+        }
+        let differences = config_differences(&configs);
+        if !differences.is_empty() {
             bail!(
-                "rank(s) {} loaded a different job config than rank 0 (every rank must get the \
-                 same --config file and overrides)",
-                differing.join(", ")
+                "the ranks were given different job configs (every rank must get the same \
+                 --config file and overrides): {}",
+                differences.join("; ")
             );
         }
         Ok(())
@@ -174,17 +181,144 @@ impl RankGroup {
     }
 }
 
-/// MPI's world when `config` asks for expert parallelism (`None` otherwise): initialised once
-/// per process by its `main`, and finalised when the last handle is dropped.
+/// The keys where some rank's config (`configs[rank]`: key → value) differs from rank 0's, as
+/// "`key` is `v0` on rank 0, `v` on rank(s) …", the first [`DIFFERENCES_SHOWN`] of them.
+fn config_differences(configs: &[BTreeMap<String, String>]) -> Vec<String> {
+    let keys: BTreeSet<&String> = configs.iter().flat_map(BTreeMap::keys).collect();
+    let value = |rank: usize, key: &String| {
+        configs[rank]
+            .get(key)
+            .map_or("unset", String::as_str)
+            .to_owned()
+    };
+    let mut differences: Vec<String> = keys
+        .into_iter()
+        .filter_map(|key| {
+            let reference = value(0, key);
+            let mut others: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for rank in 1..configs.len() {
+                let theirs = value(rank, key);
+                if theirs != reference {
+                    others.entry(theirs).or_default().push(rank.to_string());
+                }
+            }
+            (!others.is_empty()).then(|| {
+                let others: Vec<String> = others
+                    .into_iter()
+                    .map(|(theirs, ranks)| format!("{theirs} on rank(s) {}", ranks.join(", ")))
+                    .collect();
+                format!("{key} is {reference} on rank 0, {}", others.join(", "))
+            })
+        })
+        .collect();
+    let hidden = differences.len().saturating_sub(DIFFERENCES_SHOWN);
+    if hidden > 0 {
+        differences.truncate(DIFFERENCES_SHOWN);
+        differences.push(format!("and {hidden} more"));
+    }
+    differences
+}
+
+/// How many differing keys a config mismatch names.
+const DIFFERENCES_SHOWN: usize = 8;
+
+/// MPI's world when this process has peers: `config` asks for expert parallelism, or an MPI
+/// launcher started it (`None` otherwise, and for `mpirun -n 1` of a one-rank job). Under a
+/// launcher MPI starts whatever the degree, so that a rank given a config unlike its peers'
+/// (degree 1 among ranks of degree 2, say) stops with them instead of training alone.
+/// Initialised once per process by its `main`, finalised when the last handle is dropped.
 pub fn init_mpi(config: &JobConfig) -> Result<Option<Rc<MpiComm>>> {
-    if config.parallelism.expert_parallel_degree == 1 {
+    let ranks = config.parallelism.expert_parallel_degree;
+    if ranks == 1 && !MpiComm::launched() {
         return Ok(None);
     }
-    let comm = MpiComm::init().context("cannot initialise MPI")?;
+    let timeout = Duration::from_secs(config.parallelism.collective_timeout_s);
+    let comm = MpiComm::init()
+        .context("cannot initialise MPI")?
+        .with_timeout(timeout);
+    if ranks == 1 && comm.size() == 1 {
+        return Ok(None);
+    }
     Ok(Some(Rc::new(comm)))
 }
 
 /// Whether `name` is a sharded expert weight (`...mlp.experts.gate_up_proj`, `down_proj`).
 pub fn is_expert_parameter(name: &str) -> bool {
     name.contains(".mlp.experts.")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// The debug job config with `overrides`, as the map of its entries.
+    fn entries(overrides: &[(&str, &str)]) -> BTreeMap<String, String> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_moe_debug.toml");
+        let overrides: Vec<(String, String)> = overrides
+            .iter()
+            .map(|&(key, value)| (key.to_owned(), value.to_owned()))
+            .collect();
+        let config = JobConfig::load(&path, &overrides).expect("the debug config loads");
+        config
+            .entries()
+            .expect("the config serialises")
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn entries_hold_every_setting_with_its_default() {
+        let entries = entries(&[("job.dump_folder", "\"out\"")]);
+        assert_eq!(entries["parallelism.expert_parallel_degree"], "1");
+        assert_eq!(
+            entries["parallelism.collective_timeout_s"],
+            MpiComm::DEFAULT_TIMEOUT.as_secs().to_string()
+        );
+        assert_eq!(entries["job.dump_folder"], "\"out\"");
+        assert_eq!(entries["optimizer.lr"], "0.003");
+        assert!(entries.contains_key("model.num_experts"));
+    }
+
+    #[test]
+    fn differences_name_each_key_its_values_and_ranks() {
+        let base = entries(&[]);
+        assert!(config_differences(&[base.clone(), base.clone()]).is_empty());
+        let seed = entries(&[("job.seed", "1")]);
+        let seed_and_lr = entries(&[("job.seed", "1"), ("optimizer.lr", "1e-3")]);
+        assert_eq!(
+            config_differences(&[base, seed, seed_and_lr]),
+            [
+                "job.seed is 0 on rank 0, 1 on rank(s) 1, 2",
+                "optimizer.lr is 0.003 on rank 0, 0.001 on rank(s) 2",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_key_only_one_rank_has_is_unset_on_the_others() {
+        let base = entries(&[]);
+        let mut extra = base.clone();
+        extra.insert("job.extra".to_owned(), "7".to_owned());
+        assert_eq!(
+            config_differences(&[base, extra]),
+            ["job.extra is unset on rank 0, 7 on rank(s) 1"]
+        );
+    }
+
+    #[test]
+    fn many_differences_are_cut_short_with_a_count() {
+        let base = entries(&[]);
+        let other: BTreeMap<String, String> = base
+            .iter()
+            .map(|(key, value)| (key.clone(), format!("{value}0")))
+            .collect();
+        let differences = config_differences(&[base.clone(), other]);
+        assert_eq!(differences.len(), DIFFERENCES_SHOWN + 1);
+        assert_eq!(
+            differences[DIFFERENCES_SHOWN],
+            format!("and {} more", base.len() - DIFFERENCES_SHOWN)
+        );
+    }
 }

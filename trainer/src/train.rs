@@ -168,8 +168,8 @@ impl Trainer {
             tch::set_num_threads(config.training.threads as i32);
         }
         let group = match (config.parallelism.expert_parallel_degree, comm) {
-            (1, _) => None,
             (_, Some(comm)) => Some(RankGroup::new(comm, config)?),
+            (1, None) => None,
             (ranks, None) => bail!(
                 "parallelism.expert_parallel_degree = {ranks} needs MPI: launch with \
                  `mpirun -n {ranks} moekit-train ...`"

@@ -378,6 +378,13 @@ fn expert_parallelism_needs_divisible_experts_moekit_kernels_and_mpi() {
     assert!(format!("{err:#}").contains("at least 1"), "{err:#}");
     let err = load(&[("parallelism.ranks", "2")]).unwrap_err();
     assert!(format!("{err:#}").contains("ranks"), "{err:#}");
+    let err = load(&[("parallelism.collective_timeout_s", "0")]).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("parallelism.collective_timeout_s must be at least 1, got 0"),
+        "{err:#}"
+    );
+    let config = load(&[("parallelism.collective_timeout_s", "5")]).unwrap();
+    assert_eq!(config.parallelism.collective_timeout_s, 5);
 
     let config = load(&[("parallelism.expert_parallel_degree", "2")]).unwrap();
     assert_eq!(config.parallelism.expert_parallel_degree, 2);

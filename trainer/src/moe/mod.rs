@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use moekit::ep::Communicator;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::tape::Tape;
@@ -29,7 +29,7 @@ pub use kernels::KernelExperts;
 pub use torch_loop::TorchLoopExperts;
 
 /// The implementations `[kernels] moe` can name.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum MoeImpl {
     /// Hugging Face's eager per-expert loop, in libtorch ops (autograd).
