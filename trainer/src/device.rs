@@ -9,7 +9,7 @@
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
 /// `training.device`.
@@ -52,31 +52,6 @@ impl TrainDevice {
 }
 
 /// The folder of the `libtorch_cpu.so` mapped into this process, from `/proc/self/maps`.
-/// Refuses `bytes` of host memory when they exceed this machine's physical memory, before
-/// libtorch would abort allocating them; `what` says what needs them (the message goes on
-/// "… {bytes} GiB, more than this machine's … GiB of memory").
-pub fn ensure_fits_in_host_memory(bytes: u128, what: impl FnOnce() -> String) -> Result<()> {
-    // SAFETY: sysconf only reads system configuration values.
-    let (pages, page_size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    if pages > 0 && page_size > 0 {
-        let available = pages as u128 * page_size as u128;
-        let gib = |bytes: u128| bytes as f64 / (1u64 << 30) as f64;
-        ensure!(
-            bytes <= available,
-            "{} {:.1} GiB, more than this machine's {:.1} GiB of memory",
-            what(),
-            gib(bytes),
-            gib(available)
-        );
-    }
-    Ok(())
-}
-
 fn libtorch_folder() -> Result<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").context("cannot read /proc/self/maps")?;
     // Each line: address, permissions, offset, device, inode, then the path (which may hold

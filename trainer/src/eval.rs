@@ -10,7 +10,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{assign_params, export_hf, is_training_checkpoint, load_hf, load_training};
-use crate::device::ensure_fits_in_host_memory;
+use crate::footprint::ensure_fits_in_host_memory;
 use crate::model::{ExpertShard, Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
 use crate::moe::MoeImpl;
 use crate::tape::Tape;

@@ -18,9 +18,9 @@ use crate::checkpoint::{
     finish_training, load_hf, load_training_shard, remove_stale_staging, save_training,
     select_checkpoint, set_aside_damaged, staging_folder, step_folder, write_training_shard,
 };
-use crate::config::{JobConfig, ParamDtype};
+use crate::config::JobConfig;
 use crate::data::{Batches, Source, TextTokenizer};
-use crate::device::ensure_fits_in_host_memory;
+use crate::footprint::{StepFootprint, ensure_fits_in_host_memory, held_parameters};
 use crate::model::{ExpertShard, Qwen3Moe, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
@@ -87,26 +87,20 @@ impl LayerLoad {
     }
 }
 
-/// Refuses a model whose parameters, gradients and AdamW state alone exceed the machine's
-/// physical memory (before libtorch would abort allocating them). With expert parallelism a
-/// process holds its `1/ranks` of the experts and everything else.
+/// Refuses a config whose training step would not fit in the machine's physical memory: the
+/// parameters this process holds with their gradients and AdamW state, and a micro-batch's
+/// activations and logits ([`StepFootprint`]), before anything is allocated.
 fn check_memory(config: &JobConfig, ranks: usize) -> Result<()> {
-    let per_param = match config.training.dtype {
-        // parameter + gradient + two moments
-        ParamDtype::Float32 => 4 + 4 + 8,
-        // bf16 parameter + gradient, f32 master + two moments
-        ParamDtype::Bfloat16 => 2 + 2 + 12,
-    };
-    let model = &config.model;
-    let expert = 3 * model.hidden_size as u128 * model.moe_intermediate_size as u128;
-    let elsewhere = model.num_experts as u128 - (model.num_experts / ranks) as u128;
-    let held = model.parameter_count() - model.moe_layer_count() as u128 * elsewhere * expert;
-    let needed = held.saturating_mul(per_param);
-    ensure_fits_in_host_memory(needed, || {
+    let footprint = StepFootprint::of(config, ranks);
+    ensure_fits_in_host_memory(footprint.total(), || {
         format!(
-            "this process holds {held} of the model's {} parameters: with gradients and AdamW \
-             state that is",
-            config.model.parameter_count()
+            "a training step of {} × {} tokens ({}; this process holds {} of the model's {} \
+             parameters) needs",
+            config.training.batch_size,
+            config.training.seq_len,
+            footprint.describe(),
+            held_parameters(config, ranks),
+            config.model.parameter_count(),
         )
     })
 }

@@ -1,0 +1,214 @@
+//! The host memory a training step needs, estimated from the config before anything is
+//! allocated, so that a config that cannot fit is refused with the estimate in the message
+//! instead of growing until libtorch's allocator fails.
+//!
+//! Activations are what autograd keeps for the backward pass, per token of a micro-batch
+//! (`training.batch_size × training.seq_len` tokens on each rank), counted tensor by tensor
+//! from the model's forward ([`crate::model`]): attention runs through
+//! `scaled_dot_product_attention`, whose CPU kernel keeps no `[S, S]` scores, so every term is
+//! linear in the tokens. One more layer's worth covers the gradients the backward holds while
+//! it walks a layer. The peaks measured on the debug and small configs (trainer/README.md)
+//! lie 5–23% below the estimate, which leaves out only libtorch's own ~120 MB.
+
+use anyhow::{Result, ensure};
+
+use crate::config::{JobConfig, ParamDtype};
+
+/// Bytes of an f32.
+const F32: u128 = 4;
+
+/// A step's peak host memory, by what holds it (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepFootprint {
+    /// The parameters this process holds, their gradients and AdamW state (with f32 master
+    /// copies for bf16 training).
+    pub state: u128,
+    /// What autograd keeps of the decoder layers for the backward, plus one layer's gradients.
+    pub activations: u128,
+    /// The `[tokens, vocab_size]` logits in the training dtype and in f32, their log-softmax
+    /// and its gradient.
+    pub logits: u128,
+}
+
+impl StepFootprint {
+    /// The footprint of one micro-batch of `config` on a process of an `ranks`-way expert
+    /// parallel run (1 without one).
+    pub fn of(config: &JobConfig, ranks: usize) -> Self {
+        let model = &config.model;
+        let act = config.training.dtype.kind().elt_size_in_bytes() as u128;
+        let tokens = config.training.batch_size as u128 * config.training.seq_len as u128;
+        let h = model.hidden_size as u128;
+        let q = model.num_attention_heads as u128 * model.head_dim as u128;
+        let kv = model.num_key_value_heads as u128 * model.head_dim as u128;
+        let (e, k, i) = (
+            model.num_experts as u128,
+            model.num_experts_per_tok as u128,
+            model.moe_intermediate_size as u128,
+        );
+        // An RMSNorm keeps its input, its f32 copy and the normalised f32 values.
+        let norm = |width: u128| width * (act + 2 * F32);
+        // q, k, v projections; q_norm and k_norm; RoPE (the rotated halves); k and v repeated
+        // to every head; the attention output and its o_proj input; the log-sum-exp per head.
+        let attention = norm(h)
+            + (q + 2 * kv) * act
+            + norm(q + kv)
+            + 2 * (q + kv) * act
+            + 2 * q * act
+            + 2 * q * act
+            + model.num_attention_heads as u128 * F32;
+        // The router's f32 logits, probabilities and top-K; each of the K copies of a token:
+        // its gathered row, gate_up, the activation's inputs and output, down's output (the
+        // moekit kernels keep these in f32 whatever the dtype).
+        let moe = norm(h) + 3 * e * F32 + k * (2 * h + 5 * i) * F32 + h * act;
+        let dense = norm(h) + 4 * model.intermediate_size as u128 * act + h * act;
+        let layers: Vec<u128> = (0..model.num_hidden_layers)
+            .map(|layer| {
+                attention
+                    + if model.is_moe_layer(layer) {
+                        moe
+                    } else {
+                        dense
+                    }
+            })
+            .collect();
+        let widest = layers.iter().copied().max().unwrap_or(0);
+        // The embedding output and the final norm.
+        let outside = h * act + norm(h);
+        let per_token: u128 = layers.iter().sum::<u128>() + widest + outside;
+        let vocab = model.vocab_size as u128;
+        Self {
+            state: state_bytes(config, ranks),
+            activations: tokens.saturating_mul(per_token),
+            logits: tokens.saturating_mul(vocab * (act + 3 * F32)),
+        }
+    }
+
+    /// The whole estimate.
+    pub fn total(&self) -> u128 {
+        self.state
+            .saturating_add(self.activations)
+            .saturating_add(self.logits)
+    }
+
+    /// "parameters, gradients and AdamW state 1.2 GiB, activations 3.4 GiB, logits 0.5 GiB".
+    pub fn describe(&self) -> String {
+        format!(
+            "parameters, gradients and AdamW state {}, activations {}, logits {}",
+            gib(self.state),
+            gib(self.activations),
+            gib(self.logits)
+        )
+    }
+}
+
+/// `bytes` in GiB, one decimal.
+pub fn gib(bytes: u128) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// The parameters a process of a `ranks`-way run holds (its `1/ranks` of the experts and
+/// everything else), with gradients and AdamW state.
+fn state_bytes(config: &JobConfig, ranks: usize) -> u128 {
+    let per_param = match config.training.dtype {
+        // parameter + gradient + two moments
+        ParamDtype::Float32 => 4 + 4 + 8,
+        // bf16 parameter + gradient, f32 master + two moments
+        ParamDtype::Bfloat16 => 2 + 2 + 12,
+    };
+    held_parameters(config, ranks).saturating_mul(per_param)
+}
+
+/// The parameters a process of a `ranks`-way run holds.
+pub fn held_parameters(config: &JobConfig, ranks: usize) -> u128 {
+    let model = &config.model;
+    let expert = 3 * model.hidden_size as u128 * model.moe_intermediate_size as u128;
+    let elsewhere = model.num_experts as u128 - (model.num_experts / ranks) as u128;
+    model.parameter_count() - model.moe_layer_count() as u128 * elsewhere * expert
+}
+
+/// The most host memory this process may still take, and what sets it: the machine's physical
+/// memory, the cgroup's `memory.max` (a container's limit), or what the address-space limit
+/// (`ulimit -v`, `RLIMIT_AS`) leaves above the process's present size, whichever is least.
+/// `None` where none of them can be read.
+pub fn host_memory_limit() -> Option<(u128, String)> {
+    let mut limits = Vec::new();
+    // SAFETY: sysconf only reads system configuration values.
+    let (pages, page_size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && page_size > 0 {
+        let physical = pages as u128 * page_size as u128;
+        limits.push((
+            physical,
+            format!("this machine's {} of memory", gib(physical)),
+        ));
+    }
+    if let Some(cgroup) = cgroup_memory_max() {
+        limits.push((
+            cgroup,
+            format!("the cgroup's memory.max of {}", gib(cgroup)),
+        ));
+    }
+    if let Some((limit, used)) = address_space() {
+        let left = limit.saturating_sub(used);
+        limits.push((
+            left,
+            format!(
+                "the {} that the address-space limit of {} (ulimit -v) leaves this process",
+                gib(left),
+                gib(limit)
+            ),
+        ));
+    }
+    limits.into_iter().min_by_key(|&(bytes, _)| bytes)
+}
+
+/// Refuses `bytes` of host memory beyond [`host_memory_limit`], before libtorch would fail
+/// allocating them; `what` says what needs them (the message goes on "… {bytes} GiB, more
+/// than …").
+pub fn ensure_fits_in_host_memory(bytes: u128, what: impl FnOnce() -> String) -> Result<()> {
+    if let Some((limit, source)) = host_memory_limit() {
+        ensure!(
+            bytes <= limit,
+            "{} {}, more than {source}",
+            what(),
+            gib(bytes)
+        );
+    }
+    Ok(())
+}
+
+/// This process's cgroup (v2) memory limit, where one is set.
+fn cgroup_memory_max() -> Option<u128> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|line| line.strip_prefix("0::"))?;
+    let max = std::fs::read_to_string(format!("/sys/fs/cgroup{path}/memory.max")).ok()?;
+    max.trim().parse().ok()
+}
+
+/// The address-space limit and the process's present virtual size, where a limit is set.
+fn address_space() -> Option<(u128, u128)> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u128 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmSize:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some((limit.rlim_cur as u128, kib * 1024))
+}
