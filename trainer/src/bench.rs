@@ -46,9 +46,7 @@ pub struct BenchRow {
 /// parameters + 12 · layers · heads · head_dim · seq_len` (attention scores and values), with
 /// each MoE layer's experts counted `K / E` (only the chosen ones run).
 pub fn flops_per_token(model: &Qwen3MoeConfig, seq_len: usize) -> f64 {
-    let layers: u128 = (0..model.num_hidden_layers)
-        .map(|l| model.layer_matrix_params(l, model.num_experts_per_tok))
-        .sum();
+    let layers = model.matrix_params(model.num_experts_per_tok);
     let head = (model.hidden_size * model.vocab_size) as u128;
     let attention_scores = 12.0
         * (model.num_hidden_layers * model.num_attention_heads * model.head_dim * seq_len) as f64;

@@ -61,20 +61,21 @@ impl StepFootprint {
         // moekit kernels keep these in f32 whatever the dtype).
         let moe = norm(h) + 3 * e * F32 + k * (2 * h + 5 * i) * F32 + h * act;
         let dense = norm(h) + 4 * model.intermediate_size as u128 * act + h * act;
-        let layers: Vec<u128> = (0..model.num_hidden_layers)
-            .map(|layer| {
-                attention
-                    + if model.is_moe_layer(layer) {
-                        moe
-                    } else {
-                        dense
-                    }
-            })
-            .collect();
-        let widest = layers.iter().copied().max().unwrap_or(0);
+        let moe_layers = model.moe_layer_count() as u128;
+        let dense_layers = model.num_hidden_layers as u128 - moe_layers;
+        let widest = match (moe_layers, dense_layers) {
+            (0, _) => dense,
+            (_, 0) => moe,
+            _ => moe.max(dense),
+        };
         // The embedding output and the final norm.
         let outside = h * act + norm(h);
-        let per_token: u128 = layers.iter().sum::<u128>() + widest + outside;
+        let per_token = (moe_layers + dense_layers) * attention
+            + moe_layers * moe
+            + dense_layers * dense
+            + attention
+            + widest
+            + outside;
         let vocab = model.vocab_size as u128;
         Self {
             state: state_bytes(config, ranks),

@@ -72,12 +72,23 @@ fn parameter_count_equals_the_instantiated_model() {
             ("model.decoder_sparse_step", "2"),
             ("model.mlp_only_layers", "[1]"),
         ],
+        // Layers 1 and 3 are every second; 3 is named dense (twice), 0 is dense anyway.
+        vec![
+            ("model.num_hidden_layers", "5"),
+            ("model.decoder_sparse_step", "2"),
+            ("model.mlp_only_layers", "[0, 3, 3]"),
+        ],
     ] {
         let config = JobConfig::load(&shipped("qwen3_moe_debug.toml"), &overrides(&pairs)).unwrap();
         let vars = nn::VarStore::new(Device::Cpu);
         let _model = Qwen3Moe::new(&vars.root(), &config.model);
         let numel: usize = vars.trainable_variables().iter().map(|v| v.numel()).sum();
         assert_eq!(config.model.parameter_count(), numel as u128, "{pairs:?}");
+        assert_eq!(
+            config.model.moe_layer_count(),
+            config.model.moe_layers().len(),
+            "{pairs:?}"
+        );
     }
 }
 
@@ -395,4 +406,139 @@ fn expert_parallelism_needs_divisible_experts_moekit_kernels_and_mpi() {
         format!("{err:#}").contains("needs MPI: launch with `mpirun -n 2 moekit-train ...`"),
         "{err:#}"
     );
+}
+
+/// Fuzzing the config parser: whatever the file or the overrides hold, `JobConfig::load`
+/// returns a config or an error, never a panic, a hang or an allocation sized by a value; a
+/// config it returns serialises and has a memory estimate. Bounded: a fixed number of cases
+/// (`PROPTEST_CASES` overrides it).
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+    use moekit_trainer::footprint::StepFootprint;
+
+    /// TOML values of every kind, the hostile ones included: extreme and negative integers,
+    /// non-finite floats, empty and odd strings, arrays, inline tables.
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<i64>().prop_map(|v| v.to_string()),
+            prop::sample::select(vec![
+                "0",
+                "-1",
+                "1",
+                "2147483647",
+                "2147483648",
+                "4294967296",
+                "9223372036854775807",
+                "18446744073709551615",
+            ])
+            .prop_map(str::to_owned),
+            any::<f64>().prop_map(|v| format!("{v:?}")),
+            prop::sample::select(vec!["nan", "inf", "-inf", "1e308", "-0.0", "5e-324"])
+                .prop_map(str::to_owned),
+            "[a-z_./]{0,12}".prop_map(|s| format!("{s:?}")),
+            prop::sample::select(vec![
+                "true", "false", "[]", "[1, 2]", "[[1]]", "{}", "{a = 1}"
+            ])
+            .prop_map(str::to_owned),
+            prop::sample::select(vec![
+                "\"cpu\"",
+                "\"cuda\"",
+                "\"bfloat16\"",
+                "\"\"",
+                "\"../x\""
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    /// The debug config's lines with edits: `(line, value, kind)` replaces the line's value,
+    /// deletes it, duplicates it, or puts a stray header there.
+    fn edited_debug_config(edits: &[(prop::sample::Index, String, u8)]) -> String {
+        let text = std::fs::read_to_string(shipped("qwen3_moe_debug.toml")).unwrap();
+        let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        for (at, value, kind) in edits {
+            let i = at.index(lines.len());
+            match kind % 4 {
+                0 => {
+                    if let Some((key, _)) = lines[i].split_once('=') {
+                        lines[i] = format!("{key}= {value}");
+                    }
+                }
+                1 => {
+                    lines.remove(i);
+                }
+                2 => lines.insert(i, lines[i].clone()),
+                _ => lines.insert(i, format!("[{}]", value.trim_matches('"'))),
+            }
+            if lines.is_empty() {
+                break;
+            }
+        }
+        lines.join("\n")
+    }
+
+    /// Every key of the shipped debug config, as overrides name them.
+    fn known_keys() -> Vec<String> {
+        let config = JobConfig::load(&shipped("qwen3_moe_debug.toml"), &[]).unwrap();
+        config
+            .entries()
+            .unwrap()
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect()
+    }
+
+    /// Loads `text` as a config file in `dir` with `overrides`, then removes `dir`; a config
+    /// that loads must serialise and have a memory estimate.
+    fn load_text(dir: &Path, text: &[u8], overrides: &[(String, String)]) {
+        let path = dir.join("job.toml");
+        std::fs::write(&path, text).unwrap();
+        if let Ok(config) = JobConfig::load(&path, overrides) {
+            config.entries().unwrap();
+            assert!(StepFootprint::of(&config, 1).total() > 0);
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256)
+        ))]
+
+        #[test]
+        fn arbitrary_bytes_load_or_are_refused(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let dir = scratch("fuzz-bytes");
+            load_text(&dir, &bytes, &[]);
+        }
+
+        #[test]
+        fn edited_configs_load_or_are_refused(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), value(), any::<u8>()), 1..6)
+        ) {
+            let dir = scratch("fuzz-edits");
+            load_text(&dir, edited_debug_config(&edits).as_bytes(), &[]);
+        }
+
+        #[test]
+        fn arbitrary_overrides_apply_or_are_refused(
+            overrides in prop::collection::vec(
+                (any::<prop::sample::Index>(), "[a-z_.]{0,20}", value(), any::<bool>()),
+                1..5,
+            )
+        ) {
+            let keys = known_keys();
+            let overrides: Vec<(String, String)> = overrides
+                .into_iter()
+                .map(|(at, stray, value, known)| {
+                    let key = if known { keys[at.index(keys.len())].clone() } else { stray };
+                    (key, value)
+                })
+                .collect();
+            let text = std::fs::read(shipped("qwen3_moe_debug.toml")).unwrap();
+            let dir = scratch("fuzz-overrides");
+            load_text(&dir, &text, &overrides);
+        }
+    }
 }

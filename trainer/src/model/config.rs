@@ -1,6 +1,7 @@
 //! The Qwen3-MoE architecture hyper-parameters, with Hugging Face's field names, read from a
 //! job config's `[model]` table or from a Hugging Face `config.json`.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -80,9 +81,17 @@ impl Qwen3MoeConfig {
             .collect()
     }
 
-    /// Number of MoE layers.
+    /// Number of MoE layers: every `decoder_sparse_step`-th, less those `mlp_only_layers`
+    /// names (counted without visiting every layer).
     pub fn moe_layer_count(&self) -> usize {
-        self.moe_layers().len()
+        let step = self.decoder_sparse_step.max(1);
+        let dense_named: BTreeSet<usize> = self
+            .mlp_only_layers
+            .iter()
+            .copied()
+            .filter(|&l| l < self.num_hidden_layers && (l + 1).is_multiple_of(step))
+            .collect();
+        self.num_hidden_layers / step - dense_named.len()
     }
 
     /// Total parameter count (experts counted once each; the tied head counted once).
@@ -90,27 +99,24 @@ impl Qwen3MoeConfig {
         let (h, v) = (self.hidden_size as u128, self.vocab_size as u128);
         // Per layer: q_norm, k_norm and the two layer norms besides the matrices.
         let norms = 2 * self.head_dim as u128 + 2 * h;
-        let layers: u128 = (0..self.num_hidden_layers)
-            .map(|l| self.layer_matrix_params(l, self.num_experts) + norms)
-            .sum();
+        let layers = self.matrix_params(self.num_experts) + self.num_hidden_layers as u128 * norms;
         let head = if self.tie_word_embeddings { 0 } else { v * h };
         v * h + layers + h + head
     }
 
-    /// Matrix parameters of decoder layer `layer` (attention projections, then the router and
-    /// `experts` experts, or the dense MLP): all of them with `experts = E`, those a token
-    /// multiplies with `experts = K`.
-    pub fn layer_matrix_params(&self, layer: usize, experts: usize) -> u128 {
+    /// Matrix parameters of the decoder layers (attention projections, then in MoE layers the
+    /// router and `experts` experts, in the others the dense MLP): all of them with
+    /// `experts = E`, those a token multiplies with `experts = K`.
+    pub fn matrix_params(&self, experts: usize) -> u128 {
         let h = self.hidden_size as u128;
         let d = self.head_dim as u128;
         let attention = h * d * 2 * (self.num_attention_heads + self.num_key_value_heads) as u128;
-        let mlp = if self.is_moe_layer(layer) {
-            h * self.num_experts as u128
-                + experts as u128 * 3 * h * self.moe_intermediate_size as u128
-        } else {
-            3 * h * self.intermediate_size as u128
-        };
-        attention + mlp
+        let moe = h * self.num_experts as u128
+            + experts as u128 * 3 * h * self.moe_intermediate_size as u128;
+        let dense = 3 * h * self.intermediate_size as u128;
+        let moe_layers = self.moe_layer_count() as u128;
+        let dense_layers = self.num_hidden_layers as u128 - moe_layers;
+        self.num_hidden_layers as u128 * attention + moe_layers * moe + dense_layers * dense
     }
 
     /// Checks that the hyper-parameters describe a buildable model.
