@@ -28,6 +28,10 @@ pub struct StepFootprint {
     /// The `[tokens, vocab_size]` logits in the training dtype and in f32, their log-softmax
     /// and its gradient.
     pub logits: u128,
+    /// moekit's kernels (`kernels.moe` reference or cpu) lay each expert's tokens out in
+    /// blocks of `kernels.block_size` slots: up to E blocks of padding per MoE layer, each
+    /// slot kept like a token's copy.
+    pub block_padding: u128,
 }
 
 impl StepFootprint {
@@ -59,7 +63,8 @@ impl StepFootprint {
         // The router's f32 logits, probabilities and top-K; each of the K copies of a token:
         // its gathered row, gate_up, the activation's inputs and output, down's output (the
         // moekit kernels keep these in f32 whatever the dtype).
-        let moe = norm(h) + 3 * e * F32 + k * (2 * h + 5 * i) * F32 + h * act;
+        let slot = (2 * h + 5 * i) * F32;
+        let moe = norm(h) + 3 * e * F32 + k * slot + h * act;
         let dense = norm(h) + 4 * model.intermediate_size as u128 * act + h * act;
         let moe_layers = model.moe_layer_count() as u128;
         let dense_layers = model.num_hidden_layers as u128 - moe_layers;
@@ -77,10 +82,15 @@ impl StepFootprint {
             + widest
             + outside;
         let vocab = model.vocab_size as u128;
+        let padding_slots = match config.kernels.moe.kernel_backend() {
+            Some(_) => moe_layers * e * config.kernels.block_size as u128,
+            None => 0,
+        };
         Self {
             state: state_bytes(config, ranks),
             activations: tokens.saturating_mul(per_token),
             logits: tokens.saturating_mul(vocab * (act + 3 * F32)),
+            block_padding: padding_slots.saturating_mul(slot),
         }
     }
 
@@ -89,16 +99,22 @@ impl StepFootprint {
         self.state
             .saturating_add(self.activations)
             .saturating_add(self.logits)
+            .saturating_add(self.block_padding)
     }
 
-    /// "parameters, gradients and AdamW state 1.2 GiB, activations 3.4 GiB, logits 0.5 GiB".
+    /// "parameters, gradients and AdamW state 1.2 GiB, activations 3.4 GiB, logits 0.5 GiB",
+    /// then ", MoE block padding 0.1 GiB" where there is any.
     pub fn describe(&self) -> String {
-        format!(
+        let mut parts = format!(
             "parameters, gradients and AdamW state {}, activations {}, logits {}",
             gib(self.state),
             gib(self.activations),
             gib(self.logits)
-        )
+        );
+        if self.block_padding > 0 {
+            parts.push_str(&format!(", MoE block padding {}", gib(self.block_padding)));
+        }
+        parts
     }
 }
 

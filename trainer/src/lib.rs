@@ -29,6 +29,7 @@ pub mod eval;
 pub mod footprint;
 pub mod model;
 pub mod moe;
+pub mod oom;
 pub mod optim;
 pub mod parallel;
 pub mod plots;

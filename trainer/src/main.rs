@@ -20,6 +20,7 @@ use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::eval::{LoadDtype, evaluate, export, load_model, read_input_ids};
 use moekit_trainer::moe::MoeImpl;
+use moekit_trainer::oom;
 use moekit_trainer::parallel::init_mpi;
 use moekit_trainer::train::train;
 
@@ -115,7 +116,8 @@ fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
     // or a panic (whose message the panic hook has printed): abort the job (mpirun then stops
     // every rank) rather than finalise MPI and leave them hanging.
     let rank_comm = Some(comm.clone() as Rc<dyn Communicator>);
-    match std::panic::catch_unwind(AssertUnwindSafe(|| train(&config, rank_comm))) {
+    let training = || oom::catch(|| train(&config, rank_comm));
+    match std::panic::catch_unwind(AssertUnwindSafe(training)) {
         Ok(Ok(_)) => {}
         Ok(Err(err)) => {
             eprintln!("error on rank {}: {err:#}", comm.rank());
@@ -256,7 +258,8 @@ fn run() -> Result<()> {
 
 fn main() -> ExitCode {
     moekit::memory::retain_freed_buffers();
-    match run() {
+    oom::quiet_allocation_panics();
+    match oom::catch(run) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

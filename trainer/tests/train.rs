@@ -446,7 +446,7 @@ fn bench_reports_every_implementation_relative_to_the_peers() {
 
 /// `moekit-train` with `args` under an address-space limit of `gib` GiB (`ulimit -v`, set in
 /// the child only).
-fn train_limited(gib: u64, args: &[&str]) -> Output {
+fn run_limited(gib: u64, args: &[&str]) -> Output {
     Command::new("sh")
         .arg("-c")
         .arg(r#"ulimit -v "$0" && exec "$@""#)
@@ -460,13 +460,13 @@ fn train_limited(gib: u64, args: &[&str]) -> Output {
 /// A step that cannot fit is refused before anything is allocated, with the estimate and the
 /// limit in the message, never a libtorch allocation failure: under a 6 GiB address-space
 /// limit, 512 × 512 tokens a step of the debug model (activations 5.9 GiB and logits 1.0 GiB
-/// by the estimate; measured peak 6.4 GiB) is refused, while the debug config's own step trains
-/// under the same limit.
+/// by the estimate; measured peak 6.1 GiB above libtorch's own) and 2^22-slot MoE blocks are
+/// refused, while the debug config's own step trains under the same limit.
 #[test]
 fn a_step_beyond_the_memory_limit_is_refused_with_its_estimate() {
     let dump = scratch("memory-limit");
     let config = debug_config();
-    let mut args = vec![
+    let args = vec![
         "train",
         "--config",
         config.to_str().unwrap(),
@@ -477,23 +477,93 @@ fn a_step_beyond_the_memory_limit_is_refused_with_its_estimate() {
         "--lr_scheduler.warmup_steps",
         "0",
     ];
-    let out = train_limited(6, &args);
+    let out = run_limited(6, &args);
     assert!(
         out.status.success(),
         "the debug config failed under the limit:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    args.extend(["--training.batch_size", "512", "--training.seq_len", "512"]);
-    let out = train_limited(6, &args);
+    let refused = |extra: &[&str], expected: &[&str]| {
+        let all: Vec<&str> = args.iter().chain(extra).copied().collect();
+        let out = run_limited(6, &all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
+        for expected in expected {
+            assert!(stderr.contains(expected), "`{stderr}` lacks `{expected}`");
+        }
+    };
+    refused(
+        &["--training.batch_size", "512", "--training.seq_len", "512"],
+        &[
+            "a training step of 512 × 512 tokens (parameters, gradients and AdamW state 0.0 GiB, \
+             activations 5.9 GiB, logits 1.0 GiB, MoE block padding 0.0 GiB;",
+            "needs 6.9 GiB, more than the ",
+            "that the address-space limit of 6.0 GiB (ulimit -v) leaves this process",
+        ],
+    );
+    // 2^22-slot blocks: E = 8 blocks of padding in each of the 2 MoE layers.
+    refused(
+        &["--kernels.block_size", "4194304"],
+        &[
+            "MoE block padding 72.0 GiB;",
+            "needs 72.0 GiB, more than the ",
+        ],
+    );
+    std::fs::remove_dir_all(&dump).unwrap();
+}
+
+/// Where no estimate stands guard, libtorch failing to allocate is an error, never a panic:
+/// `eval` of 2048 × 512 tokens under a 2 GiB address-space limit.
+#[test]
+fn a_libtorch_allocation_failure_is_an_error() {
+    let dump = scratch("allocation-failure");
+    let config = debug_config();
+    let args = [
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--job.dump_folder",
+        dump.to_str().unwrap(),
+        "--training.steps",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+    ];
+    let out = train(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shape = [2048, 512];
+    let bytes = vec![0u8; shape[0] * shape[1] * 8];
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, shape.to_vec(), &bytes)
+            .unwrap();
+    let tokens = dump.join("tokens.safetensors");
+    safetensors::serialize_to_file([("input_ids", view)], None, &tokens).unwrap();
+    let checkpoint = dump.join("checkpoints/step-00000002");
+    let out = run_limited(
+        2,
+        &[
+            "eval",
+            "--model",
+            checkpoint.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    for expected in [
-        "a training step of 512 × 512 tokens (parameters, gradients and AdamW state 0.0 GiB, \
-         activations 5.9 GiB, logits 1.0 GiB;",
-        "needs 6.9 GiB, more than the ",
-        "that the address-space limit of 6.0 GiB (ulimit -v) leaves this process",
-    ] {
-        assert!(stderr.contains(expected), "`{stderr}` lacks `{expected}`");
-    }
+    assert!(
+        stderr.contains("error: libtorch could not allocate ")
+            && stderr.contains("more memory than this process may use"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
     std::fs::remove_dir_all(&dump).unwrap();
 }
