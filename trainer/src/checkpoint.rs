@@ -184,8 +184,7 @@ fn read_hf_tensors(dir: &Path) -> Result<BTreeMap<String, Tensor>> {
         "{} has neither model.safetensors nor model.safetensors.index.json",
         dir.display()
     );
-    let text = std::fs::read_to_string(&index)
-        .with_context(|| format!("cannot read {}", index.display()))?;
+    let text = crate::files::read_text(&index)?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", index.display()))?;
     let weight_map = json
@@ -507,8 +506,7 @@ pub fn verify_checkpoint(dir: &Path) -> Result<()> {
         );
         return Ok(());
     }
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::files::read_text(&path)?;
     let files: BTreeMap<String, FileDigest> = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a valid checksum manifest", path.display()))?;
     for (name, recorded) in &files {
@@ -797,8 +795,7 @@ pub fn is_training_checkpoint(dir: &Path) -> bool {
 
 fn read_state(dir: &Path) -> Result<TrainingState> {
     let state_path = dir.join("state.json");
-    let text = std::fs::read_to_string(&state_path)
-        .with_context(|| format!("cannot read {}", state_path.display()))?;
+    let text = crate::files::read_text(&state_path)?;
     let state: TrainingState = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a valid training state", state_path.display()))?;
     state

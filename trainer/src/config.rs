@@ -276,7 +276,7 @@ impl JobConfig {
     /// TOML value, or taken as a string when it is not one) and validates the result. Paths in
     /// the file (`model.config_json`, `data.files`) are relative to the file's folder.
     pub fn load(path: &Path, overrides: &[(String, String)]) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
+        let text = crate::files::read_text(path)
             .with_context(|| format!("cannot read job config {}", path.display()))?;
         let mut table: Table = toml::from_str(&text)
             .with_context(|| format!("{} is not a valid TOML file", path.display()))?;

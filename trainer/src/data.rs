@@ -138,7 +138,7 @@ impl Source {
             Source::Files(files) => {
                 let mut tokens = Vec::new();
                 for file in files {
-                    let text = std::fs::read_to_string(file)
+                    let text = crate::files::read_text(file)
                         .with_context(|| format!("cannot read training text {}", file.display()))?;
                     tokens.extend(
                         tokenizer

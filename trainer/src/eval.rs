@@ -88,7 +88,7 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
 
 /// Reads `input_ids [batch, seq]` (i64 or i32) from a safetensors file, as i64.
 pub fn read_input_ids(path: &Path) -> Result<Tensor> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = crate::files::read_bytes(path)?;
     let file = SafeTensors::deserialize(&bytes)
         .with_context(|| format!("{} is not a valid safetensors file", path.display()))?;
     let view = file

@@ -13,6 +13,7 @@
 use anyhow::{Result, ensure};
 
 use crate::config::{JobConfig, ParamDtype};
+use crate::model::Qwen3MoeConfig;
 
 /// Bytes of an f32.
 const F32: u128 = 4;
@@ -34,13 +35,25 @@ pub struct StepFootprint {
     pub block_padding: u128,
 }
 
-impl StepFootprint {
-    /// The footprint of one micro-batch of `config` on a process of an `ranks`-way expert
-    /// parallel run (1 without one).
-    pub fn of(config: &JobConfig, ranks: usize) -> Self {
-        let model = &config.model;
-        let act = config.training.dtype.kind().elt_size_in_bytes() as u128;
-        let tokens = config.training.batch_size as u128 * config.training.seq_len as u128;
+/// Bytes a token's activations take in each kind of decoder layer, with activations of
+/// `act` bytes (the training dtype's).
+struct LayerBytes {
+    /// The embedding output and the final norm, outside the layers.
+    outside: u128,
+    /// The attention block (with its norm).
+    attention: u128,
+    /// An MoE block (with its norm).
+    moe: u128,
+    /// A dense MLP block (with its norm).
+    dense: u128,
+    /// One of the K copies of a token in the experts, or one padding slot of a block.
+    slot: u128,
+    moe_layers: u128,
+    dense_layers: u128,
+}
+
+impl LayerBytes {
+    fn of(model: &Qwen3MoeConfig, act: u128) -> Self {
         let h = model.hidden_size as u128;
         let q = model.num_attention_heads as u128 * model.head_dim as u128;
         let kv = model.num_key_value_heads as u128 * model.head_dim as u128;
@@ -64,33 +77,54 @@ impl StepFootprint {
         // its gathered row, gate_up, the activation's inputs and output, down's output (the
         // moekit kernels keep these in f32 whatever the dtype).
         let slot = (2 * h + 5 * i) * F32;
-        let moe = norm(h) + 3 * e * F32 + k * slot + h * act;
-        let dense = norm(h) + 4 * model.intermediate_size as u128 * act + h * act;
         let moe_layers = model.moe_layer_count() as u128;
-        let dense_layers = model.num_hidden_layers as u128 - moe_layers;
-        let widest = match (moe_layers, dense_layers) {
-            (0, _) => dense,
-            (_, 0) => moe,
-            _ => moe.max(dense),
-        };
-        // The embedding output and the final norm.
-        let outside = h * act + norm(h);
-        let per_token = (moe_layers + dense_layers) * attention
-            + moe_layers * moe
-            + dense_layers * dense
-            + attention
-            + widest
-            + outside;
+        Self {
+            outside: h * act + norm(h),
+            attention,
+            moe: norm(h) + 3 * e * F32 + k * slot + h * act,
+            dense: norm(h) + 4 * model.intermediate_size as u128 * act + h * act,
+            slot,
+            moe_layers,
+            dense_layers: model.num_hidden_layers as u128 - moe_layers,
+        }
+    }
+
+    /// The largest layer there is.
+    fn widest(&self) -> u128 {
+        let moe = if self.moe_layers > 0 { self.moe } else { 0 };
+        let dense = if self.dense_layers > 0 { self.dense } else { 0 };
+        self.attention + moe.max(dense)
+    }
+
+    /// Every layer's, as autograd keeps them all for the backward.
+    fn all(&self) -> u128 {
+        (self.moe_layers + self.dense_layers) * self.attention
+            + self.moe_layers * self.moe
+            + self.dense_layers * self.dense
+    }
+}
+
+impl StepFootprint {
+    /// The footprint of one micro-batch of `config` on a process of an `ranks`-way expert
+    /// parallel run (1 without one).
+    pub fn of(config: &JobConfig, ranks: usize) -> Self {
+        let model = &config.model;
+        let act = config.training.dtype.kind().elt_size_in_bytes() as u128;
+        let tokens = config.training.batch_size as u128 * config.training.seq_len as u128;
+        let layers = LayerBytes::of(model, act);
+        let per_token = layers.all() + layers.widest() + layers.outside;
         let vocab = model.vocab_size as u128;
         let padding_slots = match config.kernels.moe.kernel_backend() {
-            Some(_) => moe_layers * e * config.kernels.block_size as u128,
+            Some(_) => {
+                layers.moe_layers * model.num_experts as u128 * config.kernels.block_size as u128
+            }
             None => 0,
         };
         Self {
             state: state_bytes(config, ranks),
             activations: tokens.saturating_mul(per_token),
             logits: tokens.saturating_mul(vocab * (act + 3 * F32)),
-            block_padding: padding_slots.saturating_mul(slot),
+            block_padding: padding_slots.saturating_mul(layers.slot),
         }
     }
 
@@ -116,6 +150,37 @@ impl StepFootprint {
         }
         parts
     }
+}
+
+/// The peak host memory of evaluating `tokens` tokens in one forward pass in f32 without
+/// autograd, where each tensor is freed once the next is made: the parameters, the residual
+/// stream and its norm, the largest working set of a block (attention's projections, RoPE'd
+/// and repeated heads and output; the experts' K copies of each token with the router's f32
+/// values; the dense MLP's gate, up and product), and the `[tokens, vocab_size]` logits with
+/// their log-softmax, plus with `output` the logits' copies for the file.
+pub fn evaluation_bytes(model: &Qwen3MoeConfig, tokens: u128, output: bool) -> u128 {
+    let h = model.hidden_size as u128;
+    let q = model.num_attention_heads as u128 * model.head_dim as u128;
+    let kv = model.num_key_value_heads as u128 * model.head_dim as u128;
+    let layers = LayerBytes::of(model, F32);
+    let attention = (5 * q + 2 * kv) * F32;
+    let moe = if layers.moe_layers > 0 {
+        model.num_experts_per_tok as u128 * layers.slot + 3 * model.num_experts as u128 * F32
+    } else {
+        0
+    };
+    let dense = if layers.dense_layers > 0 {
+        3 * model.intermediate_size as u128 * F32
+    } else {
+        0
+    };
+    let logits_copies = if output { 4 } else { 2 };
+    let per_token = 3 * h * F32
+        + attention.max(moe).max(dense)
+        + logits_copies * model.vocab_size as u128 * F32;
+    tokens
+        .saturating_mul(per_token)
+        .saturating_add(model.parameter_count().saturating_mul(F32))
 }
 
 /// `bytes` in GiB, one decimal.

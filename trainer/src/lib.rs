@@ -26,6 +26,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod eval;
+pub mod files;
 pub mod footprint;
 pub mod model;
 pub mod moe;

@@ -19,6 +19,7 @@ use moekit::torch::from_tch;
 use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::eval::{LoadDtype, evaluate, export, load_model, read_input_ids};
+use moekit_trainer::footprint::{ensure_fits_in_host_memory, evaluation_bytes};
 use moekit_trainer::moe::MoeImpl;
 use moekit_trainer::oom;
 use moekit_trainer::parallel::init_mpi;
@@ -212,8 +213,14 @@ fn run_eval(options: Options) -> Result<()> {
         LoadDtype::Float32,
     )?;
     let input_ids = read_input_ids(&PathBuf::from(options.required("tokens")?))?;
+    let tokens = input_ids.numel() as u128;
+    let output = options.get("output");
+    ensure_fits_in_host_memory(
+        evaluation_bytes(loaded.model.config(), tokens, output.is_some()),
+        || format!("evaluating {:?} tokens at once needs", input_ids.size()),
+    )?;
     let (logits, losses) = evaluate(&loaded.model, &input_ids, moe, block_size)?;
-    if let Some(output) = options.get("output") {
+    if let Some(output) = output {
         let mut file = TensorFile::default();
         file.tensors
             .insert("logits".to_owned(), from_tch("logits", &logits)?);

@@ -86,6 +86,22 @@ mod tests {
         assert_eq!(allocation_failure(&7u32), None);
     }
 
+    /// libtorch's own failure: 128 TiB of f32 is more than an x86-64 process's whole address
+    /// space, so no machine grants it, whatever its overcommit policy.
+    #[test]
+    fn a_real_libtorch_allocation_failure_is_an_error() {
+        let err = catch(|| {
+            let huge = tch::Tensor::empty([1i64 << 45], (tch::Kind::Float, tch::Device::Cpu));
+            Ok(huge.numel())
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("libtorch could not allocate 131072.0 GiB (140737488355328 bytes):"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn catch_turns_only_allocation_failures_into_errors() {
         let err = catch::<()>(|| panic!("DefaultCPUAllocator: can't allocate memory")).unwrap_err();

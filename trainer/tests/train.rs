@@ -161,6 +161,10 @@ fn bad_command_lines_fail_with_a_message() {
             vec!["--config", "missing.toml"],
             "cannot read job config missing.toml",
         ),
+        (
+            vec!["--config", "/dev/zero"],
+            "cannot read job config /dev/zero: /dev/zero: not a regular file",
+        ),
         (vec!["--config", &huge], "GiB, more than "),
     ] {
         let out = train(&args);
@@ -512,11 +516,11 @@ fn a_step_beyond_the_memory_limit_is_refused_with_its_estimate() {
     std::fs::remove_dir_all(&dump).unwrap();
 }
 
-/// Where no estimate stands guard, libtorch failing to allocate is an error, never a panic:
-/// `eval` of 2048 × 512 tokens under a 2 GiB address-space limit.
+/// `eval` checks its estimate too: 2048 × 512 tokens under a 2 GiB address-space limit are
+/// refused before the forward, and an endless `--tokens` input is refused, not read.
 #[test]
-fn a_libtorch_allocation_failure_is_an_error() {
-    let dump = scratch("allocation-failure");
+fn evaluation_beyond_the_memory_limit_is_refused_with_its_estimate() {
+    let dump = scratch("evaluation-limit");
     let config = debug_config();
     let args = [
         "train",
@@ -547,23 +551,29 @@ fn a_libtorch_allocation_failure_is_an_error() {
     let tokens = dump.join("tokens.safetensors");
     safetensors::serialize_to_file([("input_ids", view)], None, &tokens).unwrap();
     let checkpoint = dump.join("checkpoints/step-00000002");
-    let out = run_limited(
-        2,
-        &[
-            "eval",
-            "--model",
-            checkpoint.to_str().unwrap(),
-            "--tokens",
-            tokens.to_str().unwrap(),
-        ],
-    );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("error: libtorch could not allocate ")
-            && stderr.contains("more memory than this process may use"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    let eval = |tokens: &Path| {
+        run_limited(
+            2,
+            &[
+                "eval",
+                "--model",
+                checkpoint.to_str().unwrap(),
+                "--tokens",
+                tokens.to_str().unwrap(),
+            ],
+        )
+    };
+    for (tokens, expected) in [
+        (
+            tokens.as_path(),
+            "error: evaluating [2048, 512] tokens at once needs ",
+        ),
+        (Path::new("/dev/zero"), "/dev/zero: not a regular file"),
+    ] {
+        let out = eval(tokens);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(expected), "`{stderr}` lacks `{expected}`");
+    }
     std::fs::remove_dir_all(&dump).unwrap();
 }

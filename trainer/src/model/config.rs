@@ -198,7 +198,7 @@ impl Qwen3MoeConfig {
     /// ignored; features it does not implement (attention bias or dropout, sliding windows,
     /// RoPE scaling, activations other than SiLU) are errors.
     pub fn from_hf_config_json(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
+        let text = crate::files::read_text(path)
             .with_context(|| format!("cannot read model config {}", path.display()))?;
         let json: Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not valid JSON", path.display()))?;
