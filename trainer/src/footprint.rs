@@ -1,6 +1,7 @@
-//! The host memory a training step needs, estimated from the config before anything is
-//! allocated, so that a config that cannot fit is refused with the estimate in the message
-//! instead of growing until libtorch's allocator fails.
+//! The host memory a training step ([`StepFootprint`]) or an evaluation
+//! ([`evaluation_bytes`]) needs, estimated before anything is allocated, and the limit it is
+//! checked against ([`host_memory_limit`]), so that work that cannot fit is refused with the
+//! estimate in the message instead of growing until libtorch's allocator fails.
 //!
 //! Activations are what autograd keeps for the backward pass, per token of a micro-batch
 //! (`training.batch_size × training.seq_len` tokens on each rank), counted tensor by tensor
