@@ -128,11 +128,12 @@ pub fn read_regular_file(path: &Path) -> Result<Vec<u8>> {
         path: path.to_owned(),
         source,
     };
-    let file = fs::File::open(path).map_err(io)?;
-    let metadata = file.metadata().map_err(io)?;
-    if !metadata.is_file() {
+    // The type is checked before opening: opening a FIFO without a writer blocks.
+    if !fs::metadata(path).map_err(io)?.is_file() {
         return Err(format_error(path, "not a regular file"));
     }
+    let file = fs::File::open(path).map_err(io)?;
+    let metadata = file.metadata().map_err(io)?;
     let len = usize::try_from(metadata.len()).unwrap_or(usize::MAX);
     let mut bytes = Vec::new();
     bytes

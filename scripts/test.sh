@@ -84,7 +84,7 @@ fails_with() {
 # A rank that stops answering (SIGSTOP) ends the job after the timeout, naming it, instead of
 # holding the others forever.
 fails_with 'rank 0 stops: rank(s) 1 did not answer within 1 s' \
-    env "${runner}=mpirun -n 2" cargo test --locked --features mpi --test mpi -- stall
+    env "${runner}=mpirun -n 2 --oversubscribe" cargo test --locked --features mpi --test mpi -- stall
 
 # moekit-train launched wrongly under mpirun must stop every rank with a message and a
 # non-zero exit, never hang: E = 8 not divisible by R = 3, R = 2 asked of 3 ranks, R = 1 asked
@@ -93,10 +93,12 @@ fails_with 'rank 0 stops: rank(s) 1 did not answer within 1 s' \
 cargo test --locked -p moekit-trainer --no-run
 train=(target/debug/moekit-train train --config configs/qwen3_moe_debug.toml)
 launch_fails() {
-    local ranks=$1 pattern=$2
+    local ranks=$1 pattern=$2 dump
     shift 2
+    dump=$(mktemp -d)
     fails_with "${pattern}" mpirun -n "${ranks}" --oversubscribe "${train[@]}" \
-        --job.dump_folder "$(mktemp -d)" "$@"
+        --job.dump_folder "${dump}" "$@"
+    rm -rf "${dump}"
 }
 launch_fails 3 'parallelism.expert_parallel_degree = 3 must divide model.num_experts = 8' \
     --parallelism.expert_parallel_degree 3
@@ -105,28 +107,31 @@ launch_fails 3 'parallelism.expert_parallel_degree = 2, but mpirun started 3 ran
 launch_fails 2 'parallelism.expert_parallel_degree = 1, but mpirun started 2 ranks'
 dump=$(mktemp -d)
 fails_with 'parallelism.expert_parallel_degree is 2 on rank 0, 1 on rank(s) 1' \
-    mpirun -n 1 "${train[@]}" --job.dump_folder "${dump}" --parallelism.expert_parallel_degree 2 : \
+    mpirun --oversubscribe -n 1 "${train[@]}" --job.dump_folder "${dump}" \
+    --parallelism.expert_parallel_degree 2 : \
     -n 1 "${train[@]}" --job.dump_folder "${dump}" --parallelism.expert_parallel_degree 1
+rm -rf "${dump}"
 
 # A rank stopped mid-training: once rank 0 has logged a step, rank 1 gets SIGSTOP; rank 0 must
 # end the job after parallelism.collective_timeout_s, naming rank 1.
 dump=$(mktemp -d)
 log=$(mktemp)
 set +e
-timeout 300 mpirun -n 2 "${train[@]}" --job.dump_folder "${dump}" \
-    --parallelism.expert_parallel_degree 2 --parallelism.collective_timeout_s 3 \
+timeout 300 mpirun -n 2 --oversubscribe "${train[@]}" --job.dump_folder "${dump}" \
+    --parallelism.expert_parallel_degree 2 --parallelism.collective_timeout_s 5 \
     --training.steps 1000000 --metrics.log_freq 1 >"${log}" 2>&1 &
 job=$!
 until [ -s "${dump}/metrics.jsonl" ] || ! kill -0 "${job}" 2>/dev/null; do sleep 0.2; done
-for pid in $(pgrep -f "${train[0]}"); do
-    if tr '\0' '\n' <"/proc/${pid}/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+# This run's ranks are the processes whose command line names its dump folder.
+for pid in $(pgrep -f -- "--job.dump_folder ${dump} "); do
+    if grep -qxzF OMPI_COMM_WORLD_RANK=1 "/proc/${pid}/environ" 2>/dev/null; then
         kill -STOP "${pid}"
     fi
 done
 wait "${job}"
 status=$?
 set -e
-pattern='rank 0 stops: rank(s) 1 did not answer within 3 s'
+pattern='rank 0 stops: rank(s) 1 did not answer within 5 s'
 if [ "${status}" -eq 0 ] || [ "${status}" -eq 124 ] || ! grep -qF "${pattern}" "${log}"; then
     cat "${log}" >&2
     echo "a stopped rank 1: exit ${status}, expected a failure reporting \`${pattern}\`" >&2

@@ -51,7 +51,7 @@ const UNANSWERED_EXIT: i32 = 3;
 
 impl MpiComm {
     /// How long an operation waits for the other ranks unless [`Self::with_timeout`] says
-    /// otherwise (what PyTorch's process groups wait by default).
+    /// otherwise (PyTorch's default for NCCL process groups).
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
     /// Initialises MPI; an error if it is already initialised in this process.
@@ -78,11 +78,6 @@ impl MpiComm {
     /// How long each operation waits for the other ranks before ending the job.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         Self { timeout, ..self }
-    }
-
-    /// How long each operation waits for the other ranks before ending the job.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
     }
 }
 

@@ -22,7 +22,9 @@ impl TextTokenizer {
             return Ok(Self::Byte);
         }
         let path = Path::new(spec);
-        let mut tokenizer = tokenizers::Tokenizer::from_file(path)
+        let bytes = crate::files::read_bytes(path)
+            .with_context(|| format!("cannot load tokenizer {}", path.display()))?;
+        let mut tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
         // A file's own truncation or padding would cut or pad each whole data file (encoded
         // as one sequence); the data is windowed into `seq_len` tokens here instead.

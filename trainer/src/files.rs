@@ -4,11 +4,12 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow};
 
 /// The bytes of the regular file at `path` (errors name it).
 pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
-    Ok(moekit::golden::read_regular_file(path)?)
+    // moekit's error already ends with its cause: as one message, so `{:#}` does not repeat it.
+    moekit::golden::read_regular_file(path).map_err(|err| anyhow!("{err}"))
 }
 
 /// The UTF-8 text of the regular file at `path`.

@@ -153,13 +153,19 @@ impl StepFootprint {
     }
 }
 
-/// The peak host memory of evaluating `tokens` tokens in one forward pass in f32 without
-/// autograd, where each tensor is freed once the next is made: the parameters, the residual
-/// stream and its norm, the largest working set of a block (attention's projections, RoPE'd
-/// and repeated heads and output; the experts' K copies of each token with the router's f32
-/// values; the dense MLP's gate, up and product), and the `[tokens, vocab_size]` logits with
-/// their log-softmax, plus with `output` the logits' copies for the file.
-pub fn evaluation_bytes(model: &Qwen3MoeConfig, tokens: u128, output: bool) -> u128 {
+/// The host memory that evaluating `tokens` tokens in one forward pass in f32 without
+/// autograd takes beyond the loaded model, where each tensor is freed once the next is made:
+/// the residual stream and its norm, the largest working set of a block (attention's
+/// projections, RoPE'd and repeated heads and output; the experts' K copies of each token with
+/// the router's f32 values, and with moekit's kernels (`block_size` `Some`) one layer's E
+/// blocks of padding; the dense MLP's gate, up and product), and the `[tokens, vocab_size]`
+/// logits with their log-softmax, plus with `output` the logits' copies for the file.
+pub fn evaluation_bytes(
+    model: &Qwen3MoeConfig,
+    tokens: u128,
+    output: bool,
+    block_size: Option<usize>,
+) -> u128 {
     let h = model.hidden_size as u128;
     let q = model.num_attention_heads as u128 * model.head_dim as u128;
     let kv = model.num_key_value_heads as u128 * model.head_dim as u128;
@@ -179,9 +185,11 @@ pub fn evaluation_bytes(model: &Qwen3MoeConfig, tokens: u128, output: bool) -> u
     let per_token = 3 * h * F32
         + attention.max(moe).max(dense)
         + logits_copies * model.vocab_size as u128 * F32;
-    tokens
-        .saturating_mul(per_token)
-        .saturating_add(model.parameter_count().saturating_mul(F32))
+    let padding = match block_size {
+        Some(b) if layers.moe_layers > 0 => model.num_experts as u128 * b as u128 * layers.slot,
+        _ => 0,
+    };
+    tokens.saturating_mul(per_token).saturating_add(padding)
 }
 
 /// `bytes` in GiB, one decimal.
@@ -209,10 +217,12 @@ pub fn held_parameters(config: &JobConfig, ranks: usize) -> u128 {
     model.parameter_count() - model.moe_layer_count() as u128 * elsewhere * expert
 }
 
-/// The most host memory this process may still take, and what sets it: the machine's physical
-/// memory, the cgroup's `memory.max` (a container's limit), or what the address-space limit
-/// (`ulimit -v`, `RLIMIT_AS`) leaves above the process's present size, whichever is least.
-/// `None` where none of them can be read.
+/// The most host memory the work about to start may take, and what sets it: the machine's
+/// physical memory or the cgroup's `memory.max` (a container's limit), both totals, or what
+/// the address-space limit (`ulimit -v`, `RLIMIT_AS`) leaves above the process's present
+/// size, whichever is least. The totals are compared with estimates that count what the
+/// process has already built (a training step's parameters) or, for evaluation, with what
+/// comes on top of a model small against them. `None` where none of them can be read.
 pub fn host_memory_limit() -> Option<(u128, String)> {
     let mut limits = Vec::new();
     // SAFETY: sysconf only reads system configuration values.

@@ -216,8 +216,18 @@ fn run_eval(options: Options) -> Result<()> {
     let tokens = input_ids.numel() as u128;
     let output = options.get("output");
     ensure_fits_in_host_memory(
-        evaluation_bytes(loaded.model.config(), tokens, output.is_some()),
-        || format!("evaluating {:?} tokens at once needs", input_ids.size()),
+        evaluation_bytes(
+            loaded.model.config(),
+            tokens,
+            output.is_some(),
+            moe.kernel_backend().map(|_| block_size),
+        ),
+        || {
+            format!(
+                "evaluating {:?} tokens at once needs, beyond the loaded model,",
+                input_ids.size()
+            )
+        },
     )?;
     let (logits, losses) = evaluate(&loaded.model, &input_ids, moe, block_size)?;
     if let Some(output) = output {

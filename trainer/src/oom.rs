@@ -1,7 +1,7 @@
 //! libtorch failing to allocate memory, as an error rather than a panic.
 //!
 //! tch's infallible methods panic on a C++ exception, so libtorch's `DefaultCPUAllocator:
-//! can't allocate memory` (or CUDA's `out of memory`) unwinds as a panic. [`catch`] returns
+//! can't allocate memory` unwinds as a panic. [`catch`] returns
 //! that panic as an error naming the bytes asked for and lets every other panic unwind on;
 //! [`quiet_allocation_panics`] keeps the panic hook from printing it as a panic first.
 
@@ -12,8 +12,9 @@ use anyhow::{Result, anyhow};
 
 use crate::footprint::gib;
 
-/// What libtorch's allocators say when an allocation fails.
-const ALLOCATION_FAILURES: [&str; 2] = ["can't allocate memory", "out of memory"];
+/// What libtorch's CPU allocator says when an allocation fails (host memory: the limits the
+/// error names are the host's).
+const ALLOCATION_FAILURE: &str = "can't allocate memory";
 
 /// Installs a panic hook that stays silent for libtorch's allocation failures (which
 /// [`catch`] reports as errors) and hands every other panic to the hook installed before.
@@ -44,26 +45,23 @@ fn allocation_failure(payload: &(dyn Any + Send)) -> Option<String> {
         .downcast_ref::<String>()
         .map(String::as_str)
         .or_else(|| payload.downcast_ref::<&str>().copied())?;
-    ALLOCATION_FAILURES
-        .iter()
-        .any(|failure| text.contains(failure))
-        .then(|| {
-            // "… you tried to allocate 68719476736 bytes. Error code 12 …"
-            let asked = text
-                .split("tried to allocate ")
-                .nth(1)
-                .and_then(|rest| rest.split(' ').next())
-                .and_then(|bytes| bytes.parse::<u128>().ok());
-            let asked = match asked {
-                Some(bytes) => format!("{} ({bytes} bytes)", gib(bytes)),
-                None => "memory".to_owned(),
-            };
-            format!(
-                "libtorch could not allocate {asked}: the work needs more memory than this \
+    text.contains(ALLOCATION_FAILURE).then(|| {
+        // "… you tried to allocate 68719476736 bytes. Error code 12 …"
+        let asked = text
+            .split("tried to allocate ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|bytes| bytes.parse::<u128>().ok());
+        let asked = match asked {
+            Some(bytes) => format!("{} ({bytes} bytes)", gib(bytes)),
+            None => "memory".to_owned(),
+        };
+        format!(
+            "libtorch could not allocate {asked}: the work needs more memory than this \
                  process may use (physical memory, the cgroup's memory.max, ulimit -v); give it \
                  fewer tokens at once"
-            )
-        })
+        )
+    })
 }
 
 #[cfg(test)]
@@ -81,7 +79,7 @@ mod tests {
             failure.starts_with("libtorch could not allocate 64.0 GiB (68719476736 bytes):"),
             "{failure}"
         );
-        assert!(allocation_failure(&"CUDA out of memory.").is_some());
+        assert_eq!(allocation_failure(&"CUDA out of memory."), None);
         assert_eq!(allocation_failure(&"index out of bounds".to_owned()), None);
         assert_eq!(allocation_failure(&7u32), None);
     }

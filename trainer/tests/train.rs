@@ -566,7 +566,7 @@ fn evaluation_beyond_the_memory_limit_is_refused_with_its_estimate() {
     for (tokens, expected) in [
         (
             tokens.as_path(),
-            "error: evaluating [2048, 512] tokens at once needs ",
+            "error: evaluating [2048, 512] tokens at once needs, beyond the loaded model, ",
         ),
         (Path::new("/dev/zero"), "/dev/zero: not a regular file"),
     ] {
