@@ -521,27 +521,18 @@ fn a_step_beyond_the_memory_limit_is_refused_with_its_estimate() {
 #[test]
 fn evaluation_beyond_the_memory_limit_is_refused_with_its_estimate() {
     let dump = scratch("evaluation-limit");
-    let config = debug_config();
-    let args = [
-        "train",
-        "--config",
-        config.to_str().unwrap(),
-        "--job.dump_folder",
-        dump.to_str().unwrap(),
-        "--training.steps",
-        "2",
-        "--lr_scheduler.warmup_steps",
-        "0",
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.interval",
-        "2",
-    ];
-    let out = train(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    train_debug(
+        &dump,
+        &[
+            "--training.steps",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "2",
+        ],
     );
     let shape = [2048, 512];
     let bytes = vec![0u8; shape[0] * shape[1] * 8];
