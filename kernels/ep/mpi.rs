@@ -194,9 +194,10 @@ impl MpiComm {
         deadline: Deadline,
     ) -> Vec<(usize, Status)> {
         let mut done = Vec::with_capacity(pending.len());
+        // The requests still pending after a sweep, in a buffer kept across sweeps.
+        let mut waiting = Vec::with_capacity(pending.len());
         loop {
-            let mut waiting = Vec::with_capacity(pending.len());
-            for (rank, request) in pending {
+            for (rank, request) in pending.drain(..) {
                 match request.test() {
                     Ok(status) => done.push((rank, status)),
                     Err(request) => waiting.push((rank, request)),
@@ -209,7 +210,7 @@ impl MpiComm {
                 let silent: Vec<usize> = waiting.iter().map(|&(rank, _)| rank).collect();
                 self.unanswered(&silent);
             }
-            pending = waiting;
+            std::mem::swap(&mut pending, &mut waiting);
             // Lets an oversubscribed peer run (more ranks than cores).
             std::thread::yield_now();
         }

@@ -87,9 +87,10 @@ impl LayerLoad {
     }
 }
 
-/// Refuses a config whose training step would not fit in the machine's physical memory: the
-/// parameters this process holds with their gradients and AdamW state, and a micro-batch's
-/// activations and logits ([`StepFootprint`]), before anything is allocated.
+/// Refuses a config whose training step would not fit in the memory this process may take
+/// ([`crate::footprint::host_memory_limit`]): the parameters it holds with their gradients and
+/// AdamW state, and a micro-batch's activations and logits ([`StepFootprint`]), before
+/// anything is allocated.
 fn check_memory(config: &JobConfig, ranks: usize) -> Result<()> {
     let footprint = StepFootprint::of(config, ranks);
     ensure_fits_in_host_memory(footprint.total(), || {
