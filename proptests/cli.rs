@@ -1023,3 +1023,126 @@ fn lenient_arguments_and_endless_inputs_are_errors() {
         "{stderr}"
     );
 }
+
+/// `moekit` with its address space limited to `bytes` (`ulimit -v`).
+fn moekit_limited(args: &[&str], bytes: u64) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_moekit"));
+    command.args(args);
+    // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            let limit = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            match libc::setrlimit(libc::RLIMIT_AS, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    command.output().expect("run moekit")
+}
+
+#[test]
+fn blockwise_mm_without_checkpoints_allocates_only_the_routed_rows() {
+    // Two blocks of 2^19 slots, 4 tokens in all: the slots' expert outputs `[N, B, H]` in f32
+    // would take 4 GiB, the routed rows 16 KiB. Under a 2 GiB address space the forward must
+    // run without checkpoints, and say what it cannot allocate with them.
+    let dir = scratch("padding_heavy_plan");
+    let (t, h, e, i, b) = (4usize, 1024usize, 2usize, 16usize, 1usize << 19);
+    let mut rng = SeededRng::new(11);
+    let mut hidden = rng.values(t * h, 1.0);
+    hidden.extend(vec![0.0; h]);
+    let hidden = f32_tensor(&[t + 1, h], &hidden);
+    let gate_up = f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 0.1));
+    let down = f32_tensor(&[e, i, h], &rng.values(e * i * h, 0.1));
+    // Tokens 0, 1 on expert 0 and 2, 3 on expert 1, affinity 1 - t/8.
+    let mut affinities = vec![0.0; (t + 1) * e];
+    for token in 0..t {
+        affinities[token * e + token / 2] = 1.0 - token as f64 / 8.0;
+    }
+    let affinities = f32_tensor(&[(t + 1) * e, 1], &affinities);
+    let plan = |b: usize| {
+        let mut ids = vec![t as i32; 2 * b];
+        ids[..2].copy_from_slice(&[0, 1]);
+        ids[b..b + 2].copy_from_slice(&[2, 3]);
+        (
+            Tensor::from_i32([2 * b], ids).unwrap(),
+            Tensor::from_i32([2, 1], vec![0, 1]).unwrap(),
+        )
+    };
+    let (ids, experts) = plan(b);
+    let inputs = dir.join("inputs.safetensors");
+    let tensors = |ids, experts| {
+        [
+            ("hidden_states", &hidden),
+            ("expert_affinities_masked", &affinities),
+            ("gate_up_proj_weight", &gate_up),
+            ("down_proj_weight", &down),
+            ("token_position_to_id", ids),
+            ("block_to_expert", experts),
+        ]
+    };
+    write(&inputs, &tensors(&ids, &experts), &[]);
+    let output = dir.join("out.safetensors");
+    let args = |checkpoint: &'static str| {
+        [
+            "run",
+            "blockwise_mm",
+            "--backend",
+            "cpu",
+            "--inputs",
+            inputs.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+            "--param",
+            checkpoint,
+        ]
+        .map(str::to_owned)
+    };
+    let limit = 2 << 30;
+
+    let with = moekit_limited(
+        &args("checkpoint_activation=true")
+            .each_ref()
+            .map(String::as_str),
+        limit,
+    );
+    let stderr = String::from_utf8_lossy(&with.stderr);
+    assert!(
+        !with.status.success(),
+        "4 GiB of checkpoints fit under 2 GiB"
+    );
+    assert!(stderr.contains("cannot allocate output `"), "{stderr}");
+
+    let without = moekit_limited(
+        &args("checkpoint_activation=false")
+            .each_ref()
+            .map(String::as_str),
+        limit,
+    );
+    assert!(
+        without.status.success(),
+        "{}",
+        String::from_utf8_lossy(&without.stderr)
+    );
+    // The same routing in blocks of 2 slots, on the reference backend.
+    let (small_ids, experts) = plan(2);
+    let call = Kernel::BlockwiseMm;
+    let small: BTreeMap<String, Tensor> = tensors(&small_ids, &experts)
+        .into_iter()
+        .map(|(name, tensor)| (name.to_owned(), tensor.clone()))
+        .collect();
+    let expected = call
+        .run(&ReferenceBackend, &small, &Params::default())
+        .unwrap();
+    let expected = &expected
+        .iter()
+        .find(|(name, _)| *name == "output")
+        .unwrap()
+        .1;
+    let got = TensorFile::read(&output).unwrap().tensors;
+    assert_close("output", &f32s(&got["output"]), &f32s(expected), 1e-5, 1e-6).unwrap();
+}

@@ -101,14 +101,21 @@ fn block_runs(plan: BlockPlan<'_>) -> Vec<BlockRun> {
 
 /// Splits `buffer` (`[N, per_block]` in block order) into the runs' consecutive parts.
 fn split_by_runs<'a, T>(
-    mut buffer: &'a mut [T],
+    buffer: &'a mut [T],
     runs: &[BlockRun],
     per_block: usize,
 ) -> Vec<&'a mut [T]> {
-    runs.iter()
-        .map(|run| {
-            let (part, rest) =
-                std::mem::take(&mut buffer).split_at_mut(run.blocks.len() * per_block);
+    split_into(buffer, runs.iter().map(|run| run.blocks.len() * per_block))
+}
+
+/// Splits the front of `buffer` into consecutive parts of `lens`.
+fn split_into<'a, T>(
+    mut buffer: &'a mut [T],
+    lens: impl IntoIterator<Item = usize>,
+) -> Vec<&'a mut [T]> {
+    lens.into_iter()
+        .map(|len| {
+            let (part, rest) = std::mem::take(&mut buffer).split_at_mut(len);
             buffer = rest;
             part
         })
@@ -434,10 +441,32 @@ struct ExpertGrads {
     rows: Scratch,
 }
 
-/// A run's share of the forward's outputs: its blocks of `down [blocks, B, H]` in f32 (which
-/// the combine reads) and, when checkpointing, of `gate_up_t [blocks, 2I, B]` in `G` and,
-/// when the checkpoint's dtype `D` is not f32, of its copy of `down` in `D`.
+/// How the forward's f32 expert outputs `down` (which the combine reads) hold a run's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DownLayout {
+    /// `[blocks, B, H]`: every slot of the run's blocks, padding slots included: the layout of
+    /// the checkpoint `down_activations`.
+    Slots,
+    /// `[m, H]`: the run's m real rows only, in slot order, when no checkpoint is asked for (a
+    /// plan's padding slots may outnumber its real ones by far).
+    Packed,
+}
+
+impl DownLayout {
+    /// `down`'s elements for `run`.
+    fn run_len(self, run: &BlockRun, b: usize, h: usize) -> usize {
+        match self {
+            Self::Slots => run.blocks.len() * b * h,
+            Self::Packed => run.slots.len() * h,
+        }
+    }
+}
+
+/// A run's share of the forward's outputs: its rows of `down` in f32 (laid out as `layout`
+/// says) and, when checkpointing, its blocks of `gate_up_t [blocks, 2I, B]` in `G` and, when
+/// the checkpoint's dtype `D` is not f32, of its copy of `down` in `D`.
 struct RunOutputs<'a, G, D> {
+    layout: DownLayout,
     down: &'a mut [MaybeUninit<f32>],
     down_rounded: Option<&'a mut [MaybeUninit<D>]>,
     gate_up_t: Option<&'a mut [MaybeUninit<G>]>,
@@ -504,11 +533,12 @@ fn run_forward<G: Element, D: Element>(
     scratch: &mut Scratch,
 ) -> bool {
     let RunOutputs {
+        layout,
         down,
         down_rounded,
         gate_up_t,
     } = out;
-    let finite = run_products::<G, D>(call, run, padding, (down, gate_up_t), scratch);
+    let finite = run_products::<G, D>(call, run, padding, (layout, down, gate_up_t), scratch);
     match down_rounded {
         // SAFETY: `run_products` wrote the run's rows of `down` whole.
         Some(rounded) => write_rounded(rounded, unsafe { assume_init_ref(down) }) && finite,
@@ -522,7 +552,11 @@ fn run_products<G: Element, D: Element>(
     call: &BlockwiseMm<'_>,
     run: &BlockRun,
     padding: Option<&PaddingOutputs>,
-    (down, gate_up_t): (&mut [MaybeUninit<f32>], Option<&mut [MaybeUninit<G>]>),
+    (layout, down, gate_up_t): (
+        DownLayout,
+        &mut [MaybeUninit<f32>],
+        Option<&mut [MaybeUninit<G>]>,
+    ),
     scratch: &mut Scratch,
 ) -> bool {
     let (inputs, dims) = (&call.floats(), call.dims());
@@ -538,6 +572,7 @@ fn run_products<G: Element, D: Element>(
         None => (None, None),
     };
     let Some(expert) = run.expert.filter(|_| m > 0) else {
+        // Packed, a run of padding only has no rows of `down`.
         for row in down.chunks_exact_mut(h) {
             fill(row, padding_down);
         }
@@ -583,9 +618,14 @@ fn run_products<G: Element, D: Element>(
     // The run's slots relative to its first block's first slot.
     let first = run.blocks.start * b;
     let (start, end) = (run.slots[0] - first, run.slots[m - 1] - first + 1);
-    if end - start == m {
-        // Consecutive real slots (padding only around them): the product writes its rows in
-        // place.
+    // Where the run's m rows lie consecutively in `down`, if they do.
+    let rows_at = match layout {
+        DownLayout::Packed => Some(0),
+        DownLayout::Slots => (end - start == m).then_some(start),
+    };
+    if let Some(start) = rows_at {
+        // Consecutive real slots (padding only around them), or packed rows: the product
+        // writes its rows in place.
         let (before, rows) = down.split_at_mut(start * h);
         let (rows, after) = rows.split_at_mut(m * h);
         for row in before.chunks_exact_mut(h).chain(after.chunks_exact_mut(h)) {
@@ -673,16 +713,24 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
         .padding_has_outputs(params.clamp)
         .then(|| PaddingOutputs::new(call));
 
-    // The expert outputs land in `down [N, B, H]` in f32, the checkpoint's layout, whether or
-    // not it is returned; a checkpoint in another dtype is a rounded copy.
+    // The expert outputs land in `down` in f32: in the checkpoint's layout `[N, B, H]` when it
+    // is returned (a checkpoint in another dtype is a rounded copy), else only the real rows.
     let (gate_up_shape, down_shape) = ([n, 2, i, b], [n, b, h]);
+    let (layout, down_rows) = if checkpoint {
+        (DownLayout::Slots, n * b)
+    } else {
+        (
+            DownLayout::Packed,
+            runs.iter().map(|run| run.slots.len()).sum(),
+        )
+    };
     let rounds_down = checkpoint && D::DTYPE != DType::F32;
     // Buffers of outputs not written are empty: N = 0 blocks.
     let (checkpoint_blocks, rounded_blocks) = (
         if checkpoint { n } else { 0 },
         if rounds_down { n } else { 0 },
     );
-    let mut down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &down_shape)?;
+    let mut down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &[down_rows, h])?;
     let mut down_rounded = output_buffer::<D>(fwd::DOWN_ACTIVATIONS.name, &[rounded_blocks, b, h])?;
     let mut gate_up_t = output_buffer::<G>(
         fwd::GATE_UP_ACTIVATIONS_T.name,
@@ -690,7 +738,7 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
     )?;
     let gate_up_parts = parts_by_runs(&mut gate_up_t, &runs, 2 * i * b, checkpoint);
     let down_rounded_parts = parts_by_runs(&mut down_rounded, &runs, b * h, rounds_down);
-    let fits = split_by_runs(&mut down, &runs, b * h)
+    let fits = split_into(&mut down, runs.iter().map(|run| layout.run_len(run, b, h)))
         .into_par_iter()
         .zip(down_rounded_parts)
         .zip(gate_up_parts)
@@ -699,6 +747,7 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
             Scratch::default,
             |scratch, (((down, down_rounded), gate_up_t), run)| {
                 let out = RunOutputs {
+                    layout,
                     down,
                     down_rounded,
                     gate_up_t,
@@ -720,15 +769,32 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
         )
     };
 
-    // Combine in ascending expert order (runs of one expert in block order).
-    let mut by_expert: Vec<&BlockRun> = runs.iter().filter(|run| run.expert.is_some()).collect();
-    by_expert.sort_by_key(|run| run.expert);
-    let rows = by_expert.iter().flat_map(|run| {
+    // Combine in ascending expert order (runs of one expert in block order). Each real row's
+    // key is (expert, its row of `down`).
+    let mut packed_start = 0;
+    let mut by_expert: Vec<(&BlockRun, usize)> = runs
+        .iter()
+        .map(|run| {
+            let start = packed_start;
+            packed_start += run.slots.len();
+            (run, start)
+        })
+        .filter(|(run, _)| run.expert.is_some())
+        .collect();
+    by_expert.sort_by_key(|(run, _)| run.expert);
+    let rows = by_expert.iter().flat_map(|&(run, packed_start)| {
         let expert = run.expert.expect("filtered to experts");
         run.tokens
             .iter()
             .zip(&run.slots)
-            .map(move |(&token, &slot)| (token, (expert, slot)))
+            .enumerate()
+            .map(move |(k, (&token, &slot))| {
+                let row = match layout {
+                    DownLayout::Slots => slot,
+                    DownLayout::Packed => packed_start + k,
+                };
+                (token, (expert, row))
+            })
     });
     let affinities = call.floats().expert_affinities_masked.to_f32();
     let mut output = output_buffer(fwd::OUTPUT.name, &[t + 1, h])?;
@@ -743,7 +809,7 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
                 1.0
             }
         },
-        |(_, slot)| &down[slot * h..(slot + 1) * h],
+        |(_, row)| &down[row * h..(row + 1) * h],
     );
     write_copy(padding_row, &padding_row_output(call, padding.as_ref()));
     // SAFETY: `combine` wrote every token's row, and the padding row is written.

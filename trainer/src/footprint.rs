@@ -18,6 +18,8 @@ use crate::model::Qwen3MoeConfig;
 
 /// Bytes of an f32.
 const F32: u128 = 4;
+/// Bytes of an i32.
+const I32: u128 = 4;
 
 /// A step's peak host memory, by what holds it (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,8 +159,9 @@ impl StepFootprint {
 /// autograd takes beyond the loaded model, where each tensor is freed once the next is made:
 /// the residual stream and its norm, the largest working set of a block (attention's
 /// projections, RoPE'd and repeated heads and output; the experts' K copies of each token with
-/// the router's f32 values, and with moekit's kernels (`block_size` `Some`) one layer's E
-/// blocks of padding; the dense MLP's gate, up and product), and the `[tokens, vocab_size]`
+/// the router's f32 values, and with moekit's kernels (`block_size` `Some`) the i32 slot ids of
+/// one layer's E blocks of padding, which without checkpoints hold no expert rows; the dense
+/// MLP's gate, up and product), and the `[tokens, vocab_size]`
 /// logits with their log-softmax, plus with `output` the logits' copies for the file.
 pub fn evaluation_bytes(
     model: &Qwen3MoeConfig,
@@ -186,7 +189,7 @@ pub fn evaluation_bytes(
         + attention.max(moe).max(dense)
         + logits_copies * model.vocab_size as u128 * F32;
     let padding = match block_size {
-        Some(b) if layers.moe_layers > 0 => model.num_experts as u128 * b as u128 * layers.slot,
+        Some(b) if layers.moe_layers > 0 => model.num_experts as u128 * b as u128 * I32,
         _ => 0,
     };
     tokens.saturating_mul(per_token).saturating_add(padding)
