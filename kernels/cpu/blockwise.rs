@@ -109,10 +109,7 @@ fn split_by_runs<'a, T>(
 }
 
 /// Splits the front of `buffer` into consecutive parts of `lens`.
-fn split_into<'a, T>(
-    mut buffer: &'a mut [T],
-    lens: impl IntoIterator<Item = usize>,
-) -> Vec<&'a mut [T]> {
+fn split_into<T>(mut buffer: &mut [T], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [T]> {
     lens.into_iter()
         .map(|len| {
             let (part, rest) = std::mem::take(&mut buffer).split_at_mut(len);
@@ -538,7 +535,7 @@ fn run_forward<G: Element, D: Element>(
         down_rounded,
         gate_up_t,
     } = out;
-    let finite = run_products::<G, D>(call, run, padding, (layout, down, gate_up_t), scratch);
+    let finite = run_products::<G, D>(call, run, padding, layout, (down, gate_up_t), scratch);
     match down_rounded {
         // SAFETY: `run_products` wrote the run's rows of `down` whole.
         Some(rounded) => write_rounded(rounded, unsafe { assume_init_ref(down) }) && finite,
@@ -552,11 +549,8 @@ fn run_products<G: Element, D: Element>(
     call: &BlockwiseMm<'_>,
     run: &BlockRun,
     padding: Option<&PaddingOutputs>,
-    (layout, down, gate_up_t): (
-        DownLayout,
-        &mut [MaybeUninit<f32>],
-        Option<&mut [MaybeUninit<G>]>,
-    ),
+    layout: DownLayout,
+    (down, gate_up_t): (&mut [MaybeUninit<f32>], Option<&mut [MaybeUninit<G>]>),
     scratch: &mut Scratch,
 ) -> bool {
     let (inputs, dims) = (&call.floats(), call.dims());
@@ -716,13 +710,13 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
     // The expert outputs land in `down` in f32: in the checkpoint's layout `[N, B, H]` when it
     // is returned (a checkpoint in another dtype is a rounded copy), else only the real rows.
     let (gate_up_shape, down_shape) = ([n, 2, i, b], [n, b, h]);
-    let (layout, down_rows) = if checkpoint {
-        (DownLayout::Slots, n * b)
+    let (layout, mut down) = if checkpoint {
+        let down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &down_shape)?;
+        (DownLayout::Slots, down)
     } else {
-        (
-            DownLayout::Packed,
-            runs.iter().map(|run| run.slots.len()).sum(),
-        )
+        let rows = runs.iter().map(|run| run.slots.len()).sum();
+        let down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &[rows, h])?;
+        (DownLayout::Packed, down)
     };
     let rounds_down = checkpoint && D::DTYPE != DType::F32;
     // Buffers of outputs not written are empty: N = 0 blocks.
@@ -730,7 +724,6 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
         if checkpoint { n } else { 0 },
         if rounds_down { n } else { 0 },
     );
-    let mut down = output_buffer::<f32>(fwd::DOWN_ACTIVATIONS.name, &[down_rows, h])?;
     let mut down_rounded = output_buffer::<D>(fwd::DOWN_ACTIVATIONS.name, &[rounded_blocks, b, h])?;
     let mut gate_up_t = output_buffer::<G>(
         fwd::GATE_UP_ACTIVATIONS_T.name,
