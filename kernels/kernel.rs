@@ -14,7 +14,8 @@ use crate::contracts::{
     LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, OutputDType,
     Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
     RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec, XHbmLayout, tensors,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, SkipMode, TensorSpec, XHbmLayout,
+    tensors,
 };
 use crate::error::{Error, Result, find_named};
 use crate::tensor::Tensor;
@@ -158,6 +159,10 @@ impl Kernel {
                         .scaling_mode
                         .unwrap_or(default.expert_affinities_scaling_mode),
                     clamp: params.clamp,
+                    skip_dma: params.skip_dma(),
+                    is_tensor_update_accumulating: params
+                        .is_tensor_update_accumulating
+                        .unwrap_or(default.is_tensor_update_accumulating),
                 };
                 let call = BlockwiseMm::new(BlockwiseMmInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
@@ -173,6 +178,10 @@ impl Kernel {
                         .unwrap_or(default.expert_affinities_scaling_mode),
                     clamp: params.clamp,
                     bias: params.bias.unwrap_or(default.bias),
+                    skip_dma: params.skip_dma(),
+                    is_tensor_update_accumulating: params
+                        .is_tensor_update_accumulating
+                        .unwrap_or(default.is_tensor_update_accumulating),
                 };
                 let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
@@ -251,6 +260,8 @@ pub enum Param {
     LinearClampLowerLimit,
     LinearClampUpperLimit,
     Bias,
+    SkipToken,
+    IsTensorUpdateAccumulating,
     ExpertParallelDegree,
     OutputDType,
 }
@@ -289,6 +300,8 @@ impl Param {
             Param::LinearClampLowerLimit => limit(backward.clamp.up.lower),
             Param::LinearClampUpperLimit => limit(backward.clamp.up.upper),
             Param::Bias => backward.bias.to_string(),
+            Param::SkipToken => forward.skip_dma.skip_token.to_string(),
+            Param::IsTensorUpdateAccumulating => forward.is_tensor_update_accumulating.to_string(),
             Param::OutputDType => OutputDType::default().to_string(),
         }
     }
@@ -315,6 +328,8 @@ impl Param {
         Param::LinearClampLowerLimit,
         Param::LinearClampUpperLimit,
         Param::Bias,
+        Param::SkipToken,
+        Param::IsTensorUpdateAccumulating,
         Param::ExpertParallelDegree,
         Param::OutputDType,
     ];
@@ -342,6 +357,8 @@ impl Param {
             Param::LinearClampLowerLimit => "linear_clamp_lower_limit",
             Param::LinearClampUpperLimit => "linear_clamp_upper_limit",
             Param::Bias => "bias",
+            Param::SkipToken => "skip_token",
+            Param::IsTensorUpdateAccumulating => "is_tensor_update_accumulating",
             Param::ExpertParallelDegree => "expert_parallel_degree",
             Param::OutputDType => OutputDType::PARAM,
         }
@@ -371,9 +388,11 @@ impl Param {
             | Param::LinearClampUpperLimit => "number",
             Param::Bias => "true|false",
             Param::OutputDType => "input|float32",
-            Param::RouterPreNorm | Param::NormTopkProb | Param::CheckpointActivation => {
-                "true|false"
-            }
+            Param::RouterPreNorm
+            | Param::NormTopkProb
+            | Param::CheckpointActivation
+            | Param::SkipToken
+            | Param::IsTensorUpdateAccumulating => "true|false",
         }
     }
 }
@@ -399,6 +418,9 @@ pub struct Params {
     pub clamp: ClampLimits,
     /// The backward's `bias`.
     pub bias: Option<bool>,
+    /// `skip_dma`'s `skip_token` (`SkipMode`), for the blockwise kernels and `permute`.
+    pub skip_token: Option<bool>,
+    pub is_tensor_update_accumulating: Option<bool>,
     pub expert_parallel_degree: Option<usize>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
@@ -462,6 +484,8 @@ pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     "block_sharding_strategy",
     "shard_option",
     "block_tile_size",
+    // `skip_dma`'s other field: skips reloading weights already on chip
+    "skip_weight",
 ];
 
 impl Params {
@@ -474,6 +498,13 @@ impl Params {
             router_pre_norm: self.router_pre_norm.unwrap_or(default.router_pre_norm),
             norm_topk_prob: self.norm_topk_prob.unwrap_or(default.norm_topk_prob),
             x_hbm_layout: self.x_hbm_layout.unwrap_or(default.x_hbm_layout),
+        }
+    }
+
+    /// The `skip_dma` these parameters choose (`skip_token` false when not given).
+    pub fn skip_dma(&self) -> SkipMode {
+        SkipMode {
+            skip_token: self.skip_token.unwrap_or_default(),
         }
     }
 
@@ -519,6 +550,10 @@ impl Params {
                 self.clamp.up.upper = Some(parse_limit(param, value)?)
             }
             Param::Bias => self.bias = Some(parse_bool(param, value)?),
+            Param::SkipToken => self.skip_token = Some(parse_bool(param, value)?),
+            Param::IsTensorUpdateAccumulating => {
+                self.is_tensor_update_accumulating = Some(parse_bool(param, value)?)
+            }
             Param::ExpertParallelDegree => {
                 self.expert_parallel_degree = Some(parse_count(param, value)?)
             }
@@ -719,6 +754,8 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         (Param::GateClampUpperLimit, ParamUse::Defaulted),
         (Param::UpClampLowerLimit, ParamUse::Defaulted),
         (Param::UpClampUpperLimit, ParamUse::Defaulted),
+        (Param::SkipToken, ParamUse::Defaulted),
+        (Param::IsTensorUpdateAccumulating, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
@@ -737,6 +774,8 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         (Param::NonLinearClampUpperLimit, ParamUse::Defaulted),
         (Param::LinearClampLowerLimit, ParamUse::Defaulted),
         (Param::LinearClampUpperLimit, ParamUse::Defaulted),
+        (Param::SkipToken, ParamUse::Defaulted),
+        (Param::IsTensorUpdateAccumulating, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };

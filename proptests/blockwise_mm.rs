@@ -131,6 +131,7 @@ fn build_case(s: Shape, seed: u64) -> Case {
     Case {
         dims: BlockwiseDims {
             t,
+            rows: t + 1,
             h,
             e,
             i,
@@ -264,6 +265,7 @@ impl Tensors {
                 activation_function: self.act_fn,
                 expert_affinities_scaling_mode: self.scaling,
                 clamp: self.clamp,
+                ..BlockwiseMmParams::default()
             },
         )?;
         ReferenceBackend.blockwise_mm(&call.with_output_dtype(output_dtype))
@@ -686,6 +688,7 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
             expert_affinities_scaling_mode: c.scaling,
             clamp: c.clamp,
             bias: c.gate_up_bias.is_some(),
+            ..BlockwiseMmBwdParams::default()
         },
     )
     .unwrap();
@@ -1066,13 +1069,13 @@ fn plan_violations_are_clear_errors() {
             "token_position_to_id",
             "position 3",
             "token id -1",
-            "[0, 3]",
-            "padding row",
+            "outside [0, 3)",
+            "T = 3 is the padding row",
         ],
     );
     expect_err(
         with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 4, 3])),
-        &["position 6", "token id 4", "[0, 3]"],
+        &["position 6", "token id 4", "outside [0, 3)"],
     );
     expect_err(
         with(&|v| v.positions = i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 0])),
@@ -1178,8 +1181,52 @@ fn block_size_and_schedule_parameters_as_nki_library_passes_them() {
         ("block_size", "2"),
         ("compute_dtype", "bfloat16"),
         ("block_sharding_strategy", "PING_PONG"),
+        ("skip_weight", "true"),
     ];
     assert_eq!(run(&nki).unwrap(), plain);
+    // Token 0 has two slots: storing instead of adding would lose one.
+    expect_err(
+        run(&[("is_tensor_update_accumulating", "false")]).map(|_| ()),
+        &[
+            "is_tensor_update_accumulating",
+            "token 0 has slots for experts 0 and 2",
+        ],
+    );
+    expect_err(
+        run(&[("skip_token", "yes")]).map(|_| ()),
+        &["skip_token", "true or false"],
+    );
+    // SkipMode(skip_token=True): no padding row, −1 in padding slots.
+    let mut skipping = tensors.clone();
+    skipping.insert(
+        "hidden_states".to_owned(),
+        f32_tensor(&[3, 2], &v.x.to_f64_vec()[..6]),
+    );
+    skipping.insert(
+        "expert_affinities_masked".to_owned(),
+        f32_tensor(&[9, 1], &v.masked.to_f64_vec()[..9]),
+    );
+    let skip_run = |tensors: &BTreeMap<String, Tensor>| {
+        let mut params = Params::default();
+        params.set("skip_token", "true").unwrap();
+        Kernel::BlockwiseMm.run(&ReferenceBackend, tensors, &params)
+    };
+    expect_err(
+        skip_run(&skipping).map(|_| ()),
+        &[
+            "token_position_to_id",
+            "position 3 holds token id 3",
+            "−1 is padding with skip_token",
+        ],
+    );
+    skipping.insert(
+        "token_position_to_id".to_owned(),
+        i32_tensor(&[8], &[0, 1, 2, -1, 0, -1, -1, -1]),
+    );
+    let skipped = skip_run(&skipping).unwrap();
+    assert_eq!(skipped[0].0, "output");
+    assert_eq!(skipped[0].1.shape(), &[3, 2]);
+    assert_eq!(skipped[0].1.to_f64_vec(), plain[0].1.to_f64_vec()[..6]);
     expect_err(
         run(&[("block_size", "4")]).map(|_| ()),
         &["block_size", "is 4", "B = 2", "N = 4"],

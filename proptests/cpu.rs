@@ -355,6 +355,11 @@ proptest! {
     }
 
     #[test]
+    fn skip_token_drops_only_the_padding_row(s in shape(40), seed in any::<u64>()) {
+        skip_token_matches_the_padded_layout(&layer(s, seed))?;
+    }
+
+    #[test]
     fn rearranged_plans_match_the_reference(s in shape(40), seed in any::<u64>()) {
         let mut layer = layer(s, seed);
         rearrange_plan(&mut SeededRng::new(!seed), &mut layer, s);
@@ -384,6 +389,86 @@ proptest! {
 /// caller may build one: the blocks in random order (an expert's blocks apart, unused blocks
 /// between them), each block's slots in random order (padding between real slots), and blocks
 /// of padding only given to random experts.
+/// nki-library's `SkipMode(skip_token=True)` layout of `layer`'s blockwise inputs:
+/// `hidden_states [T, H]`, `expert_affinities_masked [T·E, 1]`, `output_hidden_states_grad
+/// [T, H]`, padding slots −1. Both blockwise kernels, on both backends, must give exactly the
+/// padded layout's results without its row T.
+fn skip_token_matches_the_padded_layout(layer: &Layer) -> Result<(), TestCaseError> {
+    let t = layer.tensors["expert_index"].shape()[0];
+    let e = layer.tensors["gate_up_proj_weight"].shape()[0];
+    let mut skipping = Layer {
+        params: layer.params.clone(),
+        tensors: layer.tensors.clone(),
+    };
+    skipping.params.set("skip_token", "true").unwrap();
+    // The first `keep` entries of `tensor`'s first axis.
+    let leading = |tensor: &Tensor, keep: usize| -> Tensor {
+        let values = tensor.to_f64_vec();
+        let mut shape = tensor.shape().to_vec();
+        let width = values.len() / shape[0];
+        shape[0] = keep;
+        let kept = f32_tensor(&shape, &values[..keep * width]);
+        if tensor.dtype() == DType::BF16 {
+            kept.to_bf16()
+        } else {
+            kept
+        }
+    };
+    for (name, keep) in [
+        ("hidden_states", t),
+        ("output_hidden_states_grad", t),
+        ("expert_affinities_masked", t * e),
+    ] {
+        let tensor = &layer.tensors[name];
+        skipping
+            .tensors
+            .insert(name.to_owned(), leading(tensor, keep));
+    }
+    let ids: Vec<i32> = layer.tensors["token_position_to_id"]
+        .as_i32()
+        .unwrap()
+        .iter()
+        .map(|&id| if id as usize == t { -1 } else { id })
+        .collect();
+    skipping.tensors.insert(
+        "token_position_to_id".to_owned(),
+        i32_tensor(&[ids.len()], &ids),
+    );
+    for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
+        for backend in [BackendKind::Cpu, BackendKind::Reference] {
+            let padded = run(kernel, backend, layer);
+            let skipped = run(kernel, backend, &skipping);
+            for ((name, want), (skipped_name, got)) in padded.iter().zip(&skipped) {
+                prop_assert_eq!(name, skipped_name);
+                let keep = match *name {
+                    "output" | "hidden_states_grad" => t,
+                    "expert_affinities_masked_grad" => t * e,
+                    _ => want.shape()[0],
+                };
+                prop_assert_eq!(
+                    got.shape()[0],
+                    keep,
+                    "{}.{} on {}",
+                    kernel.name(),
+                    name,
+                    backend
+                );
+                prop_assert_eq!(&got.shape()[1..], &want.shape()[1..]);
+                let width = want.to_f64_vec().len() / want.shape()[0];
+                prop_assert_eq!(
+                    got.to_f64_vec(),
+                    want.to_f64_vec()[..keep * width].to_vec(),
+                    "{}.{} on {}",
+                    kernel.name(),
+                    name,
+                    backend
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn rearrange_plan(rng: &mut SeededRng, layer: &mut Layer, s: Shape) {
     let positions = layer.tensors["token_position_to_id"].as_i32().unwrap();
     let blocks = layer.tensors["block_to_expert"].as_i32().unwrap();

@@ -256,6 +256,7 @@ proptest! {
             activation_function: activation,
             expert_affinities_scaling_mode: scaling,
             clamp,
+            ..BlockwiseMmParams::default()
         };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
@@ -362,6 +363,7 @@ proptest! {
                 expert_affinities_scaling_mode: scaling,
                 clamp,
                 bias: extras,
+                ..BlockwiseMmBwdParams::default()
             },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
@@ -703,6 +705,46 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         format!("{entry}gate_clamp_upper_limit = \"none\"\n"),
     );
     assert!(err.contains("no NEFF for blockwise_mm"), "{err}");
+
+    // Likewise `skip_token` and `is_tensor_update_accumulating`: an entry that leaves them out
+    // was compiled with nki-library's defaults (false, true), whose tensors are other shapes.
+    let skip_hidden = f32_tensor(&[1, 1], &[0.5]);
+    let skip_masked = f32_tensor(&[2, 1], &[1.0, 0.0]);
+    let skip_positions = i32_tensor(&[2], &[0, -1]);
+    let skipping = BlockwiseMm::new(
+        BlockwiseMmInputs {
+            hidden_states: &skip_hidden,
+            expert_affinities_masked: &skip_masked,
+            token_position_to_id: &skip_positions,
+            ..inputs
+        },
+        BlockwiseMmParams {
+            skip_dma: SkipMode { skip_token: true },
+            is_tensor_update_accumulating: false,
+            ..BlockwiseMmParams::default()
+        },
+    )
+    .unwrap();
+    let run_skipping = |manifest: &str, text: String| {
+        std::fs::write(dir.join(manifest), text).unwrap();
+        let backend = NeuronBackend::new(NeuronConfig {
+            library: Some(PathBuf::from(FAKE)),
+            manifest: dir.join(manifest),
+        });
+        backend.blockwise_mm(&skipping).unwrap_err().to_string()
+    };
+    let err = run_skipping("padded.toml", entry.to_owned());
+    assert!(
+        err.contains("no NEFF for blockwise_mm")
+            && err.contains("skip_token=true")
+            && err.contains("is_tensor_update_accumulating=false"),
+        "{err}"
+    );
+    let err = run_skipping(
+        "skipping.toml",
+        format!("{entry}skip_token = true\nis_tensor_update_accumulating = false\n"),
+    );
+    assert!(err.contains("clamped.neff"), "{err}");
 }
 
 #[test]

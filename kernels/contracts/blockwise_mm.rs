@@ -171,8 +171,35 @@ impl fmt::Display for ExpertAffinityScaleMode {
     }
 }
 
+/// Whether the token rows carry the padding row: nki-library's `SkipMode.skip_token` (its
+/// other field, `skip_weight`, only skips reloading weights already on chip and changes no
+/// result).
+///
+/// Without it (the default) `hidden_states` is `[T+1, H]` whose row T is the zero padding
+/// token, padding slots of `token_position_to_id` hold T, and `expert_affinities_masked`,
+/// `output`, `output_hidden_states_grad` and the gradients shaped like them have a row T. With
+/// it, `hidden_states` is `[T, H]`, padding slots hold −1 (a row of zeros the kernel never
+/// reads) and every one of those tensors has T rows: what the padding slots would add to row T
+/// is dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SkipMode {
+    pub skip_token: bool,
+}
+
+impl SkipMode {
+    /// The padding id of `token_position_to_id` for T tokens: T, or −1 with `skip_token`.
+    pub fn padding_id(self, t: usize) -> i64 {
+        if self.skip_token { -1 } else { t as i64 }
+    }
+
+    /// The rows of `hidden_states` and of the tensors shaped like it, for T tokens.
+    pub fn rows(self, t: usize) -> usize {
+        if self.skip_token { t } else { t + 1 }
+    }
+}
+
 /// Parameters of [`BlockwiseMm`], named as nki-library's `moe_cte` names them.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockwiseMmParams {
     /// Also return `gate_up_activations_T` and `down_activations` (default false).
     pub checkpoint_activation: bool,
@@ -182,10 +209,29 @@ pub struct BlockwiseMmParams {
     pub expert_affinities_scaling_mode: ExpertAffinityScaleMode,
     /// The gate and up projections' clamps (default none).
     pub clamp: ClampLimits,
+    /// `skip_dma` (default: neither field).
+    pub skip_dma: SkipMode,
+    /// Whether the blocks' results are added into `output` (the default) or stored, which
+    /// gives the sum only when no token has two slots (top-k = 1): without it, a token with
+    /// two slots is an error.
+    pub is_tensor_update_accumulating: bool,
+}
+
+impl Default for BlockwiseMmParams {
+    fn default() -> Self {
+        Self {
+            checkpoint_activation: false,
+            activation_function: ActFnType::default(),
+            expert_affinities_scaling_mode: ExpertAffinityScaleMode::default(),
+            clamp: ClampLimits::default(),
+            skip_dma: SkipMode::default(),
+            is_tensor_update_accumulating: true,
+        }
+    }
 }
 
 /// Parameters of [`BlockwiseMmBwd`], named as nki-library's `blockwise_mm_bwd` names them.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockwiseMmBwdParams {
     /// The forward's `activation_function` (default SiLU).
     pub activation_type: ActFnType,
@@ -196,20 +242,38 @@ pub struct BlockwiseMmBwdParams {
     pub clamp: ClampLimits,
     /// Also return the biases' gradients (nki-library's `bias`).
     pub bias: bool,
+    /// The forward's `skip_dma` (default: neither field).
+    pub skip_dma: SkipMode,
+    /// As the forward's, for `hidden_states_grad` (default true).
+    pub is_tensor_update_accumulating: bool,
+}
+
+impl Default for BlockwiseMmBwdParams {
+    fn default() -> Self {
+        Self {
+            activation_type: ActFnType::default(),
+            expert_affinities_scaling_mode: ExpertAffinityScaleMode::default(),
+            clamp: ClampLimits::default(),
+            bias: false,
+            skip_dma: SkipMode::default(),
+            is_tensor_update_accumulating: true,
+        }
+    }
 }
 
 /// Inputs of [`BlockwiseMm`]. Floating-point tensors may be f32 or bf16.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockwiseMmInputs<'a> {
-    /// `[T+1, H]`; row T is the all-zero padding token.
+    /// `[T+1, H]`; row T is the all-zero padding token (`[T, H]` with `skip_token`).
     pub hidden_states: &'a Tensor,
-    /// `[(T+1)·E]` or `[(T+1)·E, 1]`, from `permute`.
+    /// `[(T+1)·E]` or `[(T+1)·E, 1]`, from `permute` (T·E with `skip_token`).
     pub expert_affinities_masked: &'a Tensor,
     /// `[E, H, 2, I]`; index 0 of the third axis is the gate projection, 1 the up projection.
     pub gate_up_proj_weight: &'a Tensor,
     /// `[E, I, H]`.
     pub down_proj_weight: &'a Tensor,
-    /// `[N·B]` i32, T in padding slots, from `permute` (see [`super::plan`]).
+    /// `[N·B]` i32, T in padding slots (−1 with `skip_token`), from `permute` (see
+    /// [`super::plan`]).
     pub token_position_to_id: &'a Tensor,
     /// `[N, 1]` (or `[N]`) i32, from `permute`.
     pub block_to_expert: &'a Tensor,
@@ -333,8 +397,11 @@ impl ClampLimits {
 /// Dimensions shared by the forward and backward calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockwiseDims {
-    /// T, real tokens (hidden_states has T+1 rows).
+    /// T, real tokens.
     pub t: usize,
+    /// Rows of `hidden_states` and the tensors shaped like it: T+1, or T with `skip_token`
+    /// ([`SkipMode`]).
+    pub rows: usize,
     pub h: usize,
     pub e: usize,
     /// I, expert intermediate size.
@@ -343,6 +410,13 @@ pub struct BlockwiseDims {
     pub b: usize,
     /// N, blocks.
     pub n: usize,
+}
+
+impl BlockwiseDims {
+    /// Whether row T is the padding row (not with `skip_token`).
+    pub fn has_padding_row(&self) -> bool {
+        self.rows > self.t
+    }
 }
 
 /// A validated `blockwise_mm` call.
@@ -362,7 +436,11 @@ pub struct BlockwiseMm<'a> {
 impl<'a> BlockwiseMm<'a> {
     /// Checks shapes, dtypes, finiteness and the plan rules in the module docs.
     pub fn new(inputs: BlockwiseMmInputs<'a>, params: BlockwiseMmParams) -> Result<Self> {
-        let (dims, plan, _) = check(&inputs)?;
+        let (dims, plan, _) = check(
+            &inputs,
+            params.skip_dma,
+            params.is_tensor_update_accumulating,
+        )?;
         params.clamp.check()?;
         Ok(Self {
             floats: BlockwiseFloats::new(&inputs)?,
@@ -439,19 +517,30 @@ impl<'a> BlockwiseFloats<'a> {
     }
 }
 
-/// Validates the forward inputs; returns the dimensions, the plan and which (token, expert)
-/// pairs the plan covers (`[T·E]`, token-major).
-fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan<'a>, Vec<bool>)> {
+/// Validates the forward inputs for `skip_dma`, and with `accumulating` false that no token has
+/// two slots; returns the dimensions, the plan and which (token, expert) pairs the plan covers
+/// (`[T·E]`, token-major).
+fn check<'a>(
+    inputs: &BlockwiseMmInputs<'a>,
+    skip_dma: SkipMode,
+    accumulating: bool,
+) -> Result<(BlockwiseDims, BlockPlan<'a>, Vec<bool>)> {
     let hs = validate::float_input(&fwd::HIDDEN_STATES, inputs.hidden_states, &[None, None])?;
     let (rows, h) = (hs[0], hs[1]);
-    if rows < 2 {
+    let least = skip_dma.rows(1);
+    if rows < least {
+        let layout = if skip_dma.skip_token {
+            "T ≥ 1 rows (skip_token: no padding row)"
+        } else {
+            "T+1 ≥ 2 rows (at least one token plus the padding row)"
+        };
         return Err(Error::invalid(
             fwd::HIDDEN_STATES.name,
-            format!("needs T+1 ≥ 2 rows (at least one token plus the padding row), got {rows}"),
+            format!("needs {layout}, got {rows}"),
         ));
     }
     validate::non_empty(fwd::HIDDEN_STATES.name, "H (hidden size)", h)?;
-    let t = rows - 1;
+    let t = rows + 1 - least;
     let gu = validate::float_input(
         &fwd::GATE_UP_PROJ_WEIGHT,
         inputs.gate_up_proj_weight,
@@ -468,7 +557,7 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
     validate::masked_affinities(
         fwd::EXPERT_AFFINITIES_MASKED.name,
         inputs.expert_affinities_masked,
-        Some((t + 1) * e),
+        Some(rows * e),
     )?;
     if let Some(bias) = inputs.gate_and_up_proj_bias {
         validate::float_input(
@@ -480,10 +569,18 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
     if let Some(bias) = inputs.down_proj_bias {
         validate::float_input(&fwd::DOWN_PROJ_BIAS, bias, &[Some(e), Some(h)])?;
     }
-    let (plan, covered) =
-        BlockPlan::new(inputs.token_position_to_id, inputs.block_to_expert, t, e)?;
+    let (plan, covered) = BlockPlan::new(
+        inputs.token_position_to_id,
+        inputs.block_to_expert,
+        (t, e),
+        skip_dma,
+    )?;
+    if !accumulating {
+        check_single_slots(&covered, e)?;
+    }
     let dims = BlockwiseDims {
         t,
+        rows,
         h,
         e,
         i,
@@ -510,7 +607,28 @@ fn check<'a>(inputs: &BlockwiseMmInputs<'a>) -> Result<(BlockwiseDims, BlockPlan
     Ok((dims, plan, covered))
 }
 
+/// With `is_tensor_update_accumulating` false a block stores its rows of `output` rather than
+/// adding them, which gives the sum only when every token has at most one slot.
+fn check_single_slots(covered: &[bool], e: usize) -> Result<()> {
+    for (token, pairs) in covered.chunks(e).enumerate() {
+        let mut experts = (0..e).filter(|&expert| pairs[expert]);
+        if let (Some(first), Some(second)) = (experts.next(), experts.next()) {
+            return Err(Error::param(
+                "is_tensor_update_accumulating",
+                format!(
+                    "is false, which stores each block's rows instead of adding them, but token \
+                     {token} has slots for experts {first} and {second} (top-k > 1 needs true)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Result<()> {
+    if !dims.has_padding_row() {
+        return Ok(());
+    }
     let BlockwiseDims { t, h, e, .. } = dims;
     validate::zero_padding_row(fwd::HIDDEN_STATES.name, inputs.hidden_states, t, h)?;
     validate::zero_padding_row(
@@ -648,9 +766,15 @@ pub struct BlockwiseMmBwd<'a> {
 impl<'a> BlockwiseMmBwd<'a> {
     /// Checks everything [`BlockwiseMm::new`] checks, plus the checkpoints and gradients.
     pub fn new(inputs: BlockwiseMmBwdInputs<'a>, params: BlockwiseMmBwdParams) -> Result<Self> {
-        let (dims, plan, covered) = check(&inputs.forward)?;
+        let (dims, plan, covered) = check(
+            &inputs.forward,
+            params.skip_dma,
+            params.is_tensor_update_accumulating,
+        )?;
         params.clamp.check()?;
-        let BlockwiseDims { t, h, e, i, b, n } = dims;
+        let BlockwiseDims {
+            t, h, e, i, b, n, ..
+        } = dims;
         validate::float_input(
             &bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T,
             inputs.gate_up_proj_act_checkpoint_t,
@@ -664,14 +788,16 @@ impl<'a> BlockwiseMmBwd<'a> {
         validate::float_input(
             &bwd::OUTPUT_HIDDEN_STATES_GRAD,
             inputs.output_hidden_states_grad,
-            &[Some(t + 1), Some(h)],
+            &[Some(dims.rows), Some(h)],
         )?;
-        validate::zero_padding_row(
-            bwd::OUTPUT_HIDDEN_STATES_GRAD.name,
-            inputs.output_hidden_states_grad,
-            t,
-            h,
-        )?;
+        if dims.has_padding_row() {
+            validate::zero_padding_row(
+                bwd::OUTPUT_HIDDEN_STATES_GRAD.name,
+                inputs.output_hidden_states_grad,
+                t,
+                h,
+            )?;
+        }
         let mut expert_ids = None;
         if let Some(index) = inputs.expert_index {
             let (shape, ids) = validate::index_input(&bwd::EXPERT_INDEX, index, &[Some(t), None])?;

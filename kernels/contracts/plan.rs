@@ -3,6 +3,7 @@
 //! ```text
 //! token_position_to_id [N·B]  i32  the token in each of the N·B block slots: an id in [0, T),
 //!                                  or T, the all-zero padding row of hidden_states [T+1, H]
+//!                                  (−1 with SkipMode's skip_token, hidden_states [T, H])
 //! block_to_expert [N, 1]      i32  the expert in [0, E) whose weights every slot of the block
 //!                                  goes through ([N] is accepted too, as nki-library's test
 //!                                  generator makes it)
@@ -12,7 +13,7 @@
 //! one; blocks need not be ordered by expert.
 
 use super::tensors::blockwise_mm::{BLOCK_TO_EXPERT, TOKEN_POSITION_TO_ID};
-use super::validate;
+use super::{SkipMode, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -21,21 +22,23 @@ use crate::tensor::Tensor;
 pub struct BlockPlan<'a> {
     positions: &'a [i32],
     experts: &'a [i32],
-    /// T, real tokens; T is also the padding id.
+    /// T, real tokens.
     t: usize,
+    /// The padding id: T, or −1 with `skip_token`.
+    padding: i64,
     /// B, slots per block.
     b: usize,
 }
 
 impl<'a> BlockPlan<'a> {
     /// Checks the shapes and ids of `token_position_to_id` and `block_to_expert` for T tokens
-    /// and E experts, and that no (token, expert) pair has two slots. Returns the plan and,
-    /// token-major `[T·E]`, which pairs it covers.
+    /// and E experts (padding ids as `skip_dma` says), and that no (token, expert) pair has two
+    /// slots. Returns the plan and, token-major `[T·E]`, which pairs it covers.
     pub(crate) fn new(
         token_position_to_id: &'a Tensor,
         block_to_expert: &'a Tensor,
-        t: usize,
-        e: usize,
+        (t, e): (usize, usize),
+        skip_dma: SkipMode,
     ) -> Result<(Self, Vec<bool>)> {
         let experts = block_column(block_to_expert)?;
         let n = experts.len();
@@ -52,6 +55,7 @@ impl<'a> BlockPlan<'a> {
             positions,
             experts,
             t,
+            padding: skip_dma.padding_id(t),
             b: shape[0] / n,
         };
         let covered = plan.check(e)?;
@@ -71,17 +75,21 @@ impl<'a> BlockPlan<'a> {
             let slots = &self.positions[block * self.b..(block + 1) * self.b];
             for (slot, &token) in slots.iter().enumerate() {
                 let position = block * self.b + slot;
-                if token < 0 || token as usize > t {
+                if i64::from(token) == self.padding {
+                    continue;
+                }
+                if token < 0 || token as usize >= t {
+                    let padding = match self.padding {
+                        -1 => "−1 is padding with skip_token".to_owned(),
+                        _ => format!("T = {t} is the padding row of hidden_states"),
+                    };
                     return Err(Error::invalid(
                         TOKEN_POSITION_TO_ID.name,
                         format!(
-                            "position {position} holds token id {token}, outside [0, {t}] \
-                             (T = {t} is the padding row of hidden_states)"
+                            "position {position} holds token id {token}, outside [0, {t}) and \
+                             not the padding id ({padding})"
                         ),
                     ));
-                }
-                if token as usize == t {
-                    continue;
                 }
                 let pair = token as usize * e + expert as usize;
                 if std::mem::replace(&mut covered[pair], true) {
@@ -98,7 +106,7 @@ impl<'a> BlockPlan<'a> {
         Ok(covered)
     }
 
-    /// `token_position_to_id [N·B]`: token ids, T in padding slots.
+    /// `token_position_to_id [N·B]`: token ids, the padding id (T, or −1) in padding slots.
     pub fn token_position_to_id(&self) -> &'a [i32] {
         self.positions
     }
@@ -125,8 +133,8 @@ impl<'a> BlockPlan<'a> {
 
     /// The token in slot `position` (`n·B + j`), or `None` for padding.
     pub fn token(&self, position: usize) -> Option<usize> {
-        let token = self.positions[position] as usize;
-        (token < self.t).then_some(token)
+        let token = self.positions[position];
+        (i64::from(token) != self.padding).then_some(token as usize)
     }
 
     /// `(position, token)` of every real (non-padding) slot of `block`, in slot order.

@@ -699,7 +699,15 @@ fn parts_by_runs<'a, T>(
 /// `D`, each rounded where it is produced.
 fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
     let (inputs, dims) = (call.inputs(), call.dims());
-    let BlockwiseDims { t, h, e, i, b, n } = dims;
+    let BlockwiseDims {
+        t,
+        rows: output_rows,
+        h,
+        e,
+        i,
+        b,
+        n,
+    } = dims;
     let runs = block_runs(call.plan());
     let params = call.params();
     let checkpoint = params.checkpoint_activation;
@@ -790,7 +798,7 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
             })
     });
     let affinities = call.floats().expert_affinities_masked.to_f32();
-    let mut output = output_buffer(fwd::OUTPUT.name, &[t + 1, h])?;
+    let mut output = output_buffer(fwd::OUTPUT.name, &[output_rows, h])?;
     let (tokens, padding_row) = output.split_at_mut(t * h);
     TokenRows::new(t, rows).combine(
         tokens,
@@ -804,9 +812,11 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
         },
         |(_, row)| &down[row * h..(row + 1) * h],
     );
-    write_copy(padding_row, &padding_row_output(call, padding.as_ref()));
-    // SAFETY: `combine` wrote every token's row, and the padding row is written.
-    let output = finite_output(fwd::OUTPUT.name, &[t + 1, h], unsafe {
+    if dims.has_padding_row() {
+        write_copy(padding_row, &padding_row_output(call, padding.as_ref()));
+    }
+    // SAFETY: `combine` wrote every token's row, and the padding row, if any, is written.
+    let output = finite_output(fwd::OUTPUT.name, &[output_rows, h], unsafe {
         assume_init(output)
     })?;
 
@@ -1216,30 +1226,31 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         _ => experts_backward::<f32, f32>(call, &groups, shared),
     }?;
 
-    let mut d_affinities = vec![0.0f32; (t + 1) * e];
+    let rows = call.dims().rows;
+    let mut d_affinities = vec![0.0f32; rows * e];
     for (group, result) in groups.iter().zip(&results) {
         for (&token, &d) in group.tokens.iter().zip(&result.d_affinity) {
             d_affinities[token * e + group.expert] = d;
         }
     }
-    let mut d_hidden = output_buffer("hidden_states_grad", &[t + 1, h])?;
+    let mut d_hidden = output_buffer(bwd::HIDDEN_STATES_GRAD.name, &[rows, h])?;
     let (tokens, padding) = d_hidden.split_at_mut(t * h);
-    let rows = groups.iter().enumerate().flat_map(|(g, group)| {
+    let token_rows = groups.iter().enumerate().flat_map(|(g, group)| {
         group
             .tokens
             .iter()
             .enumerate()
             .map(move |(row, &token)| (token, (g, row)))
     });
-    TokenRows::new(t, rows).combine(
+    TokenRows::new(t, token_rows).combine(
         tokens,
         h,
         |_, _| 1.0,
         |(g, row)| &results[g].d_x[row * h..(row + 1) * h],
     );
-    // The padding row is zero: so is its gradient.
+    // The padding row, if any, is zero: so is its gradient.
     zero(padding);
-    // SAFETY: `combine` wrote every token's row, and row T is zeroed.
+    // SAFETY: `combine` wrote every token's row, and row T, if any, is zeroed.
     let d_hidden = unsafe { assume_init(d_hidden) };
     let d_topk_affinities = call
         .expert_ids()
@@ -1269,10 +1280,10 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         None => (None, None),
     };
     Ok(BlockwiseMmGrads {
-        hidden_states_grad: finite_output(bwd::HIDDEN_STATES_GRAD.name, &[t + 1, h], d_hidden)?,
+        hidden_states_grad: finite_output(bwd::HIDDEN_STATES_GRAD.name, &[rows, h], d_hidden)?,
         expert_affinities_masked_grad: finite_output(
             bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
-            &[(t + 1) * e, 1],
+            &[rows * e, 1],
             d_affinities,
         )?,
         gate_up_proj_weight_grad,

@@ -507,6 +507,7 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
     let (inputs, dims) = (call.inputs(), call.dims());
     let checkpoint = call.params().checkpoint_activation;
     let (t, h, i, b, n) = (dims.t, dims.h, dims.i, dims.b, dims.n);
+    let params = call.params();
     Call {
         kernel: Kernel::BlockwiseMm,
         key: vec![
@@ -533,6 +534,14 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
                 fwd::DOWN_PROJ_BIAS.name,
                 Value::Bool(inputs.down_proj_bias.is_some()),
             ),
+            (
+                Param::SkipToken.name(),
+                Value::Bool(params.skip_dma.skip_token),
+            ),
+            (
+                Param::IsTensorUpdateAccumulating.name(),
+                Value::Bool(params.is_tensor_update_accumulating),
+            ),
         ]
         .into_iter()
         .chain(limit_keys(
@@ -547,7 +556,7 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
         .collect(),
         inputs: inputs.named(),
         outputs: vec![
-            OutputSpec::new(&fwd::OUTPUT, &[t + 1, h], true),
+            OutputSpec::new(&fwd::OUTPUT, &[dims.rows, h], true),
             OutputSpec::new(&fwd::GATE_UP_ACTIVATIONS_T, &[n, 2, i, b], checkpoint),
             OutputSpec::new(&fwd::DOWN_ACTIVATIONS, &[n, b, h], checkpoint),
         ],
@@ -576,6 +585,14 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
                 Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
             ),
             (Param::Bias.name(), Value::Bool(bias)),
+            (
+                Param::SkipToken.name(),
+                Value::Bool(call.params().skip_dma.skip_token),
+            ),
+            (
+                Param::IsTensorUpdateAccumulating.name(),
+                Value::Bool(call.params().is_tensor_update_accumulating),
+            ),
         ]
         .into_iter()
         .chain(limit_keys(
@@ -604,8 +621,12 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
             })
             .collect(),
         outputs: vec![
-            OutputSpec::new(&bwd::HIDDEN_STATES_GRAD, &[t + 1, h], true),
-            OutputSpec::new(&bwd::EXPERT_AFFINITIES_MASKED_GRAD, &[(t + 1) * e, 1], true),
+            OutputSpec::new(&bwd::HIDDEN_STATES_GRAD, &[dims.rows, h], true),
+            OutputSpec::new(
+                &bwd::EXPERT_AFFINITIES_MASKED_GRAD,
+                &[dims.rows * e, 1],
+                true,
+            ),
             OutputSpec::new(&bwd::GATE_UP_PROJ_WEIGHT_GRAD, &[e, h, 2, i], true),
             OutputSpec::new(&bwd::DOWN_PROJ_WEIGHT_GRAD, &[e, i, h], true),
             OutputSpec::new(&bwd::GATE_AND_UP_PROJ_BIAS_GRAD, &[e, 2, i], bias),

@@ -108,6 +108,9 @@ const BLOCKWISE_MM_KEYS: &[(&str, ValueKind)] = &[
     (Param::GateClampUpperLimit.name(), ValueKind::Limit),
     (Param::UpClampLowerLimit.name(), ValueKind::Limit),
     (Param::UpClampUpperLimit.name(), ValueKind::Limit),
+    // `SkipMode.skip_token`: `hidden_states [T, H]` and −1 padding.
+    (Param::SkipToken.name(), ValueKind::Bool),
+    (Param::IsTensorUpdateAccumulating.name(), ValueKind::Bool),
 ];
 
 /// `blockwise_mm_bwd`'s keys.
@@ -126,7 +129,21 @@ const BLOCKWISE_MM_BWD_KEYS: &[(&str, ValueKind)] = &[
     (Param::NonLinearClampUpperLimit.name(), ValueKind::Limit),
     (Param::LinearClampLowerLimit.name(), ValueKind::Limit),
     (Param::LinearClampUpperLimit.name(), ValueKind::Limit),
+    (Param::SkipToken.name(), ValueKind::Bool),
+    (Param::IsTensorUpdateAccumulating.name(), ValueKind::Bool),
 ];
+
+/// What a call must have for a key an entry leaves out where leaving it out means the NEFF was
+/// compiled with nki-library's default: no clamp limit, `skip_token` false,
+/// `is_tensor_update_accumulating` true. Other keys an entry leaves out match any value.
+fn implied_default(name: &str, kind: ValueKind) -> Option<Value> {
+    match kind {
+        ValueKind::Limit => Some(Value::limit(None)),
+        _ if name == Param::SkipToken.name() => Some(Value::Bool(false)),
+        _ if name == Param::IsTensorUpdateAccumulating.name() => Some(Value::Bool(true)),
+        _ => None,
+    }
+}
 
 /// The keys an entry of `kernel` may set, with their kinds; `None` if the `neuron` backend does
 /// not run that kernel.
@@ -163,15 +180,16 @@ impl Entry {
             key.iter()
                 .any(|(call_name, call_value)| call_name == name && call_value == value)
         });
-        // A clamp limit the entry leaves out: compiled without it.
-        let limits = keys(self.kernel)
+        // A key the entry leaves out that implies a default: compiled with it.
+        let mut defaults = keys(self.kernel)
             .unwrap_or_default()
             .iter()
-            .filter(|(name, kind)| *kind == ValueKind::Limit && !self.params.contains_key(*name));
+            .filter(|(name, _)| !self.params.contains_key(*name))
+            .filter_map(|&(name, kind)| Some((name, implied_default(name, kind)?)));
         set_keys_match
-            && limits.into_iter().all(|(name, _)| {
+            && defaults.all(|(name, default)| {
                 key.iter()
-                    .all(|(call_name, value)| call_name != name || *value == Value::limit(None))
+                    .all(|(call_name, value)| *call_name != name || *value == default)
             })
     }
 }

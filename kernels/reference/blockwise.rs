@@ -152,7 +152,9 @@ pub fn blockwise_forward(
     ops: &BlockwiseOperands<'_>,
     options: ExpertOptions,
 ) -> Result<BlockwiseForward> {
-    let BlockwiseDims { t, h, e, i, b, n } = ops.dims;
+    let BlockwiseDims {
+        t, h, e, i, b, n, ..
+    } = ops.dims;
     let mut out = BlockwiseForward {
         output: zeros(bm::OUTPUT.name, &[t + 1, h])?,
         gate_up_activations_t: zeros("gate_up_activations_T", &[n, 2, i, b])?,

@@ -75,34 +75,53 @@ fn expert_ids(ids: &[i32]) -> Vec<usize> {
 
 /// Widened copies of the blockwise operands.
 struct OwnedOperands {
+    /// The dimensions with the padding row: with `skip_token` the tokens get one (zeros) and
+    /// the padding slots its id T, as nki-library's reference computes that case.
+    dims: BlockwiseDims,
     hidden_states: Vec<f64>,
     affinities: Vec<f64>,
     gate_up: Vec<f64>,
     down: Vec<f64>,
     gate_up_bias: Option<Vec<f64>>,
     down_bias: Option<Vec<f64>>,
+    token_position_to_id: Vec<i32>,
 }
 
 impl OwnedOperands {
-    fn new(inputs: &BlockwiseMmInputs<'_>) -> Self {
+    fn new(inputs: &BlockwiseMmInputs<'_>, plan: BlockPlan<'_>, dims: BlockwiseDims) -> Self {
+        let BlockwiseDims { t, h, e, .. } = dims;
+        let (mut hidden_states, mut affinities) = (
+            inputs.hidden_states.to_f64_vec(),
+            inputs.expert_affinities_masked.to_f64_vec(),
+        );
+        hidden_states.resize((t + 1) * h, 0.0);
+        affinities.resize((t + 1) * e, 0.0);
+        let token_position_to_id = (0..plan.token_position_to_id().len())
+            .map(|position| plan.token(position).unwrap_or(t) as i32)
+            .collect();
         Self {
-            hidden_states: inputs.hidden_states.to_f64_vec(),
-            affinities: inputs.expert_affinities_masked.to_f64_vec(),
+            dims: BlockwiseDims {
+                rows: t + 1,
+                ..dims
+            },
+            hidden_states,
+            affinities,
             gate_up: inputs.gate_up_proj_weight.to_f64_vec(),
             down: inputs.down_proj_weight.to_f64_vec(),
             gate_up_bias: inputs.gate_and_up_proj_bias.map(Tensor::to_f64_vec),
             down_bias: inputs.down_proj_bias.map(Tensor::to_f64_vec),
+            token_position_to_id,
         }
     }
 
-    fn borrow<'a>(&'a self, plan: BlockPlan<'a>, dims: BlockwiseDims) -> BlockwiseOperands<'a> {
+    fn borrow<'a>(&'a self, plan: BlockPlan<'a>) -> BlockwiseOperands<'a> {
         BlockwiseOperands {
-            dims,
+            dims: self.dims,
             hidden_states: &self.hidden_states,
             expert_affinities_masked: &self.affinities,
             gate_up_proj_weight: &self.gate_up,
             down_proj_weight: &self.down,
-            token_position_to_id: plan.token_position_to_id(),
+            token_position_to_id: &self.token_position_to_id,
             block_to_expert: plan.block_to_expert(),
             gate_and_up_proj_bias: self.gate_up_bias.as_deref(),
             down_proj_bias: self.down_bias.as_deref(),
@@ -234,11 +253,13 @@ impl Backend for ReferenceBackend {
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
         let (inputs, dims) = (call.inputs(), call.dims());
-        let BlockwiseDims { t, h, i, b, n, .. } = dims;
-        let owned = OwnedOperands::new(&inputs);
+        let BlockwiseDims {
+            rows, h, i, b, n, ..
+        } = dims;
+        let owned = OwnedOperands::new(&inputs, call.plan(), dims);
         let params = call.params();
         let fwd = blockwise::blockwise_forward(
-            &owned.borrow(call.plan(), dims),
+            &owned.borrow(call.plan()),
             blockwise::ExpertOptions {
                 act_fn: params.activation_function,
                 scaling: params.expert_affinities_scaling_mode,
@@ -247,7 +268,8 @@ impl Backend for ReferenceBackend {
         )?;
         let checkpoint = call.params().checkpoint_activation;
         call.cast_outputs(BlockwiseMmOutputs {
-            output: f32_output(bm::OUTPUT.name, &[t + 1, h], &fwd.output)?,
+            // Without the padding row (`skip_token`), what the padding slots add is dropped.
+            output: f32_output(bm::OUTPUT.name, &[rows, h], &fwd.output[..rows * h])?,
             gate_up_activations_t: checkpoint
                 .then(|| {
                     f32_output(
@@ -291,13 +313,17 @@ impl Backend for ReferenceBackend {
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         let (inputs, dims) = (call.inputs(), call.dims());
-        let BlockwiseDims { t, h, e, i, .. } = dims;
-        let owned = OwnedOperands::new(&inputs.forward);
+        let BlockwiseDims {
+            t, rows, h, e, i, ..
+        } = dims;
+        let owned = OwnedOperands::new(&inputs.forward, call.plan(), dims);
+        let mut output_grad = inputs.output_hidden_states_grad.to_f64_vec();
+        output_grad.resize((t + 1) * h, 0.0);
         let grads = blockwise::blockwise_backward(
-            &owned.borrow(call.plan(), dims),
+            &owned.borrow(call.plan()),
             &inputs.gate_up_proj_act_checkpoint_t.to_f64_vec(),
             &inputs.down_proj_act_checkpoint.to_f64_vec(),
-            &inputs.output_hidden_states_grad.to_f64_vec(),
+            &output_grad,
             blockwise::ExpertOptions {
                 act_fn: call.params().activation_type,
                 scaling: call.params().expert_affinities_scaling_mode,
@@ -315,13 +341,13 @@ impl Backend for ReferenceBackend {
         call.cast_outputs(BlockwiseMmGrads {
             hidden_states_grad: f32_output(
                 bmb::HIDDEN_STATES_GRAD.name,
-                &[t + 1, h],
-                &grads.hidden_states_grad,
+                &[rows, h],
+                &grads.hidden_states_grad[..rows * h],
             )?,
             expert_affinities_masked_grad: f32_output(
                 bmb::EXPERT_AFFINITIES_MASKED_GRAD.name,
-                &[(t + 1) * e, 1],
-                &grads.expert_affinities_masked_grad,
+                &[rows * e, 1],
+                &grads.expert_affinities_masked_grad[..rows * e],
             )?,
             gate_up_proj_weight_grad: f32_output(
                 bmb::GATE_UP_PROJ_WEIGHT_GRAD.name,
