@@ -131,6 +131,7 @@ impl Kernel {
                     n_block_per_iter: params
                         .n_block_per_iter
                         .unwrap_or(PermuteParams::DEFAULT_N_BLOCK_PER_ITER),
+                    skip_dma: params.skip_dma(),
                 };
                 let call = Permute::new(PermuteInputs::from_named(get)?, params)?;
                 backend
@@ -140,6 +141,7 @@ impl Kernel {
             Kernel::PermuteBwd => {
                 let params = PermuteBwdParams {
                     num_experts: required_param(Param::NumExperts, params.num_experts)?,
+                    skip_dma: params.skip_dma(),
                 };
                 let call = PermuteBwd::new(PermuteBwdInputs::from_named(get)?, params)?;
                 backend
@@ -718,13 +720,14 @@ const LOAD_BALANCING_LOSS_BWD: KernelSpec = KernelSpec {
 
 const PERMUTE: KernelSpec = KernelSpec {
     name: "permute",
-    summary: "block plan (moekit's own) in nki-library's convention: each expert's tokens (ascending) in blocks of B, blocks by expert id, padding T, unused blocks on E−1, N = ceil((T·K−(E−1))/B)+(E−1) rounded up to n_block_per_iter",
+    summary: "block plan (moekit's own) in nki-library's convention: each expert's tokens (ascending) in blocks of B, blocks by expert id, padding T (−1 with skip_token), unused blocks on E−1, N = ceil((T·K−(E−1))/B)+(E−1) rounded up to n_block_per_iter",
     inputs: tensors::permute::INPUTS,
     outputs: tensors::permute::OUTPUTS,
     params: &[
         (Param::NumExperts, ParamUse::Required),
         (Param::BlockSize, ParamUse::Required),
         (Param::NBlockPerIter, ParamUse::Defaulted),
+        (Param::SkipToken, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
@@ -736,6 +739,7 @@ const PERMUTE_BWD: KernelSpec = KernelSpec {
     outputs: tensors::permute_bwd::OUTPUTS,
     params: &[
         (Param::NumExperts, ParamUse::Required),
+        (Param::SkipToken, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };

@@ -1,7 +1,7 @@
 //! `permute` invariants on random routings (including zero-token experts, all tokens on one
 //! expert, B = 1, B > T·K, skipped slots and `n_block_per_iter` > 1) in nki-library's plan
 //! convention (padding T, unused blocks on E−1, `block_to_expert [N, 1]`, N from its
-//! `get_n_blocks`), tightness of the static block bound, `permute_bwd` as the exact adjoint of
+//! `get_n_blocks`; −1 and no affinity row T with `skip_token`), tightness of the static block bound, `permute_bwd` as the exact adjoint of
 //! the affinity scatter, and error paths.
 
 #![allow(clippy::needless_range_loop)] // test oracles index by expert, token and slot
@@ -12,7 +12,7 @@ use common::*;
 use moekit::contracts::{
     BlockwiseMm, BlockwiseMmInputs, BlockwiseMmParams, OutputDType, Permute, PermuteBwd,
     PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteOutputs, PermuteParams, SKIP,
-    static_block_count,
+    SkipMode, static_block_count,
 };
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, BackendKind, Tensor};
@@ -196,12 +196,57 @@ proptest! {
             let d = ReferenceBackend.permute_bwd(&PermuteBwd::new(PermuteBwdInputs {
                 expert_index: &index,
                 expert_affinities_masked_grad: &g_tensor,
-            }, PermuteBwdParams { num_experts: c.e }).unwrap()).unwrap().d_topk_affinities;
+            }, PermuteBwdParams::new(c.e)).unwrap()).unwrap().d_topk_affinities;
             prop_assert_eq!(d.shape(), &[c.t, c.k]);
             let lhs = dot(&f32s(&out.expert_affinities_masked), &g);
             let rhs = dot(&c.affinities, &f32s(&d));
             prop_assert!((lhs - rhs).abs() <= 1e-12 * (1.0 + lhs.abs()), "{} vs {}", lhs, rhs);
         }
+    }
+
+    #[test]
+    fn skip_token_plans_pad_with_minus_one_and_drop_row_t(c in case(), seed in any::<u64>()) {
+        // SkipMode(skip_token=True): the padded plan with −1 for T and no affinity row T, on
+        // both backends; permute_bwd reads the gradient without row T.
+        let padded = run_case(&c);
+        let index = i32_tensor(&[c.t, c.k], &c.index);
+        let affinities = f32_tensor(&[c.t, c.k], &c.affinities);
+        let skip_dma = SkipMode { skip_token: true };
+        let params = PermuteParams {
+            n_block_per_iter: c.n_block_per_iter,
+            skip_dma,
+            ..PermuteParams::new(c.e, c.b)
+        };
+        let call = Permute::new(
+            PermuteInputs { expert_index: &index, topk_affinities: &affinities },
+            params,
+        ).unwrap().with_output_dtype(OutputDType::Float32);
+        let expected_ids: Vec<i32> = padded.token_position_to_id.as_i32().unwrap().iter()
+            .map(|&id| if id as usize == c.t { -1 } else { id })
+            .collect();
+        let masked = f32s(&padded.expert_affinities_masked);
+        for backend in [BackendKind::Cpu, BackendKind::Reference] {
+            let out = backend.create().permute(&call).unwrap();
+            prop_assert_eq!(out.token_position_to_id.as_i32().unwrap(), &expected_ids[..]);
+            prop_assert_eq!(&out.block_to_expert, &padded.block_to_expert);
+            prop_assert_eq!(&out.expert_counts, &padded.expert_counts);
+            prop_assert_eq!(&out.num_used_blocks, &padded.num_used_blocks);
+            prop_assert_eq!(out.expert_affinities_masked.shape(), &[c.t * c.e, 1]);
+            prop_assert_eq!(f32s(&out.expert_affinities_masked), masked[..c.t * c.e].to_vec());
+        }
+        let g = SeededRng::new(seed).values((c.t + 1) * c.e, 1.0);
+        let bwd = |g: &[f64], params| {
+            let g = f32_tensor(&[g.len(), 1], g);
+            let call = PermuteBwd::new(
+                PermuteBwdInputs { expert_index: &index, expert_affinities_masked_grad: &g },
+                params,
+            )?;
+            ReferenceBackend.permute_bwd(&call.with_output_dtype(OutputDType::Float32))
+        };
+        let want = bwd(&g, PermuteBwdParams::new(c.e)).unwrap();
+        let skipping = PermuteBwdParams { skip_dma, ..PermuteBwdParams::new(c.e) };
+        prop_assert_eq!(bwd(&g[..c.t * c.e], skipping).unwrap(), want);
+        prop_assert!(bwd(&g, skipping).is_err(), "a gradient with row T under skip_token");
     }
 
     #[test]
@@ -460,7 +505,7 @@ fn bad_inputs_are_clear_errors() {
                 expert_index: &index,
                 expert_affinities_masked_grad: grad,
             },
-            PermuteBwdParams { num_experts: e },
+            PermuteBwdParams::new(e),
         )
         .map(|_| ())
     };

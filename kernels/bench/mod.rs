@@ -481,9 +481,7 @@ impl Layer {
                 expert_index: &self.routed.expert_index,
                 expert_affinities_masked_grad: &self.plan.expert_affinities_masked,
             },
-            PermuteBwdParams {
-                num_experts: self.inputs.shape.e,
-            },
+            PermuteBwdParams::new(self.inputs.shape.e),
         )
     }
 

@@ -20,6 +20,9 @@
 //! num_used_blocks [1]                    i32  Σ_e ceil(count_e / B); blocks past it are unused
 //!                                             (moekit's own)
 //! ```
+//! With `skip_token` (nki-library's `SkipMode`, for blockwise kernels that take `hidden_states
+//! [T, H]`) padding slots hold −1 and `expert_affinities_masked` is `[T·E, 1]`.
+//!
 //! N is nki-library's static bound `ceil((T·K − (E−1)) / B) + (E−1)`, the most blocks any
 //! routing of T·K assignments over E experts can need, rounded up to a multiple of
 //! `n_block_per_iter` (the blocks its shard-on-block kernel takes per iteration), so buffers can
@@ -29,7 +32,7 @@
 
 use super::spec::{self, Named, TensorSpec};
 use super::tensors::{permute as fwd, permute_bwd as bwd};
-use super::{OutputDType, validate};
+use super::{OutputDType, SkipMode, validate};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -63,18 +66,23 @@ pub struct PermuteParams {
     /// N is rounded up to a multiple of this (nki-library's `n_block_per_iter`; 1 for the
     /// shard-on-I kernels).
     pub n_block_per_iter: usize,
+    /// The blockwise kernels' `skip_dma` the plan is for: with `skip_token`, padding slots
+    /// hold −1 and `expert_affinities_masked` has no row T.
+    pub skip_dma: SkipMode,
 }
 
 impl PermuteParams {
     /// nki-library's `get_n_blocks` default of `n_block_per_iter`.
     pub const DEFAULT_N_BLOCK_PER_ITER: usize = 1;
 
-    /// `n_block_per_iter` at its default, [`Self::DEFAULT_N_BLOCK_PER_ITER`].
+    /// `n_block_per_iter` at its default, [`Self::DEFAULT_N_BLOCK_PER_ITER`], for the padded
+    /// layout (no `skip_token`).
     pub fn new(num_experts: usize, block_size: usize) -> Self {
         Self {
             num_experts,
             block_size,
             n_block_per_iter: Self::DEFAULT_N_BLOCK_PER_ITER,
+            skip_dma: SkipMode::default(),
         }
     }
 }
@@ -115,6 +123,8 @@ impl<'a> PermuteInputs<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PermuteDims {
     pub t: usize,
+    /// Rows of `expert_affinities_masked` `[rows·E, 1]`: T+1, or T with `skip_token`.
+    pub rows: usize,
     pub k: usize,
     /// E, `num_experts`.
     pub e: usize,
@@ -122,6 +132,17 @@ pub struct PermuteDims {
     pub b: usize,
     /// N, the static block count.
     pub n: usize,
+}
+
+impl PermuteDims {
+    /// What a padding slot of `token_position_to_id` holds: T, or −1 with `skip_token`.
+    pub fn padding_id(&self) -> i32 {
+        if self.rows > self.t {
+            self.t as i32
+        } else {
+            -1
+        }
+    }
 }
 
 /// A validated `permute` call.
@@ -224,7 +245,14 @@ impl<'a> Permute<'a> {
         Ok(Self {
             inputs,
             expert_ids: ids,
-            dims: PermuteDims { t, k, e, b, n },
+            dims: PermuteDims {
+                t,
+                rows: params.skip_dma.rows(t),
+                k,
+                e,
+                b,
+                n,
+            },
             output_dtype: OutputDType::default(),
         })
     }
@@ -250,11 +278,11 @@ output_dtype_accessors!(Permute, PermuteOutputs);
 pub struct PermuteOutputs {
     /// `[E]` i32.
     pub expert_counts: Tensor,
-    /// `[N·B]` i32, T in padding slots.
+    /// `[N·B]` i32, T in padding slots (−1 with `skip_token`).
     pub token_position_to_id: Tensor,
     /// `[N, 1]` i32, E−1 for the unused blocks.
     pub block_to_expert: Tensor,
-    /// `[(T+1)·E, 1]` in `topk_affinities`' dtype.
+    /// `[(T+1)·E, 1]` in `topk_affinities`' dtype (`[T·E, 1]` with `skip_token`).
     pub expert_affinities_masked: Tensor,
     /// `[1]` i32.
     pub num_used_blocks: Tensor,
@@ -299,7 +327,7 @@ impl PermuteOutputs {
 pub struct PermuteBwdInputs<'a> {
     /// `[T, K]` i32.
     pub expert_index: &'a Tensor,
-    /// `[(T+1)·E]` or `[(T+1)·E, 1]`.
+    /// `[(T+1)·E]` or `[(T+1)·E, 1]` (`T·E` with `skip_token`).
     pub expert_affinities_masked_grad: &'a Tensor,
 }
 
@@ -332,6 +360,18 @@ impl<'a> PermuteBwdInputs<'a> {
 pub struct PermuteBwdParams {
     /// E, experts: fixes how `expert_affinities_masked_grad` is laid out.
     pub num_experts: usize,
+    /// With `skip_token`, `expert_affinities_masked_grad` has no row T.
+    pub skip_dma: SkipMode,
+}
+
+impl PermuteBwdParams {
+    /// For the padded layout (no `skip_token`).
+    pub fn new(num_experts: usize) -> Self {
+        Self {
+            num_experts,
+            skip_dma: SkipMode::default(),
+        }
+    }
 }
 
 /// A validated `permute_bwd` call.
@@ -356,7 +396,7 @@ impl<'a> PermuteBwd<'a> {
         validate::masked_affinities(
             bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
             inputs.expert_affinities_masked_grad,
-            Some((t + 1) * e),
+            Some(params.skip_dma.rows(t) * e),
         )?;
         Ok(Self {
             inputs,

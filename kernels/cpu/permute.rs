@@ -9,7 +9,10 @@ use crate::tensor::{Tensor, try_filled as filled};
 
 pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let inputs = call.inputs();
-    let PermuteDims { t, k, e, b, n } = call.dims();
+    let dims = call.dims();
+    let PermuteDims {
+        rows, k, e, b, n, ..
+    } = dims;
     let ids = call.expert_ids();
     let affinities = inputs.topk_affinities.f32_values();
 
@@ -28,12 +31,12 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
         block_to_expert[used..used + blocks].fill(expert as i32);
         used += blocks;
     }
-    let mut positions = filled(&output(&pm::TOKEN_POSITION_TO_ID), &[n * b], t as i32)?;
-    let mut masked = filled(
-        &output(&pm::EXPERT_AFFINITIES_MASKED),
-        &[(t + 1) * e],
-        0.0f32,
+    let mut positions = filled(
+        &output(&pm::TOKEN_POSITION_TO_ID),
+        &[n * b],
+        dims.padding_id(),
     )?;
+    let mut masked = filled(&output(&pm::EXPERT_AFFINITIES_MASKED), &[rows * e], 0.0f32)?;
     for (pair, (&id, &a)) in ids.iter().zip(affinities.iter()).enumerate() {
         if id == SKIP {
             continue;
@@ -48,7 +51,7 @@ pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
         token_position_to_id: Tensor::from_i32([n * b], positions)?,
         block_to_expert: Tensor::from_i32([n, 1], block_to_expert)?,
         // Copies of the validated (finite) affinities, and zeros: finite without a check.
-        expert_affinities_masked: Tensor::from_f32([(t + 1) * e, 1], masked)?,
+        expert_affinities_masked: Tensor::from_f32([rows * e, 1], masked)?,
         num_used_blocks: Tensor::from_i32([1], vec![used as i32])?,
     })
 }

@@ -219,7 +219,7 @@ impl Backend for ReferenceBackend {
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
         let (inputs, dims) = (call.inputs(), call.dims());
-        let PermuteDims { t, e, b, n, .. } = dims;
+        let PermuteDims { rows, e, b, n, .. } = dims;
         let plan = permute::permute(
             call.expert_ids(),
             &inputs.topk_affinities.to_f64_vec(),
@@ -231,7 +231,7 @@ impl Backend for ReferenceBackend {
             block_to_expert: Tensor::from_i32([n, 1], plan.block_to_expert)?,
             expert_affinities_masked: f32_output(
                 pm::EXPERT_AFFINITIES_MASKED.name,
-                &[(t + 1) * e, 1],
+                &[rows * e, 1],
                 &plan.expert_affinities_masked,
             )?,
             num_used_blocks: i32_output(pm::NUM_USED_BLOCKS.name, &[1], [plan.num_used_blocks])?,

@@ -11,11 +11,11 @@ use crate::tensor::try_filled as filled;
 pub struct BlockPlan {
     /// `[E]`.
     pub expert_counts: Vec<usize>,
-    /// `[N·B]`, T for padding.
+    /// `[N·B]`, T (or −1 with `skip_token`) for padding.
     pub token_position_to_id: Vec<i32>,
     /// `[N]`, E−1 for the unused blocks after the used ones.
     pub block_to_expert: Vec<i32>,
-    /// `[(T+1)·E]`.
+    /// `[(T+1)·E]` (`[T·E]` with `skip_token`).
     pub expert_affinities_masked: Vec<f64>,
     pub num_used_blocks: usize,
 }
@@ -25,9 +25,17 @@ pub struct BlockPlan {
 pub fn permute(
     expert_index: &[i32],
     topk_affinities: &[f64],
-    PermuteDims { t, k, e, b, n }: PermuteDims,
+    dims: PermuteDims,
 ) -> Result<BlockPlan> {
-    let mut masked = filled(&output(&pm::EXPERT_AFFINITIES_MASKED), &[(t + 1) * e], 0.0)?;
+    let PermuteDims {
+        t,
+        rows,
+        k,
+        e,
+        b,
+        n,
+    } = dims;
+    let mut masked = filled(&output(&pm::EXPERT_AFFINITIES_MASKED), &[rows * e], 0.0)?;
     for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
         if id != SKIP {
             masked[(pair / k) * e + id as usize] = a;
@@ -35,7 +43,11 @@ pub fn permute(
     }
     let mut plan = BlockPlan {
         expert_counts: vec![0; e],
-        token_position_to_id: filled(&output(&pm::TOKEN_POSITION_TO_ID), &[n * b], t as i32)?,
+        token_position_to_id: filled(
+            &output(&pm::TOKEN_POSITION_TO_ID),
+            &[n * b],
+            dims.padding_id(),
+        )?,
         block_to_expert: filled(&output(&pm::BLOCK_TO_EXPERT), &[n], e as i32 - 1)?,
         expert_affinities_masked: masked,
         num_used_blocks: 0,
