@@ -23,6 +23,10 @@
  *                                    the default | NO_SCALE | PRE_SCALE | PRE_SCALE_DELAYED)
  *     param gate_clamp_upper_limit 1.5  (blockwise_mm: gate_ / up_clamp_lower / upper_limit; the
  *                                    backward: non_linear_ (gate) / linear_ (up) clamp limits)
+ *     param skip_token 1            (both blockwise: SkipMode's skip_token, hidden_states [T, H]
+ *                                    and −1 in padding slots | 0, the default: [T+1, H], T)
+ *     param is_tensor_update_accumulating 0  (blockwise_mm: 0 stores each slot's row of output
+ *                                    instead of adding it | 1, the default)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -129,6 +133,8 @@ struct nrt_model {
     int x_h_t; /* x_hbm_layout = 0: x [H, T] */
     int act_fn; /* the blockwise kernels' gate activation: an index into ACT_FN_NAMES */
     int scaling; /* an index into SCALE_MODE_NAMES; 0 is POST_SCALE */
+    int skip_token;   /* hidden_states [T, H], −1 in padding slots */
+    int store_blocks; /* is_tensor_update_accumulating = 0 */
     /* The blockwise clamp limits: [0 gate | 1 up][0 lower | 1 upper], where has_clamp is set. */
     double clamp[2][2];
     int has_clamp[2][2];
@@ -267,7 +273,8 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t b = n > 0 ? nb / n : 0, gu[4] = {e, h, 2, i}, dn[3] = {e, i, h}, th[2] = {rows, h};
         uint32_t aff[2] = {masked_rows(rows, e), 1}, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
         uint32_t gub[3] = {e, 2, i}, db[2] = {e, h};
-        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
+        return rows > (m->skip_token ? 0u : 1u) && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
+               aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
                 has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
@@ -293,7 +300,8 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
         uint32_t aff[2] = {masked_rows(rows, e), 1}; /* [(T+1)·E] or NKI's [(T+1)·E, 1] */
         uint32_t b = n > 0 ? nb / n : 0, gut[4] = {n, 2, i, b}, dna[3] = {n, b, h};
         uint32_t gub[3] = {e, 2, i}, db[2] = {e, h};
-        return rows > 1 && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 && aff[0] > 0 &&
+        return rows > (m->skip_token ? 0u : 1u) && h > 0 && e > 0 && i > 0 && n > 0 && nb % n == 0 && nb > 0 &&
+               aff[0] > 0 &&
                has_shape(m, "gate_up_proj_weight", in, 4, gu) && has_shape(m, "down_proj_weight", in, 3, dn) &&
                (has_shape(m, "expert_affinities_masked", in, 1, aff) ||
                 has_shape(m, "expert_affinities_masked", in, 2, aff)) &&
@@ -395,6 +403,8 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(name, "router_pre_norm") == 0 && flag) m->act2 = value[0] == '0';
             else if (strcmp(name, "norm_topk_prob") == 0 && flag) m->norm_topk_prob = value[0] == '1';
             else if (strcmp(name, "x_hbm_layout") == 0 && flag) m->x_h_t = value[0] == '0';
+            else if (strcmp(name, "skip_token") == 0 && flag) m->skip_token = value[0] == '1';
+            else if (strcmp(name, "is_tensor_update_accumulating") == 0 && flag) m->store_blocks = value[0] == '0';
             else if (strcmp(name, "activation_function") == 0 || strcmp(name, "activation_type") == 0) {
                 m->act_fn = -1;
                 for (int f = 0; f < ACT_FN_COUNT; f++)
@@ -746,7 +756,9 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
 
 /* The block plan of a blockwise_mm (or backward) stand-in and the sizes its tensors imply. */
 typedef struct {
-    size_t t, h, e, inter, n, bs;
+    /* T tokens; `rows` of hidden_states: T+1, or T with skip_token. */
+    size_t t, rows, h, e, inter, n, bs;
+    int skip_token;
     const nrt_tensor_t *pos, *blk;
     nrt_dtype_t dp, de;
 } plan_t;
@@ -755,7 +767,9 @@ static plan_t blockwise_plan(const bound_t *b) {
     const nrt_model_t *m = b->model;
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT;
     plan_t p;
-    p.t = dim(m, "hidden_states", in, 0) - 1;
+    p.skip_token = m->skip_token;
+    p.rows = dim(m, "hidden_states", in, 0);
+    p.t = p.rows - (m->skip_token ? 0 : 1);
     p.h = dim(m, "hidden_states", in, 1);
     p.e = dim(m, "gate_up_proj_weight", in, 0);
     p.inter = dim(m, "gate_up_proj_weight", in, 3);
@@ -766,15 +780,17 @@ static plan_t blockwise_plan(const bound_t *b) {
     return p;
 }
 
-/* Slot `slot` of block `blockn`: whether it holds a real token (T is the padding row), and that
- * token and expert; NRT_EXEC_OOB for an id out of range (NaN included), as the hardware's
- * indirect DMA reports it. */
+/* Slot `slot` of block `blockn`: whether it holds a real token (padding is T, the zero row, or −1
+ * with skip_token), and that token (T for padding) and expert; NRT_EXEC_OOB for an id out of
+ * range (NaN included), as the hardware's indirect DMA reports it. */
 static NRT_STATUS plan_slot(const plan_t *p, size_t blockn, size_t slot, int *used, size_t *token, size_t *expert) {
     double expert_id = load(p->blk, p->de, blockn), token_id = load(p->pos, p->dp, blockn * p->bs + slot);
-    if (!(expert_id >= 0 && expert_id < (double)p->e) || !(token_id >= 0 && token_id <= (double)p->t))
+    double padding = p->skip_token ? -1.0 : (double)p->t;
+    if (!(expert_id >= 0 && expert_id < (double)p->e) ||
+        !(token_id == padding || (token_id >= 0 && token_id < (double)p->t)))
         return NRT_EXEC_OOB;
-    *used = token_id < (double)p->t;
-    *token = (size_t)token_id; /* T, the zero row, for a padding slot */
+    *used = token_id != padding;
+    *token = *used ? (size_t)token_id : p->t;
     *expert = (size_t)expert_id;
     return NRT_SUCCESS;
 }
@@ -797,8 +813,9 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
     nrt_tensor_t *down_act = bound(b, "down_activations", out, &ddn);
     if (gate_up_t != NULL) memset(gate_up_t->data, 0, gate_up_t->size);
     if (down_act != NULL) memset(down_act->data, 0, down_act->size);
-    /* output [T+1, H]. A padding slot runs its block's expert on the zero row T (non-zero with a
-     * bias or a clamp that moves 0), weighted by row T's zero affinity under POST_SCALE. */
+    /* output [T+1, H] ([T, H] with skip_token), accumulated in T+1 rows. A padding slot runs its
+     * block's expert on the zero row T (non-zero with a bias or a clamp that moves 0), weighted by
+     * row T's zero affinity under POST_SCALE. */
     double *acc = calloc((t + 1) * h, sizeof *acc), *act = malloc(inter * sizeof *act);
     if (acc == NULL || act == NULL) {
         free(acc), free(act);
@@ -811,13 +828,15 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
             int used;
             status = plan_slot(&plan, blockn, slot, &used, &tok, &ex);
             if (status != NRT_SUCCESS) break;
-            /* PRE_SCALE multiplies the token row by the affinity, POST_SCALE the output. */
-            double a = load(aff, da, tok * e + ex);
+            /* PRE_SCALE multiplies the token row by the affinity, POST_SCALE the output. Row T
+             * is zeros, in hidden_states or (skip_token) never read. */
+            int in_rows = tok < plan.rows;
+            double a = in_rows ? load(aff, da, tok * e + ex) : 0.0;
             double row_scale = b->model->scaling >= 2 ? a : 1.0, out_scale = b->model->scaling == 0 ? a : 1.0;
             for (size_t j = 0; j < inter; j++) {
                 double gate = 0.0, up = 0.0;
                 for (size_t c = 0; c < h; c++) {
-                    double xv = row_scale * load(x, dx, tok * h + c);
+                    double xv = in_rows ? row_scale * load(x, dx, tok * h + c) : 0.0;
                     gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
                     up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
                 }
@@ -838,13 +857,14 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
                 double y = 0.0;
                 for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
                 if (down_bias != NULL) y += load(down_bias, ddb, ex * h + c);
-                acc[tok * h + c] += out_scale * y;
+                if (b->model->store_blocks) acc[tok * h + c] = out_scale * y;
+                else acc[tok * h + c] += out_scale * y;
                 if (down_act != NULL) store(down_act, ddn, (blockn * bs + slot) * h + c, y);
             }
         }
     }
     if (status == NRT_SUCCESS)
-        for (size_t i = 0; i < (t + 1) * h; i++) store(output, dout, i, acc[i]);
+        for (size_t i = 0; i < plan.rows * h; i++) store(output, dout, i, acc[i]);
     free(acc), free(act);
     return status;
 }
@@ -855,7 +875,7 @@ static NRT_STATUS run_blockwise_mm(const bound_t *b) {
 static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
     const plan_t plan = blockwise_plan(b);
-    size_t rows = plan.t + 1, t = plan.t, h = plan.h, e = plan.e, inter = plan.inter, n = plan.n, bs = plan.bs;
+    size_t rows = plan.rows, h = plan.h, e = plan.e, inter = plan.inter, n = plan.n, bs = plan.bs;
     nrt_dtype_t dx, da, dg, dd, dgt, ddn, dy, o1, o2, o3, o4;
     nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *aff = bound(b, "expert_affinities_masked", in, &da);
     nrt_tensor_t *gu = bound(b, "gate_up_proj_weight", in, &dg), *down = bound(b, "down_proj_weight", in, &dd);
@@ -870,7 +890,7 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
     nrt_dtype_t o5 = NRT_DTYPE_FLOAT32, o6 = NRT_DTYPE_FLOAT32;
     nrt_tensor_t *dgub_out = bound(b, "gate_and_up_proj_bias_grad", out, &o5);
     nrt_tensor_t *ddb_out = bound(b, "down_proj_bias_grad", out, &o6);
-    /* hidden_states_grad [T+1, H]: the padding row's gradient is zero. */
+    /* hidden_states_grad [T+1, H] ([T, H] with skip_token): the padding row's gradient is zero. */
     double *dxs = calloc(rows * h, sizeof *dxs), *daff = calloc(rows * e, sizeof *daff);
     double *dgu = calloc(e * h * 2 * inter, sizeof *dgu), *ddown = calloc(e * inter * h, sizeof *ddown);
     double *dgate = malloc(inter * sizeof *dgate), *dup = malloc(inter * sizeof *dup);

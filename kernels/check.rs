@@ -101,10 +101,14 @@ impl CheckCase {
             reference.as_ref(),
             LayerInputs::seeded(shape, t, dtype, b, seed)?,
         )?;
+        let mut tensors = layer_tensors(layer);
+        if params.skip_dma().skip_token {
+            without_padding_row(&mut tensors, t, e)?;
+        }
         Ok(CheckCase {
             label: format!("t={t} h={h} e={e} k={k} i={i} b={b} {dtype}"),
             kernels,
-            tensors: layer_tensors(layer),
+            tensors,
             // Compared at the precision the backends compute in, whatever the inputs' dtype.
             params: Params {
                 output_dtype: Some(OutputDType::Float32),
@@ -163,6 +167,34 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
         named.insert(down.name.to_owned(), t);
     }
     named
+}
+
+/// The blockwise tensors of `tensors` in `SkipMode(skip_token)`'s layout: the padding row T of
+/// `hidden_states`, `output_hidden_states_grad` and the masked affinities dropped, padding slots
+/// −1.
+fn without_padding_row(tensors: &mut BTreeMap<String, Tensor>, t: usize, e: usize) -> Result<()> {
+    use tensors::{blockwise_mm_bwd as bwd, permute_bwd};
+    for (spec, rows) in [
+        (bwd::HIDDEN_STATES, t),
+        (bwd::OUTPUT_HIDDEN_STATES_GRAD, t),
+        (bwd::EXPERT_AFFINITIES_MASKED, t * e),
+        (permute_bwd::EXPERT_AFFINITIES_MASKED_GRAD, t * e),
+    ] {
+        if let Some(tensor) = tensors.remove(spec.name) {
+            let kept = tensor.into_leading_rows(spec.name, rows)?;
+            tensors.insert(spec.name.to_owned(), kept);
+        }
+    }
+    if let Some(positions) = tensors.get(bwd::TOKEN_POSITION_TO_ID.name) {
+        let ids = positions.as_i32().unwrap_or_default();
+        let ids = ids
+            .iter()
+            .map(|&id| if id as usize == t { -1 } else { id })
+            .collect::<Vec<_>>();
+        let skipped = Tensor::from_i32([ids.len()], ids)?;
+        tensors.insert(bwd::TOKEN_POSITION_TO_ID.name.to_owned(), skipped);
+    }
+    Ok(())
 }
 
 /// SplitMix64 step: the case generator's randomness.
@@ -333,6 +365,12 @@ pub fn manifest_cases(
                     activation_function: activation("activation_function")?,
                     activation_type: activation("activation_type")?,
                     scaling_mode: scaling,
+                    skip_token: Some(flag("skip_token")),
+                    // nki-library's default is to accumulate.
+                    is_tensor_update_accumulating: Some(!matches!(
+                        entry.params.get("is_tensor_update_accumulating"),
+                        Some(Value::Bool(false))
+                    )),
                     ..Params::default()
                 };
                 (sizes, params)

@@ -341,6 +341,7 @@ impl Case {
             act_fn: self.act_fn,
             scaling: self.scaling,
             clamp: self.clamp,
+            ..ExpertOptions::default()
         }
     }
 }

@@ -858,6 +858,49 @@ fn check_runs_the_neuron_backend_on_every_manifest_entry() {
 }
 
 #[test]
+fn check_feeds_a_skip_token_neff_the_layout_it_declares() {
+    // SkipMode(skip_token=True) at T=6, H=5, E=4, I=3, B=2: hidden_states [T, H], affinities
+    // [T·E, 1], output [T, H], −1 in padding slots.
+    let dir = scratch("neuron-check-skip-token");
+    let forward = "moekit-fake-neff 1\nkernel blockwise_mm\nparam skip_token 1\n\
+        input hidden_states f32 6 5\ninput expert_affinities_masked f32 24 1\n\
+        input gate_up_proj_weight f32 4 5 2 3\ninput down_proj_weight f32 4 3 5\n\
+        input token_position_to_id i32 16\ninput block_to_expert i32 8 1\noutput output f32 6 5\n";
+    let backward = "moekit-fake-neff 1\nkernel blockwise_mm_bwd\nparam skip_token 1\n\
+        input hidden_states f32 6 5\ninput expert_affinities_masked f32 24 1\n\
+        input gate_up_proj_weight f32 4 5 2 3\ninput down_proj_weight f32 4 3 5\n\
+        input token_position_to_id i32 16\ninput block_to_expert i32 8 1\n\
+        input gate_up_proj_act_checkpoint_T f32 8 2 3 2\ninput down_proj_act_checkpoint f32 8 2 5\n\
+        input output_hidden_states_grad f32 6 5\noutput hidden_states_grad f32 6 5\n\
+        output expert_affinities_masked_grad f32 24 1\noutput gate_up_proj_weight_grad f32 4 5 2 3\n\
+        output down_proj_weight_grad f32 4 3 5\n";
+    std::fs::write(dir.join("forward.neff"), forward).unwrap();
+    std::fs::write(dir.join("backward.neff"), backward).unwrap();
+    let manifest = dir.join("kernels.toml");
+    let entry = "t = 6\nh = 5\ne = 4\ni = 3\nblock_size = 2\nnum_blocks = 8\nskip_token = true\n";
+    std::fs::write(
+        &manifest,
+        format!(
+            "[[kernel]]\nname = \"blockwise_mm\"\nneff = \"forward.neff\"\n{entry}\n\
+             [[kernel]]\nname = \"blockwise_mm_bwd\"\nneff = \"backward.neff\"\n{entry}"
+        ),
+    )
+    .unwrap();
+    let stdout = moekit_ok(&check_args(manifest.to_str().unwrap(), &["--cases", "2"]));
+    for needle in [
+        "blockwise_mm",
+        "hidden_states_grad",
+        "t=6 h=5 e=4 k=2 i=3 b=2",
+    ] {
+        assert!(stdout.contains(needle), "{needle} missing:\n{stdout}");
+    }
+    assert!(
+        stdout.lines().last().unwrap().starts_with("PASS"),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn bench_times_the_neuron_kernels_on_the_device_against_its_documented_limits() {
     let dir = scratch("neuron-bench");
     // The `tiny` shape (H=64, I=32, E=8, K=2) at T=8, B=4: N = 10 blocks.

@@ -355,6 +355,27 @@ proptest! {
     }
 
     #[test]
+    fn storing_blocks_matches_the_reference_at_top_1(
+        s in shape(40).prop_map(|s| Shape { k: 1, ..s }),
+        seed in any::<u64>(),
+    ) {
+        // is_tensor_update_accumulating = false: every token's row as when adding (one slot
+        // each), the padding row as the last padding slot stores it.
+        let accumulated = layer(s, seed);
+        prop_assume!(selection_margin(&accumulated, s) > 1e-4);
+        let mut stored = Layer { params: accumulated.params.clone(), tensors: accumulated.tensors.clone() };
+        stored.params.set("is_tensor_update_accumulating", "false").unwrap();
+        compare(Kernel::BlockwiseMm, &stored)?;
+        compare(Kernel::BlockwiseMmBwd, &stored)?;
+        let (added, kept) = (
+            run(Kernel::BlockwiseMm, BackendKind::Cpu, &accumulated),
+            run(Kernel::BlockwiseMm, BackendKind::Cpu, &stored),
+        );
+        let rows = s.t * s.h;
+        prop_assert_eq!(&added[0].1.to_f64_vec()[..rows], &kept[0].1.to_f64_vec()[..rows]);
+    }
+
+    #[test]
     fn skip_token_drops_only_the_padding_row(s in shape(40), seed in any::<u64>()) {
         skip_token_matches_the_padded_layout(&layer(s, seed))?;
     }

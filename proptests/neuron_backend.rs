@@ -209,8 +209,14 @@ proptest! {
         checkpoint in any::<bool>(),
         (activation, scaling) in (0..ActFnType::ALL.len(), 0..ExpertAffinityScaleMode::ALL.len()),
         extras in any::<bool>(),
+        (skip_token, store) in (any::<bool>(), any::<bool>()),
     ) {
         let (activation, scaling) = (ActFnType::ALL[activation], ExpertAffinityScaleMode::ALL[scaling]);
+        // SkipMode(skip_token) and, where no token has two slots, is_tensor_update_accumulating
+        // = false.
+        let skip_dma = SkipMode { skip_token };
+        let accumulating = !(store && k == 1);
+        let rows = if skip_token { t } else { t + 1 };
         let _guard = exclusive();
         let k = k.min(e);
         let mut rng = SeededRng::new(seed);
@@ -223,11 +229,11 @@ proptest! {
         ).unwrap()).unwrap();
         let plan = reference.permute(&Permute::new(
             PermuteInputs { expert_index: &routed.expert_index, topk_affinities: &routed.topk_affinities },
-            PermuteParams::new(e, b),
+            PermuteParams { skip_dma, ..PermuteParams::new(e, b) },
         ).unwrap()).unwrap();
         let mut padded = f32s(&x);
-        padded.extend(vec![0.0; h]);
-        let hidden_states = f32_tensor(&[t + 1, h], &padded);
+        padded.resize(rows * h, 0.0);
+        let hidden_states = f32_tensor(&[rows, h], &padded);
         let gate_up = f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 0.5));
         let down = f32_tensor(&[e, i, h], &rng.values(e * i * h, 0.5));
         // With `extras`: both biases and clamps on both projections (the up's lower limit above
@@ -256,13 +262,15 @@ proptest! {
             activation_function: activation,
             expert_affinities_scaling_mode: scaling,
             clamp,
-            ..BlockwiseMmParams::default()
+            skip_dma,
+            is_tensor_update_accumulating: accumulating,
         };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
         let mut neff = format!(
             "moekit-fake-neff 1\nkernel blockwise_mm\nparam activation_function {activation}\n\
-             param expert_affinities_scaling_mode {scaling}\n"
+             param expert_affinities_scaling_mode {scaling}\nparam skip_token {}\n",
+            u8::from(skip_token)
         );
         for (name, tensor) in [
             ("hidden_states", &hidden_states),
@@ -293,14 +301,16 @@ proptest! {
             neff += &decl("input", "gate_and_up_proj_bias", "f32", &[e, 2, i]);
             neff += &decl("input", "down_proj_bias", "f32", &[e, h]);
         }
-        neff += &decl("output", "output", "f32", &[t + 1, h]);
+        neff += &format!("param is_tensor_update_accumulating {}\n", u8::from(accumulating));
+        neff += &decl("output", "output", "f32", &[rows, h]);
         if checkpoint {
             neff += &decl("output", "gate_up_activations_T", "f32", &[n, 2, i, b]);
             neff += &decl("output", "down_activations", "bf16", &[n, b, h]);
         }
         let entry = format!(
             "name = \"blockwise_mm\"\nt = {t}\nh = {h}\ne = {e}\ni = {i}\nblock_size = {b}\nnum_blocks = {n}\ncheckpoint_activation = {checkpoint}\nactivation_function = \"{activation}\"\n\
-             expert_affinities_scaling_mode = \"{scaling}\"\ngate_and_up_proj_bias = {extras}\ndown_proj_bias = {extras}\n{limit_keys}"
+             expert_affinities_scaling_mode = \"{scaling}\"\ngate_and_up_proj_bias = {extras}\ndown_proj_bias = {extras}\n{limit_keys}\
+             skip_token = {skip_token}\nis_tensor_update_accumulating = {accumulating}\n"
         );
         // The backward's NEFF: the forward's inputs but the biases, its checkpoints and the
         // output gradient, the clamps under the backward's names; with `bias`, the biases'
@@ -311,9 +321,9 @@ proptest! {
             .replace("param up_clamp", "param linear_clamp");
         bwd_neff += &decl("input", "gate_up_proj_act_checkpoint_T", "f32", &[n, 2, i, b]);
         bwd_neff += &decl("input", "down_proj_act_checkpoint", "f32", &[n, b, h]);
-        bwd_neff += &decl("input", "output_hidden_states_grad", "f32", &[t + 1, h]);
-        bwd_neff += &decl("output", "hidden_states_grad", "f32", &[t + 1, h]);
-        bwd_neff += &decl("output", "expert_affinities_masked_grad", "f32", &[(t + 1) * e, 1]);
+        bwd_neff += &decl("input", "output_hidden_states_grad", "f32", &[rows, h]);
+        bwd_neff += &decl("output", "hidden_states_grad", "f32", &[rows, h]);
+        bwd_neff += &decl("output", "expert_affinities_masked_grad", "f32", &[rows * e, 1]);
         bwd_neff += &decl("output", "gate_up_proj_weight_grad", "f32", &[e, h, 2, i]);
         bwd_neff += &decl("output", "down_proj_weight_grad", "f32", &[e, i, h]);
         if extras {
@@ -325,7 +335,8 @@ proptest! {
             .replace("up_clamp", "linear_clamp");
         let bwd_entry = format!(
             "name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\nactivation_type = \"{activation}\"\n\
-             expert_affinities_scaling_mode = \"{scaling}\"\nbias = {extras}\n{bwd_limit_keys}"
+             expert_affinities_scaling_mode = \"{scaling}\"\nbias = {extras}\n{bwd_limit_keys}\
+             skip_token = {skip_token}\n"
         );
         let dir = workdir("blockwise");
         let backend = backend_with(
@@ -348,8 +359,8 @@ proptest! {
                 assert_close(name, &f32s(got), &expected, rtol, rtol * scale(&expected))?;
             }
             let mut d_output = rng.values(t * h, 1.0);
-            d_output.extend(vec![0.0; h]);
-            let d_output = f32_tensor(&[t + 1, h], &d_output);
+            d_output.resize(rows * h, 0.0);
+            let d_output = f32_tensor(&[rows, h], &d_output);
             let bwd = BlockwiseMmBwd::new(
             BlockwiseMmBwdInputs {
                 forward: inputs,
@@ -363,6 +374,7 @@ proptest! {
                 expert_affinities_scaling_mode: scaling,
                 clamp,
                 bias: extras,
+                skip_dma,
                 ..BlockwiseMmBwdParams::default()
             },
             ).unwrap();

@@ -31,6 +31,12 @@
 //! `output` and `hidden_states`, with zero padding rows; with `bias` it also returns the
 //! biases' gradients.
 //!
+//! nki-library's `skip_dma` ([`SkipMode`]) `skip_token` drops the padding row: `hidden_states
+//! [T, H]`, padding slots −1, and `expert_affinities_masked`, `output`,
+//! `output_hidden_states_grad` and the gradients shaped like them without row T.
+//! `is_tensor_update_accumulating` false stores each slot's row of `output` instead of adding
+//! it: a token with two slots is then an error, and row T holds the last padding slot's output.
+//!
 //! Plan rules checked on every call (see [`super::plan`]): token ids in `[0, T]` (T is padding),
 //! expert ids in `[0, E)`, no (token, expert) pair twice, every non-zero affinity of a real token
 //! covered by the plan, and the padding row T of `hidden_states` and of

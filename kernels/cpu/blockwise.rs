@@ -315,7 +315,8 @@ impl PaddingOutputs {
 
 /// Row T of `output`: what the padding slots add. Under POST_SCALE their affinity (row T of
 /// `expert_affinities_masked`) is 0, so nothing; otherwise, when the zero row has outputs,
-/// each padding slot's expert output, summed by expert in ascending order.
+/// each padding slot's expert output, summed by expert in ascending order, or without
+/// `is_tensor_update_accumulating` the last padding slot's in plan order (each slot stores it).
 fn padding_row_output(call: &BlockwiseMm<'_>, padding: Option<&PaddingOutputs>) -> Vec<f32> {
     let BlockwiseDims { h, e, b, .. } = call.dims();
     let mut row = vec![0.0f32; h];
@@ -328,6 +329,15 @@ fn padding_row_output(call: &BlockwiseMm<'_>, padding: Option<&PaddingOutputs>) 
         return row;
     };
     let plan = call.plan();
+    if !call.params().is_tensor_update_accumulating {
+        let last = (0..plan.blocks())
+            .rev()
+            .find(|&block| plan.real_slots(block).count() < b);
+        if let Some(block) = last {
+            row.copy_from_slice(padding.of(plan.expert(block)).1);
+        }
+        return row;
+    }
     let mut slots = vec![0usize; e];
     for block in 0..plan.blocks() {
         slots[plan.expert(block)] += b - plan.real_slots(block).count();

@@ -128,12 +128,25 @@ pub fn gate_activation(act_fn: ActFnType, g: f64) -> (f64, f64) {
     }
 }
 
-/// The experts' options: the gate activation, where the affinity multiplies, and the clamps.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// The experts' options: the gate activation, where the affinity multiplies, the clamps, and
+/// whether each slot adds its row into `output` or stores it (`is_tensor_update_accumulating`).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ExpertOptions {
     pub act_fn: ActFnType,
     pub scaling: ExpertAffinityScaleMode,
     pub clamp: ClampLimits,
+    pub accumulating: bool,
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        Self {
+            act_fn: ActFnType::default(),
+            scaling: ExpertAffinityScaleMode::default(),
+            clamp: ClampLimits::default(),
+            accumulating: true,
+        }
+    }
 }
 
 /// Forward results in f64.
@@ -194,7 +207,11 @@ pub fn blockwise_forward(
                 .sum::<f64>()
                 + ops.down_proj_bias.map_or(0.0, |bias| bias[expert * h + j]);
             out.down_activations[(block * b + slot) * h + j] = y;
-            out.output[token * h + j] += output_scale * y;
+            if options.accumulating {
+                out.output[token * h + j] += output_scale * y;
+            } else {
+                out.output[token * h + j] = output_scale * y;
+            }
         }
     }
     Ok(out)

@@ -264,6 +264,7 @@ impl Backend for ReferenceBackend {
                 act_fn: params.activation_function,
                 scaling: params.expert_affinities_scaling_mode,
                 clamp: params.clamp,
+                accumulating: params.is_tensor_update_accumulating,
             },
         )?;
         let checkpoint = call.params().checkpoint_activation;
@@ -328,6 +329,9 @@ impl Backend for ReferenceBackend {
                 act_fn: call.params().activation_type,
                 scaling: call.params().expert_affinities_scaling_mode,
                 clamp: call.params().clamp,
+                // Only real slots have gradients, and without accumulation each token has one
+                // slot (checked), so adding is storing.
+                accumulating: true,
             },
         )?;
         let bias = call.params().bias;
