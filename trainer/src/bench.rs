@@ -12,7 +12,7 @@ use moekit::bench::limits::MachineLimits;
 use serde::Serialize;
 
 use crate::config::JobConfig;
-use crate::model::Qwen3MoeConfig;
+use crate::model::ModelConfig;
 use crate::moe::MoeImpl;
 use crate::train::Trainer;
 
@@ -45,7 +45,7 @@ pub struct BenchRow {
 /// Training FLOPs per token (forward + backward = 3 × forward): `6 · active matmul
 /// parameters + 12 · layers · heads · head_dim · seq_len` (attention scores and values), with
 /// each MoE layer's experts counted `K / E` (only the chosen ones run).
-pub fn flops_per_token(model: &Qwen3MoeConfig, seq_len: usize) -> f64 {
+pub fn flops_per_token(model: &ModelConfig, seq_len: usize) -> f64 {
     let layers = model.matrix_params(model.num_experts_per_tok);
     let head = (model.hidden_size * model.vocab_size) as u128;
     let attention_scores = 12.0

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::config::ParamDtype;
-use crate::model::{ExpertShard, Qwen3MoeConfig};
+use crate::model::{ExpertShard, ModelConfig, ModelName};
 
 /// Suffix of the kernels' fused expert weights in the trainer's parameter names.
 const GATE_UP: &str = "mlp.experts.gate_up_proj";
@@ -227,11 +227,11 @@ fn read_hf_tensors(dir: &Path) -> Result<BTreeMap<String, Tensor>> {
 /// experts ([`ExpertShard::ALL`] for every expert).
 pub fn load_hf(
     dir: &Path,
-    config: &Qwen3MoeConfig,
+    config: &ModelConfig,
     params: &[(String, Tensor)],
     shard: ExpertShard,
 ) -> Result<()> {
-    let found = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
+    let found = ModelConfig::from_hf_config_json(&dir.join("config.json"))?;
     if let Some(field) = architecture_difference(&found, config) {
         bail!(
             "{}: the checkpoint's {field} differs from the model config's",
@@ -294,9 +294,10 @@ fn unknown_tensors(
 
 /// The first architecture field (anything that changes the function the weights compute)
 /// where `a` and `b` differ.
-fn architecture_difference(a: &Qwen3MoeConfig, b: &Qwen3MoeConfig) -> Option<&'static str> {
-    let fields: [(&str, bool); 16] = [
+fn architecture_difference(a: &ModelConfig, b: &ModelConfig) -> Option<&'static str> {
+    let fields: [(&str, bool); 17] = [
         ("vocab_size", a.vocab_size == b.vocab_size),
+        ("name", a.name == b.name),
         ("hidden_size", a.hidden_size == b.hidden_size),
         (
             "intermediate_size",
@@ -345,37 +346,46 @@ fn architecture_difference(a: &Qwen3MoeConfig, b: &Qwen3MoeConfig) -> Option<&'s
 
 /// Hugging Face `config.json` for `config` (the Hub checkpoints' form, which every
 /// transformers version reads).
-pub fn hf_config_json(config: &Qwen3MoeConfig, dtype: Kind) -> serde_json::Value {
-    serde_json::json!({
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
+/// A dense Qwen3 (`model_type` "qwen3") has none of the MoE keys.
+pub fn hf_config_json(config: &ModelConfig, dtype: Kind) -> serde_json::Value {
+    let mut json = serde_json::json!({
+        "architectures": [config.name.architecture()],
+        "model_type": config.name.model_type(),
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
-        "moe_intermediate_size": config.moe_intermediate_size,
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "num_experts": config.num_experts,
-        "num_experts_per_tok": config.num_experts_per_tok,
-        "decoder_sparse_step": config.decoder_sparse_step,
-        "mlp_only_layers": config.mlp_only_layers,
-        "norm_topk_prob": config.norm_topk_prob,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": null,
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings,
-        "router_aux_loss_coef": config.router_aux_loss_coef,
         "initializer_range": config.initializer_range,
         "hidden_act": "silu",
         "attention_bias": false,
         "attention_dropout": 0.0,
         "use_sliding_window": false,
-        "output_router_logits": false,
         "torch_dtype": if dtype == Kind::BFloat16 { "bfloat16" } else { "float32" },
-    })
+    });
+    if config.name == ModelName::Qwen3Moe {
+        let moe = serde_json::json!({
+            "moe_intermediate_size": config.moe_intermediate_size,
+            "num_experts": config.num_experts,
+            "num_experts_per_tok": config.num_experts_per_tok,
+            "decoder_sparse_step": config.decoder_sparse_step,
+            "mlp_only_layers": config.mlp_only_layers,
+            "norm_topk_prob": config.norm_topk_prob,
+            "router_aux_loss_coef": config.router_aux_loss_coef,
+            "output_router_logits": false,
+        });
+        if let (Some(json), serde_json::Value::Object(moe)) = (json.as_object_mut(), moe) {
+            json.extend(moe);
+        }
+    }
+    json
 }
 
 /// Suffix of the aux-loss-free selection biases, which Hugging Face's format has no place for.
@@ -385,7 +395,7 @@ const EXPERT_BIAS: &str = ".mlp.expert_bias";
 /// which must not exist yet. Selection biases (`*.mlp.expert_bias`) are left out, with a
 /// warning when they are not zero: transformers' router has none, so the export routes by the
 /// probabilities alone.
-pub fn export_hf(dir: &Path, config: &Qwen3MoeConfig, params: &[(String, Tensor)]) -> Result<()> {
+pub fn export_hf(dir: &Path, config: &ModelConfig, params: &[(String, Tensor)]) -> Result<()> {
     let (biases, params): (Vec<_>, Vec<_>) = params
         .iter()
         .map(|(name, p)| (name.clone(), p.shallow_clone()))
@@ -596,7 +606,7 @@ pub fn set_aside_damaged(selection: &Selection) -> Result<()> {
 pub struct TrainingState {
     /// Optimizer steps taken.
     pub step: usize,
-    pub model: Qwen3MoeConfig,
+    pub model: ModelConfig,
     /// The data order's seed, epoch and position.
     pub data_seed: u64,
     pub data_epoch: u64,

@@ -15,14 +15,14 @@ use toml::{Table, Value};
 use moekit::ep::MpiComm;
 
 use crate::device::TrainDevice;
-use crate::model::Qwen3MoeConfig;
+use crate::model::{ModelConfig, ModelName};
 use crate::moe::{MoeImpl, check_grouped_mm_alignment};
 
 /// A validated job config.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct JobConfig {
     pub job: Job,
-    pub model: Qwen3MoeConfig,
+    pub model: ModelConfig,
     pub kernels: Kernels,
     pub training: Training,
     pub parallelism: Parallelism,
@@ -47,10 +47,12 @@ pub struct Job {
     pub description: String,
 }
 
-/// `[kernels]`: which implementation runs the MoE experts.
+/// `[kernels]`: which implementation runs the MoE experts (optional: `cpu`, and a dense model
+/// has no experts).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Kernels {
+    #[serde(default)]
     pub moe: MoeImpl,
     /// B, token slots per block of the moekit block plan (`reference`, `cpu`).
     #[serde(default = "default_block_size")]
@@ -264,6 +266,7 @@ const SECTIONS: &[&str] = &[
 
 /// Sections that may be left out entirely (every key has a default).
 const OPTIONAL_SECTIONS: &[&str] = &[
+    "kernels",
     "parallelism",
     "lr_scheduler",
     "checkpoint",
@@ -378,6 +381,11 @@ impl JobConfig {
         if ranks == 1 {
             return Ok(());
         }
+        ensure!(
+            self.model.name == ModelName::Qwen3Moe,
+            "parallelism.expert_parallel_degree = {ranks} shards experts, but model.name = \
+             \"qwen3\" is the dense Qwen3, which has none"
+        );
         ensure!(
             self.model.num_experts.is_multiple_of(ranks),
             "parallelism.expert_parallel_degree = {ranks} must divide model.num_experts = {}",
@@ -542,7 +550,7 @@ fn section<T: DeserializeOwned>(name: &str, table: Table) -> Result<T> {
 
 /// `[model]` is either `config_json = "path/to/config.json"` alone, or the hyper-parameters
 /// inline under their Hugging Face names.
-fn model_section(table: Table, base: &Path) -> Result<Qwen3MoeConfig> {
+fn model_section(table: Table, base: &Path) -> Result<ModelConfig> {
     match table.get("config_json") {
         Some(Value::String(path)) => {
             if let Some(other) = table.keys().find(|k| *k != "config_json") {
@@ -551,7 +559,7 @@ fn model_section(table: Table, base: &Path) -> Result<Qwen3MoeConfig> {
                      cannot be set beside it"
                 );
             }
-            Qwen3MoeConfig::from_hf_config_json(&base.join(path))
+            ModelConfig::from_hf_config_json(&base.join(path))
         }
         Some(other) => bail!(
             "in section [model]: `config_json` must be a path string, got {}",

@@ -11,14 +11,14 @@ use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{assign_params, export_hf, is_training_checkpoint, load_hf, load_training};
 use crate::footprint::ensure_fits_in_host_memory;
-use crate::model::{ExpertShard, Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
+use crate::model::{ExpertShard, ModelConfig, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::MoeImpl;
 use crate::tape::Tape;
 
 /// A model loaded for evaluation; `vars` owns its parameters.
 pub struct LoadedModel {
     pub vars: nn::VarStore,
-    pub model: Qwen3Moe,
+    pub model: Qwen3Model,
 }
 
 /// How [`load_model`] stores the parameters.
@@ -32,7 +32,7 @@ pub enum LoadDtype {
 
 /// Refuses a model whose f32 parameters alone exceed the machine's physical memory (they are
 /// built in f32 before anything is loaded into them).
-fn check_memory(config: &Qwen3MoeConfig) -> Result<()> {
+fn check_memory(config: &ModelConfig) -> Result<()> {
     let params = config.parameter_count();
     ensure_fits_in_host_memory(params.saturating_mul(4), || {
         format!("the model's {params} parameters take, in f32,")
@@ -45,7 +45,7 @@ pub fn load_model(dir: &Path, dtype: LoadDtype) -> Result<LoadedModel> {
     let model = if is_training_checkpoint(dir) {
         let checkpoint = load_training(dir)?;
         check_memory(&checkpoint.state.model)?;
-        let model = Qwen3Moe::new(&vars.root(), &checkpoint.state.model);
+        let model = Qwen3Model::new(&vars.root(), &checkpoint.state.model);
         if dtype == LoadDtype::AsSaved {
             vars.set_kind(checkpoint.state.dtype.kind());
         }
@@ -53,9 +53,9 @@ pub fn load_model(dir: &Path, dtype: LoadDtype) -> Result<LoadedModel> {
         assign_params(&model.expert_biases(), &checkpoint.params, dir)?;
         model
     } else {
-        let config = Qwen3MoeConfig::from_hf_config_json(&dir.join("config.json"))?;
+        let config = ModelConfig::from_hf_config_json(&dir.join("config.json"))?;
         check_memory(&config)?;
-        let model = Qwen3Moe::new(&vars.root(), &config);
+        let model = Qwen3Model::new(&vars.root(), &config);
         load_hf(dir, &config, &sorted_variables(&vars), ExpertShard::ALL)?;
         model
     };
@@ -122,7 +122,7 @@ pub struct Losses {
 
 /// The forward pass on `input_ids [batch, seq]`: logits `[batch, seq, vocab]` (f32) and losses.
 pub fn evaluate(
-    model: &Qwen3Moe,
+    model: &Qwen3Model,
     input_ids: &Tensor,
     moe: MoeImpl,
     block_size: usize,

@@ -14,7 +14,7 @@
 use anyhow::{Result, ensure};
 
 use crate::config::{JobConfig, ParamDtype};
-use crate::model::Qwen3MoeConfig;
+use crate::model::ModelConfig;
 
 /// Bytes of an f32.
 const F32: u128 = 4;
@@ -56,7 +56,7 @@ struct LayerBytes {
 }
 
 impl LayerBytes {
-    fn of(model: &Qwen3MoeConfig, act: u128) -> Self {
+    fn of(model: &ModelConfig, act: u128) -> Self {
         let h = model.hidden_size as u128;
         let q = model.num_attention_heads as u128 * model.head_dim as u128;
         let kv = model.num_key_value_heads as u128 * model.head_dim as u128;
@@ -164,7 +164,7 @@ impl StepFootprint {
 /// MLP's gate, up and product), and the `[tokens, vocab_size]`
 /// logits with their log-softmax, plus with `output` the logits' copies for the file.
 pub fn evaluation_bytes(
-    model: &Qwen3MoeConfig,
+    model: &ModelConfig,
     tokens: u128,
     output: bool,
     block_size: Option<usize>,

@@ -21,7 +21,7 @@ use crate::checkpoint::{
 use crate::config::JobConfig;
 use crate::data::{Batches, Source, TextTokenizer};
 use crate::footprint::{StepFootprint, ensure_fits_in_host_memory, held_parameters};
-use crate::model::{ExpertShard, Qwen3Moe, causal_lm_loss, load_balancing_loss};
+use crate::model::{ExpertShard, ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
 use crate::parallel::{RankGroup, is_expert_parameter};
@@ -147,7 +147,7 @@ pub struct Trainer {
     group: Option<RankGroup>,
     // Owns the parameters the model and optimizer hold handles to.
     _vars: nn::VarStore,
-    model: Qwen3Moe,
+    model: Qwen3Model,
     experts: Box<dyn Experts>,
     optimizer: AdamW,
     batches: Batches,
@@ -194,7 +194,7 @@ impl Trainer {
             None => (config.kernels.moe.create(block_size)?, ExpertShard::ALL),
         };
         let mut vars = nn::VarStore::new(device);
-        let model = Qwen3Moe::new_sharded(&vars.root(), &config.model, shard);
+        let model = Qwen3Model::new_sharded(&vars.root(), &config.model, shard);
         // Initialised in f32 (the same values whatever the dtype), then cast.
         vars.set_kind(config.training.dtype.kind());
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
@@ -607,13 +607,20 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
         );
     }
     let ranks = config.parallelism.expert_parallel_degree;
+    let model = &config.model;
+    let architecture = match model.name {
+        ModelName::Qwen3 => "dense Qwen3".to_owned(),
+        ModelName::Qwen3Moe => format!(
+            "{} MoE layers of {} experts, top-{}, with kernels.moe = {}",
+            model.moe_layer_count(),
+            model.num_experts,
+            model.num_experts_per_tok,
+            config.kernels.moe.name()
+        ),
+    };
     println!(
-        "training {} parameters ({} MoE layers of {} experts, top-{}) with kernels.moe = {} for {total} steps{}",
-        config.model.parameter_count(),
-        config.model.moe_layer_count(),
-        config.model.num_experts,
-        config.model.num_experts_per_tok,
-        config.kernels.moe.name(),
+        "training {} parameters ({architecture}) for {total} steps{}",
+        model.parameter_count(),
         if ranks > 1 {
             format!(", experts sharded over {ranks} ranks")
         } else {
@@ -634,10 +641,14 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
             let exchange = metrics.exchange_share.map_or_else(String::new, |share| {
                 format!("  exchange {:.0}%", 100.0 * share)
             });
+            // A dense model has no router, so no aux loss.
+            let aux = match model.name {
+                ModelName::Qwen3Moe => format!("  aux {:.4}", metrics.aux_loss),
+                ModelName::Qwen3 => String::new(),
+            };
             println!(
-                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}  aux {:.4}  lr {:.2e}  {:.0} tok/s{exchange}  eta {eta:.0}s",
+                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}{aux}  lr {:.2e}  {:.0} tok/s{exchange}  eta {eta:.0}s",
                 metrics.loss,
-                metrics.aux_loss,
                 metrics.lr,
                 metrics.tokens_per_second,
                 bar = "=".repeat(20 * step / total),

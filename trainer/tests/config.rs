@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use moekit_trainer::config::JobConfig;
-use moekit_trainer::model::{Qwen3Moe, Qwen3MoeConfig};
+use moekit_trainer::model::{ModelConfig, ModelName, Qwen3Model};
 use moekit_trainer::moe::MoeImpl;
 use tch::{Device, nn};
 
@@ -43,10 +43,19 @@ fn shipped_configs_load() {
         "qwen3_moe_small.toml",
         "qwen3_moe_30b_a3b.toml",
         "qwen3_moe_235b_a22b.toml",
+        "qwen3_debug.toml",
+        "qwen3_4b_instruct_2507.toml",
     ] {
         let config =
             JobConfig::load(&shipped(name), &[]).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         assert_eq!(config.kernels.moe, MoeImpl::Cpu, "{name}");
+        let dense = name.starts_with("qwen3_") && !name.starts_with("qwen3_moe");
+        let expected = if dense {
+            ModelName::Qwen3
+        } else {
+            ModelName::Qwen3Moe
+        };
+        assert_eq!(config.model.name, expected, "{name}");
     }
 }
 
@@ -56,10 +65,29 @@ fn published_architectures_have_their_published_parameter_counts() {
     for (name, published, layers) in [
         ("qwen3_moe_30b_a3b.toml", 30_532_122_624u128, 48),
         ("qwen3_moe_235b_a22b.toml", 235_093_634_560, 94),
+        // Dense, tied: 8,044,936,192 bytes of bf16 in the Hub's index.
+        ("qwen3_4b_instruct_2507.toml", 4_022_468_096, 0),
     ] {
         let model = JobConfig::load(&shipped(name), &[]).unwrap().model;
         assert_eq!(model.parameter_count(), published, "{name}");
         assert_eq!(model.moe_layer_count(), layers, "{name}");
+    }
+}
+
+#[test]
+fn dense_parameter_count_equals_the_instantiated_model() {
+    for pairs in [
+        vec![],
+        vec![("model.tie_word_embeddings", "true")],
+        vec![("model.num_key_value_heads", "1"), ("model.head_dim", "24")],
+    ] {
+        let config = JobConfig::load(&shipped("qwen3_debug.toml"), &overrides(&pairs)).unwrap();
+        let vars = nn::VarStore::new(Device::Cpu);
+        let _model = Qwen3Model::new(&vars.root(), &config.model);
+        let numel: usize = vars.trainable_variables().iter().map(|v| v.numel()).sum();
+        assert_eq!(config.model.parameter_count(), numel as u128, "{pairs:?}");
+        assert_eq!(config.model.moe_layer_count(), 0, "{pairs:?}");
+        assert!(config.model.moe_layers().is_empty(), "{pairs:?}");
     }
 }
 
@@ -81,7 +109,7 @@ fn parameter_count_equals_the_instantiated_model() {
     ] {
         let config = JobConfig::load(&shipped("qwen3_moe_debug.toml"), &overrides(&pairs)).unwrap();
         let vars = nn::VarStore::new(Device::Cpu);
-        let _model = Qwen3Moe::new(&vars.root(), &config.model);
+        let _model = Qwen3Model::new(&vars.root(), &config.model);
         let numel: usize = vars.trainable_variables().iter().map(|v| v.numel()).sum();
         assert_eq!(config.model.parameter_count(), numel as u128, "{pairs:?}");
         assert_eq!(
@@ -210,6 +238,42 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             "{pairs:?}: `{message}` lacks `{expected}`"
         );
     }
+    // The dense Qwen3 has no experts: their keys are errors, not silently ignored.
+    let dense: &[(&[(&str, &str)], &str)] = &[
+        (
+            &[("model.num_experts", "8")],
+            "model.num_experts = 8 configures experts, but model.name = \"qwen3\"",
+        ),
+        (
+            &[("model.mlp_only_layers", "[0]")],
+            "model.mlp_only_layers = [0] configures experts",
+        ),
+        (
+            &[("model.norm_topk_prob", "true")],
+            "model.norm_topk_prob = true configures experts",
+        ),
+        (
+            &[("parallelism.expert_parallel_degree", "2")],
+            "shards experts, but model.name = \"qwen3\" is the dense Qwen3",
+        ),
+        (&[("model.name", "llama")], "unknown variant `llama`"),
+    ];
+    for (pairs, expected) in dense {
+        let message = load_error("qwen3_debug.toml", pairs);
+        assert!(
+            message.contains(expected),
+            "{pairs:?}: `{message}` lacks `{expected}`"
+        );
+    }
+    // And a Qwen3-MoE needs them.
+    let message = load_error(
+        debug,
+        &[("model.name", "qwen3_moe"), ("model.num_experts", "0")],
+    );
+    assert!(
+        message.contains("model.num_experts must be at least 1"),
+        "{message}"
+    );
     let missing = JobConfig::load(Path::new("no/such/config.toml"), &[]).unwrap_err();
     assert!(format!("{missing:#}").contains("cannot read job config no/such/config.toml"));
 }
@@ -247,7 +311,7 @@ const HUB_CONFIG: &str = r#"{
 #[test]
 fn hf_config_json_in_hub_and_transformers_v5_forms() {
     let hub: serde_json::Value = serde_json::from_str(HUB_CONFIG).unwrap();
-    let from_hub = Qwen3MoeConfig::from_hf_json(&hub).unwrap();
+    let from_hub = ModelConfig::from_hf_json(&hub).unwrap();
     assert_eq!(from_hub.num_experts, 8);
     assert_eq!(from_hub.rope_theta, 1e6);
     assert_eq!(from_hub.mlp_only_layers, [0]);
@@ -262,33 +326,59 @@ fn hf_config_json_in_hub_and_transformers_v5_forms() {
         "rope_parameters".into(),
         serde_json::json!({"rope_theta": 1000000.0, "rope_type": "default"}),
     );
-    assert_eq!(Qwen3MoeConfig::from_hf_json(&v5).unwrap(), from_hub);
+    assert_eq!(ModelConfig::from_hf_json(&v5).unwrap(), from_hub);
 
     let mut broken = hub.clone();
     broken["num_local_experts"] = 4.into();
-    let err = Qwen3MoeConfig::from_hf_json(&broken)
-        .unwrap_err()
-        .to_string();
+    let err = ModelConfig::from_hf_json(&broken).unwrap_err().to_string();
     assert!(err.contains("disagree"), "{err}");
     let mut scaled = hub.clone();
     scaled["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 4.0});
-    let err = Qwen3MoeConfig::from_hf_json(&scaled)
-        .unwrap_err()
-        .to_string();
+    let err = ModelConfig::from_hf_json(&scaled).unwrap_err().to_string();
     assert!(err.contains("rope_scaling is not supported"), "{err}");
     let mut gelu = hub.clone();
     gelu["hidden_act"] = "gelu".into();
-    let err = Qwen3MoeConfig::from_hf_json(&gelu).unwrap_err().to_string();
+    let err = ModelConfig::from_hf_json(&gelu).unwrap_err().to_string();
     assert!(
         err.contains("hidden_act \"gelu\" is not supported"),
         "{err}"
     );
-    let mut other = hub;
+    let mut other = hub.clone();
     other["model_type"] = "llama".into();
-    let err = Qwen3MoeConfig::from_hf_json(&other)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("expected \"qwen3_moe\""), "{err}");
+    let err = ModelConfig::from_hf_json(&other).unwrap_err().to_string();
+    assert!(err.contains("expected \"qwen3_moe\" or \"qwen3\""), "{err}");
+
+    // A dense Qwen3's config.json has no MoE keys; a Qwen3-MoE's must have them.
+    let mut dense = hub.clone();
+    let object = dense.as_object_mut().unwrap();
+    for key in [
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "norm_topk_prob",
+        "router_aux_loss_coef",
+    ] {
+        object.remove(key);
+    }
+    object.insert("model_type".into(), "qwen3".into());
+    object.insert(
+        "architectures".into(),
+        serde_json::json!(["Qwen3ForCausalLM"]),
+    );
+    let config = ModelConfig::from_hf_json(&dense).unwrap();
+    assert_eq!(config.name, ModelName::Qwen3);
+    assert_eq!(
+        (config.num_experts, config.moe_layer_count()),
+        (0, 0),
+        "{config:?}"
+    );
+    assert_eq!(config.hidden_size, from_hub.hidden_size);
+    let mut moe = dense;
+    moe["model_type"] = "qwen3_moe".into();
+    let err = ModelConfig::from_hf_json(&moe).unwrap_err().to_string();
+    assert!(err.contains("missing `num_experts`"), "{err}");
 }
 
 #[test]
@@ -306,7 +396,7 @@ fn a_job_config_can_take_its_model_from_config_json() {
     std::fs::write(dir.join("job.toml"), job).unwrap();
     let config = JobConfig::load(&dir.join("job.toml"), &[]).unwrap();
     let hub: serde_json::Value = serde_json::from_str(HUB_CONFIG).unwrap();
-    assert_eq!(config.model, Qwen3MoeConfig::from_hf_json(&hub).unwrap());
+    assert_eq!(config.model, ModelConfig::from_hf_json(&hub).unwrap());
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -2,11 +2,13 @@
 //! project venv's Python, set up by `scripts/transformers.sh`):
 //!
 //! - transformers creates small random Qwen3-MoE models (with `norm_topk_prob` on and off,
-//!   `decoder_sparse_step` > 1, `mlp_only_layers`, tied embeddings), saves them and computes
-//!   logits and losses on fixed tokens; `moekit-train eval` loads each directory and matches
-//!   them with every MoE implementation;
-//! - a checkpoint trained and exported by moekit loads in transformers'
-//!   `Qwen3MoeForCausalLM.from_pretrained` and gives moekit's logits.
+//!   `decoder_sparse_step` > 1, `mlp_only_layers`, tied embeddings) and dense Qwen3 models
+//!   (`Qwen3ForCausalLM`: tied and untied, GQA ratios 2 and 4, `head_dim` ≠ hidden / heads),
+//!   saves them and computes logits and losses on fixed tokens; `moekit-train eval` loads each
+//!   directory and matches them with every MoE implementation;
+//! - a checkpoint trained and exported by moekit, Qwen3-MoE or dense, loads in transformers'
+//!   `AutoModelForCausalLM.from_pretrained` as the class its `model_type` names and gives
+//!   moekit's logits.
 //!
 //! Tolerance: both sides compute in f32 with different summation orders (SDPA and fused
 //! experts in transformers); logits agree within 1e-4 absolute (observed about 1e-6) and
@@ -117,13 +119,21 @@ fn moekit_loads_transformers_models_and_matches_their_logits_and_losses() {
         "sparse_step_2",
         "mlp_only_layers",
         "tied",
+        "dense",
+        "dense_tied",
+        "dense_gqa4",
     ] {
         let dir = scratch(case);
         hf(&["make", s(&dir), case]);
         let expected: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
                 .unwrap();
-        for moe in ["torch", "grouped_mm", "reference", "cpu"] {
+        // A dense model has no experts: one implementation stands for all.
+        let implementations: &[&str] = match case.starts_with("dense") {
+            true => &["cpu"],
+            false => &["torch", "grouped_mm", "reference", "cpu"],
+        };
+        for &moe in implementations {
             let what = format!("{case}, {moe}");
             let ours = dir.join(format!("{moe}.safetensors"));
             let line = moekit(&[
@@ -155,8 +165,13 @@ fn moekit_loads_transformers_models_and_matches_their_logits_and_losses() {
 
 #[test]
 fn transformers_loads_moekit_exports_with_the_same_logits() {
-    let config = repo().join("configs/qwen3_moe_debug.toml");
-    for (name, extra) in [("untied", "false"), ("tied", "true")] {
+    for (name, config, extra) in [
+        ("untied", "qwen3_moe_debug.toml", "false"),
+        ("tied", "qwen3_moe_debug.toml", "true"),
+        ("dense", "qwen3_debug.toml", "false"),
+        ("dense-tied", "qwen3_debug.toml", "true"),
+    ] {
+        let config = repo().join("configs").join(config);
         let dir = scratch(&format!("export-{name}"));
         moekit(&[
             "--config",

@@ -8,7 +8,9 @@
 
 use std::sync::Mutex;
 
-use moekit_trainer::model::{Qwen3Moe, Qwen3MoeConfig, causal_lm_loss, load_balancing_loss};
+use moekit_trainer::model::{
+    ModelConfig, ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss,
+};
 use moekit_trainer::moe::MoeImpl;
 use moekit_trainer::tape::Tape;
 use tch::{Device, Kind, Tensor, nn};
@@ -20,8 +22,9 @@ fn tiny(
     norm_topk_prob: bool,
     decoder_sparse_step: usize,
     mlp_only_layers: Vec<usize>,
-) -> Qwen3MoeConfig {
-    Qwen3MoeConfig {
+) -> ModelConfig {
+    ModelConfig {
+        name: ModelName::Qwen3Moe,
         vocab_size: 61,
         hidden_size: 24,
         intermediate_size: 40,
@@ -49,7 +52,7 @@ fn tiny(
 /// backward of a model initialised from `seed`.
 /// The parameters are stored in `storage` (rounded), then computed in `compute`.
 fn loss_and_grads(
-    config: &Qwen3MoeConfig,
+    config: &ModelConfig,
     storage: Kind,
     compute: Kind,
     moe: MoeImpl,
@@ -60,7 +63,7 @@ fn loss_and_grads(
     let model = {
         let _rng = RNG.lock().unwrap();
         tch::manual_seed(7);
-        Qwen3Moe::new(&vars.root(), config)
+        Qwen3Model::new(&vars.root(), config)
     };
     vars.set_kind(storage);
     vars.set_kind(compute);
@@ -88,7 +91,7 @@ fn loss_and_grads(
     (values.0, values.1, grads)
 }
 
-fn batch(config: &Qwen3MoeConfig) -> Tensor {
+fn batch(config: &ModelConfig) -> Tensor {
     let _rng = RNG.lock().unwrap();
     tch::manual_seed(11);
     Tensor::randint(config.vocab_size as i64, [3, 9], (Kind::Int64, Device::Cpu))
@@ -119,11 +122,11 @@ const F32: Tolerance = Tolerance::Entrywise {
     grad: 1e-4,
 };
 
-fn assert_parity(config: &Qwen3MoeConfig) {
+fn assert_parity(config: &ModelConfig) {
     assert_parity_in(config, Kind::Float, F32);
 }
 
-fn assert_parity_in(config: &Qwen3MoeConfig, dtype: Kind, tol: Tolerance) {
+fn assert_parity_in(config: &ModelConfig, dtype: Kind, tol: Tolerance) {
     let input_ids = batch(config);
     // The oracle computes in f32 on the parameters as stored (rounded to `dtype`).
     let (loss, aux, oracle) =
@@ -199,7 +202,7 @@ fn parity_with_dense_layers_from_sparse_step_and_mlp_only_layers() {
 
 #[test]
 fn parity_with_tied_embeddings() {
-    assert_parity(&Qwen3MoeConfig {
+    assert_parity(&ModelConfig {
         tie_word_embeddings: true,
         ..tiny(true, 1, vec![])
     });

@@ -1,5 +1,5 @@
-//! The Qwen3-MoE architecture hyper-parameters, with Hugging Face's field names, read from a
-//! job config's `[model]` table or from a Hugging Face `config.json`.
+//! The model's architecture hyper-parameters, Qwen3-MoE or dense Qwen3, with Hugging Face's
+//! field names, read from a job config's `[model]` table or from a Hugging Face `config.json`.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -8,23 +8,70 @@ use anyhow::{Context, Result, bail, ensure};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// Qwen3-MoE hyper-parameters (Hugging Face `Qwen3MoeConfig` names and defaults).
+/// Which Hugging Face architecture a model is: its `model_type`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelName {
+    /// `qwen3_moe`, `Qwen3MoeForCausalLM`: MoE blocks (with dense MLPs where
+    /// `mlp_only_layers` and `decoder_sparse_step` say).
+    #[default]
+    Qwen3Moe,
+    /// `qwen3`, `Qwen3ForCausalLM`: the same attention, norms and RoPE, a dense SwiGLU MLP in
+    /// every layer.
+    Qwen3,
+}
+
+impl ModelName {
+    /// The `model_type` of Hugging Face's `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The transformers class, for `config.json`'s `architectures`.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    fn from_model_type(model_type: &str) -> Result<Self> {
+        match model_type {
+            "qwen3_moe" => Ok(Self::Qwen3Moe),
+            "qwen3" => Ok(Self::Qwen3),
+            other => bail!("model_type is \"{other}\", expected \"qwen3_moe\" or \"qwen3\""),
+        }
+    }
+}
+
+/// Qwen3-MoE or dense Qwen3 hyper-parameters (Hugging Face's `Qwen3MoeConfig` and `Qwen3Config`
+/// names and defaults). A dense model (`name = "qwen3"`) leaves the MoE keys out: they are 0
+/// (or empty) there.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct Qwen3MoeConfig {
+pub struct ModelConfig {
+    /// The architecture (default `qwen3_moe`).
+    #[serde(default)]
+    pub name: ModelName,
     pub vocab_size: usize,
     pub hidden_size: usize,
     /// Intermediate size of the dense SwiGLU MLP of non-MoE layers.
     pub intermediate_size: usize,
     /// I, the intermediate size of each expert.
+    #[serde(default)]
     pub moe_intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
     /// E.
+    #[serde(default)]
     pub num_experts: usize,
     /// K.
+    #[serde(default)]
     pub num_experts_per_tok: usize,
     /// Layer `i` is an MoE layer iff `i ∉ mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`.
     #[serde(default = "one")]
@@ -67,10 +114,11 @@ fn default_initializer_range() -> f64 {
     0.02
 }
 
-impl Qwen3MoeConfig {
+impl ModelConfig {
     /// Whether decoder layer `layer` has an MoE block (otherwise a dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        !self.mlp_only_layers.contains(&layer)
+        self.name == ModelName::Qwen3Moe
+            && !self.mlp_only_layers.contains(&layer)
             && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
@@ -84,6 +132,9 @@ impl Qwen3MoeConfig {
     /// Number of MoE layers: every `decoder_sparse_step`-th, less those `mlp_only_layers`
     /// names (counted without visiting every layer).
     pub fn moe_layer_count(&self) -> usize {
+        if self.name == ModelName::Qwen3 {
+            return 0;
+        }
         let step = self.decoder_sparse_step.max(1);
         let dense_named: BTreeSet<usize> = self
             .mlp_only_layers
@@ -121,20 +172,49 @@ impl Qwen3MoeConfig {
 
     /// Checks that the hyper-parameters describe a buildable model.
     pub fn validate(&self) -> Result<()> {
-        let positive = [
+        let moe_keys = [
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_experts", self.num_experts),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+        ];
+        let mut positive = vec![
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
-            ("moe_intermediate_size", self.moe_intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
-            ("num_experts", self.num_experts),
-            ("num_experts_per_tok", self.num_experts_per_tok),
             ("decoder_sparse_step", self.decoder_sparse_step),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
+        match self.name {
+            ModelName::Qwen3Moe => positive.extend(moe_keys),
+            ModelName::Qwen3 => {
+                let set = moe_keys
+                    .iter()
+                    .filter(|(_, value)| *value != 0)
+                    .map(|(name, value)| (*name, value.to_string()))
+                    .chain(
+                        (!self.mlp_only_layers.is_empty())
+                            .then(|| ("mlp_only_layers", format!("{:?}", self.mlp_only_layers))),
+                    )
+                    .chain(
+                        (self.decoder_sparse_step != 1)
+                            .then(|| ("decoder_sparse_step", self.decoder_sparse_step.to_string())),
+                    )
+                    .chain(
+                        self.norm_topk_prob
+                            .then(|| ("norm_topk_prob", "true".to_owned())),
+                    );
+                if let Some((key, value)) = set.into_iter().next() {
+                    bail!(
+                        "model.{key} = {value} configures experts, but model.name = \"qwen3\" is \
+                         the dense Qwen3 (use \"qwen3_moe\" for experts)"
+                    );
+                }
+            }
+        }
         // Sizes reach libtorch as i64, and parameter counts are their products in u128: a
         // bound of i32::MAX on each keeps both exact.
         const LARGEST: usize = i32::MAX as usize;
@@ -210,16 +290,15 @@ impl Qwen3MoeConfig {
         let object = json
             .as_object()
             .context("config.json must be a JSON object")?;
-        if let Some(model_type) = object.get("model_type").and_then(Value::as_str) {
-            ensure!(
-                model_type == "qwen3_moe",
-                "model_type is \"{model_type}\", expected \"qwen3_moe\""
-            );
-        }
+        let name = match object.get("model_type").and_then(Value::as_str) {
+            Some(model_type) => ModelName::from_model_type(model_type)?,
+            None => ModelName::default(),
+        };
+        let moe = name == ModelName::Qwen3Moe;
         if let Some(act) = object.get("hidden_act").and_then(Value::as_str)
             && act != "silu"
         {
-            bail!("hidden_act \"{act}\" is not supported (Qwen3-MoE uses \"silu\")");
+            bail!("hidden_act \"{act}\" is not supported (Qwen3 uses \"silu\")");
         }
         if let Some(dropout) = object.get("attention_dropout").and_then(Value::as_f64)
             && dropout != 0.0
@@ -228,7 +307,7 @@ impl Qwen3MoeConfig {
         }
         for flag in ["attention_bias", "use_sliding_window"] {
             if object.get(flag).and_then(Value::as_bool) == Some(true) {
-                bail!("{flag} = true is not supported by this Qwen3-MoE implementation");
+                bail!("{flag} = true is not supported by this Qwen3 implementation");
             }
         }
         let rope_parameters = object.get("rope_parameters").filter(|v| !v.is_null());
@@ -279,7 +358,15 @@ impl Qwen3MoeConfig {
 
         let hidden_size = required("hidden_size")?;
         let num_attention_heads = required("num_attention_heads")?;
+        // The MoE keys: required for Qwen3-MoE, absent (0) for the dense Qwen3.
+        let moe_key = |key: &str| -> Result<usize> {
+            match moe {
+                true => required(key),
+                false => Ok(0),
+            }
+        };
         let num_experts = match (usize_key("num_experts")?, usize_key("num_local_experts")?) {
+            _ if !moe => 0,
             (Some(a), Some(b)) if a != b => {
                 bail!("`num_experts` ({a}) and `num_local_experts` ({b}) disagree")
             }
@@ -299,7 +386,10 @@ impl Qwen3MoeConfig {
             (Some(theta), _) | (None, Some(theta)) => theta,
             (None, None) => default_rope_theta(),
         };
-        let mlp_only_layers = match object.get("mlp_only_layers").filter(|v| !v.is_null()) {
+        let mlp_only_layers = match object
+            .get("mlp_only_layers")
+            .filter(|v| moe && !v.is_null())
+        {
             None => Vec::new(),
             Some(v) => v
                 .as_array()
@@ -315,6 +405,8 @@ impl Qwen3MoeConfig {
         };
         let head_dim = match usize_key("head_dim")? {
             Some(d) => d,
+            // Qwen3Config's default; Qwen3MoeConfig derives it.
+            None if !moe => 128,
             None => {
                 ensure!(
                     num_attention_heads > 0,
@@ -324,20 +416,27 @@ impl Qwen3MoeConfig {
             }
         };
         let config = Self {
+            name,
             vocab_size: required("vocab_size")?,
             hidden_size,
             intermediate_size: required("intermediate_size")?,
-            moe_intermediate_size: required("moe_intermediate_size")?,
+            moe_intermediate_size: moe_key("moe_intermediate_size")?,
             num_hidden_layers: required("num_hidden_layers")?,
             num_attention_heads,
-            // transformers' Qwen3MoeConfig default.
-            num_key_value_heads: usize_key("num_key_value_heads")?.unwrap_or(4),
+            // transformers' defaults: Qwen3MoeConfig's 4, Qwen3Config's 32.
+            num_key_value_heads: usize_key("num_key_value_heads")?.unwrap_or(match name {
+                ModelName::Qwen3Moe => 4,
+                ModelName::Qwen3 => 32,
+            }),
             head_dim,
             num_experts,
-            num_experts_per_tok: required("num_experts_per_tok")?,
-            decoder_sparse_step: usize_key("decoder_sparse_step")?.unwrap_or(1),
+            num_experts_per_tok: moe_key("num_experts_per_tok")?,
+            decoder_sparse_step: match moe {
+                true => usize_key("decoder_sparse_step")?.unwrap_or(1),
+                false => 1,
+            },
             mlp_only_layers,
-            norm_topk_prob: bool_key("norm_topk_prob")?.unwrap_or(false),
+            norm_topk_prob: moe && bool_key("norm_topk_prob")?.unwrap_or(false),
             rms_norm_eps: f64_key(object.get("rms_norm_eps"), "rms_norm_eps")?
                 .unwrap_or_else(default_rms_norm_eps),
             rope_theta,

@@ -1,10 +1,10 @@
-//! Qwen3-MoE with Hugging Face semantics, in libtorch.
+//! Qwen3-MoE and dense Qwen3 with Hugging Face semantics, in libtorch.
 
 mod config;
 mod layers;
 mod loss;
-mod qwen3_moe;
+mod qwen3;
 
-pub use config::Qwen3MoeConfig;
+pub use config::{ModelConfig, ModelName};
 pub use loss::{causal_lm_loss, load_balancing_loss};
-pub use qwen3_moe::{ExpertShard, ForwardOutput, Qwen3Moe};
+pub use qwen3::{ExpertShard, ForwardOutput, Qwen3Model};

@@ -29,7 +29,7 @@ pub use kernels::KernelExperts;
 pub use torch_loop::TorchLoopExperts;
 
 /// The implementations `[kernels] moe` can name.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum MoeImpl {
     /// Hugging Face's eager per-expert loop, in libtorch ops (autograd).
@@ -38,7 +38,8 @@ pub enum MoeImpl {
     GroupedMm,
     /// moekit's reference kernels (f64 oracle), backward stitched into autograd.
     Reference,
-    /// moekit's cpu kernels, backward stitched into autograd.
+    /// moekit's cpu kernels, backward stitched into autograd (the default).
+    #[default]
     Cpu,
     /// moekit's neuron backend (NEFF kernels through libnrt).
     Neuron,

@@ -1,4 +1,5 @@
-//! The Qwen3-MoE causal language model.
+//! The Qwen3 causal language model: Qwen3-MoE, or the dense Qwen3 whose every layer has the
+//! dense MLP ([`super::ModelName`]).
 //!
 //! Parameters live in a `tch` var store under Hugging Face's names
 //! (`model.layers.{l}.self_attn.q_proj.weight`, `model.layers.{l}.mlp.gate.weight`, ...), except
@@ -10,14 +11,14 @@
 use anyhow::{Result, ensure};
 use tch::{Kind, Tensor, nn};
 
-use super::Qwen3MoeConfig;
+use super::ModelConfig;
 use super::layers::{DenseMlp, RmsNorm, apply_rope, linear_weight, rope_tables};
 use crate::moe::Experts;
 use crate::tape::Tape;
 
-/// Qwen3-MoE: token embeddings, decoder layers, final norm, language-model head.
-pub struct Qwen3Moe {
-    config: Qwen3MoeConfig,
+/// Qwen3-MoE or dense Qwen3: token embeddings, decoder layers, final norm, language-model head.
+pub struct Qwen3Model {
+    config: ModelConfig,
     /// `[V, H]`.
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
@@ -26,7 +27,7 @@ pub struct Qwen3Moe {
     lm_head: Option<Tensor>,
 }
 
-/// The outputs of [`Qwen3Moe::forward`].
+/// The outputs of [`Qwen3Model::forward`].
 pub struct ForwardOutput {
     /// `[B, S, V]`.
     pub logits: Tensor,
@@ -55,17 +56,17 @@ impl ExpertShard {
     }
 }
 
-impl Qwen3Moe {
+impl Qwen3Model {
     /// Creates the parameters under `vs` with Hugging Face's initialisation: linear, embedding
     /// and expert weights ~ N(0, `initializer_range`), norm weights 1.
-    pub fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+    pub fn new(vs: &nn::Path, config: &ModelConfig) -> Self {
         Self::new_sharded(vs, config, ExpertShard::ALL)
     }
 
-    /// As [`Qwen3Moe::new`], holding only `shard`'s experts. Every rank draws the whole
+    /// As [`Qwen3Model::new`], holding only `shard`'s experts. Every rank draws the whole
     /// model's initial values in the same order, so each shard holds exactly the values of the
     /// single-process model's experts (E/R must divide E; the config checks it).
-    pub fn new_sharded(vs: &nn::Path, config: &Qwen3MoeConfig, shard: ExpertShard) -> Self {
+    pub fn new_sharded(vs: &nn::Path, config: &ModelConfig, shard: ExpertShard) -> Self {
         let model = vs.sub("model");
         let std = config.initializer_range;
         let (v, h) = (config.vocab_size as i64, config.hidden_size as i64);
@@ -81,7 +82,7 @@ impl Qwen3Moe {
         }
     }
 
-    pub fn config(&self) -> &Qwen3MoeConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -186,7 +187,7 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(vs: &nn::Path, config: &Qwen3MoeConfig, layer: usize, shard: ExpertShard) -> Self {
+    fn new(vs: &nn::Path, config: &ModelConfig, layer: usize, shard: ExpertShard) -> Self {
         let h = config.hidden_size as i64;
         let std = config.initializer_range;
         let mlp_path = vs.sub("mlp");
@@ -236,7 +237,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn new(vs: &nn::Path, config: &Qwen3MoeConfig) -> Self {
+    fn new(vs: &nn::Path, config: &ModelConfig) -> Self {
         let h = config.hidden_size as i64;
         let (heads, kv_heads, head_dim) = (
             config.num_attention_heads as i64,
@@ -314,7 +315,7 @@ struct Routed {
 }
 
 impl MoeBlock {
-    fn new(vs: &nn::Path, config: &Qwen3MoeConfig, shard: ExpertShard) -> Self {
+    fn new(vs: &nn::Path, config: &ModelConfig, shard: ExpertShard) -> Self {
         let (e, h, i) = (
             config.num_experts as i64,
             config.hidden_size as i64,
