@@ -186,7 +186,13 @@ fn without_padding_row(tensors: &mut BTreeMap<String, Tensor>, t: usize, e: usiz
         }
     }
     if let Some(positions) = tensors.get(bwd::TOKEN_POSITION_TO_ID.name) {
-        let ids = positions.as_i32().unwrap_or_default();
+        let Some(ids) = positions.as_i32() else {
+            return Err(Error::DType {
+                tensor: bwd::TOKEN_POSITION_TO_ID.name.to_owned(),
+                expected: "i32".to_owned(),
+                actual: positions.dtype(),
+            });
+        };
         let ids = ids
             .iter()
             .map(|&id| if id as usize == t { -1 } else { id })
@@ -341,6 +347,23 @@ pub fn manifest_cases(
                         entry.neff.display()
                     ),
                 })?;
+                // nki-library's default is to accumulate; storing needs one slot per token.
+                let accumulating = !matches!(
+                    entry.params.get("is_tensor_update_accumulating"),
+                    Some(Value::Bool(false))
+                );
+                if !accumulating && k != 1 {
+                    return Err(Error::Format {
+                        path: manifest.path.clone(),
+                        message: format!(
+                            "kernel entry {} ({}): is_tensor_update_accumulating = false stores \
+                             each slot's row, which needs top-k 1, but num_blocks = {n} is the \
+                             plan of top-k {k}",
+                            index + 1,
+                            entry.neff.display()
+                        ),
+                    });
+                }
                 let sizes = Sizes {
                     t,
                     h: int("h")?,
@@ -366,11 +389,7 @@ pub fn manifest_cases(
                     activation_type: activation("activation_type")?,
                     scaling_mode: scaling,
                     skip_token: Some(flag("skip_token")),
-                    // nki-library's default is to accumulate.
-                    is_tensor_update_accumulating: Some(!matches!(
-                        entry.params.get("is_tensor_update_accumulating"),
-                        Some(Value::Bool(false))
-                    )),
+                    is_tensor_update_accumulating: Some(accumulating),
                     ..Params::default()
                 };
                 (sizes, params)

@@ -420,8 +420,10 @@ pub struct Params {
     pub clamp: ClampLimits,
     /// The backward's `bias`.
     pub bias: Option<bool>,
-    /// `skip_dma`'s `skip_token` (`SkipMode`), for the blockwise kernels and `permute`.
+    /// `skip_dma`'s `skip_token` (`SkipMode`), for the blockwise kernels, `permute` and
+    /// `permute_bwd`.
     pub skip_token: Option<bool>,
+    /// The blockwise kernels' `is_tensor_update_accumulating`.
     pub is_tensor_update_accumulating: Option<bool>,
     pub expert_parallel_degree: Option<usize>,
     /// moekit's own `output_dtype`.

@@ -898,6 +898,24 @@ fn check_feeds_a_skip_token_neff_the_layout_it_declares() {
         stdout.lines().last().unwrap().starts_with("PASS"),
         "{stdout}"
     );
+    // Storing instead of adding needs one slot per token: N = 8 is top-2's plan.
+    let storing = dir.join("storing.toml");
+    std::fs::write(
+        &storing,
+        format!(
+            "[[kernel]]\nname = \"blockwise_mm\"\nneff = \"forward.neff\"\n{entry}\
+             is_tensor_update_accumulating = false\n"
+        ),
+    )
+    .unwrap();
+    run_err(
+        &check_args(storing.to_str().unwrap(), &["--cases", "1"]),
+        &[
+            "kernel entry 1",
+            "is_tensor_update_accumulating = false",
+            "needs top-k 1, but num_blocks = 8 is the plan of top-k 2",
+        ],
+    );
 }
 
 #[test]
@@ -1071,7 +1089,8 @@ fn lenient_arguments_and_endless_inputs_are_errors() {
 fn moekit_limited(args: &[&str], bytes: u64) -> Output {
     use std::os::unix::process::CommandExt;
     let mut command = Command::new(env!("CARGO_BIN_EXE_moekit"));
-    command.args(args);
+    // Each thread reserves address space (its stack, a malloc arena): few, whatever the host.
+    command.args(args).env("RAYON_NUM_THREADS", "2");
     // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
     unsafe {
         command.pre_exec(move || {

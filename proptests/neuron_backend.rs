@@ -212,13 +212,13 @@ proptest! {
         (skip_token, store) in (any::<bool>(), any::<bool>()),
     ) {
         let (activation, scaling) = (ActFnType::ALL[activation], ExpertAffinityScaleMode::ALL[scaling]);
+        let _guard = exclusive();
+        let k = k.min(e);
         // SkipMode(skip_token) and, where no token has two slots, is_tensor_update_accumulating
         // = false.
         let skip_dma = SkipMode { skip_token };
         let accumulating = !(store && k == 1);
         let rows = if skip_token { t } else { t + 1 };
-        let _guard = exclusive();
-        let k = k.min(e);
         let mut rng = SeededRng::new(seed);
         let reference = BackendKind::Reference.create();
         let x = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
@@ -336,7 +336,7 @@ proptest! {
         let bwd_entry = format!(
             "name = \"blockwise_mm_bwd\"\nt = {t}\nnum_blocks = {n}\nactivation_type = \"{activation}\"\n\
              expert_affinities_scaling_mode = \"{scaling}\"\nbias = {extras}\n{bwd_limit_keys}\
-             skip_token = {skip_token}\n"
+             skip_token = {skip_token}\nis_tensor_update_accumulating = {accumulating}\n"
         );
         let dir = workdir("blockwise");
         let backend = backend_with(
@@ -375,7 +375,7 @@ proptest! {
                 clamp,
                 bias: extras,
                 skip_dma,
-                ..BlockwiseMmBwdParams::default()
+                is_tensor_update_accumulating: accumulating,
             },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();

@@ -37,10 +37,10 @@
 //! `is_tensor_update_accumulating` false stores each slot's row of `output` instead of adding
 //! it: a token with two slots is then an error, and row T holds the last padding slot's output.
 //!
-//! Plan rules checked on every call (see [`super::plan`]): token ids in `[0, T]` (T is padding),
-//! expert ids in `[0, E)`, no (token, expert) pair twice, every non-zero affinity of a real token
-//! covered by the plan, and the padding row T of `hidden_states` and of
-//! `expert_affinities_masked` all zeros.
+//! Plan rules checked on every call (see [`super::plan`]): token ids in `[0, T)` or the padding
+//! id (T, or −1 with `skip_token`), expert ids in `[0, E)`, no (token, expert) pair twice, every
+//! non-zero affinity of a real token covered by the plan, and the padding row T of
+//! `hidden_states` and of `expert_affinities_masked`, where they have one, all zeros.
 //!
 //! Error bound (reference backend): every output, checkpoint and gradient is computed in f64
 //! from the inputs (bf16 widened exactly) and rounded once to f32 (0.5 ulp of the f64 result).
@@ -486,9 +486,9 @@ output_dtype_accessors!(BlockwiseMm, BlockwiseMmOutputs);
 /// The float inputs of a validated blockwise call, as stored (f32 or bf16).
 #[derive(Clone, Copy, Debug)]
 pub struct BlockwiseFloats<'a> {
-    /// `[T+1, H]`.
+    /// `[T+1, H]` (`[T, H]` with `skip_token`).
     pub hidden_states: Floats<'a>,
-    /// `[(T+1)·E]`.
+    /// `[(T+1)·E]` (`[T·E]` with `skip_token`).
     pub expert_affinities_masked: Floats<'a>,
     /// `[E, H, 2, I]`.
     pub gate_up_proj_weight: Floats<'a>,
@@ -546,7 +546,7 @@ fn check<'a>(
         ));
     }
     validate::non_empty(fwd::HIDDEN_STATES.name, "H (hidden size)", h)?;
-    let t = rows + 1 - least;
+    let t = if skip_dma.skip_token { rows } else { rows - 1 };
     let gu = validate::float_input(
         &fwd::GATE_UP_PROJ_WEIGHT,
         inputs.gate_up_proj_weight,
@@ -563,7 +563,8 @@ fn check<'a>(
     validate::masked_affinities(
         fwd::EXPERT_AFFINITIES_MASKED.name,
         inputs.expert_affinities_masked,
-        Some(rows * e),
+        rows * e,
+        skip_dma,
     )?;
     if let Some(bias) = inputs.gate_and_up_proj_bias {
         validate::float_input(
@@ -648,8 +649,9 @@ fn check_padding_row(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Res
 /// Outputs of `blockwise_mm`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseMmOutputs {
-    /// `[T+1, H]` in `hidden_states`' dtype, as nki-library's kernels write it: row t the token's combined expert
-    /// outputs, row T what the padding slots add (zero: their affinity is 0).
+    /// `[T+1, H]` in `hidden_states`' dtype, as nki-library's kernels write it: row t the token's
+    /// combined expert outputs, row T what the padding slots add (zero under POST_SCALE, whose
+    /// affinity there is 0). `[T, H]` with `skip_token`.
     pub output: Tensor,
     /// `[N, 2, I, B]` gate/up projections (with their biases, clamped) before the activation,
     /// in `gate_up_proj_weight`'s dtype, when checkpointing.
@@ -700,6 +702,7 @@ pub struct BlockwiseMmBwdInputs<'a> {
     /// `[N, B, H]`: the forward's `down_activations`.
     pub down_proj_act_checkpoint: &'a Tensor,
     /// `[T+1, H]`, the gradient of the forward's `output`; row T (the padding row) zero.
+    /// `[T, H]` with `skip_token`.
     pub output_hidden_states_grad: &'a Tensor,
     /// `[T, K]` i32 (ids or [`SKIP`](super::SKIP)); when given, the affinity gradient is also
     /// returned as `d_topk_affinities` (0 in skipped slots).
@@ -749,7 +752,7 @@ pub struct BlockwiseBwdFloats<'a> {
     pub gate_up_proj_act_checkpoint_t: Floats<'a>,
     /// `[N, B, H]`.
     pub down_proj_act_checkpoint: Floats<'a>,
-    /// `[T+1, H]`.
+    /// `[T+1, H]` (`[T, H]` with `skip_token`).
     pub output_hidden_states_grad: Floats<'a>,
 }
 
@@ -885,9 +888,11 @@ output_dtype_accessors!(BlockwiseMmBwd, BlockwiseMmGrads);
 /// Gradients produced by `blockwise_mm_bwd`, shaped like the inputs they belong to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockwiseMmGrads {
-    /// `[T+1, H]` in `hidden_states`' dtype; row T (the padding row) zero.
+    /// `[T+1, H]` in `hidden_states`' dtype; row T (the padding row) zero. `[T, H]` with
+    /// `skip_token`.
     pub hidden_states_grad: Tensor,
-    /// `[(T+1)·E, 1]` in the affinities' dtype; zero outside the plan's (token, expert) pairs and in row T.
+    /// `[(T+1)·E, 1]` in the affinities' dtype; zero outside the plan's (token, expert) pairs
+    /// and in row T. `[T·E, 1]` with `skip_token`.
     pub expert_affinities_masked_grad: Tensor,
     /// `[E, H, 2, I]` in the weight's dtype.
     pub gate_up_proj_weight_grad: Tensor,

@@ -123,8 +123,6 @@ impl<'a> PermuteInputs<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PermuteDims {
     pub t: usize,
-    /// Rows of `expert_affinities_masked` `[rows·E, 1]`: T+1, or T with `skip_token`.
-    pub rows: usize,
     pub k: usize,
     /// E, `num_experts`.
     pub e: usize,
@@ -132,16 +130,20 @@ pub struct PermuteDims {
     pub b: usize,
     /// N, the static block count.
     pub n: usize,
+    /// The layout the plan is for.
+    pub skip_dma: SkipMode,
 }
 
 impl PermuteDims {
     /// What a padding slot of `token_position_to_id` holds: T, or −1 with `skip_token`.
     pub fn padding_id(&self) -> i32 {
-        if self.rows > self.t {
-            self.t as i32
-        } else {
-            -1
-        }
+        // (T+1)·E fits in i32 (checked by `Permute::new`), so T does.
+        self.skip_dma.padding_id(self.t) as i32
+    }
+
+    /// Rows of `expert_affinities_masked` `[rows·E, 1]`: T+1, or T with `skip_token`.
+    pub fn rows(&self) -> usize {
+        self.skip_dma.rows(self.t)
     }
 }
 
@@ -247,11 +249,11 @@ impl<'a> Permute<'a> {
             expert_ids: ids,
             dims: PermuteDims {
                 t,
-                rows: params.skip_dma.rows(t),
                 k,
                 e,
                 b,
                 n,
+                skip_dma: params.skip_dma,
             },
             output_dtype: OutputDType::default(),
         })
@@ -396,7 +398,8 @@ impl<'a> PermuteBwd<'a> {
         validate::masked_affinities(
             bwd::EXPERT_AFFINITIES_MASKED_GRAD.name,
             inputs.expert_affinities_masked_grad,
-            Some(params.skip_dma.rows(t) * e),
+            params.skip_dma.rows(t) * e,
+            params.skip_dma,
         )?;
         Ok(Self {
             inputs,

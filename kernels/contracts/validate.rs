@@ -4,6 +4,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::SkipMode;
 use super::spec::TensorSpec;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Floats, Storage, Tensor};
@@ -247,20 +248,22 @@ pub(crate) fn zero_padding_row(name: &str, tensor: &Tensor, t: usize, width: usi
     }
 }
 
-/// Accepts an `expert_affinities_masked`-style tensor of `[(T+1)·E]` or `[(T+1)·E, 1]` (the NKI
-/// layout) and returns its length.
-pub(crate) fn masked_affinities(name: &str, tensor: &Tensor, len: Option<usize>) -> Result<usize> {
-    let flat = match *tensor.shape() {
-        [n] | [n, 1] if len.is_none_or(|l| l == n) => n,
-        _ => {
-            let expected = len.map_or_else(|| "_".to_owned(), |l| l.to_string());
-            return Err(Error::shape(
-                name,
-                format!("[(T+1)·E] = [{expected}] or [(T+1)·E, 1]"),
-                tensor.shape(),
-            ));
-        }
-    };
+/// Accepts an `expert_affinities_masked`-style tensor of `len` = `(T+1)·E` values (`T·E` with
+/// `skip_token`), `[len]` or `[len, 1]` (the NKI layout).
+pub(crate) fn masked_affinities(
+    name: &str,
+    tensor: &Tensor,
+    len: usize,
+    skip_dma: SkipMode,
+) -> Result<()> {
+    if !matches!(*tensor.shape(), [n] | [n, 1] if n == len) {
+        let rows = if skip_dma.skip_token { "T" } else { "(T+1)" };
+        return Err(Error::shape(
+            name,
+            format!("[{rows}·E] = [{len}] or [{rows}·E, 1]"),
+            tensor.shape(),
+        ));
+    }
     if tensor.dtype() == DType::I32 {
         return Err(Error::DType {
             tensor: name.to_owned(),
@@ -268,8 +271,7 @@ pub(crate) fn masked_affinities(name: &str, tensor: &Tensor, len: Option<usize>)
             actual: tensor.dtype(),
         });
     }
-    finite(name, tensor)?;
-    Ok(flat)
+    finite(name, tensor)
 }
 
 #[cfg(test)]

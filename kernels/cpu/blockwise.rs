@@ -4,9 +4,9 @@
 //! [`TASK_ROWS`] real rows each, or one block), in parallel. Each run is one pair of GEMMs over
 //! its real tokens (padding slots are skipped, never multiplied): `[m, H] · [H, 2I]`,
 //! SiLU(gate) ⊙ up fused on the result, then `[m, I] · [I, H]`, written straight into the run's
-//! rows of `down_activations [N, B, H]`; the run also writes its blocks of
-//! `gate_up_activations_T [N, 2, I, B]` and screens what it wrote for non-finite values while
-//! it is in cache. A skewed routing (one expert holding most tokens) still keeps every thread
+//! rows of `down_activations [N, B, H]` (without checkpoints, of a buffer of the routed rows
+//! only); the run also writes its blocks of `gate_up_activations_T [N, 2, I, B]` and screens
+//! what it wrote for non-finite values while it is in cache. A skewed routing (one expert holding most tokens) still keeps every thread
 //! busy, because a crowded expert spans several runs.
 //!
 //! The backward groups each expert's real slots; its row-wise stage runs in pieces of
@@ -545,6 +545,11 @@ fn run_forward<G: Element, D: Element>(
         down_rounded,
         gate_up_t,
     } = out;
+    // The checkpoints are per slot: only the slot layout of `down` goes with them.
+    assert!(
+        layout == DownLayout::Slots || (down_rounded.is_none() && gate_up_t.is_none()),
+        "checkpoints need the slot layout of down"
+    );
     let finite = run_products::<G, D>(call, run, padding, layout, (down, gate_up_t), scratch);
     match down_rounded {
         // SAFETY: `run_products` wrote the run's rows of `down` whole.
@@ -770,8 +775,8 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
         && padding
             .as_ref()
             .is_none_or(|p| all_fit::<G>(&p.gate_up) && all_fit::<D>(&p.down));
-    // SAFETY: the runs cover every block, and each run wrote its blocks of every buffer it was
-    // given whole; the buffers it was not given are empty.
+    // SAFETY: the runs cover every block (and, packed, every routed row), and each run wrote
+    // its part of every buffer it was given whole; the buffers it was not given are empty.
     let (down, down_rounded, gate_up_t) = unsafe {
         (
             assume_init(down),

@@ -10,9 +10,8 @@ use crate::tensor::{Tensor, try_filled as filled};
 pub(super) fn forward(call: &Permute<'_>) -> Result<PermuteOutputs> {
     let inputs = call.inputs();
     let dims = call.dims();
-    let PermuteDims {
-        rows, k, e, b, n, ..
-    } = dims;
+    let PermuteDims { k, e, b, n, .. } = dims;
+    let rows = dims.rows();
     let ids = call.expert_ids();
     let affinities = inputs.topk_affinities.f32_values();
 

@@ -135,6 +135,8 @@ pub struct ExpertOptions {
     pub act_fn: ActFnType,
     pub scaling: ExpertAffinityScaleMode,
     pub clamp: ClampLimits,
+    /// The forward's only: the backward's gradient rows come from real slots, one per token
+    /// where the forward stores.
     pub accumulating: bool,
 }
 

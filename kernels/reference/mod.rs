@@ -219,7 +219,8 @@ impl Backend for ReferenceBackend {
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
         let (inputs, dims) = (call.inputs(), call.dims());
-        let PermuteDims { rows, e, b, n, .. } = dims;
+        let PermuteDims { e, b, n, .. } = dims;
+        let rows = dims.rows();
         let plan = permute::permute(
             call.expert_ids(),
             &inputs.topk_affinities.to_f64_vec(),
@@ -329,9 +330,7 @@ impl Backend for ReferenceBackend {
                 act_fn: call.params().activation_type,
                 scaling: call.params().expert_affinities_scaling_mode,
                 clamp: call.params().clamp,
-                // Only real slots have gradients, and without accumulation each token has one
-                // slot (checked), so adding is storing.
-                accumulating: true,
+                ..blockwise::ExpertOptions::default()
             },
         )?;
         let bias = call.params().bias;

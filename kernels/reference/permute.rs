@@ -27,14 +27,8 @@ pub fn permute(
     topk_affinities: &[f64],
     dims: PermuteDims,
 ) -> Result<BlockPlan> {
-    let PermuteDims {
-        t,
-        rows,
-        k,
-        e,
-        b,
-        n,
-    } = dims;
+    let PermuteDims { t, k, e, b, n, .. } = dims;
+    let rows = dims.rows();
     let mut masked = filled(&output(&pm::EXPERT_AFFINITIES_MASKED), &[rows * e], 0.0)?;
     for (pair, (&id, &a)) in expert_index.iter().zip(topk_affinities).enumerate() {
         if id != SKIP {

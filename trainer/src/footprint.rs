@@ -12,6 +12,7 @@
 //! lie 5–23% below the estimate, which leaves out only libtorch's own ~120 MB.
 
 use anyhow::{Result, ensure};
+use moekit::BackendKind;
 
 use crate::config::{JobConfig, ParamDtype};
 use crate::model::ModelConfig;
@@ -20,6 +21,8 @@ use crate::model::ModelConfig;
 const F32: u128 = 4;
 /// Bytes of an i32.
 const I32: u128 = 4;
+/// Bytes of an f64.
+const F64: u128 = 8;
 
 /// A step's peak host memory, by what holds it (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,15 +162,17 @@ impl StepFootprint {
 /// autograd takes beyond the loaded model, where each tensor is freed once the next is made:
 /// the residual stream and its norm, the largest working set of a block (attention's
 /// projections, RoPE'd and repeated heads and output; the experts' K copies of each token with
-/// the router's f32 values, and with moekit's kernels (`block_size` `Some`) the i32 slot ids of
-/// one layer's E blocks of padding, which without checkpoints hold no expert rows; the dense
-/// MLP's gate, up and product), and the `[tokens, vocab_size]`
-/// logits with their log-softmax, plus with `output` the logits' copies for the file.
+/// the router's f32 values, and with moekit's kernels (`kernels`: the backend and the block
+/// size) one layer's E blocks of padding, each slot an i32 id on `cpu` (which without
+/// checkpoints keeps only the routed rows) and also its f64 expert outputs and gate/up values on
+/// `reference` (which keeps every slot's); the dense MLP's gate, up and product), and the
+/// `[tokens, vocab_size]` logits with their log-softmax, plus with `output` the logits' copies
+/// for the file.
 pub fn evaluation_bytes(
     model: &ModelConfig,
     tokens: u128,
     output: bool,
-    block_size: Option<usize>,
+    kernels: Option<(BackendKind, usize)>,
 ) -> u128 {
     let h = model.hidden_size as u128;
     let q = model.num_attention_heads as u128 * model.head_dim as u128;
@@ -188,8 +193,14 @@ pub fn evaluation_bytes(
     let per_token = 3 * h * F32
         + attention.max(moe).max(dense)
         + logits_copies * model.vocab_size as u128 * F32;
-    let padding = match block_size {
-        Some(b) if layers.moe_layers > 0 => model.num_experts as u128 * b as u128 * I32,
+    let padding = match kernels {
+        Some((backend, b)) if layers.moe_layers > 0 => {
+            let slot = match backend {
+                BackendKind::Reference => I32 + (h + 2 * model.moe_intermediate_size as u128) * F64,
+                _ => I32,
+            };
+            model.num_experts as u128 * b as u128 * slot
+        }
         _ => 0,
     };
     tokens.saturating_mul(per_token).saturating_add(padding)

@@ -220,7 +220,7 @@ fn run_eval(options: Options) -> Result<()> {
             loaded.model.config(),
             tokens,
             output.is_some(),
-            moe.kernel_backend().map(|_| block_size),
+            moe.kernel_backend().map(|backend| (backend, block_size)),
         ),
         || {
             format!(
