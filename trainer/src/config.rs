@@ -200,6 +200,20 @@ pub struct Data {
     /// Text files to train on; empty trains on the built-in corpus.
     #[serde(default)]
     pub files: Vec<PathBuf>,
+    /// Held-out text files, the validation split (never trained on).
+    #[serde(default)]
+    pub validation_files: Vec<PathBuf>,
+    /// Or the share of the training text's `seq_len` windows held out as the validation split
+    /// (its tail), in [0, 1); 0 without `validation_files`: no validation.
+    #[serde(default)]
+    pub validation_fraction: f64,
+}
+
+impl Data {
+    /// Whether a validation split is configured.
+    pub fn has_validation(&self) -> bool {
+        !self.validation_files.is_empty() || self.validation_fraction > 0.0
+    }
 }
 
 fn default_tokenizer() -> String {
@@ -245,10 +259,33 @@ pub struct Metrics {
     /// Print a progress line every `log_freq` steps (and at the last step).
     #[serde(default = "default_log_freq")]
     pub log_freq: usize,
+    /// With a validation split: steps between evaluations of the validation loss (and the last
+    /// step); 0 evaluates every `log_freq` steps.
+    #[serde(default)]
+    pub eval_interval: usize,
+    /// Global batches of the validation split each evaluation averages over: its first ones,
+    /// the same every time.
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: usize,
 }
 
 fn default_log_freq() -> usize {
     10
+}
+
+fn default_eval_batches() -> usize {
+    4
+}
+
+impl Metrics {
+    /// Whether the validation loss is evaluated after step `step` of `steps`.
+    pub fn evaluates_at(&self, step: usize, steps: usize) -> bool {
+        let interval = match self.eval_interval {
+            0 => self.log_freq,
+            n => n,
+        };
+        step.is_multiple_of(interval) || step == steps
+    }
 }
 
 const SECTIONS: &[&str] = &[
@@ -342,7 +379,7 @@ impl JobConfig {
         let checkpoint: Checkpoint = section("checkpoint", take("checkpoint")?)?;
         let mut data: Data = section("data", take("data")?)?;
         let metrics: Metrics = section("metrics", take("metrics")?)?;
-        for file in &mut data.files {
+        for file in data.files.iter_mut().chain(&mut data.validation_files) {
             if file.is_relative() {
                 *file = base.join(&*file);
             }
@@ -444,6 +481,7 @@ impl JobConfig {
                 training.gradient_accumulation_steps,
             ),
             ("metrics.log_freq", metrics.log_freq),
+            ("metrics.eval_batches", metrics.eval_batches),
             ("checkpoint.interval", self.checkpoint.interval),
         ] {
             ensure!(value > 0, "{name} must be at least 1, got {value}");
@@ -539,6 +577,24 @@ impl JobConfig {
                 file.display()
             );
         }
+        for file in &data.validation_files {
+            ensure!(
+                file.is_file(),
+                "data.validation_files: {} does not exist or is not a file",
+                file.display()
+            );
+        }
+        ensure!(
+            data.validation_fraction.is_finite() && (0.0..1.0).contains(&data.validation_fraction),
+            "data.validation_fraction must be in [0, 1), got {}",
+            data.validation_fraction
+        );
+        ensure!(
+            data.validation_files.is_empty() || data.validation_fraction == 0.0,
+            "data.validation_files and data.validation_fraction = {} both name a validation \
+             split: give one",
+            data.validation_fraction
+        );
         Ok(())
     }
 }

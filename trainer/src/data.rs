@@ -249,6 +249,41 @@ impl Batches {
     }
 }
 
+/// Holds out the tail of `tokens` as a validation split: the last `ceil(fraction · windows)`
+/// of its `seq_len` windows (at least one), returned second; the rest, whose windows are the
+/// others, first. The two never share a window.
+pub fn hold_out_tail(mut tokens: Vec<i64>, seq_len: usize, fraction: f64) -> (Vec<i64>, Vec<i64>) {
+    let windows = tokens.len() / seq_len.max(1);
+    let held_out = ((fraction * windows as f64).ceil() as usize).clamp(1, windows.max(1));
+    let cut = (windows.saturating_sub(held_out) * seq_len).min(tokens.len());
+    let validation = tokens.split_off(cut);
+    (tokens, validation)
+}
+
+/// The validation split as fixed `[batch_size, seq_len]` batches: the first `count` batches
+/// of its windows in order (fewer when the split is shorter), so every evaluation, a resumed
+/// run's included, sees the same ones. At least one batch is required.
+pub fn validation_batches(
+    tokens: &[i64],
+    seq_len: usize,
+    batch_size: usize,
+    count: usize,
+) -> Result<Vec<Tensor>> {
+    let windows = tokens.len() / seq_len.max(1);
+    ensure!(
+        windows >= batch_size,
+        "the validation text has {} tokens: {windows} windows of seq_len {seq_len}, fewer than \
+         one batch of {batch_size}",
+        tokens.len()
+    );
+    let batch_tokens = batch_size * seq_len;
+    Ok(tokens
+        .chunks_exact(batch_tokens)
+        .take(count)
+        .map(|batch| Tensor::from_slice(batch).view([batch_size as i64, seq_len as i64]))
+        .collect())
+}
+
 /// SplitMix64: a small, fast, seedable generator for data order.
 struct SplitMix64(u64);
 
@@ -274,5 +309,58 @@ impl SplitMix64 {
                 return x % n;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Distinct token ids: a window's tokens name the window.
+    fn distinct(n: usize) -> Vec<i64> {
+        (0..n as i64).collect()
+    }
+
+    #[test]
+    fn the_held_out_tail_never_reaches_a_training_batch() {
+        for (tokens, seq_len, fraction, held_out) in [
+            (1000, 10, 0.1, 10),
+            (1005, 10, 0.1, 10),
+            (1000, 10, 0.001, 1),
+            (1000, 10, 0.95, 95),
+        ] {
+            let (training, validation) = hold_out_tail(distinct(tokens), seq_len, fraction);
+            assert_eq!(validation.len() / seq_len, held_out, "{tokens} {fraction}");
+            assert_eq!(training.len() + validation.len(), tokens);
+            // Two epochs of shuffled training batches see no validation token.
+            let mut batches = Batches::new(training, seq_len, 2, 7).unwrap();
+            let windows = (tokens / seq_len - held_out) / 2;
+            for _ in 0..2 * windows {
+                let batch = Vec::<i64>::try_from(batches.next_batch().flatten(0, 1)).unwrap();
+                assert!(batch.iter().all(|t| !validation.contains(t)));
+            }
+        }
+    }
+
+    #[test]
+    fn validation_batches_are_the_first_windows_in_order() {
+        let tokens = distinct(95);
+        let batches = validation_batches(&tokens, 10, 2, 3).unwrap();
+        assert_eq!(batches.len(), 3);
+        for (i, batch) in batches.iter().enumerate() {
+            assert_eq!(batch.size(), [2, 10]);
+            let values = Vec::<i64>::try_from(batch.flatten(0, 1)).unwrap();
+            assert_eq!(
+                values,
+                (20 * i as i64..20 * (i as i64 + 1)).collect::<Vec<_>>()
+            );
+        }
+        // Fewer batches when the split is shorter; none is an error.
+        assert_eq!(validation_batches(&tokens, 10, 2, 100).unwrap().len(), 4);
+        let err = validation_batches(&tokens[..15], 10, 2, 1).unwrap_err();
+        assert!(
+            err.to_string().contains("fewer than one batch of 2"),
+            "{err}"
+        );
     }
 }

@@ -80,13 +80,28 @@ fn draw_png(
     result.with_context(|| format!("cannot draw {}", path.display()))
 }
 
-/// The loss curve: cross-entropy and auxiliary loss per step (`(step, loss, aux_loss)`).
-pub fn loss_curve(path: &Path, points: &[(usize, f64, f64)]) -> Result<()> {
+/// One step's losses in `metrics.jsonl`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossPoint {
+    pub step: usize,
+    pub loss: f64,
+    pub aux_loss: f64,
+    /// Where the validation loss was evaluated.
+    pub val_loss: Option<f64>,
+}
+
+/// The loss curve: training cross-entropy per step, the validation loss where it was
+/// evaluated, and with `aux` (a model with MoE layers) the auxiliary loss.
+pub fn loss_curve(path: &Path, points: &[LossPoint], aux: bool) -> Result<()> {
     if points.is_empty() {
         bail!("no steps to plot");
     }
-    let last = points.last().map_or(1, |p| p.0).max(2) as f64;
-    let high = points.iter().flat_map(|p| [p.1, p.2]).fold(0f64, f64::max) * 1.05;
+    let last = points.last().map_or(1, |p| p.step).max(2) as f64;
+    let high = points
+        .iter()
+        .flat_map(|p| [p.loss, p.aux_loss, p.val_loss.unwrap_or(0.0)])
+        .fold(0f64, f64::max)
+        * 1.05;
     draw_png(path, (900, 520), |root| {
         let mut chart = ChartBuilder::on(&root)
             .caption("Training loss", ("sans-serif", 24))
@@ -102,16 +117,23 @@ pub fn loss_curve(path: &Path, points: &[(usize, f64, f64)]) -> Result<()> {
             .y_desc("loss (nats per token)")
             .draw()
             .map_err(|e| anyhow!("{e}"))?;
-        for (label, color, pick) in [
-            ("cross-entropy", BLUE, 1usize),
-            ("auxiliary (load balancing)", RED, 2),
-        ] {
-            let series = points.iter().map(|p| {
-                let y = if pick == 1 { p.1 } else { p.2 };
-                (p.0 as f64, y)
-            });
+        /// A curve's value at a point, where it has one.
+        type Value = fn(&LossPoint) -> Option<f64>;
+        let series: [(&str, RGBColor, bool, Value); 3] = [
+            ("training cross-entropy", BLUE, true, |p| Some(p.loss)),
+            ("validation cross-entropy", GREEN, true, |p| p.val_loss),
+            ("auxiliary (load balancing)", RED, aux, |p| Some(p.aux_loss)),
+        ];
+        for (label, color, shown, value) in series {
+            let values: Vec<(f64, f64)> = points
+                .iter()
+                .filter_map(|p| value(p).map(|y| (p.step as f64, y)))
+                .collect();
+            if !shown || values.is_empty() {
+                continue;
+            }
             chart
-                .draw_series(LineSeries::new(series, color.stroke_width(2)))
+                .draw_series(LineSeries::new(values, color.stroke_width(2)))
                 .map_err(|e| anyhow!("{e}"))?
                 .label(label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));

@@ -19,7 +19,7 @@ use crate::checkpoint::{
     select_checkpoint, set_aside_damaged, staging_folder, step_folder, write_training_shard,
 };
 use crate::config::JobConfig;
-use crate::data::{Batches, Source, TextTokenizer};
+use crate::data::{Batches, Source, TextTokenizer, hold_out_tail, validation_batches};
 use crate::footprint::{StepFootprint, ensure_fits_in_host_memory, held_parameters};
 use crate::model::{ExpertShard, ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
@@ -43,6 +43,10 @@ pub struct StepMetrics {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub tokens_per_second: f64,
+    /// The validation loss after this step, where it is evaluated
+    /// ([`Trainer::validation_loss`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
     /// With expert parallelism: the share of the step's wall time this rank spent in
     /// dispatch and combine (forward and backward, waiting for other ranks included).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -106,36 +110,66 @@ fn check_memory(config: &JobConfig, ranks: usize) -> Result<()> {
     })
 }
 
-/// The tokenized training data in batches of `ranks × training.batch_size` sequences.
-fn load_batches(config: &JobConfig, ranks: usize) -> Result<Batches> {
-    let source = if config.data.files.is_empty() {
+/// The training data.
+struct Data {
+    /// Global micro-batches of `ranks × training.batch_size` sequences, shuffled.
+    batches: Batches,
+    /// The validation split's fixed global batches of the same shape; empty without one.
+    validation: Vec<Tensor>,
+}
+
+/// The tokenized training data and, when configured, its validation split.
+fn load_data(config: &JobConfig, ranks: usize) -> Result<Data> {
+    let data = &config.data;
+    let source = if data.files.is_empty() {
         Source::Builtin(BUILTIN_CORPUS_BYTES)
     } else {
-        Source::Files(config.data.files.clone())
+        Source::Files(data.files.clone())
     };
-    let tokenizer = TextTokenizer::load(&config.data.tokenizer)?;
+    let tokenizer = TextTokenizer::load(&data.tokenizer)?;
     ensure!(
         tokenizer.vocab_size() <= config.model.vocab_size,
         "data.tokenizer {} has {} tokens, more than model.vocab_size {}",
-        config.data.tokenizer,
+        data.tokenizer,
         tokenizer.vocab_size(),
         config.model.vocab_size
     );
-    let tokens = source.tokens(&tokenizer)?;
-    if let Some(&max) = tokens.iter().max() {
-        ensure!(
-            (max as usize) < config.model.vocab_size,
-            "data.tokenizer {} produced token id {max}, outside model.vocab_size {}",
-            config.data.tokenizer,
-            config.model.vocab_size
-        );
-    }
-    Batches::new(
-        tokens,
-        config.training.seq_len,
-        config.training.batch_size * ranks,
-        config.job.seed,
-    )
+    let tokenize = |source: &Source| -> Result<Vec<i64>> {
+        let tokens = source.tokens(&tokenizer)?;
+        if let Some(&max) = tokens.iter().max() {
+            ensure!(
+                (max as usize) < config.model.vocab_size,
+                "data.tokenizer {} produced token id {max}, outside model.vocab_size {}",
+                data.tokenizer,
+                config.model.vocab_size
+            );
+        }
+        Ok(tokens)
+    };
+    let (seq_len, batch_size) = (config.training.seq_len, config.training.batch_size * ranks);
+    let mut tokens = tokenize(&source)?;
+    let validation = if !data.validation_files.is_empty() {
+        tokenize(&Source::Files(data.validation_files.clone()))?
+    } else if data.validation_fraction > 0.0 {
+        let (training, held_out) = hold_out_tail(tokens, seq_len, data.validation_fraction);
+        tokens = training;
+        held_out
+    } else {
+        Vec::new()
+    };
+    let validation = match data.has_validation() {
+        true => validation_batches(
+            &validation,
+            seq_len,
+            batch_size,
+            config.metrics.eval_batches,
+        )?,
+        false => Vec::new(),
+    };
+    Ok(Data {
+        batches: Batches::new(tokens, seq_len, batch_size, config.job.seed)?,
+        validation,
+    })
 }
 
 /// A model, its optimizer, its data and its MoE implementation, ready to take steps.
@@ -151,6 +185,8 @@ pub struct Trainer {
     experts: Box<dyn Experts>,
     optimizer: AdamW,
     batches: Batches,
+    /// The validation split's fixed global batches (see [`Data`]).
+    validation: Vec<Tensor>,
     step: usize,
 }
 
@@ -200,10 +236,13 @@ impl Trainer {
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
         // Every rank draws the same global batches of R × batch_size sequences and trains on
         // its own slice of each. A rank that cannot read the data stops every rank.
-        let batches = load_batches(config, shard.ranks);
-        let batches = match &group {
-            Some(group) => group.all_ok(batches)?,
-            None => batches?,
+        let data = load_data(config, shard.ranks);
+        let Data {
+            batches,
+            validation,
+        } = match &group {
+            Some(group) => group.all_ok(data)?,
+            None => data?,
         };
         let mut trainer = Self {
             config: config.clone(),
@@ -214,6 +253,7 @@ impl Trainer {
             experts,
             optimizer,
             batches,
+            validation,
             step: 0,
         };
         let selection = match config.checkpoint.enable {
@@ -290,12 +330,42 @@ impl Trainer {
     /// This rank's sequences of the next global micro-batch `[batch_size, seq_len]`.
     fn next_batch(&mut self) -> Tensor {
         let batch = self.batches.next_batch();
+        self.rank_slice(&batch)
+    }
+
+    /// This rank's `[batch_size, seq_len]` sequences of a global batch, on the device.
+    fn rank_slice(&self, batch: &Tensor) -> Tensor {
         let rows = self.config.training.batch_size as i64;
         let batch = match &self.group {
             Some(group) => batch.narrow(0, group.rank() as i64 * rows, rows),
-            None => batch,
+            None => batch.shallow_clone(),
         };
         batch.to_device(self.device)
+    }
+
+    /// The mean next-token cross-entropy over the validation split's fixed batches (every
+    /// rank's slice, averaged over the ranks), without gradients; `None` without a split.
+    pub fn validation_loss(&self) -> Result<Option<f64>> {
+        if self.validation.is_empty() {
+            return Ok(None);
+        }
+        let mut sum = 0.0;
+        for batch in &self.validation {
+            let input_ids = self.rank_slice(batch);
+            sum += tch::no_grad(|| -> Result<f64> {
+                let mut tape = Tape::new(false);
+                let out = self
+                    .model
+                    .forward(&input_ids, self.experts.as_ref(), &mut tape)?;
+                Ok(causal_lm_loss(&out.logits, &input_ids).double_value(&[]))
+            })?;
+        }
+        let mean = self.mean_over_ranks(&[sum / self.validation.len() as f64])?[0];
+        ensure!(
+            mean.is_finite(),
+            "the validation loss is not finite ({mean})"
+        );
+        Ok(Some(mean))
     }
 
     /// `values` averaged over the ranks (the values themselves on a single process).
@@ -543,6 +613,7 @@ impl Trainer {
             lr,
             grad_norm,
             tokens_per_second: tokens / elapsed,
+            val_loss: None,
             exchange_share: self
                 .experts
                 .take_exchange_time()
@@ -631,7 +702,10 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
     // Each MoE layer's assignments per expert, summed over the steps this process takes.
     let mut load = vec![vec![0.0; config.model.num_experts]; config.model.moe_layer_count()];
     for step in resumed + 1..=total {
-        let metrics = trainer.step()?;
+        let mut metrics = trainer.step()?;
+        if config.metrics.evaluates_at(step, total) {
+            metrics.val_loss = trainer.validation_loss()?;
+        }
         serde_json::to_writer(&mut metrics_file, &metrics)?;
         writeln!(metrics_file)?;
         if step % config.metrics.log_freq == 0 || step == total {
@@ -646,8 +720,11 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
                 ModelName::Qwen3Moe => format!("  aux {:.4}", metrics.aux_loss),
                 ModelName::Qwen3 => String::new(),
             };
+            let val = metrics
+                .val_loss
+                .map_or_else(String::new, |loss| format!("  val {loss:.4}"));
             println!(
-                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}{aux}  lr {:.2e}  {:.0} tok/s{exchange}  eta {eta:.0}s",
+                "[{bar:<20}] step {step:>5}/{total}  loss {:.4}{val}{aux}  lr {:.2e}  {:.0} tok/s{exchange}  eta {eta:.0}s",
                 metrics.loss,
                 metrics.lr,
                 metrics.tokens_per_second,
@@ -708,12 +785,17 @@ fn plot(config: &JobConfig, metrics_path: &Path, load: Option<&[Vec<f64>]>) -> R
         .map(|line| {
             let m: serde_json::Value = serde_json::from_str(line)?;
             let field = |k: &str| m[k].as_f64().with_context(|| format!("no `{k}` in {line}"));
-            Ok((field("step")? as usize, field("loss")?, field("aux_loss")?))
+            Ok(plots::LossPoint {
+                step: field("step")? as usize,
+                loss: field("loss")?,
+                aux_loss: field("aux_loss")?,
+                val_loss: m["val_loss"].as_f64(),
+            })
         })
         .collect::<Result<Vec<_>>>()?;
     let folder = &config.job.dump_folder;
     let loss_png = folder.join("loss.png");
-    plots::loss_curve(&loss_png, &points)?;
+    plots::loss_curve(&loss_png, &points, config.model.moe_layer_count() > 0)?;
     let layers = config.model.moe_layers();
     let load_png = folder.join("expert_load.png");
     if let Some(load) = load.filter(|_| !layers.is_empty()) {

@@ -181,6 +181,22 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
     // Steps 11-16 are not logged twice and the torn line is gone; 11-20 equal the
     // uninterrupted run's.
     assert_eq!(losses(&metrics(&b)), whole, "steps 1-20 after resuming");
+    // The resumed run evaluates the same validation batches: the same validation loss.
+    let validation = |dump: &Path| -> Vec<(u64, f64)> {
+        metrics(dump)
+            .iter()
+            .filter_map(|m| Some((m["step"].as_u64()?, m["val_loss"].as_f64()?)))
+            .collect()
+    };
+    assert!(
+        !validation(&a).is_empty(),
+        "the debug config holds out a validation split"
+    );
+    assert_eq!(
+        validation(&b),
+        validation(&a),
+        "validation losses after resuming"
+    );
 
     // The resumed run's final checkpoint holds the same parameters as the uninterrupted one.
     let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();

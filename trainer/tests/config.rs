@@ -238,6 +238,36 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             "{pairs:?}: `{message}` lacks `{expected}`"
         );
     }
+    let validation: &[(&[(&str, &str)], &str)] = &[
+        (
+            &[("data.validation_fraction", "1.0")],
+            "data.validation_fraction must be in [0, 1), got 1",
+        ),
+        (
+            &[("data.validation_fraction", "nan")],
+            "data.validation_fraction must be in [0, 1), got NaN",
+        ),
+        (
+            &[("data.validation_files", "[\"no/such/held_out.txt\"]")],
+            "data.validation_files: ",
+        ),
+        (
+            &[("metrics.eval_batches", "0")],
+            "metrics.eval_batches must be at least 1",
+        ),
+        // The debug config holds out a fraction already.
+        (
+            &[("data.validation_files", "[\"qwen3_moe_small.toml\"]")],
+            "data.validation_files and data.validation_fraction = 0.1 both name a validation split",
+        ),
+    ];
+    for (pairs, expected) in validation {
+        let message = load_error(debug, pairs);
+        assert!(
+            message.contains(expected),
+            "{pairs:?}: `{message}` lacks `{expected}`"
+        );
+    }
     // The dense Qwen3 has no experts: their keys are errors, not silently ignored.
     let dense: &[(&[(&str, &str)], &str)] = &[
         (

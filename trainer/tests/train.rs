@@ -65,6 +65,18 @@ fn the_debug_config_learns_the_builtin_corpus() {
     );
     let last = loss[190..].iter().sum::<f64>() / 10.0;
     assert!(last < 1.0, "mean loss of the last 10 steps is {last}");
+    // The held-out tenth of the corpus, evaluated every log_freq = 20 steps, falls too.
+    let validated: Vec<(usize, f64)> = metrics
+        .iter()
+        .filter_map(|m| Some((m["step"].as_u64()? as usize, m["val_loss"].as_f64()?)))
+        .collect();
+    let steps: Vec<usize> = validated.iter().map(|&(step, _)| step).collect();
+    assert_eq!(steps, (1..=10).map(|i| 20 * i).collect::<Vec<_>>());
+    let (first_val, last_val) = (validated[0].1, validated[9].1);
+    assert!(
+        last_val < 1.0 && last_val < first_val,
+        "validation loss {first_val} at step 20, {last_val} at step 200"
+    );
     let load = &metrics[199]["expert_load"];
     assert_eq!(load.as_array().unwrap().len(), 2, "one entry per MoE layer");
     let total: f64 = ["min", "max"]
