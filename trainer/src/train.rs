@@ -43,7 +43,7 @@ pub struct StepMetrics {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub tokens_per_second: f64,
-    /// The validation loss after this step, where it is evaluated
+    /// The validation loss after this step, where `[metrics]` evaluates it
     /// ([`Trainer::validation_loss`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
@@ -527,12 +527,24 @@ impl Trainer {
         self.optimizer.params()
     }
 
-    /// One optimizer step over `gradient_accumulation_steps` micro-batches. A non-finite loss,
-    /// activation or gradient is an error and leaves the parameters untouched.
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches, then the validation
+    /// loss where `[metrics]` asks for it. A non-finite loss, activation or gradient is an error
+    /// and leaves the parameters untouched.
     pub fn step(&mut self) -> Result<StepMetrics> {
         self.step += 1;
         let step = self.step;
-        self.try_step().with_context(|| format!("step {step}"))
+        let mut metrics = self.try_step().with_context(|| format!("step {step}"))?;
+        // Every rank evaluates at the same steps: the forward's exchanges are collectives.
+        if self
+            .config
+            .metrics
+            .evaluates_at(step, self.config.training.steps)
+        {
+            metrics.val_loss = self
+                .validation_loss()
+                .with_context(|| format!("validation after step {step}"))?;
+        }
+        Ok(metrics)
     }
 
     fn try_step(&mut self) -> Result<StepMetrics> {
@@ -702,10 +714,7 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
     // Each MoE layer's assignments per expert, summed over the steps this process takes.
     let mut load = vec![vec![0.0; config.model.num_experts]; config.model.moe_layer_count()];
     for step in resumed + 1..=total {
-        let mut metrics = trainer.step()?;
-        if config.metrics.evaluates_at(step, total) {
-            metrics.val_loss = trainer.validation_loss()?;
-        }
+        let metrics = trainer.step()?;
         serde_json::to_writer(&mut metrics_file, &metrics)?;
         writeln!(metrics_file)?;
         if step % config.metrics.log_freq == 0 || step == total {
