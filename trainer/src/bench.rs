@@ -72,6 +72,9 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
             let mut config = config.clone();
             config.kernels.moe = moe;
             config.checkpoint.enable = false;
+            // Steps only: no validation forwards inside the timed steps.
+            config.data.validation_files.clear();
+            config.data.validation_fraction = 0.0;
             config.training.steps = total;
             config.lr_scheduler.warmup_steps = config.lr_scheduler.warmup_steps.min(total);
             Trainer::new(&config, None)

@@ -360,6 +360,8 @@ impl Trainer {
                 Ok(causal_lm_loss(&out.logits, &input_ids).double_value(&[]))
             })?;
         }
+        // The exchanges of these forwards are not the next step's.
+        self.experts.take_exchange_time();
         let mean = self.mean_over_ranks(&[sum / self.validation.len() as f64])?[0];
         ensure!(
             mean.is_finite(),
@@ -423,14 +425,6 @@ impl Trainer {
             state.dtype,
             training.dtype
         );
-        let (tokens, hash) = self.batches.fingerprint();
-        ensure!(
-            (state.data_tokens, state.data_hash) == (tokens, hash),
-            "the checkpoint was trained on other data ({} tokens, hash {:016x}; now {tokens} \
-             tokens, hash {hash:016x}): check data.files and data.tokenizer",
-            state.data_tokens,
-            state.data_hash
-        );
         for (what, saved, now) in [
             ("job.seed", state.data_seed, self.config.job.seed),
             (
@@ -454,6 +448,16 @@ impl Trainer {
                 "the checkpoint was trained with {what} = {saved}, the config says {now}"
             );
         }
+        // After the shapes: the held-out split is cut in seq_len windows.
+        let (tokens, hash) = self.batches.fingerprint();
+        ensure!(
+            (state.data_tokens, state.data_hash) == (tokens, hash),
+            "the checkpoint was trained on other data ({} tokens, hash {:016x}; now {tokens} \
+             tokens, hash {hash:016x}): check data.files, data.tokenizer and the validation \
+             split (data.validation_fraction, data.validation_files)",
+            state.data_tokens,
+            state.data_hash
+        );
         assign_params(self.params(), &checkpoint.params, dir)?;
         assign_params(&self.model.expert_biases(), &checkpoint.params, dir)?;
         self.optimizer

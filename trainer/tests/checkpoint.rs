@@ -413,7 +413,8 @@ fn corrupt_and_mismatched_checkpoints_are_errors_that_change_nothing() {
         "training.dtype = Float32, the config says Bfloat16",
     );
     let text = dir.join("other.txt");
-    std::fs::write(&text, "other training text. ".repeat(400)).unwrap();
+    // Long enough for the tenth the debug config holds out to fill a validation batch.
+    std::fs::write(&text, "other training text. ".repeat(4000)).unwrap();
     fail(
         &train_args(
             dump,
