@@ -685,14 +685,16 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
     };
     let call = BlockwiseMm::new(inputs, clamped).unwrap();
     let entry = "[[kernel]]\nname = \"blockwise_mm\"\nneff = \"clamped.neff\"\n";
-    let run = |manifest: &str, text: String| {
+    // The error of `call` on a backend whose manifest `manifest` holds `text`.
+    let run_call = |call: &BlockwiseMm<'_>, manifest: &str, text: String| {
         std::fs::write(dir.join(manifest), text).unwrap();
         let backend = NeuronBackend::new(NeuronConfig {
             library: Some(PathBuf::from(FAKE)),
             manifest: dir.join(manifest),
         });
-        backend.blockwise_mm(&call).unwrap_err().to_string()
+        backend.blockwise_mm(call).unwrap_err().to_string()
     };
+    let run = |manifest: &str, text: String| run_call(&call, manifest, text);
     let err = run("unclamped.toml", entry.to_owned());
     assert!(
         err.contains("no NEFF for blockwise_mm") && err.contains("gate_clamp_upper_limit=1.5"),
@@ -737,14 +739,7 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         },
     )
     .unwrap();
-    let run_skipping = |manifest: &str, text: String| {
-        std::fs::write(dir.join(manifest), text).unwrap();
-        let backend = NeuronBackend::new(NeuronConfig {
-            library: Some(PathBuf::from(FAKE)),
-            manifest: dir.join(manifest),
-        });
-        backend.blockwise_mm(&skipping).unwrap_err().to_string()
-    };
+    let run_skipping = |manifest: &str, text: String| run_call(&skipping, manifest, text);
     let err = run_skipping("padded.toml", entry.to_owned());
     assert!(
         err.contains("no NEFF for blockwise_mm")

@@ -30,6 +30,18 @@ fn load_error(name: &str, pairs: &[(&str, &str)]) -> String {
 }
 
 /// A scratch folder unique to this test.
+/// Each `(overrides, expected)` of `cases` fails to load `name` with a message containing
+/// `expected`.
+fn assert_load_errors(name: &str, cases: &[(&[(&str, &str)], &str)]) {
+    for (pairs, expected) in cases {
+        let message = load_error(name, pairs);
+        assert!(
+            message.contains(expected),
+            "{pairs:?}: `{message}` lacks `{expected}`"
+        );
+    }
+}
+
 fn scratch(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("moekit-config-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -231,13 +243,7 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             "no/such/dir is not a Hugging Face model directory",
         ),
     ];
-    for (pairs, expected) in cases {
-        let message = load_error(debug, pairs);
-        assert!(
-            message.contains(expected),
-            "{pairs:?}: `{message}` lacks `{expected}`"
-        );
-    }
+    assert_load_errors(debug, cases);
     let validation: &[(&[(&str, &str)], &str)] = &[
         (
             &[("data.validation_fraction", "1.0")],
@@ -261,13 +267,7 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             "data.validation_files and data.validation_fraction = 0.1 both name a validation split",
         ),
     ];
-    for (pairs, expected) in validation {
-        let message = load_error(debug, pairs);
-        assert!(
-            message.contains(expected),
-            "{pairs:?}: `{message}` lacks `{expected}`"
-        );
-    }
+    assert_load_errors(debug, validation);
     // The dense Qwen3 has no experts: their keys are errors, not silently ignored.
     let dense: &[(&[(&str, &str)], &str)] = &[
         (
@@ -288,13 +288,7 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
         ),
         (&[("model.name", "llama")], "unknown variant `llama`"),
     ];
-    for (pairs, expected) in dense {
-        let message = load_error("qwen3_debug.toml", pairs);
-        assert!(
-            message.contains(expected),
-            "{pairs:?}: `{message}` lacks `{expected}`"
-        );
-    }
+    assert_load_errors("qwen3_debug.toml", dense);
     // And a Qwen3-MoE needs them.
     let message = load_error(
         debug,
