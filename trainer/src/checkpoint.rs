@@ -391,11 +391,19 @@ pub fn hf_config_json(config: &ModelConfig, dtype: Kind) -> serde_json::Value {
 /// Suffix of the aux-loss-free selection biases, which Hugging Face's format has no place for.
 const EXPERT_BIAS: &str = ".mlp.expert_bias";
 
-/// Writes `params` as a Hugging Face directory (`config.json` + `model.safetensors`) at `dir`,
-/// which must not exist yet. Selection biases (`*.mlp.expert_bias`) are left out, with a
+/// The tokenizer file of Hugging Face directories and training checkpoints.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Writes `params` as a Hugging Face directory (`config.json` + `model.safetensors`, and
+/// `tokenizer` as [`TOKENIZER_FILE`] when given) at `dir`, which must not exist yet. Selection biases (`*.mlp.expert_bias`) are left out, with a
 /// warning when they are not zero: transformers' router has none, so the export routes by the
 /// probabilities alone.
-pub fn export_hf(dir: &Path, config: &ModelConfig, params: &[(String, Tensor)]) -> Result<()> {
+pub fn export_hf(
+    dir: &Path,
+    config: &ModelConfig,
+    params: &[(String, Tensor)],
+    tokenizer: Option<&[u8]>,
+) -> Result<()> {
     let (biases, params): (Vec<_>, Vec<_>) = params
         .iter()
         .map(|(name, p)| (name.clone(), p.shallow_clone()))
@@ -415,6 +423,9 @@ pub fn export_hf(dir: &Path, config: &ModelConfig, params: &[(String, Tensor)]) 
     let tensors = to_hf_tensors(&params);
     write_folder(dir, |tmp| {
         write_json(&tmp.join("config.json"), &hf_config_json(config, dtype))?;
+        if let Some(json) = tokenizer {
+            write_atomically(&tmp.join(TOKENIZER_FILE), json)?;
+        }
         write_tensors(&tmp.join("model.safetensors"), &tensors)
     })
 }
@@ -685,17 +696,19 @@ fn shard_files(rank: usize, ranks: usize) -> (String, String) {
 }
 
 /// Writes a training checkpoint into `folder/step-NNNNNNNN` (plus `config.json`, so the
-/// folder also names its architecture), then deletes all but the newest `keep_latest_k`
+/// folder also names its architecture, and the training data's `tokenizer` as
+/// [`TOKENIZER_FILE`]), then deletes all but the newest `keep_latest_k`
 /// checkpoints (0 keeps all). A single process's checkpoint; expert-parallel runs write theirs
 /// in the stages below, one shard per rank.
 pub fn save_training(
     folder: &Path,
     keep_latest_k: usize,
     checkpoint: &TrainingCheckpoint,
+    tokenizer: Option<&[u8]>,
 ) -> Result<PathBuf> {
     let tmp = begin_training(folder, checkpoint.state.step)?;
     let result = write_training_shard(&tmp, 0, 1, checkpoint)
-        .and_then(|()| finish_training(&tmp, folder, keep_latest_k, &checkpoint.state));
+        .and_then(|()| finish_training(&tmp, folder, keep_latest_k, &checkpoint.state, tokenizer));
     if result.is_err() {
         abandon_training(&tmp);
     }
@@ -760,7 +773,8 @@ pub fn write_training_shard(
     write_tensors(&tmp.join(optimizer), &checkpoint.optimizer)
 }
 
-/// Stage 3 (one process, after every shard is written): `state.json`, `config.json` and, last,
+/// Stage 3 (one process, after every shard is written): `state.json`, `config.json`, the
+/// `tokenizer.json` the data was tokenized with (if not byte level) and, last,
 /// `checksums.json`, the rename into place, and the rotation to the newest `keep_latest_k`.
 /// Returns the folder.
 pub fn finish_training(
@@ -768,11 +782,15 @@ pub fn finish_training(
     folder: &Path,
     keep_latest_k: usize,
     state: &TrainingState,
+    tokenizer: Option<&[u8]>,
 ) -> Result<PathBuf> {
     write_json(
         &tmp.join("config.json"),
         &hf_config_json(&state.model, state.dtype.kind()),
     )?;
+    if let Some(json) = tokenizer {
+        write_atomically(&tmp.join(TOKENIZER_FILE), json)?;
+    }
     write_json(&tmp.join("state.json"), state)?;
     write_checksums(tmp)?;
     let dir = folder.join(step_folder(state.step));

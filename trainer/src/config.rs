@@ -595,6 +595,12 @@ impl JobConfig {
              split: give one",
             data.validation_fraction
         );
+        ensure!(
+            metrics.eval_interval == 0 || data.has_validation(),
+            "metrics.eval_interval = {} needs a validation split to evaluate: set \
+             data.validation_files or data.validation_fraction",
+            metrics.eval_interval
+        );
         Ok(())
     }
 }

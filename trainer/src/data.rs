@@ -11,8 +11,12 @@ use tch::Tensor;
 pub enum TextTokenizer {
     /// One token per UTF-8 byte (ids 0–255).
     Byte,
-    /// A Hugging Face `tokenizer.json` (Qwen's, or any other), without special tokens added.
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    /// A Hugging Face `tokenizer.json` (Qwen's, or any other), without special tokens added,
+    /// and the file's bytes (saved into checkpoints beside the model they tokenize for).
+    HuggingFace {
+        tokenizer: Box<tokenizers::Tokenizer>,
+        json: Vec<u8>,
+    },
 }
 
 impl TextTokenizer {
@@ -24,7 +28,7 @@ impl TextTokenizer {
         let path = Path::new(spec);
         let bytes = crate::files::read_bytes(path)
             .with_context(|| format!("cannot load tokenizer {}", path.display()))?;
-        let mut tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
+        let mut tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
         // A file's own truncation or padding would cut or pad each whole data file (encoded
         // as one sequence); the data is windowed into `seq_len` tokens here instead.
@@ -32,14 +36,25 @@ impl TextTokenizer {
             .with_truncation(None)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
         tokenizer.with_padding(None);
-        Ok(Self::HuggingFace(Box::new(tokenizer)))
+        Ok(Self::HuggingFace {
+            tokenizer: Box::new(tokenizer),
+            json: bytes,
+        })
+    }
+
+    /// The `tokenizer.json` it was loaded from; none at byte level.
+    pub fn json(&self) -> Option<&[u8]> {
+        match self {
+            Self::Byte => None,
+            Self::HuggingFace { json, .. } => Some(json),
+        }
     }
 
     /// Number of token ids it can produce (added tokens included).
     pub fn vocab_size(&self) -> usize {
         match self {
             Self::Byte => 256,
-            Self::HuggingFace(tokenizer) => tokenizer.get_vocab_size(true),
+            Self::HuggingFace { tokenizer, .. } => tokenizer.get_vocab_size(true),
         }
     }
 
@@ -47,13 +62,40 @@ impl TextTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<i64>> {
         match self {
             Self::Byte => Ok(text.bytes().map(i64::from).collect()),
-            Self::HuggingFace(tokenizer) => Ok(tokenizer
+            Self::HuggingFace { tokenizer, .. } => Ok(tokenizer
                 .encode(text, false)
                 .map_err(|e| anyhow!("cannot tokenize: {e}"))?
                 .get_ids()
                 .iter()
                 .map(|&id| i64::from(id))
                 .collect()),
+        }
+    }
+
+    /// The text of `ids`. Byte level, the ids are UTF-8 bytes (an invalid sequence, or an id
+    /// above 255 that a larger vocabulary allows, shows as U+FFFD); a `tokenizer.json` decodes
+    /// them without its special tokens.
+    pub fn decode(&self, ids: &[i64]) -> Result<String> {
+        match self {
+            Self::Byte => {
+                let mut bytes = Vec::with_capacity(ids.len());
+                for &id in ids {
+                    match u8::try_from(id) {
+                        Ok(byte) => bytes.push(byte),
+                        Err(_) => bytes.extend_from_slice("\u{FFFD}".as_bytes()),
+                    }
+                }
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Self::HuggingFace { tokenizer, .. } => {
+                let ids = ids
+                    .iter()
+                    .map(|&id| u32::try_from(id).with_context(|| format!("token id {id}")))
+                    .collect::<Result<Vec<u32>>>()?;
+                tokenizer
+                    .decode(&ids, true)
+                    .map_err(|e| anyhow!("cannot decode token ids: {e}"))
+            }
         }
     }
 }
@@ -250,11 +292,17 @@ impl Batches {
 }
 
 /// Holds out the tail of `tokens` as a validation split: the last `ceil(fraction · windows)`
-/// of its `seq_len` windows (at least one), returned second; the rest, whose windows are the
-/// others, first. The two never share a window.
+/// of its `seq_len` windows (at least one; a product within 1e-9 of an integer counts as that
+/// integer, so 0.07 of 100 windows is 7, not the 8 that f64 rounding would give), returned
+/// second; the rest, whose windows are the others, first. The two never share a window.
 pub fn hold_out_tail(mut tokens: Vec<i64>, seq_len: usize, fraction: f64) -> (Vec<i64>, Vec<i64>) {
     let windows = tokens.len() / seq_len.max(1);
-    let held_out = ((fraction * windows as f64).ceil() as usize).clamp(1, windows.max(1));
+    let exact = fraction * windows as f64;
+    let held_out = match (exact - exact.round()).abs() < 1e-9 {
+        true => exact.round(),
+        false => exact.ceil(),
+    };
+    let held_out = (held_out as usize).clamp(1, windows.max(1));
     let cut = (windows.saturating_sub(held_out) * seq_len).min(tokens.len());
     let validation = tokens.split_off(cut);
     (tokens, validation)
@@ -284,15 +332,15 @@ pub fn validation_batches(
         .collect())
 }
 
-/// SplitMix64: a small, fast, seedable generator for data order.
-struct SplitMix64(u64);
+/// SplitMix64: a small, fast, seedable generator (data order, sampling).
+pub(crate) struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         Self(seed)
     }
 
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -328,6 +376,9 @@ mod tests {
             (1005, 10, 0.1, 10),
             (1000, 10, 0.001, 1),
             (1000, 10, 0.95, 95),
+            // 0.07 · 100 is 7.000000000000001 in f64: still 7 windows.
+            (1000, 10, 0.07, 7),
+            (1000, 10, 0.071, 8),
         ] {
             let (training, validation) = hold_out_tail(distinct(tokens), seq_len, fraction);
             assert_eq!(validation.len() / seq_len, held_out, "{tokens} {fraction}");

@@ -9,7 +9,9 @@ use safetensors::tensor::Dtype;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
-use crate::checkpoint::{assign_params, export_hf, is_training_checkpoint, load_hf, load_training};
+use crate::checkpoint::{
+    TOKENIZER_FILE, assign_params, export_hf, is_training_checkpoint, load_hf, load_training,
+};
 use crate::footprint::ensure_fits_in_host_memory;
 use crate::model::{ExpertShard, ModelConfig, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::MoeImpl;
@@ -69,8 +71,8 @@ fn sorted_variables(vars: &nn::VarStore) -> Vec<(String, Tensor)> {
 }
 
 /// Writes a training checkpoint's model as a Hugging Face directory at `out` (which must not
-/// exist). The checkpoint is loaded into a model first, so every tensor is checked against its
-/// config.
+/// exist), with the checkpoint's `tokenizer.json` if it has one. The checkpoint is loaded into
+/// a model first, so every tensor is checked against its config.
 pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
     if !is_training_checkpoint(checkpoint) {
         bail!(
@@ -83,7 +85,12 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
         .into_iter()
         .chain(loaded.model.expert_biases())
         .collect();
-    export_hf(out, loaded.model.config(), &params)
+    let tokenizer_file = checkpoint.join(TOKENIZER_FILE);
+    let tokenizer = match tokenizer_file.is_file() {
+        true => Some(crate::files::read_bytes(&tokenizer_file)?),
+        false => None,
+    };
+    export_hf(out, loaded.model.config(), &params, tokenizer.as_deref())
 }
 
 /// Reads `input_ids [batch, seq]` (i64 or i32) from a safetensors file, as i64.

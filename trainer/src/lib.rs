@@ -14,6 +14,7 @@
 //! - [`tape`]: running kernels outside autograd inside a backward pass.
 //! - [`threads`]: keeping libtorch's idle OpenMP workers off the cores moekit's kernels use.
 //! - [`eval`]: loading, evaluating and exporting trained models.
+//! - [`generate`]: text generation on a KV cache, greedy or sampled.
 //! - [`data`]: tokenization, the built-in corpus and batching.
 //! - [`optim`]: AdamW, clipping, the learning-rate schedule.
 //! - [`parallel`]: expert parallelism across MPI ranks.
@@ -28,6 +29,7 @@ pub mod device;
 pub mod eval;
 pub mod files;
 pub mod footprint;
+pub mod generate;
 pub mod model;
 pub mod moe;
 pub mod oom;

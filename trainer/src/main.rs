@@ -3,6 +3,8 @@
 //! ```text
 //! moekit-train [train] --config FILE [--section.key VALUE]...
 //! moekit-train eval --model DIR --tokens FILE [--output FILE] [--kernels.moe IMPL]
+//! moekit-train generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+//!                       [--temperature T] [--top-p P] [--seed S] [--json] [--kernels.moe IMPL]
 //! moekit-train export --checkpoint DIR --out DIR
 //! moekit-train bench --config FILE [--bench.impls A,B] [--bench.warmup N] [--bench.steps N]
 //! ```
@@ -12,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use moekit::ep::Communicator;
 use moekit::golden::TensorFile;
 use moekit::torch::from_tch;
@@ -20,6 +22,9 @@ use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::eval::{LoadDtype, evaluate, export, load_model, read_input_ids};
 use moekit_trainer::footprint::{ensure_fits_in_host_memory, evaluation_bytes};
+use moekit_trainer::generate::{
+    GenerateOptions, Sampling, directory_tokenizer, generate, stop_ids,
+};
 use moekit_trainer::moe::MoeImpl;
 use moekit_trainer::oom;
 use moekit_trainer::parallel::init_mpi;
@@ -29,6 +34,9 @@ const USAGE: &str = "\
 usage: moekit-train [train] --config FILE [--section.key VALUE]...
        moekit-train eval --model DIR --tokens FILE [--output FILE] [--kernels.moe IMPL]
                          [--kernels.block_size B]
+       moekit-train generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3)
+                             [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0]
+                             [--json] [--kernels.moe IMPL] [--kernels.block_size B]
        moekit-train export --checkpoint DIR --out DIR
        moekit-train bench --config FILE [--bench.impls torch,grouped_mm,reference,cpu]
                           [--bench.warmup 3] [--bench.steps 10] [--bench.json true]
@@ -40,15 +48,28 @@ eval    Loads a Hugging Face model directory or a training checkpoint, runs the 
         `input_ids [batch, seq]` (i64 or i32) from a safetensors file, writes `logits` (f32) to
         --output and prints {\"loss\", \"aux_loss\", \"total_loss\"} as one JSON line.
         IMPL: torch (default), grouped_mm, reference, cpu.
+generate
+        Loads a model as eval does and continues the prompt (text through the directory's
+        tokenizer.json, byte level where it has none; or token ids) on a KV cache until
+        --max-new-tokens or an end-of-sequence token (eos_token_id of generation_config.json or
+        config.json). Temperature 0 is greedy (transformers' do_sample=False); above 0 it
+        samples among the most likely tokens whose probabilities reach --top-p, seeded by
+        --seed. Prints the prompt and its continuation, and the tokens/s on stderr; with
+        --json one object {\"prompt_ids\", \"generated_ids\", \"text\", \"tokens_per_second\"}
+        (text: the continuation alone).
 export  Writes a training checkpoint's model as a Hugging Face directory (must not exist).
 bench   Trains the config with each MoE implementation in one process, steps taken in turn,
         and prints the median step time, tokens/s, model FLOP/s as a share of the measured
         f32 FMA peak, and the ratios to torch and grouped_mm (one JSON object per row with
         --bench.json true).";
 
-/// `--key value` and `--key=value` pairs, in order; `None` when `-h`/`--help` stands where a
-/// flag would.
-fn flags(mut args: impl Iterator<Item = String>) -> Result<Option<Vec<(String, String)>>> {
+/// `--key value` and `--key=value` pairs, in order, where each of `switches` may also stand
+/// alone (`--json`, for `--json true`); `None` when `-h`/`--help` stands where a flag would.
+fn flags(
+    args: impl Iterator<Item = String>,
+    switches: &[&str],
+) -> Result<Option<Vec<(String, String)>>> {
+    let mut args = args.peekable();
     let mut pairs = Vec::new();
     while let Some(arg) = args.next() {
         if arg == "-h" || arg == "--help" {
@@ -59,6 +80,11 @@ fn flags(mut args: impl Iterator<Item = String>) -> Result<Option<Vec<(String, S
         };
         let (key, value) = match flag.split_once('=') {
             Some((key, value)) => (key.to_owned(), value.to_owned()),
+            None if switches.contains(&flag)
+                && args.peek().is_none_or(|next| next.starts_with("--")) =>
+            {
+                (flag.to_owned(), "true".to_owned())
+            }
             None => {
                 let value = args
                     .next()
@@ -194,7 +220,9 @@ fn parse_moe(name: &str) -> Result<MoeImpl> {
         })
 }
 
-fn run_eval(options: Options) -> Result<()> {
+/// `--kernels.moe` (torch by default) and `--kernels.block_size` (64 by default) of `eval`
+/// and `generate`.
+fn kernel_options(options: &Options) -> Result<(MoeImpl, usize)> {
     let moe = options
         .get("kernels.moe")
         .map_or(Ok(MoeImpl::Torch), parse_moe)?;
@@ -208,6 +236,101 @@ fn run_eval(options: Options) -> Result<()> {
                 format!("--kernels.block_size must be a positive integer, got `{b}`")
             })?,
     };
+    Ok((moe, block_size))
+}
+
+/// Parses `--key`'s value, if given, naming the flag and the value on failure.
+fn parse_flag<T: std::str::FromStr>(options: &Options, key: &str, what: &str) -> Result<Option<T>> {
+    options
+        .get(key)
+        .map(|v| {
+            v.parse()
+                .ok()
+                .with_context(|| format!("--{key} must be {what}, got `{v}`"))
+        })
+        .transpose()
+}
+
+fn run_generate(options: Options) -> Result<()> {
+    let (moe, block_size) = kernel_options(&options)?;
+    let max_new_tokens =
+        parse_flag::<usize>(&options, "max-new-tokens", "a positive integer")?.unwrap_or(64);
+    ensure!(
+        max_new_tokens > 0,
+        "--max-new-tokens must be a positive integer, got 0"
+    );
+    let sampling = Sampling::new(
+        parse_flag(&options, "temperature", "a number")?.unwrap_or(0.0),
+        parse_flag(&options, "top-p", "a number")?.unwrap_or(1.0),
+        parse_flag(&options, "seed", "a non-negative integer")?.unwrap_or(0),
+    )?;
+    let json = parse_flag::<bool>(&options, "json", "true or false")?.unwrap_or(false);
+    let prompt_ids = match (options.get("prompt"), options.get("prompt-ids")) {
+        (Some(_), Some(_)) => bail!("give --prompt or --prompt-ids, not both"),
+        (None, None) => bail!("missing `--prompt TEXT` or `--prompt-ids 1,2,3`\n\n{USAGE}"),
+        (None, Some(ids)) => Some(
+            ids.split(',')
+                .map(|id| {
+                    id.trim().parse::<i64>().ok().with_context(|| {
+                        format!("--prompt-ids must be comma-separated token ids, got `{id}`")
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+        (Some(_), None) => None,
+    };
+    let dir = PathBuf::from(options.required("model")?);
+    let tokenizer = directory_tokenizer(&dir)?;
+    let prompt_ids = match prompt_ids {
+        Some(ids) => ids,
+        None => tokenizer.encode(options.required("prompt")?)?,
+    };
+    let loaded = load_model(&dir, LoadDtype::Float32)?;
+    let length = prompt_ids.len().saturating_add(max_new_tokens) as u128;
+    ensure_fits_in_host_memory(
+        evaluation_bytes(
+            loaded.model.config(),
+            length,
+            false,
+            moe.kernel_backend().map(|backend| (backend, block_size)),
+        ),
+        || format!("generating a sequence of {length} tokens needs, beyond the loaded model,"),
+    )?;
+    let generate_options = GenerateOptions {
+        max_new_tokens,
+        sampling,
+        stop_ids: stop_ids(&dir)?,
+    };
+    let experts = moe.create(block_size)?;
+    let generation = generate(
+        &loaded.model,
+        &prompt_ids,
+        experts.as_ref(),
+        &generate_options,
+    )?;
+    let text = tokenizer.decode(&generation.generated_ids)?;
+    if json {
+        let record = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "generated_ids": generation.generated_ids,
+            "text": text,
+            "tokens_per_second": generation.tokens_per_second(),
+        });
+        println!("{record}");
+    } else {
+        println!("{}{text}", tokenizer.decode(&prompt_ids)?);
+        eprintln!(
+            "{} tokens in {:.3} s: {:.1} tokens/s",
+            generation.generated_ids.len(),
+            generation.seconds,
+            generation.tokens_per_second()
+        );
+    }
+    Ok(())
+}
+
+fn run_eval(options: Options) -> Result<()> {
+    let (moe, block_size) = kernel_options(&options)?;
     let loaded = load_model(
         &PathBuf::from(options.required("model")?),
         LoadDtype::Float32,
@@ -243,10 +366,14 @@ fn run_eval(options: Options) -> Result<()> {
 fn run() -> Result<()> {
     let mut args = std::env::args().skip(1).peekable();
     let command = match args.peek().map(String::as_str) {
-        Some("train" | "eval" | "export" | "bench" | "help") => args.next(),
+        Some("train" | "eval" | "generate" | "export" | "bench" | "help") => args.next(),
         _ => None,
     };
-    let Some(pairs) = flags(args)?.filter(|_| command.as_deref() != Some("help")) else {
+    let switches: &[&str] = match command.as_deref() {
+        Some("generate") => &["json"],
+        _ => &[],
+    };
+    let Some(pairs) = flags(args, switches)?.filter(|_| command.as_deref() != Some("help")) else {
         println!("{USAGE}");
         return Ok(());
     };
@@ -257,6 +384,21 @@ fn run() -> Result<()> {
                 "model",
                 "tokens",
                 "output",
+                "kernels.moe",
+                "kernels.block_size",
+            ],
+        )?),
+        Some("generate") => run_generate(Options::new(
+            pairs,
+            &[
+                "model",
+                "prompt",
+                "prompt-ids",
+                "max-new-tokens",
+                "temperature",
+                "top-p",
+                "seed",
+                "json",
                 "kernels.moe",
                 "kernels.block_size",
             ],

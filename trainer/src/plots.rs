@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result, anyhow, bail};
 use plotters::prelude::*;
+use plotters::style::colors::colormaps::{ColorMap, ViridisRGB};
 use plotters::style::{FontStyle, register_font};
 
 const FONT_CANDIDATES: &[&str] = &[
@@ -148,11 +149,29 @@ pub fn loss_curve(path: &Path, points: &[LossPoint], aux: bool) -> Result<()> {
     })
 }
 
+/// At most this many labels on a heatmap axis.
+const MAX_AXIS_LABELS: usize = 16;
+
+/// The label of a heatmap axis tick at `value`: the cell index when the tick is a cell's
+/// centre (an integer: cell c spans [c − ½, c + ½)), named by `name`, else none.
+fn cell_label(value: f64, cells: usize, name: impl Fn(usize) -> String) -> String {
+    let cell = value.round();
+    match (value - cell).abs() < 1e-6 && cell >= 0.0 && (cell as usize) < cells {
+        true => name(cell as usize),
+        false => String::new(),
+    }
+}
+
+/// Width of the colour scale beside the heatmap, its labels included (pixels).
+const SCALE_WIDTH: u32 = 120;
+
 /// Heatmap of each MoE layer's share of token assignments per expert: `loads[l][e]` counts
-/// for decoder layer `layers[l]`.
+/// for decoder layer `layers[l]`. One cell per (layer, expert), the first MoE layer at the
+/// bottom, the axes labelled at cell centres (at most 16 labels each), and a colour scale
+/// (viridis) from 0 to the largest share, with the uniform share marked.
 pub fn expert_load_heatmap(path: &Path, layers: &[usize], loads: &[Vec<f64>]) -> Result<()> {
     let experts = loads.first().map_or(0, Vec::len);
-    if layers.is_empty() || experts == 0 {
+    if layers.is_empty() || experts == 0 || loads.len() != layers.len() {
         bail!("no MoE layers to plot");
     }
     let shares: Vec<Vec<f64>> = loads
@@ -164,66 +183,134 @@ pub fn expert_load_heatmap(path: &Path, layers: &[usize], loads: &[Vec<f64>]) ->
                 .collect()
         })
         .collect();
-    let peak = shares
-        .iter()
-        .flatten()
-        .fold(0f64, |a, &b| a.max(b))
-        .max(1e-12);
-    let width = (120 + 24 * experts as u32).clamp(720, 1600);
-    let height = (120 + 28 * layers.len() as u32).clamp(240, 1200);
+    let uniform = 1.0 / experts as f64;
+    let peak = shares.iter().flatten().fold(uniform, |a, &b| a.max(b));
+    let width = (150 + 24 * experts as u32).clamp(720, 1600) + SCALE_WIDTH;
+    let height = (130 + 28 * layers.len() as u32).clamp(260, 1200);
+    let (e, l) = (experts as f64, layers.len() as f64);
     draw_png(path, (width, height), |root| {
-        let caption = format!(
-            "Expert load: share of each layer's assignments (darkest {:.1}%, uniform {:.1}%)",
-            100.0 * peak,
-            100.0 / experts as f64
+        let title = format!(
+            "Expert load: each layer's share of its token assignments (uniform {:.1}%: the \
+             white line on the scale)",
+            100.0 * uniform
         );
-        let center = |v: &SegmentValue<usize>| match v {
-            SegmentValue::CenterOf(i) => Some(*i),
-            _ => None,
-        };
-        let mut chart = ChartBuilder::on(&root)
-            .caption(caption, ("sans-serif", 18))
-            .margin(16)
-            .x_label_area_size(40)
-            .y_label_area_size(56)
-            .build_cartesian_2d(
-                (0..experts).into_segmented(),
-                (0..layers.len()).into_segmented(),
-            )
+        let root = root
+            .titled(&title, ("sans-serif", 18))
+            .map_err(|e| anyhow!("{e}"))?;
+        let (map, scale) = root.split_horizontally(root.dim_in_pixel().0 - SCALE_WIDTH);
+        // Cell (expert e, row r) spans [e − ½, e + ½) × [r − ½, r + ½), so the integer ticks
+        // the axes choose fall on cell centres.
+        let mut chart = ChartBuilder::on(&map)
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(-0.5..e - 0.5, -0.5..l - 0.5)
             .map_err(|e| anyhow!("{e}"))?;
         chart
             .configure_mesh()
             .disable_mesh()
             .x_desc("expert")
-            .y_desc("layer")
-            .x_labels(experts.min(16))
-            .y_labels(layers.len().min(16))
-            .x_label_formatter(&|v| center(v).map_or(String::new(), |e| e.to_string()))
-            .y_label_formatter(&|v| {
-                center(v)
-                    .and_then(|row| layers.get(row))
-                    .map_or(String::new(), usize::to_string)
-            })
+            .y_desc("decoder layer")
+            .x_labels(experts.min(MAX_AXIS_LABELS))
+            .y_labels(layers.len().min(MAX_AXIS_LABELS))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 16))
+            .x_label_formatter(&|&x| cell_label(x, experts, |e| e.to_string()))
+            .y_label_formatter(&|&y| cell_label(y, layers.len(), |r| layers[r].to_string()))
             .draw()
             .map_err(|e| anyhow!("{e}"))?;
         chart
             .draw_series(shares.iter().enumerate().flat_map(|(row, shares)| {
                 shares.iter().enumerate().map(move |(expert, &share)| {
-                    let shade = 1.0 - share / peak;
-                    let color = RGBColor(
-                        (30.0 + 225.0 * shade) as u8,
-                        (60.0 + 195.0 * shade) as u8,
-                        (140.0 + 115.0 * shade) as u8,
-                    );
-                    let corner =
-                        |e: usize, r: usize| (SegmentValue::Exact(e), SegmentValue::Exact(r));
+                    let (x, y) = (expert as f64 - 0.5, row as f64 - 0.5);
                     Rectangle::new(
-                        [corner(expert, row), corner(expert + 1, row + 1)],
-                        color.filled(),
+                        [(x, y), (x + 1.0, y + 1.0)],
+                        ViridisRGB.get_color_normalized(share, 0.0, peak).filled(),
                     )
                 })
             }))
             .map_err(|e| anyhow!("{e}"))?;
+
+        // The colour scale: shares in percent, 0 at the bottom, the uniform share marked.
+        let top = 100.0 * peak;
+        let mut bar = ChartBuilder::on(&scale)
+            .margin_top(12)
+            .margin_bottom(56)
+            .margin_right(8)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0f64..1f64, 0f64..top)
+            .map_err(|e| anyhow!("{e}"))?;
+        bar.configure_mesh()
+            .disable_mesh()
+            .disable_x_axis()
+            .y_labels(6)
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 16))
+            .y_desc("share (%)")
+            .y_label_formatter(&|y| format!("{y:.1}"))
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+        const STEPS: usize = 128;
+        bar.draw_series((0..STEPS).map(|i| {
+            let (low, high) = (i as f64 / STEPS as f64, (i + 1) as f64 / STEPS as f64);
+            Rectangle::new(
+                [(0.0, top * low), (1.0, top * high)],
+                ViridisRGB.get_color(((low + high) / 2.0) as f32).filled(),
+            )
+        }))
+        .map_err(|e| anyhow!("{e}"))?;
+        let even = 100.0 * uniform;
+        bar.draw_series([PathElement::new(
+            vec![(0.0, even), (1.0, even)],
+            WHITE.stroke_width(2),
+        )])
+        .map_err(|e| anyhow!("{e}"))?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_cell_centres_are_labelled_and_by_name() {
+        let layer = |r: usize| format!("L{}", 2 * r + 1);
+        assert_eq!(cell_label(0.0, 2, layer), "L1");
+        assert_eq!(cell_label(1.0, 2, layer), "L3");
+        // Between cells, before the first and past the last: no label (no column 8 of 8).
+        for value in [0.5, -1.0, 2.0, 1.25] {
+            assert_eq!(cell_label(value, 2, layer), "", "{value}");
+        }
+        assert_eq!(cell_label(7.0, 8, |e| e.to_string()), "7");
+        assert_eq!(cell_label(8.0, 8, |e| e.to_string()), "");
+    }
+
+    /// `(width, height)` from a PNG's IHDR chunk.
+    fn png_size(path: &Path) -> (u32, u32) {
+        let png = std::fs::read(path).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{}", path.display());
+        let dim = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+        (dim(16), dim(20))
+    }
+
+    #[test]
+    fn heatmaps_of_small_and_large_models_fit_their_cells() {
+        let dir = std::env::temp_dir().join(format!("moekit-plots-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (experts, layers, size) in [(8, 2, (840, 260)), (128, 48, (1720, 1200))] {
+            let loads: Vec<Vec<f64>> = (0..layers)
+                .map(|l| {
+                    (0..experts)
+                        .map(|e| ((e * 7 + l * 3) % 11) as f64)
+                        .collect()
+                })
+                .collect();
+            let path = dir.join(format!("load-{experts}x{layers}.png"));
+            let ids: Vec<usize> = (0..layers).map(|l| 2 * l + 1).collect();
+            expert_load_heatmap(&path, &ids, &loads).unwrap();
+            assert_eq!(png_size(&path), size, "{experts} experts × {layers} layers");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

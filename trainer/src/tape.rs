@@ -17,6 +17,14 @@ use anyhow::Result;
 use moekit::torch::borrow_as_tch;
 use tch::Tensor;
 
+/// Whether libtorch records gradients here (false inside `tch::no_grad`). `tch` exposes no
+/// query of the grad mode; an operation's result requires grad exactly when the mode is on and
+/// one of its inputs requires grad, so one scalar operation tells.
+pub fn grad_enabled() -> bool {
+    let probe = Tensor::zeros([], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    (&probe + 0.0).requires_grad()
+}
+
 /// The backward of a kernel run outside autograd.
 pub trait ExternalBackward {
     /// The leaf that stands for the kernel's output in the graph.

@@ -116,6 +116,8 @@ struct Data {
     batches: Batches,
     /// The validation split's fixed global batches of the same shape; empty without one.
     validation: Vec<Tensor>,
+    /// The `tokenizer.json` the data was tokenized with; none at byte level.
+    tokenizer_json: Option<Vec<u8>>,
 }
 
 /// The tokenized training data and, when configured, its validation split.
@@ -169,6 +171,7 @@ fn load_data(config: &JobConfig, ranks: usize) -> Result<Data> {
     Ok(Data {
         batches: Batches::new(tokens, seq_len, batch_size, config.job.seed)?,
         validation,
+        tokenizer_json: tokenizer.json().map(<[u8]>::to_vec),
     })
 }
 
@@ -187,6 +190,8 @@ pub struct Trainer {
     batches: Batches,
     /// The validation split's fixed global batches (see [`Data`]).
     validation: Vec<Tensor>,
+    /// Saved into every checkpoint, for generation and export (see [`Data`]).
+    tokenizer_json: Option<Vec<u8>>,
     step: usize,
 }
 
@@ -240,6 +245,7 @@ impl Trainer {
         let Data {
             batches,
             validation,
+            tokenizer_json,
         } = match &group {
             Some(group) => group.all_ok(data)?,
             None => data?,
@@ -254,6 +260,7 @@ impl Trainer {
             optimizer,
             batches,
             validation,
+            tokenizer_json,
             step: 0,
         };
         let selection = match config.checkpoint.enable {
@@ -499,7 +506,7 @@ impl Trainer {
         let folder = self.checkpoint_folder();
         let keep = self.config.checkpoint.keep_latest_k;
         let Some(group) = &self.group else {
-            return save_training(&folder, keep, &checkpoint);
+            return save_training(&folder, keep, &checkpoint, self.tokenizer_json.as_deref());
         };
         // Rank 0 stages the folder, every rank writes its shard, rank 0 completes it; each
         // stage's outcome reaches every rank before the next.
@@ -514,7 +521,8 @@ impl Trainer {
         let written = group.all_ok(write_training_shard(&tmp, rank, ranks, &checkpoint));
         let finished = written.and_then(|()| {
             let finished = if rank == 0 {
-                finish_training(&tmp, &folder, keep, &checkpoint.state).map(drop)
+                let tokenizer = self.tokenizer_json.as_deref();
+                finish_training(&tmp, &folder, keep, &checkpoint.state, tokenizer).map(drop)
             } else {
                 Ok(())
             };

@@ -160,7 +160,10 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
     let (a_str, b_str) = (a.to_str().unwrap(), b.to_str().unwrap());
 
     // Uninterrupted: 20 steps, checkpoints after steps 10 and 20.
-    succeed(&train_args(a_str, &config, &[]));
+    // Validation every 4 steps: twice before the checkpoint the run resumes from, three
+    // times after it.
+    let every_4 = ["--metrics.eval_interval", "4"];
+    succeed(&train_args(a_str, &config, &every_4));
     let step10 = a.join("checkpoints/step-00000010");
     let step20 = a.join("checkpoints/step-00000020");
     assert!(step10.is_dir() && step20.is_dir());
@@ -175,7 +178,7 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
         format!("{}\n{{\"step\": 17, \"lo", crashed.join("\n")),
     )
     .unwrap();
-    let stdout = succeed(&train_args(b_str, &config, &[]));
+    let stdout = succeed(&train_args(b_str, &config, &every_4));
     assert!(stdout.contains("resumed after step 10"), "{stdout}");
     let whole = losses(&metrics(&a));
     // Steps 11-16 are not logged twice and the torn line is gone; 11-20 equal the
@@ -188,8 +191,10 @@ fn resume_equals_uninterrupted_and_exports_evaluate_identically() {
             .filter_map(|m| Some((m["step"].as_u64()?, m["val_loss"].as_f64()?)))
             .collect()
     };
-    assert!(
-        !validation(&a).is_empty(),
+    let steps: Vec<u64> = validation(&a).iter().map(|&(step, _)| step).collect();
+    assert_eq!(
+        steps,
+        [4, 8, 12, 16, 20],
         "the debug config holds out a validation split"
     );
     assert_eq!(

@@ -258,6 +258,14 @@ fn bad_keys_values_and_combinations_are_clear_errors() {
             "data.validation_files: ",
         ),
         (
+            &[
+                ("data.validation_fraction", "0"),
+                ("metrics.eval_interval", "5"),
+            ],
+            "metrics.eval_interval = 5 needs a validation split to evaluate: set \
+             data.validation_files or data.validation_fraction",
+        ),
+        (
             &[("metrics.eval_batches", "0")],
             "metrics.eval_batches must be at least 1",
         ),

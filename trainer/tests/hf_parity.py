@@ -3,7 +3,8 @@
     python hf_parity.py make DIR CASE   # a random tiny Qwen3-MoE (or, for the dense_* cases,
                                         # Qwen3) saved to DIR/hf, fixed tokens
                                         # in DIR/tokens.safetensors, transformers' logits in
-                                        # DIR/expected.safetensors and losses in DIR/expected.json
+                                        # DIR/expected.safetensors, losses and the greedy
+                                        # continuation of the first row in DIR/expected.json
     python hf_parity.py eval MODEL TOKENS OUT   # transformers' logits of MODEL on TOKENS -> OUT
 
 Everything runs in float32 on the CPU with transformers' default attention (SDPA) and experts.
@@ -38,6 +39,23 @@ DENSE_CASES = {
 }
 
 
+# Tokens `generate(do_sample=False)` adds to the first row of the fixed tokens.
+NEW_TOKENS = 12
+
+
+def greedy(model, input_ids: torch.Tensor) -> dict:
+    """transformers' greedy continuation of input_ids[0] (it stops early at an eos token)."""
+    prompt = input_ids[:1]
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return {"prompt_ids": prompt[0].tolist(), "generated_ids": out[0, prompt.shape[1]:].tolist()}
+
+
 def make_dense(out_dir: str, case: str) -> None:
     torch.manual_seed(0)
     settings = dict(
@@ -62,7 +80,7 @@ def make_dense(out_dir: str, case: str) -> None:
     save_file({"logits": out.logits.contiguous()}, f"{out_dir}/expected.safetensors")
     with open(f"{out_dir}/expected.json", "w") as f:
         # No router: no auxiliary loss.
-        json.dump({"total_loss": out.loss.item(), "aux_loss": 0.0}, f)
+        json.dump({"total_loss": out.loss.item(), "aux_loss": 0.0, **greedy(model, input_ids)}, f)
 
 
 def make(out_dir: str, case: str) -> None:
@@ -98,7 +116,14 @@ def make(out_dir: str, case: str) -> None:
     save_file({"logits": out.logits.contiguous()}, f"{out_dir}/expected.safetensors")
     with open(f"{out_dir}/expected.json", "w") as f:
         # transformers' `loss` already includes router_aux_loss_coef * aux_loss.
-        json.dump({"total_loss": out.loss.item(), "aux_loss": out.aux_loss.item()}, f)
+        json.dump(
+            {
+                "total_loss": out.loss.item(),
+                "aux_loss": out.aux_loss.item(),
+                **greedy(model, input_ids),
+            },
+            f,
+        )
 
 
 def evaluate(model_dir: str, tokens: str, out: str) -> None:

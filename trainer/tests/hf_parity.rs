@@ -4,8 +4,10 @@
 //! - transformers creates small random Qwen3-MoE models (with `norm_topk_prob` on and off,
 //!   `decoder_sparse_step` > 1, `mlp_only_layers`, tied embeddings) and dense Qwen3 models
 //!   (`Qwen3ForCausalLM`: tied and untied, GQA ratios 2 and 4, `head_dim` ≠ hidden / heads),
-//!   saves them and computes logits and losses on fixed tokens; `moekit-train eval` loads each
-//!   directory and matches them with every MoE implementation;
+//!   saves them and computes logits and losses on fixed tokens and the greedy continuation
+//!   (`generate(do_sample=False)`) of one row; `moekit-train eval` loads each directory and
+//!   matches the logits and losses with every MoE implementation, and `moekit-train generate`
+//!   continues the row with the same tokens;
 //! - a checkpoint trained and exported by moekit, Qwen3-MoE or dense, loads in transformers'
 //!   `AutoModelForCausalLM.from_pretrained` as the class its `model_type` names and gives
 //!   moekit's logits.
@@ -112,7 +114,7 @@ fn close(a: f64, b: f64) -> bool {
 }
 
 #[test]
-fn moekit_loads_transformers_models_and_matches_their_logits_and_losses() {
+fn moekit_loads_transformers_models_and_matches_their_logits_losses_and_greedy_tokens() {
     for case in [
         "default",
         "no_norm_topk_prob",
@@ -158,6 +160,34 @@ fn moekit_loads_transformers_models_and_matches_their_logits_and_losses() {
                 );
                 assert!(close(a, b), "{what}: {key} {a} vs transformers' {b}");
             }
+            let prompt: Vec<String> = expected["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|id| id.to_string())
+                .collect();
+            let generated: Value = serde_json::from_str(
+                moekit(&[
+                    "generate",
+                    "--model",
+                    s(&dir.join("hf")),
+                    "--prompt-ids",
+                    &prompt.join(","),
+                    "--max-new-tokens",
+                    "12",
+                    "--json",
+                    "--kernels.moe",
+                    moe,
+                    "--kernels.block_size",
+                    "4",
+                ])
+                .trim(),
+            )
+            .unwrap();
+            assert_eq!(
+                generated["generated_ids"], expected["generated_ids"],
+                "{what}: greedy tokens"
+            );
         }
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -4,7 +4,7 @@
 //!
 //! Tolerance: in f32 the implementations differ only in summation order, so losses agree to
 //! 1e-5 relative and each gradient to 1e-4 of its largest entry (observed: about 1e-6); with
-//! bf16 parameters to 1e-2 and 5e-2.
+//! bf16 parameters to 1e-2 and 5e-2. Under `no_grad` the kernels record no backward.
 
 use std::sync::Mutex;
 
@@ -221,4 +221,48 @@ fn parity_with_bf16_parameters() {
             cosine: 0.99,
         },
     );
+}
+
+#[test]
+fn without_grad_mode_the_kernels_record_no_backward() {
+    // Weights that require grad, as a model's parameters do, inside and outside `no_grad`.
+    let (t, h, e, i, k) = (10, 8, 4, 6, 2);
+    let (x, gate_up, down, logits) = {
+        let _rng = RNG.lock().unwrap();
+        tch::manual_seed(13);
+        let float = (Kind::Float, Device::Cpu);
+        (
+            Tensor::randn([t, h], float),
+            Tensor::randn([e, h, 2, i], float).set_requires_grad(true),
+            Tensor::randn([e, i, h], float).set_requires_grad(true),
+            Tensor::randn([t, e], float),
+        )
+    };
+    let (affinities, expert_index) = logits.softmax(-1, Kind::Float).topk(k, -1, true, true);
+    for moe in [MoeImpl::Reference, MoeImpl::Cpu] {
+        let experts = moe.create(4).unwrap();
+        let run = || {
+            experts
+                .forward(
+                    &x,
+                    &expert_index,
+                    &affinities,
+                    &gate_up,
+                    &down,
+                    &mut Tape::new(true),
+                )
+                .unwrap()
+        };
+        let (recorded, evaluated) = (run(), tch::no_grad(run));
+        assert!(recorded.requires_grad(), "{moe:?}: training records");
+        assert!(
+            !evaluated.requires_grad(),
+            "{moe:?}: under no_grad the output is no graph leaf (nothing recorded)"
+        );
+        assert_eq!(
+            Vec::<f32>::try_from(recorded.detach().flatten(0, -1)).unwrap(),
+            Vec::<f32>::try_from(evaluated.flatten(0, -1)).unwrap(),
+            "{moe:?}: the same values either way"
+        );
+    }
 }

@@ -85,7 +85,7 @@ fn the_debug_config_learns_the_builtin_corpus() {
         .sum();
     assert!(total > 0.0 && load[0]["cv"].as_f64().unwrap() >= 0.0);
     // The plots are PNG images of the stated sizes (width, height from the IHDR chunk).
-    for (name, size) in [("loss.png", (900, 520)), ("expert_load.png", (720, 240))] {
+    for (name, size) in [("loss.png", (900, 520)), ("expert_load.png", (840, 260))] {
         let png = std::fs::read(dir.join(name)).unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{name}");
         let dim = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
@@ -355,11 +355,72 @@ fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
             "40",
             "--lr_scheduler.warmup_steps",
             "5",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "40",
         ],
     );
     let loss = field(&metrics, "loss");
     // Words are far more predictable than bytes: the loss falls well below its start.
     assert!(loss[39] < loss[0] - 2.0, "loss {} -> {}", loss[0], loss[39]);
+
+    // The checkpoint and its export carry the tokenizer, so generation reads words in and out.
+    let file = std::fs::read(tokenizer).unwrap();
+    let checkpoint = dir.join("run/checkpoints/step-00000040");
+    let export = dir.join("hf");
+    let (checkpoint_str, export_str) = (checkpoint.to_str().unwrap(), export.to_str().unwrap());
+    let out = train(&[
+        "export",
+        "--checkpoint",
+        checkpoint_str,
+        "--out",
+        export_str,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: Value = serde_json::from_slice(&file).unwrap();
+    let word_of: std::collections::HashMap<i64, &str> = json["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(word, id)| (id.as_i64().unwrap(), word.as_str()))
+        .collect();
+    for model in [&checkpoint, &export] {
+        assert_eq!(std::fs::read(model.join("tokenizer.json")).unwrap(), file);
+        let model = model.to_str().unwrap();
+        let out = train(&[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "the cat",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let record: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ids = |key: &str| -> Vec<i64> {
+            record[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|id| id.as_i64().unwrap())
+                .collect()
+        };
+        let prompt: Vec<&str> = ids("prompt_ids").iter().map(|id| word_of[id]).collect();
+        assert_eq!(prompt, ["the", "cat"], "{model}");
+        let words: Vec<&str> = ids("generated_ids").iter().map(|id| word_of[id]).collect();
+        assert_eq!(record["text"].as_str().unwrap(), words.join(" "), "{model}");
+    }
 
     let config = debug_config();
     let config = config.to_str().unwrap();

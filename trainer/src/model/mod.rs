@@ -7,4 +7,4 @@ mod qwen3;
 
 pub use config::{ModelConfig, ModelName};
 pub use loss::{causal_lm_loss, load_balancing_loss};
-pub use qwen3::{ExpertShard, ForwardOutput, Qwen3Model};
+pub use qwen3::{ExpertShard, ForwardOutput, KvCache, Qwen3Model};

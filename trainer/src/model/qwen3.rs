@@ -110,6 +110,37 @@ impl Qwen3Model {
         experts: &dyn Experts,
         tape: &mut Tape,
     ) -> Result<ForwardOutput> {
+        self.forward_at(input_ids, None, experts, tape)
+    }
+
+    /// The forward pass of `input_ids [B, S]` continuing the sequences whose keys and values
+    /// `cache` holds (`P` positions): positions `P..P+S`, each attending to every cached
+    /// position and causally to the new ones; the new keys and values are appended to `cache`.
+    /// Logits `[B, S, V]` are those [`Self::forward`] gives for the last S positions of the whole
+    /// sequence (incremental decoding, as transformers' `past_key_values`).
+    pub fn forward_cached(
+        &self,
+        input_ids: &Tensor,
+        cache: &mut KvCache,
+        experts: &dyn Experts,
+        tape: &mut Tape,
+    ) -> Result<ForwardOutput> {
+        ensure!(
+            cache.layers.len() == self.layers.len(),
+            "the KV cache has {} layers, the model {}",
+            cache.layers.len(),
+            self.layers.len()
+        );
+        self.forward_at(input_ids, Some(cache), experts, tape)
+    }
+
+    fn forward_at(
+        &self,
+        input_ids: &Tensor,
+        mut cache: Option<&mut KvCache>,
+        experts: &dyn Experts,
+        tape: &mut Tape,
+    ) -> Result<ForwardOutput> {
         let (batch, seq) = input_ids.size2()?;
         ensure!(
             input_ids.kind() == Kind::Int64,
@@ -117,9 +148,18 @@ impl Qwen3Model {
             input_ids.kind()
         );
         ensure!(batch > 0 && seq > 0, "input_ids is empty: [{batch}, {seq}]");
+        let past = cache.as_ref().map_or(0, |cache| cache.len);
+        if let Some(cache) = &cache {
+            ensure!(
+                past == 0 || cache.batch == batch,
+                "input_ids holds {batch} sequences, the KV cache {}",
+                cache.batch
+            );
+        }
         ensure!(
-            seq as usize <= self.config.max_position_embeddings,
-            "sequence length {seq} exceeds max_position_embeddings {}",
+            (past + seq) as usize <= self.config.max_position_embeddings,
+            "sequence length {} exceeds max_position_embeddings {}",
+            past + seq,
             self.config.max_position_embeddings
         );
         let (min, max) = (
@@ -135,22 +175,23 @@ impl Qwen3Model {
 
         let mut hidden = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         let (cos, sin) = rope_tables(
-            seq,
+            past + seq,
             self.config.head_dim as i64,
             self.config.rope_theta,
             hidden.kind(),
         );
         let (cos, sin) = (
-            cos.to_device(hidden.device()),
-            sin.to_device(hidden.device()),
+            cos.narrow(0, past, seq).to_device(hidden.device()),
+            sin.narrow(0, past, seq).to_device(hidden.device()),
         );
         let mut router_logits = Vec::new();
         let mut expert_index = Vec::new();
-        for layer in &self.layers {
+        for (l, layer) in self.layers.iter().enumerate() {
+            let kv = cache.as_mut().map(|cache| &mut cache.layers[l]);
             hidden = hidden.shallow_clone()
                 + layer
                     .self_attn
-                    .forward(&layer.input_layernorm.forward(&hidden), &cos, &sin);
+                    .forward(&layer.input_layernorm.forward(&hidden), &cos, &sin, kv);
             hidden = match &layer.mlp {
                 Mlp::Dense(mlp) => {
                     hidden.shallow_clone()
@@ -169,6 +210,10 @@ impl Qwen3Model {
                 }
             };
         }
+        if let Some(cache) = cache {
+            cache.len = past + seq;
+            cache.batch = batch;
+        }
         let hidden = self.norm.forward(&hidden);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         Ok(ForwardOutput {
@@ -176,6 +221,38 @@ impl Qwen3Model {
             router_logits,
             expert_index,
         })
+    }
+}
+
+/// The keys and values of the positions a model has seen, per layer, for incremental decoding
+/// ([`Qwen3Model::forward_cached`]).
+pub struct KvCache {
+    /// Per layer, keys and values `[B, kv_heads, P, D]` after `k_norm` and RoPE; `None` before
+    /// the first forward.
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// `P`, the positions held.
+    len: i64,
+    /// `B`, the sequences held.
+    batch: i64,
+}
+
+impl KvCache {
+    /// An empty cache for `model`.
+    pub fn new(model: &Qwen3Model) -> Self {
+        Self {
+            layers: (0..model.layers.len()).map(|_| None).collect(),
+            len: 0,
+            batch: 0,
+        }
+    }
+
+    /// The positions held.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -258,8 +335,16 @@ impl Attention {
         }
     }
 
-    /// `x [B, S, H]` → `[B, S, H]`.
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    /// `x [B, S, H]` → `[B, S, H]`, at the positions `cos`, `sin` `[S, D]` stand for. With
+    /// `cache` (keys and values `[B, kv_heads, P, D]` of the P positions before these), the new
+    /// keys and values are appended to it and the queries attend to all P + S positions.
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Tensor {
         let (batch, seq) = (x.size()[0], x.size()[1]);
         let heads = |weight: &Tensor, count: i64| {
             x.linear(weight, None::<Tensor>)
@@ -275,13 +360,37 @@ impl Attention {
             .transpose(1, 2);
         let v = heads(&self.v_proj, self.kv_heads).transpose(1, 2);
         let (q, k) = (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin));
+        let (k, v) = match cache {
+            None => (k, v),
+            Some(slot) => {
+                let (k, v) = match slot.take() {
+                    Some((past_k, past_v)) => {
+                        (Tensor::cat(&[past_k, k], 2), Tensor::cat(&[past_v, v], 2))
+                    }
+                    None => (k, v),
+                };
+                *slot = Some((k.shallow_clone(), v.shallow_clone()));
+                (k, v)
+            }
+        };
+        let past = k.size()[2] - seq;
         let groups = self.heads / self.kv_heads;
         let (k, v) = (
             k.repeat_interleave_self_int(groups, 1, None),
             v.repeat_interleave_self_int(groups, 1, None),
         );
         let scale = (self.head_dim as f64).powf(-0.5);
-        Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, false)
+        // Query i (position P + i) sees keys 0..=P + i: the causal mask when P = 0, nothing to
+        // mask for a single query, else the lower triangle shifted by P.
+        let (mask, causal) = match (past, seq) {
+            (0, _) => (None, true),
+            (_, 1) => (None, false),
+            _ => {
+                let visible = Tensor::ones([seq, past + seq], (Kind::Bool, x.device()));
+                (Some(visible.tril(past)), false)
+            }
+        };
+        Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, causal, scale, false)
             .transpose(1, 2)
             .reshape([batch, seq, self.heads * self.head_dim])
             .linear(&self.o_proj, None::<Tensor>)

@@ -13,7 +13,7 @@ use moekit::{Backend, BackendKind};
 use tch::{Device, Tensor};
 
 use super::{Experts, lend};
-use crate::tape::{ExternalBackward, Tape};
+use crate::tape::{ExternalBackward, Tape, grad_enabled};
 use crate::threads::release_openmp_workers;
 
 /// moekit's `permute` and `blockwise_mm` on one backend. The forward runs outside autograd,
@@ -75,9 +75,10 @@ impl Experts for KernelExperts {
             plan,
         };
         // Without a gradient to compute (evaluation, no_grad) there is nothing to record.
-        let differentiable = [x, affinities, gate_up, down]
-            .iter()
-            .any(|t| t.requires_grad());
+        let differentiable = grad_enabled()
+            && [x, affinities, gate_up, down]
+                .iter()
+                .any(|t| t.requires_grad());
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
             saved.forward_inputs(),
             BlockwiseMmParams {

@@ -1,0 +1,45 @@
+//! Helpers the trainer's integration tests share: scratch folders and running `moekit-train`.
+
+#![allow(dead_code)] // Each test binary uses its own subset.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// An empty folder for `test` under the system's temporary folder (`prefix` names the suite).
+pub fn scratch(prefix: &str, test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moekit-{prefix}-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `moekit-train args`.
+pub fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moekit-train"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Runs `moekit-train args`, which must succeed: its stdout.
+pub fn succeed(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "{args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs `moekit-train args`, which must fail with `expected` in its stderr and no panic.
+pub fn fail(args: &[&str], expected: &str) {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(
+        stderr.contains(expected),
+        "{args:?}: `{stderr}` lacks `{expected}`"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
