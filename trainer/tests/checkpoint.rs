@@ -3,12 +3,16 @@
 //! checkpoint they came from, and corrupt or mismatched checkpoints are clear errors that
 //! leave every file as it was.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
+
+use common::{fail, run, scratch, succeed};
 
 fn debug_config() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -16,41 +20,6 @@ fn debug_config() -> String {
         .to_str()
         .unwrap()
         .to_owned()
-}
-
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moekit-ckpt-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moekit-train"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn succeed(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "{args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn fail(args: &[&str], expected: &str) {
-    let out = run(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{args:?} succeeded");
-    assert!(
-        stderr.contains(expected),
-        "{args:?}: `{stderr}` lacks `{expected}`"
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 /// Trains the debug config for `steps` steps into `dump` with checkpoints every `interval`.
@@ -609,26 +578,10 @@ fn bf16_balanced_runs_learn_and_resume_exactly_with_master_weights_and_biases() 
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-#[test]
-fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
-    let dir = scratch("shards");
-    let config = debug_config();
-    let dump = dir.join("run");
-    succeed(&train_args(
-        dump.to_str().unwrap(),
-        &config,
-        &["--training.steps", "5", "--training.dtype", "bfloat16"],
-    ));
-    let ckpt = dump.join("checkpoints/step-00000005");
-    let hf = dir.join("hf");
-    succeed(&export_args(&ckpt, &hf));
-    let config_json: Value =
-        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
-    assert_eq!(config_json["torch_dtype"], "bfloat16");
-
-    // The same tensors split over two shards with an index, as large Hub checkpoints are.
-    let sharded = dir.join("sharded");
-    std::fs::create_dir_all(&sharded).unwrap();
+/// Writes the tensors of the Hugging Face directory `hf` (bf16) into `sharded` split over two
+/// shards with an index, as large Hub checkpoints are: the index.
+fn write_sharded(hf: &Path, sharded: &Path) -> Value {
+    std::fs::create_dir_all(sharded).unwrap();
     std::fs::copy(hf.join("config.json"), sharded.join("config.json")).unwrap();
     let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
@@ -662,6 +615,59 @@ fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
         serde_json::to_string(&index).unwrap(),
     )
     .unwrap();
+    index
+}
+
+#[test]
+fn dense_qwen3_exports_and_sharded_directories_load_like_their_checkpoint() {
+    let dir = scratch("dense-shards");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_debug.toml");
+    let dump = dir.join("run");
+    succeed(&train_args(
+        dump.to_str().unwrap(),
+        config.to_str().unwrap(),
+        &["--training.steps", "5", "--training.dtype", "bfloat16"],
+    ));
+    let ckpt = dump.join("checkpoints/step-00000005");
+    let hf = dir.join("hf");
+    succeed(&export_args(&ckpt, &hf));
+    let config_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config_json["model_type"], "qwen3");
+    let sharded = dir.join("sharded");
+    write_sharded(&hf, &sharded);
+    let tokens = dir.join("tokens.safetensors");
+    let ids: Vec<i64> = b"a dog finds the old map"
+        .iter()
+        .map(|&b| i64::from(b))
+        .collect();
+    write_tokens(&tokens, &ids, [1, ids.len()]);
+    let from_ckpt = eval_json(&eval_args(&ckpt, &tokens));
+    assert_eq!(eval_json(&eval_args(&hf, &tokens)), from_ckpt);
+    assert_eq!(eval_json(&eval_args(&sharded, &tokens)), from_ckpt);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
+    let dir = scratch("shards");
+    let config = debug_config();
+    let dump = dir.join("run");
+    succeed(&train_args(
+        dump.to_str().unwrap(),
+        &config,
+        &["--training.steps", "5", "--training.dtype", "bfloat16"],
+    ));
+    let ckpt = dump.join("checkpoints/step-00000005");
+    let hf = dir.join("hf");
+    succeed(&export_args(&ckpt, &hf));
+    let config_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config_json["torch_dtype"], "bfloat16");
+
+    // The same tensors split over two shards with an index, as large Hub checkpoints are.
+    let sharded = dir.join("sharded");
+    let index = write_sharded(&hf, &sharded);
 
     let tokens = dir.join("tokens.safetensors");
     let ids: Vec<i64> = b"the red fox paints a long letter at night."[..40]

@@ -1,12 +1,16 @@
 //! Job configs: the shipped ones load, the published architectures have their published
 //! parameter counts, overrides apply, and every bad key, value or combination is a clear error.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::model::{ModelConfig, ModelName, Qwen3Model};
 use moekit_trainer::moe::MoeImpl;
 use tch::{Device, nn};
+
+use common::scratch;
 
 fn configs_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
@@ -40,12 +44,6 @@ fn assert_load_errors(name: &str, cases: &[(&[(&str, &str)], &str)]) {
             "{pairs:?}: `{message}` lacks `{expected}`"
         );
     }
-}
-
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moekit-config-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 #[test]

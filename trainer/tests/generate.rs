@@ -235,7 +235,7 @@ fn ids(value: &Value) -> Vec<i64> {
 
 #[test]
 fn the_command_generates_the_librarys_tokens_through_the_directorys_tokenizer() {
-    let dir = scratch("generate", "cli");
+    let dir = scratch("cli");
     let hf = dir.join("hf");
     let config = tiny(ModelName::Qwen3Moe);
     let model = save_hf(&config, &hf);
@@ -359,7 +359,7 @@ fn the_command_generates_the_librarys_tokens_through_the_directorys_tokenizer() 
 
 #[test]
 fn bad_generate_flags_are_clear_errors() {
-    let dir = scratch("generate", "flags");
+    let dir = scratch("flags");
     let hf = dir.join("hf");
     save_hf(&tiny(ModelName::Qwen3), &hf);
     let hf_str = hf.to_str().unwrap();

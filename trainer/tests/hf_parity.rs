@@ -16,12 +16,16 @@
 //! experts in transformers); logits agree within 1e-4 absolute (observed about 1e-6) and
 //! losses within 1e-5 relative.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
+
+use common::{scratch, succeed as moekit};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -49,26 +53,6 @@ fn hf(args: &[&str]) {
         "hf_parity.py {args:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn moekit(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_moekit-train"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "moekit-train {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moekit-hf-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 fn s(path: &Path) -> &str {

@@ -1,27 +1,17 @@
 //! `moekit-train` end to end: the debug config learns, runs repeat exactly, and bad command
 //! lines and diverging runs fail with a message and a non-zero exit.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
+use common::{run as train, scratch};
+
 fn debug_config() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_moe_debug.toml")
-}
-
-/// A scratch folder unique to this test.
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moekit-train-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn train(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moekit-train"))
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 /// Trains the debug config into `dump`, with extra `args`, and returns metrics.jsonl's lines.

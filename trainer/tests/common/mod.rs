@@ -5,9 +5,10 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// An empty folder for `test` under the system's temporary folder (`prefix` names the suite).
-pub fn scratch(prefix: &str, test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moekit-{prefix}-{}-{test}", std::process::id()));
+/// An empty folder for `test` of this test binary under the system's temporary folder.
+pub fn scratch(test: &str) -> PathBuf {
+    let suite = env!("CARGO_CRATE_NAME");
+    let dir = std::env::temp_dir().join(format!("moekit-{suite}-{}-{test}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
