@@ -690,7 +690,7 @@ fn check_reports_every_output_and_fails_outside_the_tolerance() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown kernel `nope`"));
 }
 
-const FAKE_NRT: &str = env!("MOEKIT_FAKE_NRT");
+const FAKE_NRT: &str = moekit_nrt_fake::LIBRARY;
 
 #[test]
 fn neuron_info_reports_the_runtime_or_why_it_cannot() {

@@ -1,4 +1,4 @@
-//! The `neuron` backend end to end on the fake runtime (`ffi/fake_nrt.c`): manifest lookup,
+//! The `neuron` backend end to end on the fake runtime (`ffi/fake/fake_nrt.c`): manifest lookup,
 //! NEFF loading, binding by contract name, execution and read-back for `router_topk`,
 //! `blockwise_mm` and `blockwise_mm_bwd`, compared with the reference backend; and every mismatch between a call and a
 //! NEFF reported as a clear error before anything runs.
@@ -18,7 +18,7 @@ use moekit::neuron::{NeuronBackend, NeuronConfig};
 use moekit::{Backend, BackendKind, Error, Tensor};
 use proptest::prelude::*;
 
-const FAKE: &str = env!("MOEKIT_FAKE_NRT");
+const FAKE: &str = moekit_nrt_fake::LIBRARY;
 
 /// One runtime per process: every test that runs the backend takes this lock.
 fn exclusive() -> MutexGuard<'static, ()> {

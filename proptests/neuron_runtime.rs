@@ -1,5 +1,5 @@
 //! The Neuron runtime binding through the real dynamic-loading path, against the fake runtime
-//! (`ffi/fake_nrt.c`, built by build.rs): the full lifecycle and every error path.
+//! (`ffi/fake/fake_nrt.c`, crate `moekit-nrt-fake`): the full lifecycle and every error path.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -9,8 +9,8 @@ use moekit::neuron::{
     Library, Model, NrtDType, Placement, Runtime, Status, Tensor, TensorInfo, TensorSet, Usage,
 };
 
-const FAKE: &str = env!("MOEKIT_FAKE_NRT");
-const FAKE_WITHOUT_EXECUTE_REPEAT: &str = env!("MOEKIT_FAKE_NRT_PARTIAL");
+const FAKE: &str = moekit_nrt_fake::LIBRARY;
+const FAKE_WITHOUT_EXECUTE_REPEAT: &str = moekit_nrt_fake::LIBRARY_WITHOUT_EXECUTE_REPEAT;
 
 /// One runtime per process: tests that open one take this lock.
 fn exclusive() -> MutexGuard<'static, ()> {

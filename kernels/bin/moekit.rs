@@ -252,10 +252,7 @@ fn neuron_tensors(neff: &Path, library: Option<&Path>) -> Result<()> {
 fn neuron_info(library: Option<&Path>) -> Result<()> {
     let library = open_library(library)?;
     println!("library: {}", library.path().display());
-    println!(
-        "bindings: generated from {}",
-        env!("MOEKIT_NRT_BINDINGS_SOURCE")
-    );
+    println!("bindings: {}", moekit_nrt_sys::SOURCE);
     let total = library.total_vnc_count()?;
     let runtime = Runtime::init(library)?;
     println!("runtime version: {}", runtime.version()?);

@@ -11,7 +11,9 @@ pub mod limits;
 pub mod manifest;
 pub mod runtime;
 pub mod status;
-mod sys;
+
+/// The raw bindings ([`moekit_nrt_sys`]), used only by [`runtime`].
+use moekit_nrt_sys as sys;
 
 pub use backend::{NeuronBackend, NeuronConfig};
 pub use runtime::{

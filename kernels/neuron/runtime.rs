@@ -14,10 +14,6 @@
 //! `NRT_CLOSED` instead of calling into a closed runtime (each call holds the runtime's read
 //! lock, closing takes the write lock), and handles of different runtimes are never mixed.
 
-// The C enums' integer types come from whichever header bindgen read (the SDK's or
-// `ffi/nrt.h`), so conversions to `u32` are written as casts that may be no-ops for one of them.
-#![allow(clippy::unnecessary_cast)]
-
 use std::ffi::{CStr, CString, c_char};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -117,7 +113,7 @@ fn check(
     }
     Err(Error::NeuronStatus {
         call,
-        status: Status(status as u32).name(),
+        status: Status(status).name(),
         context: context(),
     })
 }
@@ -407,9 +403,9 @@ impl Placement {
 pub struct NrtDType(pub u32);
 
 impl NrtDType {
-    pub const BF16: NrtDType = NrtDType(sys::NRT_DTYPE_BFLOAT16 as u32);
-    pub const F32: NrtDType = NrtDType(sys::NRT_DTYPE_FLOAT32 as u32);
-    pub const I32: NrtDType = NrtDType(sys::NRT_DTYPE_INT32 as u32);
+    pub const BF16: NrtDType = NrtDType(sys::NRT_DTYPE_BFLOAT16);
+    pub const F32: NrtDType = NrtDType(sys::NRT_DTYPE_FLOAT32);
+    pub const I32: NrtDType = NrtDType(sys::NRT_DTYPE_INT32);
 
     /// The type's name, e.g. `bf16`, or `nrt_dtype(n)` for a type moekit does not use.
     pub fn name(self) -> String {
@@ -430,13 +426,10 @@ impl NrtDType {
             (sys::NRT_DTYPE_INT32, "i32"),
             (sys::NRT_DTYPE_INT64, "i64"),
         ];
-        known
-            .iter()
-            .find(|(code, _)| *code as u32 == self.0)
-            .map_or_else(
-                || format!("nrt_dtype({})", self.0),
-                |(_, name)| (*name).to_owned(),
-            )
+        known.iter().find(|(code, _)| *code == self.0).map_or_else(
+            || format!("nrt_dtype({})", self.0),
+            |(_, name)| (*name).to_owned(),
+        )
     }
 }
 
@@ -513,7 +506,7 @@ impl Model {
                         Usage::Output
                     },
                     size: info.size,
-                    dtype: NrtDType(info.dtype as u32),
+                    dtype: NrtDType(info.dtype),
                     shape: if info.shape.is_null() {
                         Vec::new()
                     } else {
