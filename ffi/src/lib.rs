@@ -17,6 +17,7 @@
     non_upper_case_globals,
     non_snake_case,
     unsafe_op_in_unsafe_fn,
+    clippy::undocumented_unsafe_blocks,
     clippy::all,
     clippy::pedantic
 )]

@@ -273,11 +273,8 @@ impl Runtime {
         let _open = self.shared.open("nrt_get_visible_vnc_count", String::new)?;
         let mut count = 0u32;
         // SAFETY: `count` is a valid out-pointer for the call's duration.
-        check(
-            "nrt_get_visible_vnc_count",
-            unsafe { f(&mut count) },
-            String::new,
-        )?;
+        let status = unsafe { f(&mut count) };
+        check("nrt_get_visible_vnc_count", status, String::new)?;
         Ok(count)
     }
 
@@ -355,11 +352,8 @@ impl Runtime {
         let _open = self.shared.open("nrt_allocate_tensor_set", String::new)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer.
-        check(
-            "nrt_allocate_tensor_set",
-            unsafe { allocate(&mut raw) },
-            String::new,
-        )?;
+        let status = unsafe { allocate(&mut raw) };
+        check("nrt_allocate_tensor_set", status, String::new)?;
         Ok(TensorSet {
             raw,
             shared: Arc::clone(&self.shared),
@@ -485,11 +479,8 @@ impl Model {
         let open = self.shared.open("nrt_get_model_tensor_info", context)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `self.raw` is a live model and `raw` a valid out-pointer.
-        check(
-            "nrt_get_model_tensor_info",
-            unsafe { get(self.raw, &mut raw) },
-            context,
-        )?;
+        let status = unsafe { get(self.raw, &mut raw) };
+        check("nrt_get_model_tensor_info", status, context)?;
         // SAFETY: on success `raw` points to an array of `tensor_count` entries, each with a
         // NUL-terminated name and `ndim` shape entries, valid until it is freed below.
         let tensors = unsafe {
