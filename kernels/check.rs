@@ -25,6 +25,7 @@ use crate::contracts::{
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
 use crate::neuron::manifest::{Manifest, Value};
+use crate::random::SplitMix64;
 use crate::tensor::{DType, Tensor};
 
 /// The agreement `check` demands of a backend.
@@ -203,15 +204,6 @@ fn without_padding_row(tensors: &mut BTreeMap<String, Tensor>, t: usize, e: usiz
     Ok(())
 }
 
-/// SplitMix64 step: the case generator's randomness.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// `cases` layers of random sizes (T ≤ 64, H ≤ 48, E ≤ 12, I ≤ 32, B ≤ 16, with odd sizes and
 /// B > T·K among them), each checking `kernels` with random router parameters.
 pub fn random_cases(
@@ -221,11 +213,10 @@ pub fn random_cases(
     kernels: &[Kernel],
 ) -> Result<Vec<CheckCase>> {
     at_least_one_case(cases)?;
-    let mut state = seed;
+    let mut rng = SplitMix64::new(seed);
     (0..cases)
         .map(|case| {
-            let mut draw =
-                |lo: usize, hi: usize| lo + (next(&mut state) % (hi - lo + 1) as u64) as usize;
+            let mut draw = |lo: usize, hi: usize| lo + rng.below(hi - lo + 1);
             let e = draw(1, 12);
             let sizes = Sizes {
                 t: draw(1, 64),

@@ -18,6 +18,7 @@
 //!   runs NEFFs named in a kernel manifest.
 //! - [`bench`]: kernel benchmarks against the machine's measured limits.
 //! - [`check`]: a backend against the reference on random inputs, per output tensor.
+//! - [`random`]: SplitMix64, the seeded generator of the checks, benchmarks and tests.
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
 //! - `torch` (feature `libtorch`): conversions to and from libtorch tensors.
 //!
@@ -91,6 +92,7 @@ pub mod golden;
 pub mod kernel;
 pub mod memory;
 pub mod neuron;
+pub mod random;
 pub mod reference;
 pub mod tensor;
 #[cfg(feature = "libtorch")]

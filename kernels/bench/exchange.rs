@@ -11,6 +11,7 @@ use std::time::Instant;
 use super::{MoeShape, median};
 use crate::ep::{Communicator, DispatchParams, combine, dispatch};
 use crate::error::Result;
+use crate::random::SplitMix64;
 use crate::tensor::{Tensor, try_capacity};
 
 /// One measured configuration.
@@ -37,20 +38,14 @@ impl ExchangeRow {
 /// Deterministic inputs of one rank: `x [T, H]`, `expert_index [T, K]` (uniform, distinct
 /// per row), `topk_affinities [T, K]`.
 fn inputs(rank: usize, t: usize, shape: MoeShape) -> Result<(Tensor, Tensor, Tensor)> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (rank as u64 + 1);
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = SplitMix64::new(rank as u64 + 1);
     let mut x = try_capacity("benchmark input `x`", &[t, shape.h])?;
-    x.extend((0..t * shape.h).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0));
+    x.extend((0..t * shape.h).map(|_| rng.uniform(-1.0, 1.0) as f32));
     let mut ids = try_capacity("benchmark input `expert_index`", &[t, shape.k])?;
     for _ in 0..t {
         let mut row: Vec<i32> = Vec::with_capacity(shape.k);
         while row.len() < shape.k {
-            let id = (next() % shape.e as u64) as i32;
+            let id = rng.below(shape.e) as i32;
             if !row.contains(&id) {
                 row.push(id);
             }

@@ -17,6 +17,7 @@ use crate::error::{Error, Result, find_named};
 use crate::kernel::Kernel;
 use crate::neuron::manifest::Manifest;
 use crate::neuron::{NeuronBackend, NeuronConfig};
+use crate::random::SplitMix64;
 use crate::tensor::{DType, Tensor, try_capacity};
 use limits::{Device, MachineLimits};
 
@@ -252,23 +253,23 @@ fn time<T>(min_time: Duration, mut f: impl FnMut() -> Result<T>) -> Result<f64> 
     Ok(median(times))
 }
 
-/// The median of at least one time.
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+/// The median of at least one value (the mean of the middle two of an even count).
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n % 2 {
+        1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// Deterministic pseudo-random values uniform in `[-scale, scale)` for the benchmark input
 /// `name` of `shape`, or the error naming it when they cannot be allocated.
 fn uniform(name: &str, shape: &[usize], scale: f32, seed: u64) -> Result<Vec<f32>> {
     let mut values = try_capacity(&format!("benchmark input `{name}`"), shape)?;
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    values.extend((0..shape.iter().product()).map(|_| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    }));
+    let mut rng = SplitMix64::new(seed);
+    let scale = f64::from(scale);
+    values.extend((0..shape.iter().product()).map(|_| rng.uniform(-scale, scale) as f32));
     Ok(values)
 }
 

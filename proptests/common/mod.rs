@@ -7,6 +7,7 @@ pub mod ep_layer;
 pub mod rows_exchange;
 
 use moekit::Tensor;
+use moekit::random::SplitMix64;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -34,46 +35,34 @@ pub fn scratch_dir(group: &str, name: &str) -> std::path::PathBuf {
     dir
 }
 
-/// SplitMix64: a tiny deterministic generator for bulk tensor data (proptest picks the seed).
-pub struct SeededRng(u64);
+/// moekit's seeded generator ([`SplitMix64`]) with the tests' bulk draws; proptest picks the
+/// seed.
+pub struct SeededRng(SplitMix64);
 
 impl SeededRng {
     pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `0..n`.
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        Self(SplitMix64::new(seed))
     }
 
     /// `n` values uniform in `[-scale, scale)`, rounded to f32 so f32 tensors hold them exactly.
     pub fn values(&mut self, n: usize, scale: f64) -> Vec<f64> {
         (0..n)
-            .map(|_| f64::from(self.uniform(-scale, scale) as f32))
+            .map(|_| f64::from(self.0.uniform(-scale, scale) as f32))
             .collect()
     }
+}
 
-    /// A random permutation of `0..n`.
-    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
-        let mut p: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            p.swap(i, self.below(i + 1));
-        }
-        p
+impl std::ops::Deref for SeededRng {
+    type Target = SplitMix64;
+
+    fn deref(&self) -> &SplitMix64 {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for SeededRng {
+    fn deref_mut(&mut self) -> &mut SplitMix64 {
+        &mut self.0
     }
 }
 

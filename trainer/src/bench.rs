@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use moekit::bench::limits::MachineLimits;
+use moekit::bench::median;
 use serde::Serialize;
 
 use crate::config::JobConfig;
@@ -127,16 +128,6 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
         row.vs_grouped_mm = grouped.map(|g| row.tokens_per_second / g);
     }
     Ok((limits, rows))
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
 }
 
 /// The table `moekit-train bench` prints.

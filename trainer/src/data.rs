@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, ensure};
+use moekit::random::SplitMix64;
 use tch::Tensor;
 
 /// How text becomes token ids.
@@ -146,9 +147,7 @@ pub fn builtin_corpus(bytes: usize) -> String {
     let mut rng = SplitMix64::new(0x6d6f_656b_6974);
     let mut text = String::with_capacity(bytes + 128);
     while text.len() < bytes {
-        let pick = |rng: &mut SplitMix64, words: &[&'static str]| {
-            words[rng.below(words.len() as u64) as usize]
-        };
+        let pick = |rng: &mut SplitMix64, words: &[&'static str]| words[rng.below(words.len())];
         let subject = pick(&mut rng, SUBJECTS);
         let verb = pick(&mut rng, VERBS);
         let object = pick(&mut rng, OBJECTS);
@@ -235,12 +234,8 @@ impl Batches {
 
     fn shuffle(&mut self) {
         let windows = self.tokens.len() / self.seq_len;
-        self.order = (0..windows).collect();
         let mut rng = SplitMix64::new(self.seed ^ self.epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        for i in (1..windows).rev() {
-            let j = rng.below(i as u64 + 1) as usize;
-            self.order.swap(i, j);
-        }
+        self.order = rng.permutation(windows);
         self.cursor = 0;
     }
 
@@ -330,34 +325,6 @@ pub fn validation_batches(
         .take(count)
         .map(|batch| Tensor::from_slice(batch).view([batch_size as i64, seq_len as i64]))
         .collect())
-}
-
-/// SplitMix64: a small, fast, seedable generator (data order, sampling).
-pub(crate) struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub(crate) fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, n)` (n > 0), by rejection so every value is equally likely.
-    fn below(&mut self, n: u64) -> u64 {
-        let zone = u64::MAX - u64::MAX % n;
-        loop {
-            let x = self.next();
-            if x < zone {
-                return x % n;
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,9 @@ use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::checkpoint::TOKENIZER_FILE;
-use crate::data::{SplitMix64, TextTokenizer};
+use moekit::random::SplitMix64;
+
+use crate::data::TextTokenizer;
 use crate::model::{KvCache, Qwen3Model};
 use crate::moe::Experts;
 use crate::tape::Tape;
@@ -77,7 +79,7 @@ impl Sampling {
             kept += weights[order[nucleus]];
             nucleus += 1;
         }
-        let mut target = uniform(rng) * kept;
+        let mut target = rng.uniform(0.0, kept);
         for &token in &order[..nucleus] {
             target -= weights[token];
             if target < 0.0 {
@@ -87,11 +89,6 @@ impl Sampling {
         // Rounding left a sliver past the last kept token.
         Ok(order[nucleus - 1] as i64)
     }
-}
-
-/// Uniform in `[0, 1)` with 53 random bits.
-fn uniform(rng: &mut SplitMix64) -> f64 {
-    (rng.next() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// What [`generate`] produces and how.
