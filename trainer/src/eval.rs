@@ -9,10 +9,9 @@ use safetensors::tensor::Dtype;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 
-use crate::checkpoint::{
-    TOKENIZER_FILE, assign_params, export_hf, is_training_checkpoint, load_hf, load_training,
-};
+use crate::checkpoint::{assign_params, is_training_checkpoint, load_training};
 use crate::footprint::ensure_fits_in_host_memory;
+use crate::hf::{TOKENIZER_FILE, export_hf, load_hf};
 use crate::model::{ExpertShard, ModelConfig, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::MoeImpl;
 use crate::tape::Tape;

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use crate::checkpoint::TOKENIZER_FILE;
+use crate::hf::TOKENIZER_FILE;
 use moekit::random::SplitMix64;
 
 use crate::data::TextTokenizer;

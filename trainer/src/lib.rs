@@ -5,10 +5,12 @@
 //! `grouped_mm`) or moekit's kernels (`reference`, `cpu`), whose backward is stitched into
 //! autograd.
 //!
-//! - [`bench`]: training throughput of each MoE implementation.
+//! - [`mod@bench`]: training throughput of each MoE implementation.
 //! - [`config`]: the TOML job config and its command-line overrides.
 //! - [`device`]: `cpu` or `cuda`, and loading libtorch's CUDA library.
-//! - [`checkpoint`]: Hugging Face directories and training checkpoints.
+//! - [`hf`]: the Hugging Face format: `config.json` and the weights, read and written.
+//! - [`checkpoint`]: training checkpoints (save, verify, rotate, resume).
+//! - [`files`]: bounded reads of user files; atomic writes of tensors, JSON and folders.
 //! - [`model`]: Qwen3-MoE and its losses.
 //! - [`moe`]: the experts' implementations.
 //! - [`tape`]: running kernels outside autograd inside a backward pass.
@@ -30,6 +32,7 @@ pub mod eval;
 pub mod files;
 pub mod footprint;
 pub mod generate;
+pub mod hf;
 pub mod model;
 pub mod moe;
 pub mod oom;

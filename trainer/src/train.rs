@@ -15,12 +15,13 @@ use tch::{Device, Kind, Tensor, nn};
 
 use crate::checkpoint::{
     Selection, TrainingCheckpoint, TrainingState, abandon_training, assign_params, begin_training,
-    finish_training, load_hf, load_training_shard, remove_stale_staging, save_training,
-    select_checkpoint, set_aside_damaged, staging_folder, step_folder, write_training_shard,
+    finish_training, load_training_shard, remove_stale_staging, save_training, select_checkpoint,
+    set_aside_damaged, staging_folder, step_folder, write_training_shard,
 };
 use crate::config::JobConfig;
 use crate::data::{Batches, Source, TextTokenizer, hold_out_tail, validation_batches};
 use crate::footprint::{StepFootprint, ensure_fits_in_host_memory, held_parameters};
+use crate::hf::load_hf;
 use crate::model::{ExpertShard, ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};

@@ -10,8 +10,8 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use common::{fail, scratch, succeed};
-use moekit_trainer::checkpoint::export_hf;
 use moekit_trainer::generate::{GenerateOptions, Sampling, generate};
+use moekit_trainer::hf::export_hf;
 use moekit_trainer::model::{KvCache, ModelConfig, ModelName, Qwen3Model};
 use moekit_trainer::moe::MoeImpl;
 use moekit_trainer::tape::Tape;

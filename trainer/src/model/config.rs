@@ -2,11 +2,9 @@
 //! field names, read from a job config's `[model]` table or from a Hugging Face `config.json`.
 
 use std::collections::BTreeSet;
-use std::path::Path;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Result, bail, ensure};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 /// Which Hugging Face architecture a model is: its `model_type`.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -38,7 +36,8 @@ impl ModelName {
         }
     }
 
-    fn from_model_type(model_type: &str) -> Result<Self> {
+    /// The model a `config.json`'s `model_type` names.
+    pub fn from_model_type(model_type: &str) -> Result<Self> {
         match model_type {
             "qwen3_moe" => Ok(Self::Qwen3Moe),
             "qwen3" => Ok(Self::Qwen3),
@@ -95,22 +94,22 @@ pub struct ModelConfig {
     pub initializer_range: f64,
 }
 
-fn one() -> usize {
+pub(crate) fn one() -> usize {
     1
 }
-fn default_rms_norm_eps() -> f64 {
+pub(crate) fn default_rms_norm_eps() -> f64 {
     1e-6
 }
-fn default_rope_theta() -> f64 {
+pub(crate) fn default_rope_theta() -> f64 {
     10_000.0
 }
-fn default_max_position_embeddings() -> usize {
+pub(crate) fn default_max_position_embeddings() -> usize {
     32_768
 }
-fn default_router_aux_loss_coef() -> f64 {
+pub(crate) fn default_router_aux_loss_coef() -> f64 {
     0.001
 }
-fn default_initializer_range() -> f64 {
+pub(crate) fn default_initializer_range() -> f64 {
     0.02
 }
 
@@ -270,188 +269,5 @@ impl ModelConfig {
             self.router_aux_loss_coef
         );
         Ok(())
-    }
-
-    /// Reads a Hugging Face `config.json`, in either form found in the wild: the Hub
-    /// checkpoints' (`num_experts`, top-level `rope_theta`) or transformers v5's
-    /// (`num_local_experts`, `rope_parameters.rope_theta`). Keys this model does not use are
-    /// ignored; features it does not implement (attention bias or dropout, sliding windows,
-    /// RoPE scaling, activations other than SiLU) are errors.
-    pub fn from_hf_config_json(path: &Path) -> Result<Self> {
-        let text = crate::files::read_text(path)
-            .with_context(|| format!("cannot read model config {}", path.display()))?;
-        let json: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        Self::from_hf_json(&json).with_context(|| format!("in {}", path.display()))
-    }
-
-    /// [`Self::from_hf_config_json`] on parsed JSON.
-    pub fn from_hf_json(json: &Value) -> Result<Self> {
-        let object = json
-            .as_object()
-            .context("config.json must be a JSON object")?;
-        let name = match object.get("model_type").and_then(Value::as_str) {
-            Some(model_type) => ModelName::from_model_type(model_type)?,
-            None => ModelName::default(),
-        };
-        let moe = name == ModelName::Qwen3Moe;
-        if let Some(act) = object.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
-        {
-            bail!("hidden_act \"{act}\" is not supported (Qwen3 uses \"silu\")");
-        }
-        if let Some(dropout) = object.get("attention_dropout").and_then(Value::as_f64)
-            && dropout != 0.0
-        {
-            bail!("attention_dropout = {dropout} is not supported (only 0)");
-        }
-        for flag in ["attention_bias", "use_sliding_window"] {
-            if object.get(flag).and_then(Value::as_bool) == Some(true) {
-                bail!("{flag} = true is not supported by this Qwen3 implementation");
-            }
-        }
-        let rope_parameters = object.get("rope_parameters").filter(|v| !v.is_null());
-        if let Some(kind) = rope_parameters
-            .and_then(|p| p.get("rope_type"))
-            .and_then(Value::as_str)
-            .filter(|&kind| kind != "default")
-        {
-            bail!("rope_type \"{kind}\" is not supported (only the default rotary embedding)");
-        }
-        if object.get("rope_scaling").is_some_and(|v| !v.is_null()) {
-            bail!("rope_scaling is not supported (only the default rotary embedding)");
-        }
-
-        let usize_key = |key: &str| -> Result<Option<usize>> {
-            object
-                .get(key)
-                .filter(|v| !v.is_null())
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|n| usize::try_from(n).ok())
-                        .with_context(|| format!("`{key}` must be a non-negative integer, got {v}"))
-                })
-                .transpose()
-        };
-        let f64_key = |value: Option<&Value>, key: &str| -> Result<Option<f64>> {
-            value
-                .filter(|v| !v.is_null())
-                .map(|v| {
-                    v.as_f64()
-                        .with_context(|| format!("`{key}` must be a number, got {v}"))
-                })
-                .transpose()
-        };
-        let bool_key = |key: &str| -> Result<Option<bool>> {
-            object
-                .get(key)
-                .filter(|v| !v.is_null())
-                .map(|v| {
-                    v.as_bool()
-                        .with_context(|| format!("`{key}` must be true or false, got {v}"))
-                })
-                .transpose()
-        };
-        let required = |key: &str| -> Result<usize> {
-            usize_key(key)?.with_context(|| format!("missing `{key}`"))
-        };
-
-        let hidden_size = required("hidden_size")?;
-        let num_attention_heads = required("num_attention_heads")?;
-        // The MoE keys: required for Qwen3-MoE, absent (0) for the dense Qwen3.
-        let moe_key = |key: &str| -> Result<usize> {
-            match moe {
-                true => required(key),
-                false => Ok(0),
-            }
-        };
-        let num_experts = match (usize_key("num_experts")?, usize_key("num_local_experts")?) {
-            _ if !moe => 0,
-            (Some(a), Some(b)) if a != b => {
-                bail!("`num_experts` ({a}) and `num_local_experts` ({b}) disagree")
-            }
-            (Some(n), _) | (None, Some(n)) => n,
-            (None, None) => bail!("missing `num_experts` (or `num_local_experts`)"),
-        };
-        let rope_theta = match (
-            f64_key(object.get("rope_theta"), "rope_theta")?,
-            f64_key(
-                rope_parameters.and_then(|p| p.get("rope_theta")),
-                "rope_parameters.rope_theta",
-            )?,
-        ) {
-            (Some(a), Some(b)) if a != b => {
-                bail!("`rope_theta` ({a}) and `rope_parameters.rope_theta` ({b}) disagree")
-            }
-            (Some(theta), _) | (None, Some(theta)) => theta,
-            (None, None) => default_rope_theta(),
-        };
-        let mlp_only_layers = match object
-            .get("mlp_only_layers")
-            .filter(|v| moe && !v.is_null())
-        {
-            None => Vec::new(),
-            Some(v) => v
-                .as_array()
-                .and_then(|layers| {
-                    layers
-                        .iter()
-                        .map(|l| l.as_u64().and_then(|n| usize::try_from(n).ok()))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .with_context(|| {
-                    format!("`mlp_only_layers` must be a list of layer indices, got {v}")
-                })?,
-        };
-        let head_dim = match usize_key("head_dim")? {
-            Some(d) => d,
-            // Qwen3Config's default; Qwen3MoeConfig derives it.
-            None if !moe => 128,
-            None => {
-                ensure!(
-                    num_attention_heads > 0,
-                    "`num_attention_heads` must be at least 1"
-                );
-                hidden_size / num_attention_heads
-            }
-        };
-        let config = Self {
-            name,
-            vocab_size: required("vocab_size")?,
-            hidden_size,
-            intermediate_size: required("intermediate_size")?,
-            moe_intermediate_size: moe_key("moe_intermediate_size")?,
-            num_hidden_layers: required("num_hidden_layers")?,
-            num_attention_heads,
-            // transformers' defaults: Qwen3MoeConfig's 4, Qwen3Config's 32.
-            num_key_value_heads: usize_key("num_key_value_heads")?.unwrap_or(match name {
-                ModelName::Qwen3Moe => 4,
-                ModelName::Qwen3 => 32,
-            }),
-            head_dim,
-            num_experts,
-            num_experts_per_tok: moe_key("num_experts_per_tok")?,
-            decoder_sparse_step: match moe {
-                true => usize_key("decoder_sparse_step")?.unwrap_or(1),
-                false => 1,
-            },
-            mlp_only_layers,
-            norm_topk_prob: moe && bool_key("norm_topk_prob")?.unwrap_or(false),
-            rms_norm_eps: f64_key(object.get("rms_norm_eps"), "rms_norm_eps")?
-                .unwrap_or_else(default_rms_norm_eps),
-            rope_theta,
-            max_position_embeddings: usize_key("max_position_embeddings")?
-                .unwrap_or_else(default_max_position_embeddings),
-            tie_word_embeddings: bool_key("tie_word_embeddings")?.unwrap_or(false),
-            router_aux_loss_coef: f64_key(
-                object.get("router_aux_loss_coef"),
-                "router_aux_loss_coef",
-            )?
-            .unwrap_or_else(default_router_aux_loss_coef),
-            initializer_range: f64_key(object.get("initializer_range"), "initializer_range")?
-                .unwrap_or_else(default_initializer_range),
-        };
-        config.validate()?;
-        Ok(config)
     }
 }

@@ -1,6 +1,6 @@
 //! Qwen3-MoE and dense Qwen3 with Hugging Face semantics, in libtorch.
 
-mod config;
+pub(crate) mod config;
 mod layers;
 mod loss;
 mod qwen3;
