@@ -226,16 +226,7 @@ fn kernel_options(options: &Options) -> Result<(MoeImpl, usize)> {
     let moe = options
         .get("kernels.moe")
         .map_or(Ok(MoeImpl::Torch), parse_moe)?;
-    let block_size = match options.get("kernels.block_size") {
-        None => 64,
-        Some(b) => b
-            .parse::<usize>()
-            .ok()
-            .filter(|&b| b > 0)
-            .with_context(|| {
-                format!("--kernels.block_size must be a positive integer, got `{b}`")
-            })?,
-    };
+    let block_size = positive(options, "kernels.block_size")?.unwrap_or(64);
     Ok((moe, block_size))
 }
 
@@ -251,24 +242,34 @@ fn parse_flag<T: std::str::FromStr>(options: &Options, key: &str, what: &str) ->
         .transpose()
 }
 
+/// `--key`'s value, if given, as a positive integer.
+fn positive(options: &Options, key: &str) -> Result<Option<usize>> {
+    let value = parse_flag::<usize>(options, key, "a positive integer")?;
+    ensure!(
+        value != Some(0),
+        "--{key} must be a positive integer, got `0`"
+    );
+    Ok(value)
+}
+
 fn run_generate(options: Options) -> Result<()> {
     let (moe, block_size) = kernel_options(&options)?;
-    let max_new_tokens =
-        parse_flag::<usize>(&options, "max-new-tokens", "a positive integer")?.unwrap_or(64);
-    ensure!(
-        max_new_tokens > 0,
-        "--max-new-tokens must be a positive integer, got 0"
-    );
+    let max_new_tokens = positive(&options, "max-new-tokens")?.unwrap_or(64);
     let sampling = Sampling::new(
         parse_flag(&options, "temperature", "a number")?.unwrap_or(0.0),
         parse_flag(&options, "top-p", "a number")?.unwrap_or(1.0),
         parse_flag(&options, "seed", "a non-negative integer")?.unwrap_or(0),
     )?;
     let json = parse_flag::<bool>(&options, "json", "true or false")?.unwrap_or(false);
-    let prompt_ids = match (options.get("prompt"), options.get("prompt-ids")) {
+    let dir = PathBuf::from(options.required("model")?);
+    let tokenizer = directory_tokenizer(&dir)?;
+    // The prompt's text (printed back as given) where it came as text, and its ids.
+    let (prompt_text, prompt_ids) = match (options.get("prompt"), options.get("prompt-ids")) {
         (Some(_), Some(_)) => bail!("give --prompt or --prompt-ids, not both"),
         (None, None) => bail!("missing `--prompt TEXT` or `--prompt-ids 1,2,3`\n\n{USAGE}"),
-        (None, Some(ids)) => Some(
+        (Some(text), None) => (Some(text.to_owned()), tokenizer.encode(text)?),
+        (None, Some(ids)) => (
+            None,
             ids.split(',')
                 .map(|id| {
                     id.trim().parse::<i64>().ok().with_context(|| {
@@ -277,14 +278,8 @@ fn run_generate(options: Options) -> Result<()> {
                 })
                 .collect::<Result<Vec<_>>>()?,
         ),
-        (Some(_), None) => None,
     };
-    let dir = PathBuf::from(options.required("model")?);
-    let tokenizer = directory_tokenizer(&dir)?;
-    let prompt_ids = match prompt_ids {
-        Some(ids) => ids,
-        None => tokenizer.encode(options.required("prompt")?)?,
-    };
+    let stop_ids = stop_ids(&dir)?;
     let loaded = load_model(&dir, LoadDtype::Float32)?;
     let length = prompt_ids.len().saturating_add(max_new_tokens) as u128;
     ensure_fits_in_host_memory(
@@ -299,7 +294,7 @@ fn run_generate(options: Options) -> Result<()> {
     let generate_options = GenerateOptions {
         max_new_tokens,
         sampling,
-        stop_ids: stop_ids(&dir)?,
+        stop_ids,
     };
     let experts = moe.create(block_size)?;
     let generation = generate(
@@ -318,7 +313,11 @@ fn run_generate(options: Options) -> Result<()> {
         });
         println!("{record}");
     } else {
-        println!("{}{text}", tokenizer.decode(&prompt_ids)?);
+        let prompt = match prompt_text {
+            Some(text) => text,
+            None => tokenizer.decode(&prompt_ids)?,
+        };
+        println!("{prompt}{text}");
         eprintln!(
             "{} tokens in {:.3} s: {:.1} tokens/s",
             generation.generated_ids.len(),

@@ -389,7 +389,7 @@ fn bad_generate_flags_are_clear_errors() {
         ),
         (
             &["--prompt", "a", "--max-new-tokens", "0"],
-            "--max-new-tokens must be a positive integer, got 0",
+            "--max-new-tokens must be a positive integer, got `0`",
         ),
         (
             &["--prompt", "a", "--max-new-tokens", "-3"],
