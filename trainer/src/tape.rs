@@ -17,10 +17,16 @@ use anyhow::Result;
 use moekit::torch::borrow_as_tch;
 use tch::Tensor;
 
-/// Whether libtorch records gradients here (false inside `tch::no_grad`). `tch` exposes no
-/// query of the grad mode; an operation's result requires grad exactly when the mode is on and
-/// one of its inputs requires grad, so one scalar operation tells.
-pub fn grad_enabled() -> bool {
+/// Whether a kernel run outside autograd on `inputs` must record its backward: libtorch
+/// records gradients here (not inside `tch::no_grad`) and one of `inputs` requires grad.
+pub fn needs_backward(inputs: &[&Tensor]) -> bool {
+    grad_enabled() && inputs.iter().any(|t| t.requires_grad())
+}
+
+/// Whether libtorch records gradients here. `tch` exposes no query of the grad mode; an
+/// operation's result requires grad exactly when the mode is on and one of its inputs requires
+/// grad, so one scalar operation tells.
+fn grad_enabled() -> bool {
     let probe = Tensor::zeros([], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
     (&probe + 0.0).requires_grad()
 }

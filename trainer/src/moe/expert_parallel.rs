@@ -20,7 +20,7 @@ use moekit::{Backend, BackendKind};
 use tch::{Device, Tensor};
 
 use super::{Experts, lend};
-use crate::tape::{ExternalBackward, Tape, grad_enabled};
+use crate::tape::{ExternalBackward, Tape, needs_backward};
 use crate::threads::release_openmp_workers;
 
 /// The experts of this rank on moekit's kernels; the other ranks' experts are reached through
@@ -132,10 +132,7 @@ impl Experts for ExpertParallelExperts {
         let (output, experts) = self.group.sharded().forward(saved.inputs())?;
         self.group.add_exchange_time(experts.exchange_time());
         let output = to_tch(&output).to_kind(x.kind());
-        let differentiable = grad_enabled()
-            && [x, affinities, gate_up, down]
-                .iter()
-                .any(|t| t.requires_grad());
+        let differentiable = needs_backward(&[x, affinities, gate_up, down]);
         if !differentiable {
             return Ok(output);
         }

@@ -13,7 +13,7 @@ use moekit::{Backend, BackendKind};
 use tch::{Device, Tensor};
 
 use super::{Experts, lend};
-use crate::tape::{ExternalBackward, Tape, grad_enabled};
+use crate::tape::{ExternalBackward, Tape, needs_backward};
 use crate::threads::release_openmp_workers;
 
 /// moekit's `permute` and `blockwise_mm` on one backend. The forward runs outside autograd,
@@ -75,10 +75,7 @@ impl Experts for KernelExperts {
             plan,
         };
         // Without a gradient to compute (evaluation, no_grad) there is nothing to record.
-        let differentiable = grad_enabled()
-            && [x, affinities, gate_up, down]
-                .iter()
-                .any(|t| t.requires_grad());
+        let differentiable = needs_backward(&[x, affinities, gate_up, down]);
         let out = self.backend.blockwise_mm(&BlockwiseMm::new(
             saved.forward_inputs(),
             BlockwiseMmParams {
