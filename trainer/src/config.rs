@@ -47,6 +47,17 @@ pub struct Job {
     pub description: String,
 }
 
+impl Job {
+    fn validate(&self) -> Result<()> {
+        // An empty path (an unset shell variable) would write into the current directory.
+        ensure!(
+            !self.dump_folder.as_os_str().is_empty(),
+            "job.dump_folder is empty: name the folder for metrics, plots and checkpoints"
+        );
+        Ok(())
+    }
+}
+
 /// `[kernels]`: which implementation runs the MoE experts (optional: `cpu`, and a dense model
 /// has no experts).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -57,6 +68,18 @@ pub struct Kernels {
     /// B, token slots per block of the moekit block plan (`reference`, `cpu`).
     #[serde(default = "default_block_size")]
     pub block_size: usize,
+}
+
+/// `{name} must be at least 1`, for counts where 0 means nothing.
+fn at_least_one(name: &str, value: usize) -> Result<()> {
+    ensure!(value > 0, "{name} must be at least 1, got {value}");
+    Ok(())
+}
+
+impl Kernels {
+    fn validate(&self) -> Result<()> {
+        at_least_one("kernels.block_size", self.block_size)
+    }
 }
 
 fn default_block_size() -> usize {
@@ -96,6 +119,38 @@ pub struct Training {
     pub device: TrainDevice,
 }
 
+impl Training {
+    fn validate(&self) -> Result<()> {
+        at_least_one("training.steps", self.steps)?;
+        at_least_one("training.batch_size", self.batch_size)?;
+        at_least_one(
+            "training.gradient_accumulation_steps",
+            self.gradient_accumulation_steps,
+        )?;
+        ensure!(
+            self.threads <= 4096,
+            "training.threads must be at most 4096 (0 keeps libtorch's default), got {}",
+            self.threads
+        );
+        ensure!(
+            self.seq_len >= 2,
+            "training.seq_len must be at least 2 (a sequence predicts its next tokens), got {}",
+            self.seq_len
+        );
+        ensure!(
+            self.max_norm.is_finite() && self.max_norm >= 0.0,
+            "training.max_norm must be a non-negative finite number (0 disables clipping), got {}",
+            self.max_norm
+        );
+        ensure!(
+            self.load_balance_coeff.is_finite() && self.load_balance_coeff >= 0.0,
+            "training.load_balance_coeff must be a non-negative finite number, got {}",
+            self.load_balance_coeff
+        );
+        Ok(())
+    }
+}
+
 /// `training.dtype`.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -133,6 +188,20 @@ pub struct Parallelism {
     pub collective_timeout_s: u64,
 }
 
+impl Parallelism {
+    fn validate(&self) -> Result<()> {
+        ensure!(
+            self.expert_parallel_degree >= 1,
+            "parallelism.expert_parallel_degree must be at least 1, got 0"
+        );
+        ensure!(
+            self.collective_timeout_s >= 1,
+            "parallelism.collective_timeout_s must be at least 1, got 0"
+        );
+        Ok(())
+    }
+}
+
 fn default_collective_timeout_s() -> u64 {
     MpiComm::DEFAULT_TIMEOUT.as_secs()
 }
@@ -151,6 +220,38 @@ pub struct Optimizer {
     pub eps: f64,
     #[serde(default)]
     pub weight_decay: f64,
+}
+
+impl Optimizer {
+    fn validate(&self) -> Result<()> {
+        ensure!(
+            self.name == "AdamW",
+            "optimizer.name \"{}\" is not supported; the trainer implements \"AdamW\"",
+            self.name
+        );
+        ensure!(
+            self.lr.is_finite() && self.lr > 0.0,
+            "optimizer.lr must be a positive finite number, got {}",
+            self.lr
+        );
+        for (index, beta) in self.betas.iter().enumerate() {
+            ensure!(
+                (0.0..1.0).contains(beta),
+                "optimizer.betas[{index}] must be in [0, 1), got {beta}"
+            );
+        }
+        ensure!(
+            self.eps.is_finite() && self.eps > 0.0,
+            "optimizer.eps must be a positive finite number, got {}",
+            self.eps
+        );
+        ensure!(
+            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
+            "optimizer.weight_decay must be a non-negative finite number, got {}",
+            self.weight_decay
+        );
+        Ok(())
+    }
 }
 
 fn default_optimizer_name() -> String {
@@ -185,6 +286,17 @@ pub struct LrScheduler {
     pub min_lr_factor: f64,
 }
 
+impl LrScheduler {
+    fn validate(&self) -> Result<()> {
+        ensure!(
+            (0.0..=1.0).contains(&self.min_lr_factor),
+            "lr_scheduler.min_lr_factor must be in [0, 1], got {}",
+            self.min_lr_factor
+        );
+        Ok(())
+    }
+}
+
 fn default_decay_type() -> DecayType {
     DecayType::Cosine
 }
@@ -210,6 +322,40 @@ pub struct Data {
 }
 
 impl Data {
+    fn validate(&self) -> Result<()> {
+        if self.tokenizer != "byte" {
+            ensure!(
+                Path::new(&self.tokenizer).is_file(),
+                "data.tokenizer: {} is neither \"byte\" nor an existing tokenizer.json file",
+                self.tokenizer
+            );
+        }
+        for (key, files) in [
+            ("data.files", &self.files),
+            ("data.validation_files", &self.validation_files),
+        ] {
+            for file in files {
+                ensure!(
+                    file.is_file(),
+                    "{key}: {} does not exist or is not a file",
+                    file.display()
+                );
+            }
+        }
+        ensure!(
+            self.validation_fraction.is_finite() && (0.0..1.0).contains(&self.validation_fraction),
+            "data.validation_fraction must be in [0, 1), got {}",
+            self.validation_fraction
+        );
+        ensure!(
+            self.validation_files.is_empty() || self.validation_fraction == 0.0,
+            "data.validation_files and data.validation_fraction = {} both name a validation \
+             split: give one",
+            self.validation_fraction
+        );
+        Ok(())
+    }
+
     /// Whether a validation split is configured.
     pub fn has_validation(&self) -> bool {
         !self.validation_files.is_empty() || self.validation_fraction > 0.0
@@ -240,6 +386,21 @@ pub struct Checkpoint {
     /// ignored when a training checkpoint is resumed.
     #[serde(default)]
     pub initial_load_path: Option<PathBuf>,
+}
+
+impl Checkpoint {
+    fn validate(&self) -> Result<()> {
+        at_least_one("checkpoint.interval", self.interval)?;
+        if let Some(path) = &self.initial_load_path {
+            ensure!(
+                path.join("config.json").is_file(),
+                "checkpoint.initial_load_path: {} is not a Hugging Face model directory (no \
+                 config.json)",
+                path.display()
+            );
+        }
+        Ok(())
+    }
 }
 
 fn default_checkpoint_folder() -> PathBuf {
@@ -285,6 +446,11 @@ impl Metrics {
             n => n,
         };
         step.is_multiple_of(interval) || step == steps
+    }
+
+    fn validate(&self) -> Result<()> {
+        at_least_one("metrics.log_freq", self.log_freq)?;
+        at_least_one("metrics.eval_batches", self.eval_batches)
     }
 }
 
@@ -407,14 +573,6 @@ impl JobConfig {
     /// exchange) on the host.
     fn validate_parallelism(&self) -> Result<()> {
         let ranks = self.parallelism.expert_parallel_degree;
-        ensure!(
-            ranks >= 1,
-            "parallelism.expert_parallel_degree must be at least 1, got 0"
-        );
-        ensure!(
-            self.parallelism.collective_timeout_s >= 1,
-            "parallelism.collective_timeout_s must be at least 1, got 0"
-        );
         if ranks == 1 {
             return Ok(());
         }
@@ -437,22 +595,28 @@ impl JobConfig {
         Ok(())
     }
 
+    /// Each section on its own (next to its definition), then what one section asks of
+    /// another.
     fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        self.job.validate()?;
+        self.kernels.validate()?;
+        self.training.validate()?;
+        self.parallelism.validate()?;
+        self.optimizer.validate()?;
+        self.lr_scheduler.validate()?;
+        self.data.validate()?;
+        self.checkpoint.validate()?;
+        self.metrics.validate()?;
         let Self {
+            model,
             kernels,
             training,
-            optimizer,
             lr_scheduler,
             data,
             metrics,
             ..
         } = self;
-        // An empty path (an unset shell variable) would write into the current directory.
-        ensure!(
-            !self.job.dump_folder.as_os_str().is_empty(),
-            "job.dump_folder is empty: name the folder for metrics, plots and checkpoints"
-        );
         self.validate_parallelism()?;
         if training.device == TrainDevice::Cuda {
             ensure!(
@@ -464,79 +628,16 @@ impl JobConfig {
         }
         if kernels.moe == MoeImpl::GroupedMm {
             check_grouped_mm_alignment(
-                self.model.hidden_size,
-                self.model.moe_intermediate_size,
+                model.hidden_size,
+                model.moe_intermediate_size,
                 training.dtype.kind().elt_size_in_bytes(),
             )?;
         }
         ensure!(
-            kernels.block_size > 0,
-            "kernels.block_size must be at least 1"
-        );
-        for (name, value) in [
-            ("training.steps", training.steps),
-            ("training.batch_size", training.batch_size),
-            (
-                "training.gradient_accumulation_steps",
-                training.gradient_accumulation_steps,
-            ),
-            ("metrics.log_freq", metrics.log_freq),
-            ("metrics.eval_batches", metrics.eval_batches),
-            ("checkpoint.interval", self.checkpoint.interval),
-        ] {
-            ensure!(value > 0, "{name} must be at least 1, got {value}");
-        }
-        ensure!(
-            training.threads <= 4096,
-            "training.threads must be at most 4096 (0 keeps libtorch's default), got {}",
-            training.threads
-        );
-        ensure!(
-            training.seq_len >= 2,
-            "training.seq_len must be at least 2 (a sequence predicts its next tokens), got {}",
-            training.seq_len
-        );
-        ensure!(
-            training.seq_len <= self.model.max_position_embeddings,
+            training.seq_len <= model.max_position_embeddings,
             "training.seq_len ({}) exceeds model.max_position_embeddings ({})",
             training.seq_len,
-            self.model.max_position_embeddings
-        );
-        ensure!(
-            training.max_norm.is_finite() && training.max_norm >= 0.0,
-            "training.max_norm must be a non-negative finite number (0 disables clipping), got {}",
-            training.max_norm
-        );
-        ensure!(
-            training.load_balance_coeff.is_finite() && training.load_balance_coeff >= 0.0,
-            "training.load_balance_coeff must be a non-negative finite number, got {}",
-            training.load_balance_coeff
-        );
-        ensure!(
-            optimizer.name == "AdamW",
-            "optimizer.name \"{}\" is not supported; the trainer implements \"AdamW\"",
-            optimizer.name
-        );
-        ensure!(
-            optimizer.lr.is_finite() && optimizer.lr > 0.0,
-            "optimizer.lr must be a positive finite number, got {}",
-            optimizer.lr
-        );
-        for (index, beta) in optimizer.betas.iter().enumerate() {
-            ensure!(
-                (0.0..1.0).contains(beta),
-                "optimizer.betas[{index}] must be in [0, 1), got {beta}"
-            );
-        }
-        ensure!(
-            optimizer.eps.is_finite() && optimizer.eps > 0.0,
-            "optimizer.eps must be a positive finite number, got {}",
-            optimizer.eps
-        );
-        ensure!(
-            optimizer.weight_decay.is_finite() && optimizer.weight_decay >= 0.0,
-            "optimizer.weight_decay must be a non-negative finite number, got {}",
-            optimizer.weight_decay
+            model.max_position_embeddings
         );
         ensure!(
             lr_scheduler.warmup_steps <= training.steps,
@@ -544,57 +645,13 @@ impl JobConfig {
             lr_scheduler.warmup_steps,
             training.steps
         );
-        ensure!(
-            (0.0..=1.0).contains(&lr_scheduler.min_lr_factor),
-            "lr_scheduler.min_lr_factor must be in [0, 1], got {}",
-            lr_scheduler.min_lr_factor
-        );
         if data.tokenizer == "byte" {
             ensure!(
-                self.model.vocab_size >= 256,
+                model.vocab_size >= 256,
                 "the byte tokenizer needs model.vocab_size >= 256, got {}",
-                self.model.vocab_size
-            );
-        } else {
-            ensure!(
-                Path::new(&data.tokenizer).is_file(),
-                "data.tokenizer: {} is neither \"byte\" nor an existing tokenizer.json file",
-                data.tokenizer
+                model.vocab_size
             );
         }
-        if let Some(path) = &self.checkpoint.initial_load_path {
-            ensure!(
-                path.join("config.json").is_file(),
-                "checkpoint.initial_load_path: {} is not a Hugging Face model directory (no \
-                 config.json)",
-                path.display()
-            );
-        }
-        for file in &data.files {
-            ensure!(
-                file.is_file(),
-                "data.files: {} does not exist or is not a file",
-                file.display()
-            );
-        }
-        for file in &data.validation_files {
-            ensure!(
-                file.is_file(),
-                "data.validation_files: {} does not exist or is not a file",
-                file.display()
-            );
-        }
-        ensure!(
-            data.validation_fraction.is_finite() && (0.0..1.0).contains(&data.validation_fraction),
-            "data.validation_fraction must be in [0, 1), got {}",
-            data.validation_fraction
-        );
-        ensure!(
-            data.validation_files.is_empty() || data.validation_fraction == 0.0,
-            "data.validation_files and data.validation_fraction = {} both name a validation \
-             split: give one",
-            data.validation_fraction
-        );
         ensure!(
             metrics.eval_interval == 0 || data.has_validation(),
             "metrics.eval_interval = {} needs a validation split to evaluate: set \
