@@ -16,7 +16,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::Backend;
+use crate::backends::BackendKind;
 use crate::bench::{Layer, LayerInputs, MoeShape};
 use crate::contracts::{
     ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout,

@@ -8,7 +8,8 @@
 //! N blocks, L layers. Layouts are row-major and written outermost first, e.g. `[E, H, 2, I]`.
 //!
 //! - [`contracts`]: names, shapes, semantics and validation of every kernel.
-//! - [`backend`]: the [`Backend`] trait and run-time backend selection.
+//! - [`backend`]: the [`Backend`] trait.
+//! - [`backends`]: the backends this build provides ([`BackendKind`]), selected by name.
 //! - [`mod@reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
@@ -81,6 +82,7 @@
 //! ```
 
 pub mod backend;
+pub mod backends;
 pub mod bench;
 pub mod buffer;
 pub mod check;
@@ -99,7 +101,8 @@ pub mod tensor;
 pub mod torch;
 mod uninit;
 
-pub use backend::{Backend, BackendKind};
+pub use backend::Backend;
+pub use backends::BackendKind;
 pub use buffer::Buffer;
 pub use error::{Error, Result};
 pub use tensor::{DType, Floats, Storage, Tensor};

@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use crate::backend::BackendKind;
+use crate::backends::BackendKind;
 use crate::contracts::*;
 use crate::error::{Error, Result, find_named};
 use crate::kernel::Kernel;

@@ -32,7 +32,7 @@ mod test_values {
     }
 }
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::Backend;
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
@@ -48,9 +48,14 @@ const ROW_TILE: usize = 64;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
+impl CpuBackend {
+    /// The name that selects it.
+    pub const NAME: &'static str = "cpu";
+}
+
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
-        BackendKind::Cpu.name()
+        Self::NAME
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

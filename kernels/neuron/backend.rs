@@ -147,6 +147,9 @@ pub struct NeuronBackend {
 }
 
 impl NeuronBackend {
+    /// The name that selects it.
+    pub const NAME: &'static str = "neuron";
+
     pub fn new(config: NeuronConfig) -> Self {
         NeuronBackend {
             config,
@@ -695,7 +698,7 @@ fn unsupported(kernel: Kernel) -> Error {
 
 impl Backend for NeuronBackend {
     fn name(&self) -> &'static str {
-        "neuron"
+        Self::NAME
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

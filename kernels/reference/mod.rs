@@ -15,7 +15,7 @@ pub mod load_balancing;
 pub mod permute;
 pub mod router;
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::Backend;
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{
     a2av_routing as a2, blockwise_mm as bm, blockwise_mm_bwd as bmb, load_balancing_loss as lb,
@@ -129,9 +129,14 @@ impl OwnedOperands {
     }
 }
 
+impl ReferenceBackend {
+    /// The name that selects it.
+    pub const NAME: &'static str = "reference";
+}
+
 impl Backend for ReferenceBackend {
     fn name(&self) -> &'static str {
-        BackendKind::Reference.name()
+        Self::NAME
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
