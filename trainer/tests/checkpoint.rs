@@ -618,14 +618,13 @@ fn write_sharded(hf: &Path, sharded: &Path) -> Value {
     index
 }
 
-#[test]
-fn dense_qwen3_exports_and_sharded_directories_load_like_their_checkpoint() {
-    let dir = scratch("dense-shards");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_debug.toml");
+/// Trains `config` for 5 steps in bf16 into `dir/run` with checkpoints and exports the step-5
+/// checkpoint to `dir/hf`: the checkpoint, the export and its `config.json`.
+fn trained_bf16_export(dir: &Path, config: &str) -> (PathBuf, PathBuf, Value) {
     let dump = dir.join("run");
     succeed(&train_args(
         dump.to_str().unwrap(),
-        config.to_str().unwrap(),
+        config,
         &["--training.steps", "5", "--training.dtype", "bfloat16"],
     ));
     let ckpt = dump.join("checkpoints/step-00000005");
@@ -633,6 +632,14 @@ fn dense_qwen3_exports_and_sharded_directories_load_like_their_checkpoint() {
     succeed(&export_args(&ckpt, &hf));
     let config_json: Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    (ckpt, hf, config_json)
+}
+
+#[test]
+fn dense_qwen3_exports_and_sharded_directories_load_like_their_checkpoint() {
+    let dir = scratch("dense-shards");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_debug.toml");
+    let (ckpt, hf, config_json) = trained_bf16_export(&dir, config.to_str().unwrap());
     assert_eq!(config_json["model_type"], "qwen3");
     let sharded = dir.join("sharded");
     write_sharded(&hf, &sharded);
@@ -651,18 +658,7 @@ fn dense_qwen3_exports_and_sharded_directories_load_like_their_checkpoint() {
 #[test]
 fn bf16_and_sharded_hugging_face_directories_load_like_their_checkpoint() {
     let dir = scratch("shards");
-    let config = debug_config();
-    let dump = dir.join("run");
-    succeed(&train_args(
-        dump.to_str().unwrap(),
-        &config,
-        &["--training.steps", "5", "--training.dtype", "bfloat16"],
-    ));
-    let ckpt = dump.join("checkpoints/step-00000005");
-    let hf = dir.join("hf");
-    succeed(&export_args(&ckpt, &hf));
-    let config_json: Value =
-        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    let (ckpt, hf, config_json) = trained_bf16_export(&dir, &debug_config());
     assert_eq!(config_json["torch_dtype"], "bfloat16");
 
     // The same tensors split over two shards with an index, as large Hub checkpoints are.

@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::sync::Mutex;
 
-use common::{fail, scratch, succeed};
+use common::{fail, scratch, succeed, word_level_tokenizer};
 use moekit_trainer::generate::{GenerateOptions, Sampling, generate};
 use moekit_trainer::hf::export_hf;
 use moekit_trainer::model::{KvCache, ModelConfig, ModelName, Qwen3Model};
@@ -329,17 +329,7 @@ fn the_command_generates_the_librarys_tokens_through_the_directorys_tokenizer() 
     let vocab: serde_json::Map<String, Value> = (0..config.vocab_size)
         .map(|id| (format!("w{id}"), Value::from(id)))
         .collect();
-    let tokenizer = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"},
-    });
+    let tokenizer = word_level_tokenizer(vocab, "w0");
     std::fs::write(hf.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     let words = generate_json(&[
         "generate",

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-use common::{run as train, scratch};
+use common::{run as train, scratch, word_level_tokenizer};
 
 fn debug_config() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_moe_debug.toml")
@@ -287,17 +287,7 @@ fn word_tokenizer(path: &Path) -> usize {
         vocab.insert((*word).into(), (id + 2).into());
     }
     let size = vocab.len();
-    let json = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
-    });
+    let json = word_level_tokenizer(vocab, "[UNK]");
     std::fs::write(path, serde_json::to_string(&json).unwrap()).unwrap();
     size
 }

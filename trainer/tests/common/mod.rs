@@ -5,6 +5,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+use serde_json::Value;
+
 /// An empty folder for `test` of this test binary under the system's temporary folder.
 pub fn scratch(test: &str) -> PathBuf {
     let suite = env!("CARGO_CRATE_NAME");
@@ -43,4 +45,20 @@ pub fn fail(args: &[&str], expected: &str) {
         "{args:?}: `{stderr}` lacks `{expected}`"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A Hugging Face `tokenizer.json` with a word-level model over `vocab` (word → id), splitting on
+/// whitespace and punctuation, `unk` for unknown words, and no other processing.
+pub fn word_level_tokenizer(vocab: serde_json::Map<String, Value>, unk: &str) -> Value {
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": unk}
+    })
 }
