@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-use common::{run as train, scratch, word_level_tokenizer};
+use common::{fail, run as train, scratch, succeed, word_level_tokenizer};
 
 fn debug_config() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_moe_debug.toml")
@@ -24,12 +24,7 @@ fn train_debug(dump: &Path, args: &[&str]) -> Vec<Value> {
         dump.to_str().unwrap(),
     ];
     all.extend_from_slice(args);
-    let out = train(&all);
-    assert!(
-        out.status.success(),
-        "moekit-train failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeed(&all);
     std::fs::read_to_string(dump.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -169,14 +164,7 @@ fn bad_command_lines_fail_with_a_message() {
         ),
         (vec!["--config", &huge], "GiB, more than "),
     ] {
-        let out = train(&args);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?} succeeded");
-        assert!(
-            stderr.contains(expected),
-            "{args:?}: `{stderr}` lacks `{expected}`"
-        );
-        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+        fail(&args, expected);
     }
 }
 
@@ -350,18 +338,13 @@ fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
     let checkpoint = dir.join("run/checkpoints/step-00000040");
     let export = dir.join("hf");
     let (checkpoint_str, export_str) = (checkpoint.to_str().unwrap(), export.to_str().unwrap());
-    let out = train(&[
+    succeed(&[
         "export",
         "--checkpoint",
         checkpoint_str,
         "--out",
         export_str,
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let json: Value = serde_json::from_slice(&file).unwrap();
     let word_of: std::collections::HashMap<i64, &str> = json["model"]["vocab"]
         .as_object()
@@ -372,7 +355,7 @@ fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
     for model in [&checkpoint, &export] {
         assert_eq!(std::fs::read(model.join("tokenizer.json")).unwrap(), file);
         let model = model.to_str().unwrap();
-        let out = train(&[
+        let out = succeed(&[
             "generate",
             "--model",
             model,
@@ -382,12 +365,7 @@ fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
             "6",
             "--json",
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let record: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let record: Value = serde_json::from_str(&out).unwrap();
         let ids = |key: &str| -> Vec<i64> {
             record[key]
                 .as_array()
@@ -439,7 +417,7 @@ fn a_hugging_face_tokenizer_json_tokenizes_the_training_text() {
 #[test]
 fn bench_reports_every_implementation_relative_to_the_peers() {
     let config = debug_config();
-    let out = train(&[
+    let out = succeed(&[
         "bench",
         "--config",
         config.to_str().unwrap(),
@@ -450,13 +428,7 @@ fn bench_reports_every_implementation_relative_to_the_peers() {
         "--bench.json",
         "true",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<Value> = String::from_utf8(out.stdout)
-        .unwrap()
+    let rows: Vec<Value> = out
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
@@ -491,13 +463,7 @@ fn bench_reports_every_implementation_relative_to_the_peers() {
     ] {
         let mut args = vec!["bench", "--config", config.to_str().unwrap()];
         args.extend(flags);
-        let out = train(&args);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && stderr.contains(expected),
-            "{stderr}"
-        );
-        assert!(!stderr.contains("panicked"), "{stderr}");
+        fail(&args, expected);
     }
 }
 
