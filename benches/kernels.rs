@@ -5,8 +5,8 @@
 //! measured limits; BENCHMARKS.md records both.
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use moekit::bench::{Layer, LayerInputs, MoeShape};
 use moekit::{Backend, BackendKind, DType};
+use moekit_tools::layer::{Layer, LayerInputs, MoeShape};
 
 fn layer_kernels(c: &mut Criterion) {
     // As the `moekit` binary does: freed outputs are reused rather than faulted in again.

@@ -107,7 +107,7 @@ pub enum Error {
 
 /// The item of `items` called `wanted`, or else the comma-separated names of all of them (for
 /// an "unknown …; known: …" message).
-pub(crate) fn find_named<T: Copy>(
+pub fn find_named<T: Copy>(
     items: &[T],
     name: impl Fn(T) -> &'static str,
     wanted: &str,
@@ -123,7 +123,8 @@ pub(crate) fn find_named<T: Copy>(
 }
 
 impl Error {
-    pub(crate) fn shape(tensor: &str, expected: impl Into<String>, actual: &[usize]) -> Self {
+    /// A [`Error::Shape`] of `tensor`: `expected` in the contract's notation, e.g. `[T, H]`.
+    pub fn shape(tensor: &str, expected: impl Into<String>, actual: &[usize]) -> Self {
         Self::Shape {
             tensor: tensor.to_owned(),
             expected: expected.into(),
@@ -131,14 +132,16 @@ impl Error {
         }
     }
 
-    pub(crate) fn invalid(tensor: &str, message: impl Into<String>) -> Self {
+    /// An [`Error::InvalidValue`] of `tensor`.
+    pub fn invalid(tensor: &str, message: impl Into<String>) -> Self {
         Self::InvalidValue {
             tensor: tensor.to_owned(),
             message: message.into(),
         }
     }
 
-    pub(crate) fn param(param: &str, message: impl Into<String>) -> Self {
+    /// An [`Error::Param`] of `param`.
+    pub fn param(param: &str, message: impl Into<String>) -> Self {
         Self::Param {
             param: param.to_owned(),
             message: message.into(),

@@ -14,14 +14,14 @@
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
 //! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
+//! - [`files`]: reading input files (NEFFs, tensor files) of untrusted size.
 //! - [`memory`]: the process-wide allocator policy the binaries set for large buffers.
 //! - [`neuron`]: the Neuron runtime (libnrt) bound at run time, and the `neuron` backend that
 //!   runs NEFFs named in a kernel manifest.
-//! - [`bench`]: kernel benchmarks against the machine's measured limits.
-//! - [`check`]: a backend against the reference on random inputs, per output tensor.
 //! - [`random`]: SplitMix64, the seeded generator of the checks, benchmarks and tests.
-//! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations.
-//! - `torch` (feature `libtorch`): conversions to and from libtorch tensors.
+//!
+//! The `moekit` command, the benchmark and check harnesses, named-tensor files and the libtorch
+//! conversions live in the `moekit-tools` crate (`kernels/tools/`), outside the library.
 //!
 //! ## An MoE layer forward: route, plan, expert matmul
 //!
@@ -83,22 +83,18 @@
 
 pub mod backend;
 pub mod backends;
-pub mod bench;
 pub mod buffer;
-pub mod check;
 pub mod contracts;
 pub mod cpu;
 pub mod ep;
 pub mod error;
-pub mod golden;
+pub mod files;
 pub mod kernel;
 pub mod memory;
 pub mod neuron;
 pub mod random;
 pub mod reference;
 pub mod tensor;
-#[cfg(feature = "libtorch")]
-pub mod torch;
 mod uninit;
 
 pub use backend::Backend;
@@ -106,3 +102,14 @@ pub use backends::BackendKind;
 pub use buffer::Buffer;
 pub use error::{Error, Result};
 pub use tensor::{DType, Floats, Storage, Tensor};
+
+/// This build: the crate version, the target triple and the Cargo profile, e.g.
+/// `0.1.0 (x86_64-unknown-linux-gnu, release)`, so reports can state what was measured.
+pub const BUILD: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("MOEKIT_BUILD_TARGET"),
+    ", ",
+    env!("MOEKIT_BUILD_PROFILE"),
+    ")"
+);

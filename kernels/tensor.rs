@@ -292,7 +292,7 @@ impl Tensor {
                         format!(
                             "result {} at {} does not fit in bf16",
                             v[index],
-                            crate::contracts::validate::position(&self.shape, index)
+                            position(&self.shape, index)
                         ),
                     ));
                 }
@@ -376,6 +376,19 @@ impl Tensor {
             Storage::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
+}
+
+/// Formats a flat row-major index as `[i, j, ...]`.
+pub fn position(shape: &[usize], mut flat: usize) -> String {
+    let mut coords = vec![0; shape.len()];
+    for (c, &extent) in coords.iter_mut().zip(shape).rev() {
+        if extent > 0 {
+            *c = flat % extent;
+            flat /= extent;
+        }
+    }
+    let coords: Vec<String> = coords.iter().map(usize::to_string).collect();
+    format!("[{}]", coords.join(", "))
 }
 
 #[cfg(test)]

@@ -10,10 +10,11 @@ use std::process::{Command, Output};
 
 use common::*;
 use moekit::contracts::{RouterPipeline, RouterTopk, RouterTopkInputs, RouterTopkParams};
-use moekit::golden::TensorFile;
-use moekit::kernel::{Kernel, Params, catalog_markdown};
+use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, Tensor};
+use moekit_tools::catalog::catalog_markdown;
+use moekit_tools::golden::TensorFile;
 
 /// A scratch directory under the target dir, fresh per test.
 fn scratch(test: &str) -> PathBuf {

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use moekit::Tensor;
-use moekit::golden::TensorFile;
+use moekit_tools::golden::TensorFile;
 use proptest::prelude::*;
 
 /// A fresh folder of its own for each case of `test`.

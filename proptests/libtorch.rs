@@ -8,9 +8,10 @@ use std::process::Command;
 
 use common::*;
 use half::bf16;
-use moekit::bench::{Layer, LayerInputs, MoeShape, libtorch};
-use moekit::torch::{borrow_as_tch, from_tch, lend_to_moekit, to_tch};
 use moekit::{BackendKind, DType, Storage, Tensor};
+use moekit_tools::bench::libtorch;
+use moekit_tools::layer::{Layer, LayerInputs, MoeShape};
+use moekit_tools::torch::{borrow_as_tch, from_tch, lend_to_moekit, to_tch};
 use tch::Kind;
 
 #[test]

@@ -19,7 +19,9 @@ eval "${libtorch_env}"
 bash scripts/transformers.sh
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
-cargo clippy --locked --all-targets --features libtorch -- -D warnings
+cargo clippy --locked -p moekit-tools --all-targets -- -D warnings
+cargo clippy --locked -p moekit-tools --all-targets --features libtorch -- -D warnings
+cargo clippy --locked -p moekit-tools --all-targets --features mpi -- -D warnings
 # (`expert_parallel` runs only under mpirun, so --all-targets leaves it out: named here.)
 cargo clippy --locked -p moekit-trainer --all-targets --test expert_parallel -- -D warnings
 cargo clippy --locked --all-targets --features mpi -- -D warnings
@@ -27,8 +29,9 @@ cargo clippy --locked -p moekit-nrt-sys -p moekit-nrt-fake --all-targets -- -D w
 # The committed Neuron runtime bindings are what bindgen generates now from ffi/nrt.h and from
 # the same declarations laid out as the Neuron SDK installs them (needs libclang).
 cargo test --locked -p moekit-nrt-sys
-cargo test --locked --features libtorch --test libtorch
+cargo test --locked -p moekit-tools --features libtorch --test libtorch
 cargo test --locked
+cargo test --locked -p moekit-tools
 cargo test --locked -p moekit-trainer
 
 # Expert parallelism over MPI: the test binaries run as 2 and 4 ranks (4 oversubscribed on

@@ -218,7 +218,7 @@ impl<'a> Permute<'a> {
                 format!(
                     "slot {} is skipped (expert_index -1) but has affinity {}; skipped slots \
                      must hold 0",
-                    validate::position(&[t, k], pair),
+                    crate::tensor::position(&[t, k], pair),
                     inputs.topk_affinities.get_f64(pair).unwrap_or(f64::NAN)
                 ),
             ));

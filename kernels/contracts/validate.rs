@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::SkipMode;
 use super::spec::TensorSpec;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Floats, Storage, Tensor};
+use crate::tensor::{DType, Floats, Storage, Tensor, position};
 
 /// Requires an f32 or bf16 tensor of rank `dims.len()` whose extents match; `None` entries in
 /// `dims` are free and are returned as read. `layout` is the human form, e.g. `"[T, H]"`.
@@ -155,19 +155,6 @@ fn first_non_finite<T: Copy + Sync>(
     } else {
         values.chunks(CHUNK).enumerate().find_map(screen)
     }
-}
-
-/// Formats a flat row-major index as `[i, j, ...]`.
-pub(crate) fn position(shape: &[usize], mut flat: usize) -> String {
-    let mut coords = vec![0; shape.len()];
-    for (c, &extent) in coords.iter_mut().zip(shape).rev() {
-        if extent > 0 {
-            *c = flat % extent;
-            flat /= extent;
-        }
-    }
-    let coords: Vec<String> = coords.iter().map(usize::to_string).collect();
-    format!("[{}]", coords.join(", "))
 }
 
 /// Requires a dimension to be at least one.

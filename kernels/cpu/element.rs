@@ -119,7 +119,7 @@ pub(super) fn ensure_finite<E: Element>(name: &str, shape: &[usize], values: &[E
             format!(
                 "result {} at {} does not fit in {}",
                 values[index].widen(),
-                validate::position(shape, index),
+                crate::tensor::position(shape, index),
                 E::DTYPE
             ),
         )),

@@ -313,7 +313,7 @@ impl Runtime {
 
     /// Reads the NEFF at `path` and loads it (see [`Runtime::load`]).
     pub fn load_file(&self, path: &Path, start_vnc: i32, vnc_count: i32) -> Result<Model> {
-        let neff = crate::golden::read_regular_file(path)?;
+        let neff = crate::files::read_regular_file(path)?;
         self.load(&neff, &path.display().to_string(), start_vnc, vnc_count)
     }
 

@@ -46,7 +46,7 @@ fn f32_output(name: &str, shape: &[usize], values: &[f64]) -> Result<Tensor> {
             format!(
                 "result {} at {} does not fit in f32",
                 values[index],
-                crate::contracts::validate::position(shape, index)
+                crate::tensor::position(shape, index)
             ),
         ));
     }

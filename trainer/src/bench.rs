@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
-use moekit::bench::limits::MachineLimits;
-use moekit::bench::median;
+use moekit_tools::bench::limits::MachineLimits;
+use moekit_tools::bench::median;
 use serde::Serialize;
 
 use crate::config::JobConfig;

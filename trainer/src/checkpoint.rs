@@ -11,7 +11,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
-use moekit::golden::write_atomically;
+use moekit_tools::golden::write_atomically;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 

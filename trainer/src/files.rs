@@ -8,15 +8,15 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, ensure};
-use moekit::golden::{TensorFile, write_atomically};
-use moekit::torch::{from_tch, to_tch};
+use moekit_tools::golden::{TensorFile, write_atomically};
+use moekit_tools::torch::{from_tch, to_tch};
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
 /// The bytes of the regular file at `path` (errors name it).
 pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
     // moekit's error already ends with its cause: as one message, so `{:#}` does not repeat it.
-    moekit::golden::read_regular_file(path).map_err(|err| anyhow!("{err}"))
+    moekit::files::read_regular_file(path).map_err(|err| anyhow!("{err}"))
 }
 
 /// The UTF-8 text of the regular file at `path`.
@@ -88,7 +88,7 @@ pub(crate) fn write_folder(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -
     std::fs::create_dir_all(parent)
         .with_context(|| format!("cannot create {}", parent.display()))?;
     // Folders that writes killed mid-way left here, `<name>.tmp-<pid>` of a process now gone.
-    moekit::golden::remove_stale_temporaries(dir);
+    moekit_tools::golden::remove_stale_temporaries(dir);
     let mut tmp_name = dir.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp = dir.with_file_name(tmp_name);

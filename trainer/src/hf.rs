@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path};
 
 use anyhow::{Context, Result, bail, ensure};
-use moekit::golden::write_atomically;
+use moekit_tools::golden::write_atomically;
 use serde_json::Value;
 use tch::{Kind, Tensor};
 

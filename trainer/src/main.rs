@@ -16,8 +16,8 @@ use std::rc::Rc;
 
 use anyhow::{Context, Result, bail, ensure};
 use moekit::ep::Communicator;
-use moekit::golden::TensorFile;
-use moekit::torch::from_tch;
+use moekit_tools::golden::TensorFile;
+use moekit_tools::torch::from_tch;
 use moekit_trainer::bench::{self, BenchOptions};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::eval::{LoadDtype, evaluate, export, load_model, read_input_ids};

@@ -63,7 +63,7 @@ fn draw_png(
         } else {
             dir
         };
-        moekit::golden::remove_stale_temporaries_named(dir, &prefix, suffix);
+        moekit_tools::golden::remove_stale_temporaries_named(dir, &prefix, suffix);
     }
     let tmp = path.with_file_name(format!("{prefix}{}{suffix}", std::process::id()));
     let result = (|| {

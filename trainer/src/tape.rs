@@ -14,7 +14,7 @@
 //! are backpropagated before p.
 
 use anyhow::Result;
-use moekit::torch::borrow_as_tch;
+use moekit_tools::torch::borrow_as_tch;
 use tch::Tensor;
 
 /// Whether a kernel run outside autograd on `inputs` must record its backward: libtorch

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use moekit::ep::Communicator;
-use moekit::golden::write_atomically;
+use moekit_tools::golden::write_atomically;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
 

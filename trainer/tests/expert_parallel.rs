@@ -152,7 +152,7 @@ fn parity(comm: &Rc<dyn Communicator>) -> Result<(), String> {
 
 fn max_abs_difference(a: &Path, b: &Path) -> Result<(f64, usize), String> {
     let read = |dir: &Path| {
-        moekit::golden::TensorFile::read(&dir.join("model.safetensors"))
+        moekit_tools::golden::TensorFile::read(&dir.join("model.safetensors"))
             .map_err(|err| err.to_string())
     };
     let (a, b) = (read(a)?, read(b)?);

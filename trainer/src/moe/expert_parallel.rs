@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use moekit::ep::{Communicator, ExpertsInputs, ExpertsSaved, ShardedExperts};
-use moekit::torch::{from_tch, to_tch};
+use moekit_tools::torch::{from_tch, to_tch};
 
 use super::kernels::input_gradients;
 use moekit::{Backend, BackendKind};

@@ -8,8 +8,8 @@ use moekit::contracts::{
     BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
     BlockwiseMmParams, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
 };
-use moekit::torch::{from_tch, to_tch};
 use moekit::{Backend, BackendKind};
+use moekit_tools::torch::{from_tch, to_tch};
 use tch::{Device, Tensor};
 
 use super::{Experts, lend};

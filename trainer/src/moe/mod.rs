@@ -125,7 +125,7 @@ impl MoeImpl {
 }
 
 /// `tensor` (an activation, a gradient or a parameter of this step) lent to moekit's kernels
-/// in place, or converted where it cannot be lent (see [`moekit::torch::lend_to_moekit`]).
+/// in place, or converted where it cannot be lent (see [`moekit_tools::torch::lend_to_moekit`]).
 ///
 /// Nothing writes to these tensors while the kernels' records hold them: the model updates no
 /// activation or gradient in place, and parameters change only in the optimizer step, which
@@ -133,7 +133,7 @@ impl MoeImpl {
 /// forward without a gradient to compute drops its inputs before it returns.
 fn lend(name: &str, tensor: &Tensor) -> Result<moekit::Tensor> {
     // SAFETY: nothing writes to `tensor` while the lent tensor lives (see above).
-    Ok(unsafe { moekit::torch::lend_to_moekit(name, tensor) }?)
+    Ok(unsafe { moekit_tools::torch::lend_to_moekit(name, tensor) }?)
 }
 
 /// One implementation of the MoE experts.

@@ -13,19 +13,22 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use std::time::Duration;
+
 use clap::{Parser, Subcommand};
-use moekit::bench::exchange::{self, ExchangeRow};
-use moekit::bench::limits::MachineLimits;
-use moekit::bench::{BenchConfig, MoeShape, RowSelection};
-use moekit::check::{self, CheckRow, Tolerance};
 use moekit::ep::{Communicator, LocalComm};
-use moekit::golden::TensorFile;
-use moekit::kernel::{Kernel, Params, catalog_markdown, catalog_table};
+use moekit::kernel::{Kernel, Params};
 use moekit::neuron::limits::broken_limits;
 use moekit::neuron::manifest::Manifest;
 use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime, Usage};
 use moekit::{Backend, BackendKind, DType, Result};
-use std::time::Duration;
+use moekit_tools::bench::exchange::{self, ExchangeRow};
+use moekit_tools::bench::limits::MachineLimits;
+use moekit_tools::bench::{BenchConfig, RowSelection};
+use moekit_tools::catalog::{catalog_markdown, catalog_table};
+use moekit_tools::check::{self, CheckRow, Tolerance};
+use moekit_tools::golden::TensorFile;
+use moekit_tools::layer::MoeShape;
 
 /// Metadata keys that are known not to be parameters: PyTorch's `format`, and the `kernel` and
 /// `backend` that moekit writes into its own outputs.
@@ -34,7 +37,7 @@ const NON_PARAM_METADATA: [&str; 3] = ["format", "kernel", "backend"];
 #[derive(Parser)]
 #[command(
     name = "moekit",
-    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("MOEKIT_BUILD_TARGET"), ", ", env!("MOEKIT_BUILD_PROFILE"), ")"),
+    version = moekit::BUILD,
     about = "Mixture-of-Experts kernels with NKI-compatible contracts"
 )]
 struct Cli {
@@ -451,7 +454,7 @@ fn bench(
             rows: RowSelection::new(kernels)?,
             neuron: neuron.config(),
         };
-        results.push(moekit::bench::run(&config)?);
+        results.push(moekit_tools::bench::run(&config)?);
     }
     let limits = limits.max(measure());
     if json {
@@ -459,7 +462,7 @@ fn bench(
             println!("{}", row.to_json(&limits));
         }
     } else {
-        print!("{}", moekit::bench::table(&results, &limits));
+        print!("{}", moekit_tools::bench::table(&results, &limits));
     }
     Ok(())
 }

@@ -8,11 +8,13 @@
 
 use std::time::Instant;
 
-use super::{MoeShape, median};
-use crate::ep::{Communicator, DispatchParams, combine, dispatch};
-use crate::error::Result;
-use crate::random::SplitMix64;
-use crate::tensor::{Tensor, try_capacity};
+use moekit::ep::{Communicator, DispatchParams, combine, dispatch};
+use moekit::error::Result;
+use moekit::random::SplitMix64;
+use moekit::tensor::{Tensor, try_capacity};
+
+use super::median;
+use crate::layer::MoeShape;
 
 /// One measured configuration.
 #[derive(Clone, Debug, PartialEq)]

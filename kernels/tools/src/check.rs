@@ -16,18 +16,19 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::backend::Backend;
-use crate::backends::BackendKind;
-use crate::bench::{Layer, LayerInputs, MoeShape};
-use crate::contracts::{
+use moekit::backend::Backend;
+use moekit::backends::BackendKind;
+use moekit::contracts::{
     ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout,
     static_block_count, tensors,
 };
-use crate::error::{Error, Result};
-use crate::kernel::{Kernel, Params};
-use crate::neuron::manifest::{Manifest, Value};
-use crate::random::SplitMix64;
-use crate::tensor::{DType, Tensor};
+use moekit::error::{Error, Result};
+use moekit::kernel::{Kernel, Params};
+use moekit::neuron::manifest::{Manifest, Value};
+use moekit::random::SplitMix64;
+use moekit::tensor::{DType, Tensor};
+
+use crate::layer::{Layer, LayerInputs, MoeShape};
 
 /// The agreement `check` demands of a backend.
 #[derive(Clone, Copy, Debug, PartialEq)]

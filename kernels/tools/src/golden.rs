@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+use moekit::error::{Error, Result};
+use moekit::files::read_regular_file;
+use moekit::tensor::{DType, Tensor};
 
 /// Tensors by name plus the file's string metadata (`__metadata__`).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -51,7 +52,7 @@ fn to_tensor(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Tensor> {
                         "tensor `{name}`: u32 value {} at {} does not fit in i32 (moekit reads \
                          u32 indices as i32)",
                         values[index],
-                        crate::contracts::validate::position(&shape, index)
+                        moekit::tensor::position(&shape, index)
                     ),
                 ));
             }
@@ -117,34 +118,6 @@ impl TensorFile {
                 .map_err(|e| format_error(path, format!("cannot write: {e}")))
         })
     }
-}
-
-/// The whole of the regular file at `path`, read into memory reserved for its size first: a
-/// device, a pipe or a folder is an error (an endless input is never read), and so is a file
-/// whose size cannot be allocated.
-pub fn read_regular_file(path: &Path) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let io = |source| Error::Io {
-        path: path.to_owned(),
-        source,
-    };
-    // The type is checked before opening: opening a FIFO without a writer blocks.
-    if !fs::metadata(path).map_err(io)?.is_file() {
-        return Err(format_error(path, "not a regular file"));
-    }
-    let file = fs::File::open(path).map_err(io)?;
-    let metadata = file.metadata().map_err(io)?;
-    let len = usize::try_from(metadata.len()).unwrap_or(usize::MAX);
-    let mut bytes = Vec::new();
-    bytes
-        .try_reserve_exact(len)
-        .map_err(|source| Error::Allocation {
-            what: format!("the {len} bytes of {}", path.display()),
-            source,
-        })?;
-    // The file may have grown since: read no more than its size then.
-    file.take(len as u64).read_to_end(&mut bytes).map_err(io)?;
-    Ok(bytes)
 }
 
 /// The first key a JSON object names twice, if any (`json` must be a valid JSON object).

@@ -15,9 +15,11 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor as Th};
 
-use super::{LayerInputs, PeerPath, Stage};
-use crate::contracts::RouterTopkOutputs;
-use crate::error::{Error, Result};
+use moekit::contracts::RouterTopkOutputs;
+use moekit::error::{Error, Result};
+
+use super::{PeerPath, Stage};
+use crate::layer::LayerInputs;
 use crate::torch::to_tch;
 
 fn tch_error(err: tch::TchError) -> Error {

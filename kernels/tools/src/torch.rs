@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use tch::{Device, Kind};
 
-use crate::buffer::Buffer;
-use crate::error::{Error, Result};
-use crate::tensor::{Storage, Tensor};
+use moekit::buffer::Buffer;
+use moekit::error::{Error, Result};
+use moekit::tensor::{Storage, Tensor};
 
 /// A moekit tensor as a contiguous CPU libtorch tensor of the same shape and dtype (one copy of
 /// the elements).

@@ -1,0 +1,329 @@
+//! A routed MoE layer on seeded inputs: the fixture benchmarks and checks run kernels on. Its
+//! sizes come from a named shape ([`MoeShape`]) or from a check's random draw; the router, the
+//! block plan and the expert forward (with checkpoints) come from one backend, so every kernel
+//! call built from it has valid, consistent inputs.
+
+use std::str::FromStr;
+
+use moekit::contracts::*;
+use moekit::error::find_named;
+use moekit::random::SplitMix64;
+use moekit::tensor::try_capacity;
+use moekit::{Backend, DType, Error, Result, Tensor};
+
+/// An MoE layer's sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub name: &'static str,
+    pub h: usize,
+    pub i: usize,
+    pub e: usize,
+    pub k: usize,
+}
+
+impl MoeShape {
+    /// The shapes benchmarks know by name.
+    pub const ALL: &'static [MoeShape] = &[
+        MoeShape {
+            name: "tiny",
+            h: 64,
+            i: 32,
+            e: 8,
+            k: 2,
+        },
+        // The MoE layer of the trainer's benchmark config (configs/qwen3_moe_small.toml).
+        MoeShape {
+            name: "qwen3-moe-small",
+            h: 256,
+            i: 128,
+            e: 32,
+            k: 4,
+        },
+        MoeShape {
+            name: "qwen3-30b-a3b",
+            h: 2048,
+            i: 768,
+            e: 128,
+            k: 8,
+        },
+        MoeShape {
+            name: "qwen3-235b-a22b",
+            h: 4096,
+            i: 1536,
+            e: 128,
+            k: 8,
+        },
+    ];
+}
+
+impl FromStr for MoeShape {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        find_named(Self::ALL, |shape| shape.name, s)
+            .map_err(|known| Error::param("shape", format!("unknown shape `{s}`; known: {known}")))
+    }
+}
+
+/// Deterministic pseudo-random values uniform in `[-scale, scale)` for the benchmark input
+/// `name` of `shape`, or the error naming it when they cannot be allocated.
+fn uniform(name: &str, shape: &[usize], scale: f32, seed: u64) -> Result<Vec<f32>> {
+    let mut values = try_capacity(&format!("benchmark input `{name}`"), shape)?;
+    let mut rng = SplitMix64::new(seed);
+    let scale = f64::from(scale);
+    values.extend((0..shape.iter().product()).map(|_| rng.uniform(-scale, scale) as f32));
+    Ok(values)
+}
+
+fn float_tensor(shape: &[usize], values: Vec<f32>, dtype: DType) -> Result<Tensor> {
+    let tensor = Tensor::from_f32(shape, values)?;
+    Ok(if dtype == DType::BF16 {
+        tensor.to_bf16()
+    } else {
+        tensor
+    })
+}
+
+/// One MoE layer's inputs at a benchmark shape: deterministic activations, weights and
+/// gradients.
+pub struct LayerInputs {
+    pub shape: MoeShape,
+    pub block_size: usize,
+    pub x: Tensor,
+    pub w: Tensor,
+    pub hidden_states: Tensor,
+    pub gate_up_proj_weight: Tensor,
+    pub down_proj_weight: Tensor,
+    pub d_topk_affinities: Tensor,
+    pub d_aux_loss: Tensor,
+    pub output_hidden_states_grad: Tensor,
+}
+
+impl LayerInputs {
+    pub fn new(shape: MoeShape, tokens: usize, dtype: DType, block_size: usize) -> Result<Self> {
+        Self::seeded(shape, tokens, dtype, block_size, 0)
+    }
+
+    /// As [`LayerInputs::new`], with values drawn from stream `seed` (`new` is seed 0).
+    pub fn seeded(
+        shape: MoeShape,
+        tokens: usize,
+        dtype: DType,
+        block_size: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let MoeShape { h, i, e, k, .. } = shape;
+        let uniform = |name, shape: &[usize], scale, stream: u64| {
+            uniform(name, shape, scale, seed.wrapping_mul(16) + stream)
+        };
+        let t = tokens;
+        if t == 0 {
+            return Err(Error::param("tokens", "must be at least 1, got 0"));
+        }
+        let scale = 1.0 / (h as f32).sqrt();
+        let x_values = uniform("x", &[t, h], 1.0, 1)?;
+        // hidden_states [T+1, H]: x, then the zero padding row (T+1 cannot overflow: x holds
+        // T rows).
+        let padded = with_padding_row("hidden_states", &x_values, [t, h])?;
+        let output_grad = uniform("output_hidden_states_grad", &[t, h], 1.0, 5)?;
+        Ok(Self {
+            shape,
+            block_size,
+            x: float_tensor(&[t, h], x_values, dtype)?,
+            w: float_tensor(&[h, e], uniform("w", &[h, e], scale, 2)?, dtype)?,
+            hidden_states: float_tensor(&[t + 1, h], padded, dtype)?,
+            gate_up_proj_weight: float_tensor(
+                &[e, h, 2, i],
+                uniform("gate_up_proj_weight", &[e, h, 2, i], scale, 3)?,
+                dtype,
+            )?,
+            down_proj_weight: float_tensor(
+                &[e, i, h],
+                uniform("down_proj_weight", &[e, i, h], 1.0 / (i as f32).sqrt(), 4)?,
+                dtype,
+            )?,
+            d_topk_affinities: Tensor::from_f32(
+                [t, k],
+                uniform("d_topk_affinities", &[t, k], 1.0, 6)?,
+            )?,
+            d_aux_loss: Tensor::from_f32([1], vec![1.0])?,
+            output_hidden_states_grad: float_tensor(
+                &[t + 1, h],
+                with_padding_row("output_hidden_states_grad", &output_grad, [t, h])?,
+                dtype,
+            )?,
+        })
+    }
+
+    pub fn router_topk(&self) -> Result<RouterTopk<'_>> {
+        RouterTopk::new(
+            RouterTopkInputs {
+                x: &self.x,
+                w: &self.w,
+                w_bias: None,
+                selection_bias: None,
+            },
+            RouterTopkParams {
+                k: self.shape.k,
+                pipeline: RouterPipeline::QWEN3_MOE,
+            },
+        )
+    }
+}
+
+/// `rows [T, H]` followed by the zero padding row T, as the blockwise kernels' `[T+1, H]`
+/// tensors hold them (T+1 rows cannot overflow: `rows` holds T).
+fn with_padding_row(name: &str, rows: &[f32], [t, h]: [usize; 2]) -> Result<Vec<f32>> {
+    let mut padded = try_capacity(&format!("benchmark input `{name}`"), &[t + 1, h])?;
+    padded.extend_from_slice(rows);
+    padded.extend(std::iter::repeat_n(0.0, h));
+    Ok(padded)
+}
+
+fn permute_call<'a>(routed: &'a RouterTopkOutputs, inputs: &LayerInputs) -> Result<Permute<'a>> {
+    Permute::new(
+        PermuteInputs {
+            expert_index: &routed.expert_index,
+            topk_affinities: &routed.topk_affinities,
+        },
+        PermuteParams::new(inputs.shape.e, inputs.block_size),
+    )
+}
+
+fn blockwise_inputs<'a>(
+    inputs: &'a LayerInputs,
+    plan: &'a PermuteOutputs,
+) -> BlockwiseMmInputs<'a> {
+    BlockwiseMmInputs {
+        hidden_states: &inputs.hidden_states,
+        expert_affinities_masked: &plan.expert_affinities_masked,
+        gate_up_proj_weight: &inputs.gate_up_proj_weight,
+        down_proj_weight: &inputs.down_proj_weight,
+        token_position_to_id: &plan.token_position_to_id,
+        block_to_expert: &plan.block_to_expert,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
+    }
+}
+
+/// The forward with checkpoints, as training runs it.
+fn blockwise_call<'a>(
+    inputs: &'a LayerInputs,
+    plan: &'a PermuteOutputs,
+) -> Result<BlockwiseMm<'a>> {
+    BlockwiseMm::new(
+        blockwise_inputs(inputs, plan),
+        BlockwiseMmParams {
+            checkpoint_activation: true,
+            ..BlockwiseMmParams::default()
+        },
+    )
+}
+
+/// A routed layer: its inputs plus the router outputs, block plan and checkpoints that the
+/// later kernels consume, so each kernel can be called on its own.
+pub struct Layer {
+    pub inputs: LayerInputs,
+    pub routed: RouterTopkOutputs,
+    pub plan: PermuteOutputs,
+    pub checkpoints: BlockwiseMmOutputs,
+}
+
+impl Layer {
+    /// Runs the forward kernels once on `backend` to route `inputs`.
+    pub fn new(backend: &dyn Backend, inputs: LayerInputs) -> Result<Self> {
+        let routed = backend.router_topk(&inputs.router_topk()?)?;
+        let plan = backend.permute(&permute_call(&routed, &inputs)?)?;
+        let checkpoints = backend.blockwise_mm(&blockwise_call(&inputs, &plan)?)?;
+        Ok(Self {
+            inputs,
+            routed,
+            plan,
+            checkpoints,
+        })
+    }
+
+    pub fn router_topk_bwd(&self) -> Result<RouterTopkBwd<'_>> {
+        RouterTopkBwd::new(
+            RouterTopkBwdInputs {
+                x: &self.inputs.x,
+                w: &self.inputs.w,
+                router_logits: &self.routed.router_logits,
+                expert_index: &self.routed.expert_index,
+                d_topk_affinities: &self.inputs.d_topk_affinities,
+                d_router_logits: None,
+            },
+            RouterTopkBwdParams {
+                pipeline: RouterPipeline::QWEN3_MOE,
+            },
+        )
+    }
+
+    pub fn load_balancing_loss(&self) -> Result<LoadBalancingLoss<'_>> {
+        LoadBalancingLoss::new(LoadBalancingLossInputs {
+            router_logits: &self.routed.router_logits,
+            expert_index: &self.routed.expert_index,
+        })
+    }
+
+    pub fn load_balancing_loss_bwd(&self) -> Result<LoadBalancingLossBwd<'_>> {
+        LoadBalancingLossBwd::new(LoadBalancingLossBwdInputs {
+            router_logits: &self.routed.router_logits,
+            expert_index: &self.routed.expert_index,
+            d_aux_loss: &self.inputs.d_aux_loss,
+        })
+    }
+
+    pub fn permute(&self) -> Result<Permute<'_>> {
+        permute_call(&self.routed, &self.inputs)
+    }
+
+    pub fn permute_bwd(&self) -> Result<PermuteBwd<'_>> {
+        PermuteBwd::new(
+            PermuteBwdInputs {
+                expert_index: &self.routed.expert_index,
+                expert_affinities_masked_grad: &self.plan.expert_affinities_masked,
+            },
+            PermuteBwdParams::new(self.inputs.shape.e),
+        )
+    }
+
+    pub fn blockwise_mm(&self) -> Result<BlockwiseMm<'_>> {
+        blockwise_call(&self.inputs, &self.plan)
+    }
+
+    /// The routing table of this layer's routing over `ranks` expert-parallel ranks.
+    pub fn a2av_routing(&self, ranks: usize) -> Result<A2avRouting<'_>> {
+        A2avRouting::new(
+            A2avRoutingInputs {
+                expert_index: &self.routed.expert_index,
+            },
+            A2avRoutingParams {
+                num_experts: self.inputs.shape.e,
+                expert_parallel_degree: ranks,
+            },
+        )
+    }
+
+    pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {
+        let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
+        BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
+                forward: blockwise_inputs(&self.inputs, &self.plan),
+                gate_up_proj_act_checkpoint_t: self
+                    .checkpoints
+                    .gate_up_activations_t
+                    .as_ref()
+                    .ok_or_else(missing)?,
+                down_proj_act_checkpoint: self
+                    .checkpoints
+                    .down_activations
+                    .as_ref()
+                    .ok_or_else(missing)?,
+                output_hidden_states_grad: &self.inputs.output_hidden_states_grad,
+                expert_index: Some(&self.routed.expert_index),
+            },
+            BlockwiseMmBwdParams::default(),
+        )
+    }
+}

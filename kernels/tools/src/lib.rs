@@ -1,0 +1,22 @@
+//! # moekit-tools
+//!
+//! What is built on the `moekit` kernel library rather than inside it:
+//!
+//! - the `moekit` command (`src/bin/moekit.rs`): `list`, `run`, `check`, `bench`, `neuron`,
+//!   `ep-bench`;
+//! - [`layer`]: a routed MoE layer on seeded inputs, the fixture benchmarks and checks run
+//!   kernels on;
+//! - [`bench`]: kernel benchmarks against the machine's measured limits, and beside libtorch;
+//! - [`check`]: a backend against the reference, per output tensor;
+//! - [`catalog`]: the kernel catalog as `moekit list` prints it;
+//! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations,
+//!   and the atomic file writes every saved file goes through;
+//! - `torch` (feature `libtorch`): conversions to and from libtorch tensors.
+
+pub mod bench;
+pub mod catalog;
+pub mod check;
+pub mod golden;
+pub mod layer;
+#[cfg(feature = "libtorch")]
+pub mod torch;
