@@ -30,12 +30,17 @@ impl BackendKind {
         BackendKind::Neuron,
     ];
 
-    /// Instantiates the backend.
+    /// Instantiates the backend, configured from the environment.
     pub fn create(self) -> Box<dyn Backend> {
+        self.create_with(BackendOptions::from_env())
+    }
+
+    /// The backend of this kind, configured by `options`.
+    pub fn create_with(self, options: BackendOptions) -> Box<dyn Backend> {
         match self {
             BackendKind::Reference => Box::new(ReferenceBackend),
             BackendKind::Cpu => Box::new(CpuBackend),
-            BackendKind::Neuron => Box::new(NeuronBackend::new(NeuronConfig::from_env())),
+            BackendKind::Neuron => Box::new(NeuronBackend::new(options.neuron)),
         }
     }
 
@@ -44,6 +49,22 @@ impl BackendKind {
             BackendKind::Reference => ReferenceBackend::NAME,
             BackendKind::Cpu => CpuBackend::NAME,
             BackendKind::Neuron => NeuronBackend::NAME,
+        }
+    }
+}
+
+/// What creating a backend may need beyond its kind.
+#[derive(Clone, Debug)]
+pub struct BackendOptions {
+    /// Where the `neuron` backend finds libnrt and its kernel manifest.
+    pub neuron: NeuronConfig,
+}
+
+impl BackendOptions {
+    /// Every option from the environment (see [`NeuronConfig::from_env`]).
+    pub fn from_env() -> Self {
+        Self {
+            neuron: NeuronConfig::from_env(),
         }
     }
 }

@@ -1,23 +1,15 @@
 //! The kernel catalog: every kernel's tensor contract as data (what `moekit list` prints), the
-//! parameters they take, and running any kernel by name on a map of named tensors (what
-//! `moekit run` and other front ends do).
+//! parameters they take ([`Params`], settable by name). Running a kernel by name on named
+//! tensors is [`Kernel::run`].
 
-use std::collections::BTreeMap;
 use std::str::FromStr;
 
-use crate::backend::Backend;
 use crate::contracts::{
-    A2avRouting, A2avRoutingInputs, A2avRoutingParams, ActFnType, BlockwiseDims, BlockwiseMm,
-    BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
-    BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs, OutputDType,
-    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
-    RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, SkipMode, TensorSpec, XHbmLayout,
+    ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
+    OutputDType, PermuteParams, RouterActFnType, RouterPipeline, SkipMode, TensorSpec, XHbmLayout,
     tensors,
 };
 use crate::error::{Error, Result, find_named};
-use crate::tensor::Tensor;
 
 /// A kernel's contract: what `moekit list` prints.
 #[derive(Clone, Copy, Debug)]
@@ -82,147 +74,6 @@ impl Kernel {
             Kernel::BlockwiseMmBwd => &BLOCKWISE_MM_BWD,
             Kernel::A2avRouting => &A2AV_ROUTING,
         }
-    }
-
-    /// Runs the kernel on `backend` with inputs taken from `tensors` by contract name. Tensors
-    /// the kernel does not use are ignored. Returns every output by name.
-    pub fn run(
-        self,
-        backend: &dyn Backend,
-        tensors: &BTreeMap<String, Tensor>,
-        params: &Params,
-    ) -> Result<Vec<(&'static str, Tensor)>> {
-        // nki-library's blockwise kernels take B as a parameter; moekit reads it off the plan.
-        let block_size = params.block_size;
-        let output_dtype = params.output_dtype.unwrap_or_default();
-        let get = |spec: &TensorSpec| tensors.get(spec.name);
-        let outputs = match self {
-            Kernel::RouterTopk => {
-                let params = RouterTopkParams {
-                    k: required_param(Param::K, params.k)?,
-                    pipeline: params.router_pipeline(),
-                };
-                let call = RouterTopk::new(RouterTopkInputs::from_named(get)?, params)?;
-                let call = call.with_output_dtype(output_dtype);
-                backend.router_topk(&call)?.into_named()
-            }
-            Kernel::RouterTopkBwd => {
-                let params = RouterTopkBwdParams {
-                    pipeline: params.router_pipeline(),
-                };
-                let call = RouterTopkBwd::new(RouterTopkBwdInputs::from_named(get)?, params)?;
-                let call = call.with_output_dtype(output_dtype);
-                backend.router_topk_bwd(&call)?.into_named()
-            }
-            Kernel::LoadBalancingLoss => {
-                let call = LoadBalancingLoss::new(LoadBalancingLossInputs::from_named(get)?)?;
-                backend.load_balancing_loss(&call)?.into_named()
-            }
-            Kernel::LoadBalancingLossBwd => {
-                let inputs = LoadBalancingLossBwdInputs::from_named(get)?;
-                let call = LoadBalancingLossBwd::new(inputs)?.with_output_dtype(output_dtype);
-                backend.load_balancing_loss_bwd(&call)?.into_named()
-            }
-            Kernel::Permute => {
-                let params = PermuteParams {
-                    num_experts: required_param(Param::NumExperts, params.num_experts)?,
-                    block_size: required_param(Param::BlockSize, params.block_size)?,
-                    n_block_per_iter: params
-                        .n_block_per_iter
-                        .unwrap_or(PermuteParams::DEFAULT_N_BLOCK_PER_ITER),
-                    skip_dma: params.skip_dma(),
-                };
-                let call = Permute::new(PermuteInputs::from_named(get)?, params)?;
-                backend
-                    .permute(&call.with_output_dtype(output_dtype))?
-                    .into_named()
-            }
-            Kernel::PermuteBwd => {
-                let params = PermuteBwdParams {
-                    num_experts: required_param(Param::NumExperts, params.num_experts)?,
-                    skip_dma: params.skip_dma(),
-                };
-                let call = PermuteBwd::new(PermuteBwdInputs::from_named(get)?, params)?;
-                backend
-                    .permute_bwd(&call.with_output_dtype(output_dtype))?
-                    .into_named()
-            }
-            Kernel::BlockwiseMm => {
-                let default = BlockwiseMmParams::default();
-                let params = BlockwiseMmParams {
-                    checkpoint_activation: params
-                        .checkpoint_activation
-                        .unwrap_or(default.checkpoint_activation),
-                    activation_function: params
-                        .activation_function
-                        .unwrap_or(default.activation_function),
-                    expert_affinities_scaling_mode: params
-                        .scaling_mode
-                        .unwrap_or(default.expert_affinities_scaling_mode),
-                    clamp: params.clamp,
-                    skip_dma: params.skip_dma(),
-                    is_tensor_update_accumulating: params
-                        .is_tensor_update_accumulating
-                        .unwrap_or(default.is_tensor_update_accumulating),
-                };
-                let call = BlockwiseMm::new(BlockwiseMmInputs::from_named(get)?, params)?
-                    .with_output_dtype(output_dtype);
-                check_block_size(block_size, call.dims())?;
-                backend.blockwise_mm(&call)?.into_named()
-            }
-            Kernel::BlockwiseMmBwd => {
-                let default = BlockwiseMmBwdParams::default();
-                let params = BlockwiseMmBwdParams {
-                    activation_type: params.activation_type.unwrap_or(default.activation_type),
-                    expert_affinities_scaling_mode: params
-                        .scaling_mode
-                        .unwrap_or(default.expert_affinities_scaling_mode),
-                    clamp: params.clamp,
-                    bias: params.bias.unwrap_or(default.bias),
-                    skip_dma: params.skip_dma(),
-                    is_tensor_update_accumulating: params
-                        .is_tensor_update_accumulating
-                        .unwrap_or(default.is_tensor_update_accumulating),
-                };
-                let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs::from_named(get)?, params)?
-                    .with_output_dtype(output_dtype);
-                check_block_size(block_size, call.dims())?;
-                backend.blockwise_mm_bwd(&call)?.into_named()
-            }
-            Kernel::A2avRouting => {
-                let params = A2avRoutingParams {
-                    num_experts: required_param(Param::NumExperts, params.num_experts)?,
-                    expert_parallel_degree: required_param(
-                        Param::ExpertParallelDegree,
-                        params.expert_parallel_degree,
-                    )?,
-                };
-                let call = A2avRouting::new(A2avRoutingInputs::from_named(get)?, params)?;
-                backend.a2av_routing(&call)?.into_named()
-            }
-        };
-        Ok(outputs
-            .into_iter()
-            .map(|(spec, tensor)| (spec.name, tensor))
-            .collect())
-    }
-}
-
-/// A `block_size` given to a blockwise kernel must be the plan's B (`token_position_to_id` holds
-/// N·B slots for the N blocks of `block_to_expert`).
-fn check_block_size(block_size: Option<usize>, dims: BlockwiseDims) -> Result<()> {
-    match block_size {
-        Some(b) if b != dims.b => Err(Error::param(
-            Param::BlockSize.name(),
-            format!(
-                "is {b}, but the plan has B = {} (token_position_to_id holds {} slots for N = {} \
-                 blocks)",
-                dims.b,
-                dims.n * dims.b,
-                dims.n
-            ),
-        )),
-        _ => Ok(()),
     }
 }
 
@@ -427,11 +278,6 @@ pub struct Params {
     pub expert_parallel_degree: Option<usize>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
-}
-
-/// A parameter the kernel cannot run without.
-fn required_param<T>(param: Param, value: Option<T>) -> Result<T> {
-    value.ok_or_else(|| Error::param(param.name(), "required by this kernel but not given"))
 }
 
 fn parse_count(param: Param, value: &str) -> Result<usize> {

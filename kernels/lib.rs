@@ -13,7 +13,8 @@
 //! - [`mod@reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
-//! - [`kernel`]: the kernel catalog and running any kernel by name on named tensors.
+//! - [`kernel`]: the kernel catalog, and running any kernel by name on named tensors
+//!   ([`Kernel::run`](kernel::Kernel::run)).
 //! - [`files`]: reading input files (NEFFs, tensor files) of untrusted size.
 //! - [`memory`]: the process-wide allocator policy the binaries set for large buffers.
 //! - [`neuron`]: the Neuron runtime (libnrt) bound at run time, and the `neuron` backend that
@@ -86,6 +87,7 @@ pub mod backends;
 pub mod buffer;
 pub mod contracts;
 pub mod cpu;
+mod dispatch;
 pub mod ep;
 pub mod error;
 pub mod files;

@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
 use common::*;
+use moekit::backend::{Device, KernelCall, Tolerance};
 use moekit::contracts::*;
+use moekit::cpu::CpuBackend;
+use moekit::kernel::Kernel;
 use moekit::neuron::{NeuronBackend, NeuronConfig};
 use moekit::{Backend, BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -789,5 +792,109 @@ fn a_bias_key_picks_the_neff_that_takes_the_bias() {
             1e-6,
         )
         .unwrap();
+    }
+}
+
+#[test]
+fn backends_state_their_kernels_tolerance_device_shapes_and_repeat_timing() {
+    let _guard = exclusive();
+    let r = small_router();
+    let dir = workdir("capabilities");
+    let neff = router_neff(&r.x, &r.w, None, 2, r.params, false);
+    let entry = router_entry(4, 6, 5, r.params);
+    let neuron = backend_with(&dir, &[("router.neff", neff, entry)]);
+    let call = RouterTopk::new(
+        RouterTopkInputs {
+            x: &r.x,
+            w: &r.w,
+            w_bias: None,
+            selection_bias: None,
+        },
+        r.params,
+    )
+    .unwrap();
+    let (index, affinities) = (i32_tensor(&[1, 1], &[0]), f32_tensor(&[1, 1], &[1.0]));
+    let permute = Permute::new(
+        PermuteInputs {
+            expert_index: &index,
+            topk_affinities: &affinities,
+        },
+        PermuteParams::new(2, 1),
+    )
+    .unwrap();
+
+    // neuron: the kernels its manifest registers, at the shapes it registers, timed on the
+    // device, against documented limits.
+    for &kernel in Kernel::ALL {
+        assert_eq!(
+            neuron.supports(kernel).unwrap(),
+            kernel == Kernel::RouterTopk,
+            "{}",
+            kernel.name()
+        );
+    }
+    assert_eq!(neuron.tolerance(), NeuronBackend::TOLERANCE);
+    assert!(
+        matches!(neuron.device(), Device::Accelerator(limits) if limits.name.contains("NeuronCore")),
+        "{:?}",
+        neuron.device()
+    );
+    let fixed = neuron.fixed_shapes().unwrap().expect("compiled shapes");
+    assert_eq!(fixed.declared_in, dir.join("kernels.toml"));
+    let [shape] = fixed.shapes.as_slice() else {
+        panic!("one entry, one shape: {fixed:?}");
+    };
+    assert_eq!(shape.kernel, Kernel::RouterTopk);
+    assert_eq!(
+        (shape.sizes.t, shape.sizes.h, shape.sizes.e, shape.sizes.k),
+        (4, 6, 5, 2)
+    );
+    assert_eq!(shape.params.k, Some(2));
+    assert!(
+        shape.source.starts_with("kernel entry 1 ("),
+        "{}",
+        shape.source
+    );
+    assert!(
+        shape
+            .warnings
+            .iter()
+            .any(|w| w.contains("H a multiple of 128")),
+        "{:?}",
+        shape.warnings
+    );
+    let mean = neuron
+        .time_repeated(KernelCall::RouterTopk(&call), 3)
+        .unwrap();
+    assert!(mean.is_some(), "the device times repeats itself");
+    let err = neuron
+        .time_repeated(KernelCall::Permute(&permute), 3)
+        .unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let missing = NeuronBackend::new(NeuronConfig {
+        library: Some(PathBuf::from(FAKE)),
+        manifest: dir.join("absent.toml"),
+    });
+    let err = missing.supports(Kernel::RouterTopk).unwrap_err();
+    assert!(err.to_string().contains("absent.toml"), "{err}");
+
+    // The host backends: every kernel at any shape, timed by the caller's clock.
+    for (kind, tolerance) in [
+        (BackendKind::Reference, Tolerance::EXACT),
+        (BackendKind::Cpu, CpuBackend::TOLERANCE),
+    ] {
+        let backend = kind.create();
+        for &kernel in Kernel::ALL {
+            assert!(
+                backend.supports(kernel).unwrap(),
+                "{kind}: {}",
+                kernel.name()
+            );
+        }
+        assert_eq!(backend.tolerance(), tolerance, "{kind}");
+        assert_eq!(backend.device(), Device::Host, "{kind}");
+        assert_eq!(backend.fixed_shapes().unwrap(), None, "{kind}");
+        let timed = backend.time_repeated(KernelCall::RouterTopk(&call), 3);
+        assert_eq!(timed.unwrap(), None, "{kind}");
     }
 }

@@ -26,6 +26,8 @@ cargo clippy --locked -p moekit-tools --all-targets --features mpi -- -D warning
 cargo clippy --locked -p moekit-trainer --all-targets --test expert_parallel -- -D warnings
 cargo clippy --locked --all-targets --features mpi -- -D warnings
 cargo clippy --locked -p moekit-nrt-sys -p moekit-nrt-fake --all-targets -- -D warnings
+# The documentation's links resolve (a renamed item breaks them).
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -p moekit -p moekit-tools
 # The committed Neuron runtime bindings are what bindgen generates now from ffi/nrt.h and from
 # the same declarations laid out as the Neuron SDK installs them (needs libclang).
 cargo test --locked -p moekit-nrt-sys

@@ -704,7 +704,7 @@ pub struct BlockwiseMmBwdInputs<'a> {
     /// `[T+1, H]`, the gradient of the forward's `output`; row T (the padding row) zero.
     /// `[T, H]` with `skip_token`.
     pub output_hidden_states_grad: &'a Tensor,
-    /// `[T, K]` i32 (ids or [`SKIP`](super::SKIP)); when given, the affinity gradient is also
+    /// `[T, K]` i32 (ids or [`SKIP`]); when given, the affinity gradient is also
     /// returned as `d_topk_affinities` (0 in skipped slots).
     pub expert_index: Option<&'a Tensor>,
 }

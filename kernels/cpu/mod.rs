@@ -1,5 +1,5 @@
 //! The `cpu` backend: the kernel contracts, forward and backward, tuned for multi-core x86 and
-//! ARM CPUs. f32 or bf16 storage, f32 arithmetic; packed-panel GEMMs ([`matmul`]) with run-time
+//! ARM CPUs. f32 or bf16 storage, f32 arithmetic; packed-panel GEMMs (`matmul`) with run-time
 //! SIMD dispatch; rayon parallelism over experts and fixed row tiles. Every reduction has an
 //! order fixed by the shapes and the plan alone, so outputs are bit-identical whatever the
 //! number of threads.
@@ -32,7 +32,7 @@ mod test_values {
     }
 }
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Tolerance};
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
@@ -51,11 +51,21 @@ pub struct CpuBackend;
 impl CpuBackend {
     /// The name that selects it.
     pub const NAME: &'static str = "cpu";
+
+    /// Its error bound: it accumulates in f32 where the reference uses f64.
+    pub const TOLERANCE: Tolerance = Tolerance {
+        rtol: 1e-4,
+        atol: 1e-4,
+    };
 }
 
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         Self::NAME
+    }
+
+    fn tolerance(&self) -> Tolerance {
+        Self::TOLERANCE
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

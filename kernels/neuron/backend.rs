@@ -27,9 +27,10 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 
+use super::limits::NEURONCORE_V3;
 use super::manifest::{Manifest, Value, supported_kernels};
 use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, Usage};
-use crate::backend::Backend;
+use crate::backend::{Backend, Device, FixedShapes, KernelCall, Tolerance};
 use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
 use crate::contracts::tensors::{
     blockwise_mm as fwd, blockwise_mm_bwd as bwd, router_topk as router,
@@ -150,6 +151,13 @@ impl NeuronBackend {
     /// The name that selects it.
     pub const NAME: &'static str = "neuron";
 
+    /// Its error bound: NeuronCores multiply bf16 (or fp32 as bf16 passes) and accumulate in
+    /// fp32 PSUM.
+    pub const TOLERANCE: Tolerance = Tolerance {
+        rtol: 2e-2,
+        atol: 2e-2,
+    };
+
     pub fn new(config: NeuronConfig) -> Self {
         NeuronBackend {
             config,
@@ -182,32 +190,6 @@ impl NeuronBackend {
             neff,
             elapsed,
         })
-    }
-
-    /// Times `repeat` back-to-back executions of the NEFF that runs `kernel` on these inputs
-    /// (`nrt_execute_repeat`); returns the mean time per execution.
-    pub fn time_router_topk(&self, call: &RouterTopk<'_>, repeat: i32) -> Result<Duration> {
-        Ok(self
-            .run(&router_topk_call(call), Execution::Repeat(repeat))?
-            .elapsed)
-    }
-
-    /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm`.
-    pub fn time_blockwise_mm(&self, call: &BlockwiseMm<'_>, repeat: i32) -> Result<Duration> {
-        Ok(self
-            .run(&blockwise_mm_call(call), Execution::Repeat(repeat))?
-            .elapsed)
-    }
-
-    /// As [`NeuronBackend::time_router_topk`], for `blockwise_mm_bwd`.
-    pub fn time_blockwise_mm_bwd(
-        &self,
-        call: &BlockwiseMmBwd<'_>,
-        repeat: i32,
-    ) -> Result<Duration> {
-        Ok(self
-            .run(&blockwise_mm_bwd_call(call), Execution::Repeat(repeat))?
-            .elapsed)
     }
 }
 
@@ -699,6 +681,38 @@ fn unsupported(kernel: Kernel) -> Error {
 impl Backend for NeuronBackend {
     fn name(&self) -> &'static str {
         Self::NAME
+    }
+
+    /// The kernels the manifest registers a NEFF for.
+    fn supports(&self, kernel: Kernel) -> Result<bool> {
+        let manifest = Manifest::read(&self.config.manifest)?;
+        Ok(manifest.entries.iter().any(|entry| entry.kernel == kernel))
+    }
+
+    fn tolerance(&self) -> Tolerance {
+        Self::TOLERANCE
+    }
+
+    fn device(&self) -> Device {
+        Device::Accelerator(NEURONCORE_V3)
+    }
+
+    /// `nrt_execute_repeat` of the call's NEFF on device-resident inputs: the mean time of one
+    /// execution.
+    fn time_repeated(&self, call: KernelCall<'_, '_>, repeats: u32) -> Result<Option<Duration>> {
+        let call = match call {
+            KernelCall::RouterTopk(call) => router_topk_call(call),
+            KernelCall::BlockwiseMm(call) => blockwise_mm_call(call),
+            KernelCall::BlockwiseMmBwd(call) => blockwise_mm_bwd_call(call),
+            other => return Err(unsupported(other.kernel())),
+        };
+        let repeats = i32::try_from(repeats)
+            .map_err(|_| Error::param("repeats", format!("at most {}, got {repeats}", i32::MAX)))?;
+        Ok(Some(self.run(&call, Execution::Repeat(repeats))?.elapsed))
+    }
+
+    fn fixed_shapes(&self) -> Result<Option<FixedShapes>> {
+        Ok(Some(Manifest::read(&self.config.manifest)?.fixed_shapes()?))
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

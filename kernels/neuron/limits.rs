@@ -1,9 +1,21 @@
+//! Trainium2's limits: a NeuronCore's documented throughput ([`NEURONCORE_V3`]), and
 //! nki-library's hardware limits on the shapes its MoE kernels take (as its kernels assert them
-//! at tag 2.29), checked against a manifest entry's shape. They are warnings about a NEFF's
-//! shapes, not rules of moekit's contracts: the host backends take any shape.
+//! at tag 2.29), checked against a manifest entry's shape. The shape limits are warnings about a
+//! NEFF's shapes, not rules of moekit's contracts: the host backends take any shape.
 
 use super::manifest::{Entry, Value};
+use crate::backend::AcceleratorLimits;
 use crate::kernel::Kernel;
+
+/// One Trainium2 NeuronCore-v3 as the Neuron documentation states it, not measured: 79 dense
+/// bf16 TFLOP/s (the 128×128 TensorEngine at 2.4 GHz) and an eighth of the chip's 2.9 TB/s HBM
+/// bandwidth.
+pub const NEURONCORE_V3: AcceleratorLimits = AcceleratorLimits {
+    name: "one Trainium2 NeuronCore-v3",
+    peak_dtype: "bf16",
+    peak_gflops: 79_000.0,
+    memory_gbps: 2_900.0 / 8.0,
+};
 
 /// One limit: the manifest key it reads, whether a value passes, and what nki-library needs.
 struct Limit {

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod limits;
 pub mod manifest;
 pub mod runtime;
+mod shapes;
 pub mod status;
 
 /// The raw bindings ([`moekit_nrt_sys`]), used only by [`runtime`].

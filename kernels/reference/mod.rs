@@ -15,7 +15,7 @@ pub mod load_balancing;
 pub mod permute;
 pub mod router;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Tolerance};
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{
     a2av_routing as a2, blockwise_mm as bm, blockwise_mm_bwd as bmb, load_balancing_loss as lb,
@@ -137,6 +137,11 @@ impl ReferenceBackend {
 impl Backend for ReferenceBackend {
     fn name(&self) -> &'static str {
         Self::NAME
+    }
+
+    /// The oracle agrees with itself exactly.
+    fn tolerance(&self) -> Tolerance {
+        Tolerance::EXACT
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

@@ -2,65 +2,31 @@
 //! through both backends kernel by kernel, and every output tensor is compared.
 //!
 //! A case is one routed layer: the reference routes it and builds its block plan and
-//! checkpoints, so every kernel of both backends receives identical inputs. For the `cpu`
-//! backend the layer sizes are random (seeded); for `neuron` they are those of each manifest
-//! entry, since a NEFF runs one shape only.
+//! checkpoints, so every kernel of both backends receives identical inputs. The layer sizes are
+//! random (seeded), or, for a backend of compiled kernels, those of each shape it runs
+//! ([`Backend::fixed_shapes`]: a NEFF runs one shape only).
 //!
 //! Every kernel runs with `output_dtype=float32` on both sides, so bf16 inputs are compared at
 //! the precision the backends compute in, not after rounding into bf16.
 //!
 //! An element passes when `|got − want| ≤ atol · max(1, max |want|) + rtol · |want|` (i32
-//! outputs, indices and counts, only when equal). The default tolerances are the backends' documented error bounds:
-//! [`Tolerance::CPU`] and [`Tolerance::NEURON`].
+//! outputs, indices and counts, only when equal). The default tolerance is the backend's
+//! documented error bound ([`Backend::tolerance`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use moekit::backend::Backend;
+use moekit::backend::{Backend, LayerSizes, Tolerance};
 use moekit::backends::BackendKind;
 use moekit::contracts::{
-    ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout,
-    static_block_count, tensors,
+    ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout, tensors,
 };
 use moekit::error::{Error, Result};
 use moekit::kernel::{Kernel, Params};
-use moekit::neuron::manifest::{Manifest, Value};
 use moekit::random::SplitMix64;
 use moekit::tensor::{DType, Tensor};
 
 use crate::layer::{Layer, LayerInputs, MoeShape};
-
-/// The agreement `check` demands of a backend.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Tolerance {
-    pub rtol: f64,
-    pub atol: f64,
-}
-
-impl Tolerance {
-    /// The cpu backend accumulates in f32 where the reference uses f64.
-    pub const CPU: Tolerance = Tolerance {
-        rtol: 1e-4,
-        atol: 1e-4,
-    };
-    /// NeuronCores multiply bf16 (or fp32 as bf16 passes) and accumulate in fp32 PSUM.
-    pub const NEURON: Tolerance = Tolerance {
-        rtol: 2e-2,
-        atol: 2e-2,
-    };
-
-    /// The documented tolerance of `backend` (the reference against itself: exact).
-    pub fn of(backend: BackendKind) -> Tolerance {
-        match backend {
-            BackendKind::Reference => Tolerance {
-                rtol: 0.0,
-                atol: 0.0,
-            },
-            BackendKind::Cpu => Tolerance::CPU,
-            BackendKind::Neuron => Tolerance::NEURON,
-        }
-    }
-}
 
 /// One routed layer and the kernels to check on it.
 pub struct CheckCase {
@@ -72,26 +38,15 @@ pub struct CheckCase {
     pub params: Params,
 }
 
-/// The sizes of one case's layer.
-#[derive(Clone, Copy, Debug)]
-struct Sizes {
-    t: usize,
-    h: usize,
-    e: usize,
-    k: usize,
-    i: usize,
-    b: usize,
-}
-
 impl CheckCase {
     fn new(
-        sizes: Sizes,
+        sizes: LayerSizes,
         dtype: DType,
         seed: u64,
         kernels: Vec<Kernel>,
         params: Params,
     ) -> Result<CheckCase> {
-        let Sizes { t, h, e, k, i, b } = sizes;
+        let LayerSizes { t, h, e, k, i, b } = sizes;
         let shape = MoeShape {
             name: "check",
             h,
@@ -206,9 +161,72 @@ fn without_padding_row(tensors: &mut BTreeMap<String, Tensor>, t: usize, e: usiz
     Ok(())
 }
 
+/// What `check` runs on a backend: its cases, and warnings about the shapes it runs.
+pub struct CheckPlan {
+    pub cases: Vec<CheckCase>,
+    /// One line each, e.g. `kernel entry 2 (blockwise.neff): `h` = 5: ...`.
+    pub warnings: Vec<String>,
+}
+
+/// The cases `check` runs on `backend` (of `kernel`, if given; else of every kernel it runs):
+/// `cases` random layers, or, where the backend runs fixed shapes only, `cases` layers at each
+/// of its shapes.
+pub fn plan(
+    backend: &dyn Backend,
+    kernel: Option<Kernel>,
+    cases: usize,
+    seed: u64,
+    dtype: DType,
+) -> Result<CheckPlan> {
+    let Some(fixed) = backend.fixed_shapes()? else {
+        let kernels = kernel.map_or_else(|| Kernel::ALL.to_vec(), |k| vec![k]);
+        return Ok(CheckPlan {
+            cases: random_cases(cases, seed, dtype, &kernels)?,
+            warnings: Vec::new(),
+        });
+    };
+    at_least_one_case(cases)?;
+    let warnings = fixed
+        .shapes
+        .iter()
+        .flat_map(|shape| {
+            let source = &shape.source;
+            shape.warnings.iter().map(move |w| format!("{source}: {w}"))
+        })
+        .collect();
+    let mut out = Vec::new();
+    for shape in &fixed.shapes {
+        if kernel.is_some_and(|k| k != shape.kernel) {
+            continue;
+        }
+        for case in 0..cases {
+            out.push(CheckCase::new(
+                shape.sizes,
+                dtype,
+                seed.wrapping_add(case as u64),
+                vec![shape.kernel],
+                shape.params.clone(),
+            )?);
+        }
+    }
+    if out.is_empty() {
+        return Err(Error::Format {
+            path: fixed.declared_in,
+            message: match kernel {
+                Some(kernel) => format!("no kernel entry runs `{}`", kernel.name()),
+                None => "no kernel entry".to_owned(),
+            },
+        });
+    }
+    Ok(CheckPlan {
+        cases: out,
+        warnings,
+    })
+}
+
 /// `cases` layers of random sizes (T ≤ 64, H ≤ 48, E ≤ 12, I ≤ 32, B ≤ 16, with odd sizes and
 /// B > T·K among them), each checking `kernels` with random router parameters.
-pub fn random_cases(
+fn random_cases(
     cases: usize,
     seed: u64,
     dtype: DType,
@@ -220,7 +238,7 @@ pub fn random_cases(
         .map(|case| {
             let mut draw = |lo: usize, hi: usize| lo + rng.below(hi - lo + 1);
             let e = draw(1, 12);
-            let sizes = Sizes {
+            let sizes = LayerSizes {
                 t: draw(1, 64),
                 h: draw(1, 48),
                 e,
@@ -268,181 +286,12 @@ pub fn random_cases(
         .collect()
 }
 
-/// `cases` layers per manifest entry (of `kernel`, if given), at the entry's shape. Entries
-/// must name every size: `t`, `h`, `e`, `k` (router_topk) or `t`, `h`, `e`, `i`,
-/// `block_size`, `num_blocks` (blockwise_mm; K is the smallest top-k whose static block count
-/// is `num_blocks`).
-pub fn manifest_cases(
-    manifest: &Manifest,
-    kernel: Option<Kernel>,
-    cases: usize,
-    seed: u64,
-    dtype: DType,
-) -> Result<Vec<CheckCase>> {
-    at_least_one_case(cases)?;
-    let mut out = Vec::new();
-    for (index, entry) in manifest.entries.iter().enumerate() {
-        if kernel.is_some_and(|k| k != entry.kernel) {
-            continue;
-        }
-        let int = |key: &str| match entry.params.get(key) {
-            Some(Value::Int(v)) => Ok(*v),
-            _ => Err(Error::Format {
-                path: manifest.path.clone(),
-                message: format!(
-                    "kernel entry {} ({}): `check` needs `{key}`, the size the NEFF was compiled for",
-                    index + 1,
-                    entry.neff.display()
-                ),
-            }),
-        };
-        let flag = |key: &str| matches!(entry.params.get(key), Some(Value::Bool(true)));
-        let (sizes, params) = match entry.kernel {
-            Kernel::RouterTopk => {
-                let act_fn = match entry.params.get("act_fn") {
-                    Some(Value::Str(name)) => name.parse()?,
-                    _ => RouterActFnType::Softmax,
-                };
-                let x_hbm_layout = match entry.params.get("x_hbm_layout") {
-                    Some(&Value::Int(0)) => XHbmLayout::HT,
-                    _ => XHbmLayout::TH,
-                };
-                let k = int("k")?;
-                let sizes = Sizes {
-                    t: int("t")?,
-                    h: int("h")?,
-                    e: int("e")?,
-                    k,
-                    i: 1,
-                    b: 1,
-                };
-                let params = Params {
-                    k: Some(k),
-                    act_fn: Some(act_fn),
-                    // nki-library's default is ACT1.
-                    router_pre_norm: Some(!matches!(
-                        entry.params.get("router_pre_norm"),
-                        Some(Value::Bool(false))
-                    )),
-                    norm_topk_prob: Some(flag("norm_topk_prob")),
-                    x_hbm_layout: Some(x_hbm_layout),
-                    ..Params::default()
-                };
-                (sizes, params)
-            }
-            _ => {
-                let (t, e, b, n) = (int("t")?, int("e")?, int("block_size")?, int("num_blocks")?);
-                let k = top_k_for_blocks(t, e, b, n).ok_or_else(|| Error::Format {
-                    path: manifest.path.clone(),
-                    message: format!(
-                        "kernel entry {} ({}): no top-k gives num_blocks = {n} for t={t} e={e} block_size={b}",
-                        index + 1,
-                        entry.neff.display()
-                    ),
-                })?;
-                // nki-library's default is to accumulate; storing needs one slot per token.
-                let accumulating = !matches!(
-                    entry.params.get("is_tensor_update_accumulating"),
-                    Some(Value::Bool(false))
-                );
-                if !accumulating && k != 1 {
-                    return Err(Error::Format {
-                        path: manifest.path.clone(),
-                        message: format!(
-                            "kernel entry {} ({}): is_tensor_update_accumulating = false stores \
-                             each slot's row, which needs top-k 1, but num_blocks = {n} is the \
-                             plan of top-k {k}",
-                            index + 1,
-                            entry.neff.display()
-                        ),
-                    });
-                }
-                let sizes = Sizes {
-                    t,
-                    h: int("h")?,
-                    e,
-                    k,
-                    i: int("i")?,
-                    b,
-                };
-                let activation = |key: &str| match entry.params.get(key) {
-                    Some(Value::Str(name)) => ActFnType::parse(key, name).map(Some),
-                    _ => Ok(None),
-                };
-                let scaling = match entry.params.get("expert_affinities_scaling_mode") {
-                    Some(Value::Str(name)) => Some(ExpertAffinityScaleMode::parse(
-                        "expert_affinities_scaling_mode",
-                        name,
-                    )?),
-                    _ => None,
-                };
-                let params = Params {
-                    checkpoint_activation: Some(flag("checkpoint_activation")),
-                    activation_function: activation("activation_function")?,
-                    activation_type: activation("activation_type")?,
-                    scaling_mode: scaling,
-                    skip_token: Some(flag("skip_token")),
-                    is_tensor_update_accumulating: Some(accumulating),
-                    ..Params::default()
-                };
-                (sizes, params)
-            }
-        };
-        for case in 0..cases {
-            out.push(CheckCase::new(
-                sizes,
-                dtype,
-                seed.wrapping_add(case as u64),
-                vec![entry.kernel],
-                params.clone(),
-            )?);
-        }
-    }
-    if out.is_empty() {
-        return Err(Error::Format {
-            path: manifest.path.clone(),
-            message: match kernel {
-                Some(kernel) => format!("no kernel entry runs `{}`", kernel.name()),
-                None => "no kernel entry".to_owned(),
-            },
-        });
-    }
-    Ok(out)
-}
-
 /// A check of no case would pass without checking anything.
 fn at_least_one_case(cases: usize) -> Result<()> {
     if cases == 0 {
         return Err(Error::param("cases", "must be at least 1, got 0"));
     }
     Ok(())
-}
-
-/// The smallest K ≤ E whose static block count for T tokens over E experts in blocks of B is N.
-fn top_k_for_blocks(t: usize, e: usize, b: usize, n: usize) -> Option<usize> {
-    // The count never decreases as K grows (a T·K past usize counts as past N), so the first
-    // K that reaches N is found by bisection, whatever the sizes.
-    let reaches = |k: usize| {
-        t.checked_mul(k)
-            .and_then(|m| static_block_count(m, e, b, 1))
-            .is_none_or(|count| count >= n)
-    };
-    let (mut lo, mut hi) = (1, e);
-    if lo > hi {
-        return None;
-    }
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if reaches(mid) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    (t.checked_mul(lo)
-        .and_then(|m| static_block_count(m, e, b, 1))
-        == Some(n))
-    .then_some(lo)
 }
 
 /// One output tensor of one kernel of one case.
@@ -596,35 +445,4 @@ pub fn table(backend: &str, rows: &[CheckRow], tolerance: Tolerance) -> String {
         rows.len()
     );
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn top_k_for_blocks_is_the_first_k_with_the_block_count() {
-        for t in 1..12 {
-            for e in 1..10 {
-                for b in 1..6 {
-                    for n in 0..40 {
-                        let linear =
-                            (1..=e).find(|&k| static_block_count(t * k, e, b, 1) == Some(n));
-                        assert_eq!(top_k_for_blocks(t, e, b, n), linear, "{t} {e} {b} {n}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn top_k_for_blocks_answers_at_once_for_sizes_no_loop_could_walk() {
-        let huge = usize::MAX / 2;
-        // Blocks of one slot: N = T·K, and no K gives an odd N for T = 2.
-        assert_eq!(top_k_for_blocks(2, huge, 1, 3), None);
-        assert_eq!(top_k_for_blocks(2, huge, 1, 4), Some(2));
-        // T·K overflows long before K reaches E.
-        assert_eq!(top_k_for_blocks(huge, huge, 1, usize::MAX), None);
-        assert_eq!(top_k_for_blocks(3, 0, 1, 0), None);
-    }
 }

@@ -6,7 +6,7 @@
 //!   `ep-bench`;
 //! - [`layer`]: a routed MoE layer on seeded inputs, the fixture benchmarks and checks run
 //!   kernels on;
-//! - [`bench`]: kernel benchmarks against the machine's measured limits, and beside libtorch;
+//! - [`mod@bench`]: kernel benchmarks against the machine's measured limits, and beside libtorch;
 //! - [`check`]: a backend against the reference, per output tensor;
 //! - [`catalog`]: the kernel catalog as `moekit list` prints it;
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations,

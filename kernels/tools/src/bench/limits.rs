@@ -4,24 +4,17 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use moekit::backend::Device;
 use rayon::prelude::*;
-
-/// The device a benchmark's limits describe.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    /// This machine's CPU: limits measured by [`MachineLimits::measure`].
-    Host,
-    /// One Trainium2 NeuronCore-v3: documented limits, see
-    /// [`MachineLimits::TRAINIUM2_NEURONCORE`].
-    NeuronCore,
-}
 
 /// Limits of the device a benchmark runs on.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MachineLimits {
-    /// f32 FMA peak of all threads of the current rayon pool, GFLOP/s (one FMA = 2 FLOP).
+    /// f32 FMA peak of all threads of the current rayon pool, GFLOP/s (one FMA = 2 FLOP); on an
+    /// accelerator its documented peak.
     pub fma_gflops: f64,
-    /// STREAM-triad bandwidth (`a = b + s·c`, 12 bytes per f32 element), GB/s.
+    /// STREAM-triad bandwidth (`a = b + s·c`, 12 bytes per f32 element), GB/s; on an
+    /// accelerator its documented memory bandwidth.
     pub stream_gbps: f64,
     /// Threads both were measured with.
     pub threads: usize,
@@ -29,17 +22,21 @@ pub struct MachineLimits {
 }
 
 impl MachineLimits {
-    /// One Trainium2 NeuronCore-v3 as the Neuron documentation states it, not measured from the
-    /// host: 79 dense bf16 TFLOP/s (the 128×128 TensorEngine at 2.4 GHz) and an eighth of the
-    /// chip's 2.9 TB/s HBM bandwidth. `fma_gflops` holds the bf16 peak.
-    pub const TRAINIUM2_NEURONCORE: MachineLimits = MachineLimits {
-        fma_gflops: 79_000.0,
-        stream_gbps: 2_900.0 / 8.0,
-        threads: 1,
-        device: Device::NeuronCore,
-    };
+    /// The limits of `device`: measured on the host (about a second), documented for an
+    /// accelerator.
+    pub fn of(device: Device) -> Self {
+        match device {
+            Device::Host => Self::measure(),
+            Device::Accelerator(limits) => Self {
+                fma_gflops: limits.peak_gflops,
+                stream_gbps: limits.memory_gbps,
+                threads: 1,
+                device,
+            },
+        }
+    }
 
-    /// Measures both limits (about a second).
+    /// Measures both limits of the host (about a second).
     pub fn measure() -> Self {
         Self {
             fma_gflops: fma_peak_gflops(),

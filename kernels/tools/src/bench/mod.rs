@@ -10,12 +10,11 @@ pub mod limits;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use limits::{Device, MachineLimits};
+use limits::MachineLimits;
+use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
 use moekit::error::{Error, Result};
 use moekit::kernel::Kernel;
-use moekit::neuron::manifest::Manifest;
-use moekit::neuron::{NeuronBackend, NeuronConfig};
 use moekit::tensor::DType;
 
 use crate::layer::{Layer, LayerInputs, MoeShape};
@@ -23,7 +22,6 @@ use crate::layer::{Layer, LayerInputs, MoeShape};
 /// What to benchmark.
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
-    pub backend: BackendKind,
     pub shape: MoeShape,
     /// T, tokens.
     pub tokens: usize,
@@ -37,8 +35,6 @@ pub struct BenchConfig {
     pub libtorch: bool,
     /// The rows to measure and report.
     pub rows: RowSelection,
-    /// Where the `neuron` backend finds libnrt and its manifest.
-    pub neuron: NeuronConfig,
 }
 
 /// The row that times the whole layer: every kernel once, forward and backward.
@@ -97,7 +93,7 @@ pub enum Throughput {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchRow {
     pub kernel: String,
-    pub backend: BackendKind,
+    pub backend: &'static str,
     pub shape: &'static str,
     pub tokens: usize,
     pub dtype: DType,
@@ -208,16 +204,28 @@ pub fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-/// Runs every kernel of one MoE layer, forward and backward, and measures each. On `neuron`,
-/// the kernels it runs are timed on the device with `nrt_execute_repeat`.
-pub fn run(config: &BenchConfig) -> Result<BenchResult> {
-    if config.backend == BackendKind::Neuron {
-        return run_on_neuron(config);
-    }
-    let backend = config.backend.create();
-    let backend = backend.as_ref();
+/// Runs every kernel of one MoE layer that `backend` supports, forward and backward, and
+/// measures each: by wall time around repeated calls, or by the backend's own timing of repeated
+/// executions on its device where it has one ([`Backend::time_repeated`]).
+///
+/// The layer's routing, plan and checkpoints come from `backend` where it runs all three
+/// forward kernels, else from the reference. The layer row is reported only when every kernel
+/// of the layer was timed.
+pub fn run(backend: &dyn Backend, config: &BenchConfig) -> Result<BenchResult> {
+    let supported = |kernel: Kernel| backend.supports(kernel);
+    let reference = BackendKind::Reference.create();
+    let builds_layer = [Kernel::RouterTopk, Kernel::Permute, Kernel::BlockwiseMm]
+        .into_iter()
+        .try_fold(true, |all, kernel| {
+            Ok::<_, moekit::Error>(all && supported(kernel)?)
+        })?;
+    let layer_backend = if builds_layer {
+        backend
+    } else {
+        reference.as_ref()
+    };
     let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
-    let layer = Layer::new(backend, inputs)?;
+    let layer = Layer::new(layer_backend, inputs)?;
     let MoeShape { h, i, e, k, .. } = config.shape;
     let (t, n, b) = (
         config.tokens,
@@ -242,7 +250,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     let layer_peer = (|| Some(router_fwd? + router_bwd? + experts_fwd_bwd?))();
     let row = |kernel: &str, ms: f64, throughput: Throughput| BenchRow {
         kernel: kernel.to_owned(),
-        backend: config.backend,
+        backend: backend.name(),
         shape: config.shape.name,
         tokens: t,
         dtype: config.dtype,
@@ -263,68 +271,73 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     let (tf, hf, ef, kf, if_) = (t as f64, h as f64, e as f64, k as f64, i as f64);
     let expert_flop = 6.0 * tf * kf * hf * if_;
     let min = config.min_time;
-
+    // The layer's kernels that are measured, and whether that is all of them.
     let mut rows = Vec::new();
-    let timed = |name: &str| config.rows.times(name);
-    if timed("router_topk") {
+    let mut whole_layer = true;
+    let mut timed = |kernel: Kernel| -> Result<bool> {
+        let runs = supported(kernel)?;
+        whole_layer &= runs;
+        Ok(runs && config.rows.times(kernel.name()))
+    };
+    if timed(Kernel::RouterTopk)? {
         let call = layer.inputs.router_topk()?;
-        let ms = time(min, || backend.router_topk(&call))?;
+        let ms = measure(backend, KernelCall::RouterTopk(&call), min)?;
         rows.push(row("router_topk", ms, gflops(2.0 * tf * hf * ef, ms)));
     }
-    if timed("router_topk_bwd") {
+    if timed(Kernel::RouterTopkBwd)? {
         let call = layer.router_topk_bwd()?;
-        let ms = time(min, || backend.router_topk_bwd(&call))?;
+        let ms = measure(backend, KernelCall::RouterTopkBwd(&call), min)?;
         rows.push(row("router_topk_bwd", ms, gflops(4.0 * tf * hf * ef, ms)));
     }
-    if timed("load_balancing_loss") {
+    if timed(Kernel::LoadBalancingLoss)? {
         let call = layer.load_balancing_loss()?;
-        let ms = time(min, || backend.load_balancing_loss(&call))?;
+        let ms = measure(backend, KernelCall::LoadBalancingLoss(&call), min)?;
         let bytes = tf * (ef + kf) * 4.0;
         rows.push(row("load_balancing_loss", ms, gbps(bytes, ms)));
     }
-    if timed("load_balancing_loss_bwd") {
+    if timed(Kernel::LoadBalancingLossBwd)? {
         let call = layer.load_balancing_loss_bwd()?;
-        let ms = time(min, || backend.load_balancing_loss_bwd(&call))?;
+        let ms = measure(backend, KernelCall::LoadBalancingLossBwd(&call), min)?;
         let bytes = tf * (2.0 * ef + kf) * 4.0;
         rows.push(row("load_balancing_loss_bwd", ms, gbps(bytes, ms)));
     }
-    if timed("permute") {
+    if timed(Kernel::Permute)? {
         let call = layer.permute()?;
-        let ms = time(min, || backend.permute(&call))?;
+        let ms = measure(backend, KernelCall::Permute(&call), min)?;
         let plan_bytes = tf * kf * 8.0 + (n * b + n + e) as f64 * 4.0 + (tf + 1.0) * ef * 4.0;
         rows.push(row("permute", ms, gbps(plan_bytes, ms)));
     }
-    if timed("permute_bwd") {
+    if timed(Kernel::PermuteBwd)? {
         let call = layer.permute_bwd()?;
-        let ms = time(min, || backend.permute_bwd(&call))?;
+        let ms = measure(backend, KernelCall::PermuteBwd(&call), min)?;
         rows.push(row("permute_bwd", ms, gbps(tf * kf * 12.0, ms)));
     }
-    if timed("blockwise_mm") {
+    if timed(Kernel::BlockwiseMm)? {
         let call = layer.blockwise_mm()?;
-        let ms = time(min, || backend.blockwise_mm(&call))?;
+        let ms = measure(backend, KernelCall::BlockwiseMm(&call), min)?;
         rows.push(row("blockwise_mm", ms, gflops(expert_flop, ms)));
     }
-    if timed("blockwise_mm_bwd") {
+    if timed(Kernel::BlockwiseMmBwd)? {
         let call = layer.blockwise_mm_bwd()?;
-        let ms = time(min, || backend.blockwise_mm_bwd(&call))?;
+        let ms = measure(backend, KernelCall::BlockwiseMmBwd(&call), min)?;
         rows.push(row("blockwise_mm_bwd", ms, gflops(2.0 * expert_flop, ms)));
     }
 
     // The whole layer: every kernel above once, forward and backward.
-    if config.rows.shows(LAYER_ROW) {
+    if whole_layer && config.rows.shows(LAYER_ROW) {
         let layer_ms: f64 = rows.iter().map(|r| r.ms).sum();
         let layer_flop = expert_flop * 3.0 + 6.0 * tf * hf * ef;
         rows.push(row(LAYER_ROW, layer_ms, gflops(layer_flop, layer_ms)));
     }
     // The routing table an expert-parallel layer would exchange with (not part of the
     // single-rank layer above), at the most ranks up to 8 that divide E.
-    if timed("a2av_routing") {
+    if supported(Kernel::A2avRouting)? && config.rows.times(Kernel::A2avRouting.name()) {
         let ranks = [8, 4, 2, 1]
             .into_iter()
             .find(|r| e.is_multiple_of(*r))
             .unwrap_or(1);
         let call = layer.a2av_routing(ranks)?;
-        let ms = time(min, || backend.a2av_routing(&call))?;
+        let ms = measure(backend, KernelCall::A2avRouting(&call), min)?;
         let bytes = tf * (kf + ranks as f64) * 4.0;
         rows.push(row("a2av_routing", ms, gbps(bytes, ms)));
     }
@@ -332,60 +345,23 @@ pub fn run(config: &BenchConfig) -> Result<BenchResult> {
     Ok(BenchResult { rows, peers })
 }
 
-/// The `neuron` rows: the layer is routed by the reference, then each kernel the manifest
-/// registers (`router_topk`, `blockwise_mm` with checkpoints as training calls it,
-/// `blockwise_mm_bwd`) is timed with `nrt_execute_repeat` on device-resident inputs: enough
-/// repeats to fill `min_time` after a first execution that loads the NEFF. The mean device time
-/// per execution is reported.
-fn run_on_neuron(config: &BenchConfig) -> Result<BenchResult> {
-    let manifest = Manifest::read(&config.neuron.manifest)?;
-    let registered = |kernel: Kernel| manifest.entries.iter().any(|entry| entry.kernel == kernel);
-    let neuron = NeuronBackend::new(config.neuron.clone());
-    let reference = BackendKind::Reference.create();
-    let inputs = LayerInputs::new(config.shape, config.tokens, config.dtype, config.block_size)?;
-    let layer = Layer::new(reference.as_ref(), inputs)?;
-    let MoeShape { h, i, e, k, .. } = config.shape;
-    let (tf, hf, ef, kf, if_) = (config.tokens as f64, h as f64, e as f64, k as f64, i as f64);
-    let repeats = |first: Duration| {
-        (config.min_time.as_secs_f64() / first.as_secs_f64().max(1e-9)).clamp(3.0, 10_000.0) as i32
+/// The time of one call in milliseconds: the backend's mean over enough repeated executions to
+/// fill `min_time` after a first one (which loads what it needs), where it times its device
+/// itself; else the median wall time of repeated calls ([`time`]).
+fn measure(backend: &dyn Backend, call: KernelCall<'_, '_>, min_time: Duration) -> Result<f64> {
+    let Some(first) = backend.time_repeated(call, 1)? else {
+        return time(min_time, || call.run_discarding(backend));
     };
-    let row = |kernel: &str, ms: f64, flop: f64| BenchRow {
-        kernel: kernel.to_owned(),
-        backend: BackendKind::Neuron,
-        shape: config.shape.name,
-        tokens: config.tokens,
-        dtype: config.dtype,
-        ms,
-        throughput: Throughput::Gflops(flop / ms / 1e6),
-        libtorch_ms: None,
-    };
-    // Mean time of one execution, ms, timing enough repeats after a first (loading) run.
-    let device_ms = |time: &dyn Fn(i32) -> Result<Duration>| -> Result<f64> {
-        let first = time(1)?;
-        Ok(time(repeats(first))?.as_secs_f64() * 1e3)
-    };
-    let expert_flop = 6.0 * tf * kf * hf * if_;
-    let mut rows = Vec::new();
-    let registered = |kernel: Kernel| registered(kernel) && config.rows.shows(kernel.name());
-    if registered(Kernel::RouterTopk) {
-        let call = layer.inputs.router_topk()?;
-        let ms = device_ms(&|repeat| neuron.time_router_topk(&call, repeat))?;
-        rows.push(row("router_topk", ms, 2.0 * tf * hf * ef));
-    }
-    if registered(Kernel::BlockwiseMm) {
-        let call = layer.blockwise_mm()?;
-        let ms = device_ms(&|repeat| neuron.time_blockwise_mm(&call, repeat))?;
-        rows.push(row("blockwise_mm", ms, expert_flop));
-    }
-    if registered(Kernel::BlockwiseMmBwd) {
-        let call = layer.blockwise_mm_bwd()?;
-        let ms = device_ms(&|repeat| neuron.time_blockwise_mm_bwd(&call, repeat))?;
-        rows.push(row("blockwise_mm_bwd", ms, 2.0 * expert_flop));
-    }
-    Ok(BenchResult {
-        rows,
-        peers: Vec::new(),
-    })
+    let repeats =
+        (min_time.as_secs_f64() / first.as_secs_f64().max(1e-9)).clamp(3.0, 10_000.0) as u32;
+    let mean = backend
+        .time_repeated(call, repeats)?
+        .ok_or_else(|| Error::Unsupported {
+            backend: backend.name(),
+            kernel: call.kernel().name(),
+            message: "it timed one execution but not repeated ones".to_owned(),
+        })?;
+    Ok(mean.as_secs_f64() * 1e3)
 }
 
 /// The libtorch paths for the same layer, timed in this run.
@@ -407,10 +383,10 @@ pub fn table(results: &[BenchResult], limits: &MachineLimits) -> String {
             "machine: {} threads, f32 FMA peak {:.1} GFLOP/s, stream triad {:.1} GB/s\n",
             limits.threads, limits.fma_gflops, limits.stream_gbps
         ),
-        Device::NeuronCore => format!(
-            "device: one Trainium2 NeuronCore-v3, bf16 peak {:.0} GFLOP/s, HBM share {:.0} GB/s \
-             (documented, not measured); times are nrt_execute_repeat means\n",
-            limits.fma_gflops, limits.stream_gbps
+        Device::Accelerator(device) => format!(
+            "device: {}, {} peak {:.0} GFLOP/s, memory {:.0} GB/s (documented, not measured); \
+             times are the device's means over repeated executions\n",
+            device.name, device.peak_dtype, limits.fma_gflops, limits.stream_gbps
         ),
     };
     let _ = writeln!(

@@ -16,17 +16,17 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use moekit::backend::Tolerance;
+use moekit::backends::BackendOptions;
 use moekit::ep::{Communicator, LocalComm};
 use moekit::kernel::{Kernel, Params};
-use moekit::neuron::limits::broken_limits;
-use moekit::neuron::manifest::Manifest;
-use moekit::neuron::{Library, NeuronBackend, NeuronConfig, Runtime, Usage};
-use moekit::{Backend, BackendKind, DType, Result};
+use moekit::neuron::{Library, NeuronConfig, Runtime, Usage};
+use moekit::{BackendKind, DType, Result};
 use moekit_tools::bench::exchange::{self, ExchangeRow};
 use moekit_tools::bench::limits::MachineLimits;
 use moekit_tools::bench::{BenchConfig, RowSelection};
 use moekit_tools::catalog::{catalog_markdown, catalog_table};
-use moekit_tools::check::{self, CheckRow, Tolerance};
+use moekit_tools::check::{self, CheckRow};
 use moekit_tools::golden::TensorFile;
 use moekit_tools::layer::MoeShape;
 
@@ -191,11 +191,14 @@ struct NeuronArgs {
 }
 
 impl NeuronArgs {
-    fn config(&self) -> NeuronConfig {
+    /// The backend options these flags give (the environment's where not given).
+    fn options(&self) -> BackendOptions {
         let defaults = NeuronConfig::from_env();
-        NeuronConfig {
-            library: self.library.clone().or(defaults.library),
-            manifest: self.manifest.clone().unwrap_or(defaults.manifest),
+        BackendOptions {
+            neuron: NeuronConfig {
+                library: self.library.clone().or(defaults.library),
+                manifest: self.manifest.clone().unwrap_or(defaults.manifest),
+            },
         }
     }
 }
@@ -290,36 +293,19 @@ fn check(args: &CheckArgs<'_>) -> Result<bool> {
     }
     let kernel = args.kernel.map(str::parse::<Kernel>).transpose()?;
     let dtype = parse_dtype(args.dtype)?;
-    let defaults = Tolerance::of(kind);
+    let backend = kind.create_with(args.neuron.options());
+    let defaults = backend.tolerance();
     let tolerance = Tolerance {
         rtol: args.rtol.unwrap_or(defaults.rtol),
         atol: args.atol.unwrap_or(defaults.atol),
     };
-    let (backend, cases): (Box<dyn Backend>, _) = match kind {
-        BackendKind::Neuron => {
-            let config = args.neuron.config();
-            let manifest = Manifest::read(&config.manifest)?;
-            let cases = check::manifest_cases(&manifest, kernel, args.cases, args.seed, dtype)?;
-            // Shapes nki-library's kernels would refuse on Trainium2: the host checks them
-            // anyway, so these are warnings about the NEFFs.
-            for (index, entry) in manifest.entries.iter().enumerate() {
-                for broken in broken_limits(entry) {
-                    eprintln!(
-                        "warning: kernel entry {} ({}): {broken}",
-                        index + 1,
-                        entry.neff.display()
-                    );
-                }
-            }
-            (Box::new(NeuronBackend::new(config)), cases)
-        }
-        _ => {
-            let kernels = kernel.map_or_else(|| Kernel::ALL.to_vec(), |k| vec![k]);
-            let cases = check::random_cases(args.cases, args.seed, dtype, &kernels)?;
-            (kind.create(), cases)
-        }
-    };
-    let rows = check::check(backend.as_ref(), &cases, tolerance)?;
+    let plan = check::plan(backend.as_ref(), kernel, args.cases, args.seed, dtype)?;
+    // Shapes the device's own kernel library would refuse: the host checks them anyway, so
+    // these are warnings about the compiled kernels.
+    for warning in &plan.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let rows = check::check(backend.as_ref(), &plan.cases, tolerance)?;
     print!("{}", check::table(backend.name(), &rows, tolerance));
     Ok(rows.iter().all(CheckRow::pass))
 }
@@ -434,17 +420,14 @@ fn bench(
     let dtype = parse_dtype(dtype)?;
     let backend: BackendKind = backend.parse()?;
     let shape: MoeShape = shape.parse()?;
-    // Kernels on a NeuronCore are set against its documented limits, the rest against the
-    // host's, measured before and after the kernels (the higher reading of each counts).
-    let measure = || match backend {
-        BackendKind::Neuron => MachineLimits::TRAINIUM2_NEURONCORE,
-        _ => MachineLimits::measure(),
-    };
+    let backend = backend.create_with(neuron.options());
+    // An accelerator's kernels are set against its documented limits, the host's against its
+    // limits measured before and after the kernels (the higher reading of each counts).
+    let measure = || MachineLimits::of(backend.device());
     let limits = measure();
     let mut results = Vec::new();
     for &tokens in tokens {
         let config = BenchConfig {
-            backend,
             shape,
             tokens,
             dtype,
@@ -452,9 +435,8 @@ fn bench(
             min_time: Duration::from_millis(min_time_ms),
             libtorch,
             rows: RowSelection::new(kernels)?,
-            neuron: neuron.config(),
         };
-        results.push(moekit_tools::bench::run(&config)?);
+        results.push(moekit_tools::bench::run(backend.as_ref(), &config)?);
     }
     let limits = limits.max(measure());
     if json {
