@@ -9,10 +9,15 @@
 //!   through the backend and the reference, max abs/rel error per output, PASS/FAIL.
 //! - `moekit neuron info`: the Neuron runtime's version and NeuronCores, or why it is unusable.
 //! - `moekit neuron tensors <neff>`: a NEFF's input and output tensors.
+//! - `moekit ep-bench [--comm local|mpi] [--ranks R]`: the expert-parallel exchange against
+//!   the raw all-to-all of the same bytes.
+//!
+//! Enumerations are typed arguments (clap value enums, or the library's names, whose errors
+//! list the known ones); every error reaches `main`, which prints it and sets the exit status.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-
+use std::str::FromStr;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -21,7 +26,7 @@ use moekit::backends::BackendOptions;
 use moekit::ep::{Communicator, LocalComm};
 use moekit::kernel::{Kernel, Params};
 use moekit::neuron::{Library, NeuronConfig, Runtime, Usage};
-use moekit::{BackendKind, DType, Result};
+use moekit::{Backend, BackendKind, DType, Result};
 use moekit_tools::bench::exchange::{self, ExchangeRow};
 use moekit_tools::bench::limits::MachineLimits;
 use moekit_tools::bench::{BenchConfig, RowSelection};
@@ -56,16 +61,19 @@ enum Command {
     /// Run one kernel on tensors read by contract name from a safetensors file.
     Run {
         /// Kernel name, e.g. `router_topk` or `blockwise_mm_bwd` (see `moekit list`).
-        kernel: String,
+        #[arg(value_parser = named::<Kernel>)]
+        kernel: Kernel,
         /// Input tensors (f32, bf16, i32), named as in the contract.
         #[arg(long)]
         inputs: PathBuf,
         /// Where to write every output by name (f32 values, i32 indices).
         #[arg(long)]
         output: PathBuf,
-        /// Backend to run on.
-        #[arg(long, default_value = "reference")]
-        backend: String,
+        /// Backend to run on: reference, cpu or neuron.
+        #[arg(long, default_value = "reference", value_parser = named::<BackendKind>)]
+        backend: BackendKind,
+        #[command(flatten)]
+        neuron: NeuronArgs,
         /// Kernel parameter `name=value`; overrides the inputs file's metadata.
         #[arg(long = "param", value_name = "NAME=VALUE")]
         params: Vec<String>,
@@ -74,18 +82,18 @@ enum Command {
     /// measured FMA peak and stream bandwidth (on neuron: the kernels it runs, timed on the
     /// device with nrt_execute_repeat, against a NeuronCore's documented limits).
     Bench {
-        /// Backend to measure.
-        #[arg(long, default_value = "cpu")]
-        backend: String,
-        /// Layer shape: tiny, qwen3-30b-a3b or qwen3-235b-a22b.
-        #[arg(long, default_value = "qwen3-30b-a3b")]
-        shape: String,
+        /// Backend to measure: reference, cpu or neuron.
+        #[arg(long, default_value = "cpu", value_parser = named::<BackendKind>)]
+        backend: BackendKind,
+        /// Layer shape: tiny, qwen3-moe-small, qwen3-30b-a3b or qwen3-235b-a22b.
+        #[arg(long, default_value = "qwen3-30b-a3b", value_parser = named::<MoeShape>)]
+        shape: MoeShape,
         /// Tokens T (repeat for several).
         #[arg(long = "tokens", default_values_t = [512])]
         tokens: Vec<usize>,
-        /// Storage of float inputs: f32 or bf16.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
+        /// Storage of float inputs.
+        #[arg(long, value_enum, default_value_t = FloatStorage::F32)]
+        dtype: FloatStorage,
         /// Block size B of the plan.
         #[arg(long, default_value_t = 128)]
         block_size: usize,
@@ -110,20 +118,20 @@ enum Command {
     /// any FAIL. On neuron the cases are the shapes of the manifest's entries.
     Check {
         /// Backend to check: cpu or neuron.
-        #[arg(long, default_value = "cpu")]
-        backend: String,
+        #[arg(long, default_value = "cpu", value_parser = named::<BackendKind>)]
+        backend: BackendKind,
         /// Check one kernel only (default: every kernel the backend runs).
-        #[arg(long)]
-        kernel: Option<String>,
+        #[arg(long, value_parser = named::<Kernel>)]
+        kernel: Option<Kernel>,
         /// Random cases (per manifest entry on neuron).
         #[arg(long, default_value_t = 8)]
         cases: usize,
         /// Seed of the random sizes and values.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Storage of float inputs: f32 or bf16.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
+        /// Storage of float inputs.
+        #[arg(long, value_enum, default_value_t = FloatStorage::F32)]
+        dtype: FloatStorage,
         /// Relative tolerance (default: the backend's documented one).
         #[arg(long, value_parser = tolerance)]
         rtol: Option<f64>,
@@ -142,15 +150,15 @@ enum Command {
     /// the same bytes. `--comm local` runs R ranks as threads; `--comm mpi` (builds with the
     /// `mpi` feature) runs under `mpirun -n R`.
     EpBench {
-        /// Communicator: local or mpi.
-        #[arg(long, default_value = "local")]
-        comm: String,
+        /// Communicator: threads of this process (local) or MPI processes (mpi).
+        #[arg(long, value_enum, default_value_t = Comm::Local)]
+        comm: Comm,
         /// Ranks R (local only; under MPI, mpirun's -n).
         #[arg(long, default_value_t = 2)]
         ranks: usize,
         /// Layer shape: tiny, qwen3-moe-small, qwen3-30b-a3b or qwen3-235b-a22b.
-        #[arg(long, default_value = "qwen3-30b-a3b")]
-        shape: String,
+        #[arg(long, default_value = "qwen3-30b-a3b", value_parser = named::<MoeShape>)]
+        shape: MoeShape,
         /// Tokens per rank (repeat for several).
         #[arg(long = "tokens", default_values_t = [512], value_parser = at_least_one)]
         tokens: Vec<usize>,
@@ -158,6 +166,37 @@ enum Command {
         #[arg(long, default_value_t = 20, value_parser = at_least_one)]
         iterations: usize,
     },
+}
+
+/// Storage of float inputs (`--dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum FloatStorage {
+    F32,
+    Bf16,
+}
+
+impl FloatStorage {
+    fn dtype(self) -> DType {
+        match self {
+            FloatStorage::F32 => DType::F32,
+            FloatStorage::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// How `ep-bench` runs its ranks (`--comm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Comm {
+    /// Threads of this process, exchanging by memcpy.
+    Local,
+    /// MPI processes (`mpirun -n R`; builds with the `mpi` feature).
+    Mpi,
+}
+
+/// A value of a type moekit knows by name (backends, kernels, shapes): an unknown name is the
+/// library's error, which lists the known ones.
+fn named<T: FromStr<Err = moekit::Error>>(value: &str) -> Result<T> {
+    value.parse()
 }
 
 /// A count of at least 1 (`--tokens`, `--iterations`).
@@ -269,37 +308,136 @@ fn neuron_info(library: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// The options of `moekit check`.
-struct CheckArgs<'a> {
-    backend: &'a str,
-    kernel: Option<&'a str>,
+/// What a command found, for its exit status.
+enum Outcome {
+    /// Done (a check: every output within its tolerance).
+    Pass,
+    /// A check with outputs outside their tolerance: its report says which.
+    Fail,
+}
+
+/// Runs one command; every error reaches [`main`], the one place that prints it and sets the
+/// exit status.
+fn execute(command: Command) -> Result<Outcome> {
+    match command {
+        Command::List { markdown: true } => print!("{}", catalog_markdown()),
+        Command::List { markdown: false } => {
+            print!("{}", catalog_table());
+            let backends: Vec<&str> = BackendKind::ALL.iter().map(|b| b.name()).collect();
+            println!("Backends: {}", backends.join(", "));
+        }
+        Command::Run {
+            kernel,
+            inputs,
+            output,
+            backend,
+            neuron,
+            params,
+        } => {
+            let backend = backend.create_with(neuron.options());
+            let count = run(kernel, &inputs, &output, backend.as_ref(), &params)?;
+            println!(
+                "{}: wrote {count} tensors to {}",
+                kernel.name(),
+                output.display()
+            );
+        }
+        Command::Check {
+            backend,
+            kernel,
+            cases,
+            seed,
+            dtype,
+            rtol,
+            atol,
+            neuron,
+        } => {
+            let args = CheckArgs {
+                kernel,
+                cases,
+                seed,
+                dtype: dtype.dtype(),
+                rtol,
+                atol,
+            };
+            if !check(backend, neuron.options(), &args)? {
+                return Ok(Outcome::Fail);
+            }
+        }
+        Command::Neuron { command } => match command {
+            NeuronCommand::Info { library } => neuron_info(library.as_deref())?,
+            NeuronCommand::Tensors { neff, library } => neuron_tensors(&neff, library.as_deref())?,
+        },
+        Command::EpBench {
+            comm,
+            ranks,
+            shape,
+            tokens,
+            iterations,
+        } => ep_bench(comm, ranks, shape, &tokens, iterations)?,
+        Command::Bench {
+            backend,
+            shape,
+            tokens,
+            dtype,
+            block_size,
+            min_time_ms,
+            json,
+            no_libtorch,
+            kernels,
+            neuron,
+        } => {
+            let rows = RowSelection::new(&kernels)?;
+            let configs: Vec<BenchConfig> = tokens
+                .into_iter()
+                .map(|tokens| BenchConfig {
+                    shape,
+                    tokens,
+                    dtype: dtype.dtype(),
+                    block_size,
+                    min_time: Duration::from_millis(min_time_ms),
+                    libtorch: !no_libtorch,
+                    rows: rows.clone(),
+                })
+                .collect();
+            let backend = backend.create_with(neuron.options());
+            bench(backend.as_ref(), &configs, json)?;
+        }
+    }
+    Ok(Outcome::Pass)
+}
+
+/// The options of `moekit check` beyond the backend.
+struct CheckArgs {
+    kernel: Option<Kernel>,
     cases: usize,
     seed: u64,
-    dtype: &'a str,
+    dtype: DType,
     rtol: Option<f64>,
     atol: Option<f64>,
-    neuron: &'a NeuronArgs,
 }
 
 /// `moekit check`: prints the report; `Ok(false)` if any output is outside the tolerance.
-fn check(args: &CheckArgs<'_>) -> Result<bool> {
-    let kind: BackendKind = args.backend.parse()?;
+fn check(kind: BackendKind, options: BackendOptions, args: &CheckArgs) -> Result<bool> {
     if kind == BackendKind::Reference {
-        return Err(moekit::Error::Param {
-            param: "backend".to_owned(),
-            message: "`check` compares a backend against the reference; choose cpu or neuron"
-                .to_owned(),
-        });
+        return Err(moekit::Error::param(
+            "backend",
+            "`check` compares a backend against the reference; choose cpu or neuron",
+        ));
     }
-    let kernel = args.kernel.map(str::parse::<Kernel>).transpose()?;
-    let dtype = parse_dtype(args.dtype)?;
-    let backend = kind.create_with(args.neuron.options());
+    let backend = kind.create_with(options);
     let defaults = backend.tolerance();
     let tolerance = Tolerance {
         rtol: args.rtol.unwrap_or(defaults.rtol),
         atol: args.atol.unwrap_or(defaults.atol),
     };
-    let plan = check::plan(backend.as_ref(), kernel, args.cases, args.seed, dtype)?;
+    let plan = check::plan(
+        backend.as_ref(),
+        args.kernel,
+        args.cases,
+        args.seed,
+        args.dtype,
+    )?;
     // Shapes the device's own kernel library would refuse: the host checks them anyway, so
     // these are warnings about the compiled kernels.
     for warning in &plan.warnings {
@@ -312,13 +450,12 @@ fn check(args: &CheckArgs<'_>) -> Result<bool> {
 
 /// `moekit ep-bench`: rank 0 prints the table.
 fn ep_bench(
-    comm: &str,
+    comm: Comm,
     ranks: usize,
-    shape: &str,
+    shape: MoeShape,
     tokens: &[usize],
     iterations: usize,
 ) -> Result<()> {
-    let shape: MoeShape = shape.parse()?;
     let measure = |comm: &dyn Communicator| -> Result<Vec<ExchangeRow>> {
         tokens
             .iter()
@@ -326,16 +463,16 @@ fn ep_bench(
             .collect()
     };
     match comm {
-        "local" => {
+        Comm::Local => {
             // Checked before the group is made: each rank holds E/R experts.
             if ranks == 0 || !shape.e.is_multiple_of(ranks) {
-                return Err(moekit::Error::Param {
-                    param: "ranks".to_owned(),
-                    message: format!(
+                return Err(moekit::Error::param(
+                    "ranks",
+                    format!(
                         "must divide E = {} (each rank holds E/R experts), got {ranks}",
                         shape.e
                     ),
-                });
+                ));
             }
             let comms = LocalComm::group(ranks)?;
             let results: Vec<Result<Vec<ExchangeRow>>> = std::thread::scope(|scope| {
@@ -356,13 +493,7 @@ fn ep_bench(
                 exchange::table("LocalComm (threads, memcpy)", shape, &rows)
             );
         }
-        "mpi" => mpi_bench(&measure, shape)?,
-        other => {
-            return Err(moekit::Error::Param {
-                param: "comm".to_owned(),
-                message: format!("unknown communicator `{other}`; use local or mpi"),
-            });
-        }
+        Comm::Mpi => mpi_bench(&measure, shape)?,
     }
     Ok(())
 }
@@ -385,59 +516,23 @@ fn mpi_bench(
 
 #[cfg(not(feature = "mpi"))]
 fn mpi_bench(_: &dyn Fn(&dyn Communicator) -> Result<Vec<ExchangeRow>>, _: MoeShape) -> Result<()> {
-    Err(moekit::Error::Param {
-        param: "comm".to_owned(),
-        message: "this moekit was built without the `mpi` feature (cargo build --features mpi)"
-            .to_owned(),
-    })
+    Err(moekit::Error::param(
+        "comm",
+        "this moekit was built without the `mpi` feature \
+         (cargo build -p moekit-tools --features mpi)",
+    ))
 }
 
-/// A `--dtype` value: the storage of float inputs.
-fn parse_dtype(dtype: &str) -> Result<DType> {
-    match dtype {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::BF16),
-        other => Err(moekit::Error::Param {
-            param: "dtype".to_owned(),
-            message: format!("expected f32 or bf16, got `{other}`"),
-        }),
-    }
-}
-
-#[allow(clippy::too_many_arguments)] // one per command-line option
-fn bench(
-    backend: &str,
-    shape: &str,
-    tokens: &[usize],
-    dtype: &str,
-    block_size: usize,
-    min_time_ms: u64,
-    json: bool,
-    libtorch: bool,
-    kernels: &[String],
-    neuron: &NeuronArgs,
-) -> Result<()> {
-    let dtype = parse_dtype(dtype)?;
-    let backend: BackendKind = backend.parse()?;
-    let shape: MoeShape = shape.parse()?;
-    let backend = backend.create_with(neuron.options());
+/// `moekit bench`: each of `configs`, as a table or JSON lines.
+fn bench(backend: &dyn Backend, configs: &[BenchConfig], json: bool) -> Result<()> {
     // An accelerator's kernels are set against its documented limits, the host's against its
     // limits measured before and after the kernels (the higher reading of each counts).
     let measure = || MachineLimits::of(backend.device());
     let limits = measure();
-    let mut results = Vec::new();
-    for &tokens in tokens {
-        let config = BenchConfig {
-            shape,
-            tokens,
-            dtype,
-            block_size,
-            min_time: Duration::from_millis(min_time_ms),
-            libtorch,
-            rows: RowSelection::new(kernels)?,
-        };
-        results.push(moekit_tools::bench::run(backend.as_ref(), &config)?);
-    }
+    let results = configs
+        .iter()
+        .map(|config| moekit_tools::bench::run(backend, config))
+        .collect::<Result<Vec<_>>>()?;
     let limits = limits.max(measure());
     if json {
         for row in results.iter().flat_map(|r| &r.rows) {
@@ -449,15 +544,15 @@ fn bench(
     Ok(())
 }
 
+/// `moekit run`: the kernel on the inputs file's tensors, its parameters from the file's
+/// metadata and `overrides` (`name=value`); writes every output and returns how many.
 fn run(
-    kernel: &str,
+    kernel: Kernel,
     inputs: &Path,
     output: &Path,
-    backend: &str,
+    backend: &dyn Backend,
     overrides: &[String],
 ) -> Result<usize> {
-    let kernel: Kernel = kernel.parse()?;
-    let backend = backend.parse::<BackendKind>()?.create();
     let file = TensorFile::read(inputs)?;
     let (mut params, ignored) =
         Params::from_metadata(file.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
@@ -469,20 +564,16 @@ fn run(
     }
     let mut given = std::collections::BTreeSet::new();
     for item in overrides {
-        let (name, value) = item.split_once('=').ok_or_else(|| moekit::Error::Param {
-            param: item.clone(),
-            message: "expected NAME=VALUE".to_owned(),
-        })?;
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| moekit::Error::param(item, "expected NAME=VALUE"))?;
         let name = name.trim();
         if !given.insert(name) {
-            return Err(moekit::Error::Param {
-                param: name.to_owned(),
-                message: "given twice with --param".to_owned(),
-            });
+            return Err(moekit::Error::param(name, "given twice with --param"));
         }
         params.set(name, value)?;
     }
-    let outputs = kernel.run(backend.as_ref(), &file.tensors, &params)?;
+    let outputs = kernel.run(backend, &file.tensors, &params)?;
     let written = TensorFile {
         tensors: outputs
             .into_iter()
@@ -500,118 +591,12 @@ fn run(
 
 fn main() -> ExitCode {
     moekit::memory::retain_freed_buffers();
-    match Cli::parse().command {
-        Command::List { markdown: true } => {
-            print!("{}", catalog_markdown());
-            ExitCode::SUCCESS
+    match execute(Cli::parse().command) {
+        Ok(Outcome::Pass) => ExitCode::SUCCESS,
+        Ok(Outcome::Fail) => ExitCode::FAILURE,
+        Err(err) => {
+            eprintln!("error: {err}");
+            ExitCode::FAILURE
         }
-        Command::List { markdown: false } => {
-            print!("{}", catalog_table());
-            let backends: Vec<&str> = BackendKind::ALL.iter().map(|b| b.name()).collect();
-            println!("Backends: {}", backends.join(", "));
-            ExitCode::SUCCESS
-        }
-        Command::Run {
-            kernel,
-            inputs,
-            output,
-            backend,
-            params,
-        } => match run(&kernel, &inputs, &output, &backend, &params) {
-            Ok(count) => {
-                println!("{kernel}: wrote {count} tensors to {}", output.display());
-                ExitCode::SUCCESS
-            }
-            Err(err) => {
-                eprintln!("error: {err}");
-                ExitCode::FAILURE
-            }
-        },
-        Command::Check {
-            backend,
-            kernel,
-            cases,
-            seed,
-            dtype,
-            rtol,
-            atol,
-            neuron,
-        } => {
-            let args = CheckArgs {
-                backend: &backend,
-                kernel: kernel.as_deref(),
-                cases,
-                seed,
-                dtype: &dtype,
-                rtol,
-                atol,
-                neuron: &neuron,
-            };
-            match check(&args) {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::FAILURE,
-                Err(err) => {
-                    eprintln!("error: {err}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::Neuron { command } => {
-            let result = match command {
-                NeuronCommand::Info { library } => neuron_info(library.as_deref()),
-                NeuronCommand::Tensors { neff, library } => {
-                    neuron_tensors(&neff, library.as_deref())
-                }
-            };
-            match result {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(err) => {
-                    eprintln!("error: {err}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::EpBench {
-            comm,
-            ranks,
-            shape,
-            tokens,
-            iterations,
-        } => match ep_bench(&comm, ranks, &shape, &tokens, iterations) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("error: {err}");
-                ExitCode::FAILURE
-            }
-        },
-        Command::Bench {
-            backend,
-            shape,
-            tokens,
-            dtype,
-            block_size,
-            min_time_ms,
-            json,
-            no_libtorch,
-            kernels,
-            neuron,
-        } => match bench(
-            &backend,
-            &shape,
-            &tokens,
-            &dtype,
-            block_size,
-            min_time_ms,
-            json,
-            !no_libtorch,
-            &kernels,
-            &neuron,
-        ) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("error: {err}");
-                ExitCode::FAILURE
-            }
-        },
     }
 }
