@@ -1,10 +1,13 @@
 //! Criterion benchmarks of the `cpu` backend: every kernel of one MoE layer, forward and
-//! backward, at the tiny shape and at Qwen3-30B-A3B with T = 512 (f32 and bf16 storage).
+//! backward, at the tiny shape and at Qwen3-30B-A3B with T = 512 (f32 and bf16 storage); and
+//! the blockwise calls' validation at the trainer's small layer.
 //!
-//! `cargo bench --bench kernels`. `moekit bench` reports the same kernels against the machine's
+//! `cargo bench -p moekit-tools --bench kernels`. `moekit bench` reports the same kernels against the machine's
 //! measured limits; BENCHMARKS.md records both.
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use moekit::contracts::{BlockwiseMmBwd, OutputDType};
+use moekit::experts::{ExpertWeights, LocalExperts, RoutedTokens};
 use moekit::{Backend, BackendKind, DType};
 use moekit_tools::layer::{Layer, LayerInputs, MoeShape};
 
@@ -52,5 +55,57 @@ fn layer_kernels(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, layer_kernels);
+/// What the trainer's experts check per layer (the small config: qwen3-moe-small, T = 8 × 256
+/// tokens): the forward's validation, and the backward's, in full or after its validated forward
+/// (`BlockwiseMmBwd::of_forward`, what `moekit::experts` runs).
+fn validation(c: &mut Criterion) {
+    let backend = BackendKind::Cpu.create();
+    let shape: MoeShape = "qwen3-moe-small".parse().expect("known shape");
+    let inputs = LayerInputs::new(shape, 2048, DType::F32, 128).expect("inputs");
+    let layer = Layer::new(backend.as_ref(), inputs).expect("routed layer");
+    let mut group = c.benchmark_group("validation/qwen3-moe-small/T=2048/f32");
+    group.bench_function("blockwise_mm", |b| b.iter(|| layer.blockwise_mm()));
+    group.bench_function("blockwise_mm_bwd, in full", |b| {
+        b.iter(|| layer.blockwise_mm_bwd())
+    });
+    let forward = layer.blockwise_mm().expect("valid");
+    let added = layer.blockwise_mm_bwd_added().expect("checkpoints");
+    group.bench_function("blockwise_mm_bwd, after its forward", |b| {
+        b.iter(|| BlockwiseMmBwd::of_forward(&forward, added, false))
+    });
+    group.finish();
+
+    // The experts' backward as the trainer ran it before `moekit::experts` (the full
+    // validation, the padded layout) and as it runs it now.
+    let mut group = c.benchmark_group("experts backward/qwen3-moe-small/T=2048/f32");
+    group.sample_size(20);
+    group.bench_function("blockwise_mm_bwd::new + kernel", |b| {
+        b.iter(|| backend.blockwise_mm_bwd(&layer.blockwise_mm_bwd().expect("valid")))
+    });
+    let experts = LocalExperts {
+        backend: backend.as_ref(),
+        block_size: 128,
+        output_dtype: OutputDType::Input,
+    };
+    let weights = ExpertWeights {
+        gate_up_proj_weight: &layer.inputs.gate_up_proj_weight,
+        down_proj_weight: &layer.inputs.down_proj_weight,
+    };
+    let tokens = RoutedTokens {
+        hidden_states: layer.inputs.x.clone(),
+        expert_index: layer.routed.expert_index.clone(),
+        topk_affinities: layer.routed.topk_affinities.clone(),
+    };
+    let (_, saved) = experts.forward(weights, tokens, true).expect("forward");
+    let saved = saved.expect("recorded");
+    let d_output = (layer.inputs.output_hidden_states_grad.clone())
+        .into_leading_rows("d_output", 2048)
+        .expect("[T, H]");
+    group.bench_function("LocalExperts::backward", |b| {
+        b.iter(|| experts.backward(weights, &saved, &d_output))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, layer_kernels, validation);
 criterion_main!(benches);

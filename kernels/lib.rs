@@ -12,6 +12,8 @@
 //! - [`backends`]: the backends this build provides ([`BackendKind`]), selected by name.
 //! - [`mod@reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
+//! - [`experts`]: the routed experts of one rank composed of the kernels, forward and
+//!   backward, for every caller (moekit's own).
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
 //! - [`kernel`]: the kernel catalog, and running any kernel by name on named tensors
 //!   ([`Kernel::run`](kernel::Kernel::run)).
@@ -90,6 +92,7 @@ pub mod cpu;
 mod dispatch;
 pub mod ep;
 pub mod error;
+pub mod experts;
 pub mod files;
 pub mod kernel;
 pub mod memory;

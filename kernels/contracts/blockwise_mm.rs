@@ -458,6 +458,28 @@ impl<'a> BlockwiseMm<'a> {
         })
     }
 
+    /// The call [`Self::new`] accepted with these inputs and parameters (and found `dims`),
+    /// formed again without checking its tensors again: the caller kept them unaltered since.
+    pub(crate) fn rebuilt(
+        inputs: BlockwiseMmInputs<'a>,
+        params: BlockwiseMmParams,
+        dims: BlockwiseDims,
+    ) -> Result<Self> {
+        Ok(Self {
+            floats: BlockwiseFloats::new(&inputs)?,
+            plan: BlockPlan::rebuilt(
+                inputs.token_position_to_id,
+                inputs.block_to_expert,
+                dims.t,
+                params.skip_dma,
+            ),
+            inputs,
+            params,
+            dims,
+            output_dtype: OutputDType::default(),
+        })
+    }
+
     pub fn inputs(&self) -> BlockwiseMmInputs<'a> {
         self.inputs
     }
@@ -709,6 +731,21 @@ pub struct BlockwiseMmBwdInputs<'a> {
     pub expert_index: Option<&'a Tensor>,
 }
 
+/// What [`BlockwiseMmBwd`] adds to its forward's inputs (for [`BlockwiseMmBwd::of_forward`]):
+/// the checkpoints, the output gradient and, optionally, `expert_index`, as in
+/// [`BlockwiseMmBwdInputs`].
+#[derive(Clone, Copy, Debug)]
+pub struct BlockwiseMmBwdAdded<'a> {
+    /// `[N, 2, I, B]`: the forward's `gate_up_activations_T`.
+    pub gate_up_proj_act_checkpoint_t: &'a Tensor,
+    /// `[N, B, H]`: the forward's `down_activations`.
+    pub down_proj_act_checkpoint: &'a Tensor,
+    /// `[T+1, H]` (`[T, H]` with `skip_token`), the gradient of the forward's `output`.
+    pub output_hidden_states_grad: &'a Tensor,
+    /// `[T, K]` i32 (ids or [`SKIP`]).
+    pub expert_index: Option<&'a Tensor>,
+}
+
 impl<'a> BlockwiseMmBwdInputs<'a> {
     /// The inputs by their specs ([`bwd::INPUTS`]), absent optional ones left out.
     pub fn named(&self) -> Named<'a> {
@@ -772,6 +809,13 @@ pub struct BlockwiseMmBwd<'a> {
     output_dtype: OutputDType,
 }
 
+/// Whether a backward's checkpoints are checked in full, or are its forward's own outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Checkpoints {
+    Checked,
+    Trusted,
+}
+
 impl<'a> BlockwiseMmBwd<'a> {
     /// Checks everything [`BlockwiseMm::new`] checks, plus the checkpoints and gradients.
     pub fn new(inputs: BlockwiseMmBwdInputs<'a>, params: BlockwiseMmBwdParams) -> Result<Self> {
@@ -781,19 +825,109 @@ impl<'a> BlockwiseMmBwd<'a> {
             params.is_tensor_update_accumulating,
         )?;
         params.clamp.check()?;
+        let forward = BlockwiseFloats::new(&inputs.forward)?;
+        Self::with_forward_checked(
+            inputs,
+            params,
+            (dims, plan, forward),
+            Checkpoints::Checked,
+            || covered,
+        )
+    }
+
+    /// moekit's own: the backward of the validated call `forward`, which checks only the
+    /// tensors the backward adds (the checkpoints, the output gradient and `expert_index`):
+    /// the forward's tensors and plan were checked when it was made, and its parameters carry
+    /// over (`bias`: also return the biases' gradients).
+    pub fn of_forward(
+        forward: &BlockwiseMm<'a>,
+        added: BlockwiseMmBwdAdded<'a>,
+        bias: bool,
+    ) -> Result<Self> {
+        Self::of_forward_checking(forward, added, bias, Checkpoints::Checked)
+    }
+
+    fn of_forward_checking(
+        forward: &BlockwiseMm<'a>,
+        added: BlockwiseMmBwdAdded<'a>,
+        bias: bool,
+        checkpoints: Checkpoints,
+    ) -> Result<Self> {
+        let fp = forward.params();
+        let params = BlockwiseMmBwdParams {
+            activation_type: fp.activation_function,
+            expert_affinities_scaling_mode: fp.expert_affinities_scaling_mode,
+            clamp: fp.clamp,
+            bias,
+            skip_dma: fp.skip_dma,
+            is_tensor_update_accumulating: fp.is_tensor_update_accumulating,
+        };
+        let inputs = BlockwiseMmBwdInputs {
+            forward: forward.inputs(),
+            gate_up_proj_act_checkpoint_t: added.gate_up_proj_act_checkpoint_t,
+            down_proj_act_checkpoint: added.down_proj_act_checkpoint,
+            output_hidden_states_grad: added.output_hidden_states_grad,
+            expert_index: added.expert_index,
+        };
+        let (dims, plan) = (forward.dims(), forward.plan());
+        let covered = || plan.covered(dims.e);
+        Self::with_forward_checked(
+            inputs,
+            params,
+            (dims, plan, forward.floats()),
+            checkpoints,
+            covered,
+        )
+    }
+
+    /// [`Self::of_forward`] whose checkpoints are `forward`'s own outputs, kept unaltered since
+    /// (moekit's experts composition): their shapes and dtypes are checked, their values, which
+    /// the backend computed from checked inputs, are not scanned again.
+    pub(crate) fn of_own_forward(
+        forward: &BlockwiseMm<'a>,
+        added: BlockwiseMmBwdAdded<'a>,
+        bias: bool,
+    ) -> Result<Self> {
+        let BlockwiseDims { h, i, b, n, .. } = forward.dims();
+        validate::float_tensor_shape(
+            bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T.name,
+            added.gate_up_proj_act_checkpoint_t,
+            bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T.shape,
+            &[Some(n), Some(2), Some(i), Some(b)],
+        )?;
+        validate::float_tensor_shape(
+            bwd::DOWN_PROJ_ACT_CHECKPOINT.name,
+            added.down_proj_act_checkpoint,
+            bwd::DOWN_PROJ_ACT_CHECKPOINT.shape,
+            &[Some(n), Some(b), Some(h)],
+        )?;
+        Self::of_forward_checking(forward, added, bias, Checkpoints::Trusted)
+    }
+
+    /// Checks what the backward adds to a checked forward (its dims, plan and floats;
+    /// `covered`: the (token, expert) pairs of its plan, needed only with `expert_index`).
+    fn with_forward_checked(
+        inputs: BlockwiseMmBwdInputs<'a>,
+        params: BlockwiseMmBwdParams,
+        (dims, plan, forward): (BlockwiseDims, BlockPlan<'a>, BlockwiseFloats<'a>),
+        checkpoints: Checkpoints,
+        covered: impl FnOnce() -> Vec<bool>,
+    ) -> Result<Self> {
         let BlockwiseDims {
             t, h, e, i, b, n, ..
         } = dims;
-        validate::float_input(
-            &bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T,
-            inputs.gate_up_proj_act_checkpoint_t,
-            &[Some(n), Some(2), Some(i), Some(b)],
-        )?;
-        validate::float_input(
-            &bwd::DOWN_PROJ_ACT_CHECKPOINT,
-            inputs.down_proj_act_checkpoint,
-            &[Some(n), Some(b), Some(h)],
-        )?;
+        if checkpoints == Checkpoints::Checked {
+            validate::float_input(
+                &bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T,
+                inputs.gate_up_proj_act_checkpoint_t,
+                &[Some(n), Some(2), Some(i), Some(b)],
+            )?;
+            validate::float_input(
+                &bwd::DOWN_PROJ_ACT_CHECKPOINT,
+                inputs.down_proj_act_checkpoint,
+                &[Some(n), Some(b), Some(h)],
+            )?;
+        }
         validate::float_input(
             &bwd::OUTPUT_HIDDEN_STATES_GRAD,
             inputs.output_hidden_states_grad,
@@ -814,6 +948,7 @@ impl<'a> BlockwiseMmBwd<'a> {
             validate::non_empty(bwd::EXPERT_INDEX.name, "K (top_k)", shape[1])?;
             validate::expert_ids_or_skip(bwd::EXPERT_INDEX.name, ids, &shape, e)?;
             let k = shape[1];
+            let covered = covered();
             if let Some(pair) = ids
                 .iter()
                 .enumerate()
@@ -830,7 +965,7 @@ impl<'a> BlockwiseMmBwd<'a> {
             }
         }
         let floats = BlockwiseBwdFloats {
-            forward: BlockwiseFloats::new(&inputs.forward)?,
+            forward,
             gate_up_proj_act_checkpoint_t: validate::floats(
                 bwd::GATE_UP_PROJ_ACT_CHECKPOINT_T.name,
                 inputs.gate_up_proj_act_checkpoint_t,

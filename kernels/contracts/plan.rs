@@ -106,6 +106,38 @@ impl<'a> BlockPlan<'a> {
         Ok(covered)
     }
 
+    /// The plan of a call [`Self::new`] accepted, rebuilt from its tensors without checking
+    /// them again (the caller keeps them unaltered since).
+    pub(crate) fn rebuilt(
+        token_position_to_id: &'a Tensor,
+        block_to_expert: &'a Tensor,
+        t: usize,
+        skip_dma: SkipMode,
+    ) -> Self {
+        let positions = token_position_to_id.as_i32().unwrap_or_default();
+        let experts = block_to_expert.as_i32().unwrap_or_default();
+        Self {
+            positions,
+            experts,
+            t,
+            padding: skip_dma.padding_id(t),
+            b: positions.len() / experts.len().max(1),
+        }
+    }
+
+    /// Which (token, expert) pairs have a slot, token-major `[T·E]`, for a plan over E experts.
+    pub(crate) fn covered(&self, e: usize) -> Vec<bool> {
+        let mut covered = vec![false; self.t * e];
+        for (block, &expert) in self.experts.iter().enumerate() {
+            for position in block * self.b..(block + 1) * self.b {
+                if let Some(token) = self.token(position) {
+                    covered[token * e + expert as usize] = true;
+                }
+            }
+        }
+        covered
+    }
+
     /// `token_position_to_id [N·B]`: token ids, the padding id (T, or −1) in padding slots.
     pub fn token_position_to_id(&self) -> &'a [i32] {
         self.positions

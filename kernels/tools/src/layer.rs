@@ -306,24 +306,36 @@ impl Layer {
     }
 
     pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {
-        let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
+        let added = self.blockwise_mm_bwd_added()?;
         BlockwiseMmBwd::new(
             BlockwiseMmBwdInputs {
                 forward: blockwise_inputs(&self.inputs, &self.plan),
-                gate_up_proj_act_checkpoint_t: self
-                    .checkpoints
-                    .gate_up_activations_t
-                    .as_ref()
-                    .ok_or_else(missing)?,
-                down_proj_act_checkpoint: self
-                    .checkpoints
-                    .down_activations
-                    .as_ref()
-                    .ok_or_else(missing)?,
-                output_hidden_states_grad: &self.inputs.output_hidden_states_grad,
-                expert_index: Some(&self.routed.expert_index),
+                gate_up_proj_act_checkpoint_t: added.gate_up_proj_act_checkpoint_t,
+                down_proj_act_checkpoint: added.down_proj_act_checkpoint,
+                output_hidden_states_grad: added.output_hidden_states_grad,
+                expert_index: added.expert_index,
             },
             BlockwiseMmBwdParams::default(),
         )
+    }
+
+    /// What the backward adds to the forward's inputs: the checkpoints, the output gradient
+    /// and `expert_index`.
+    pub fn blockwise_mm_bwd_added(&self) -> Result<BlockwiseMmBwdAdded<'_>> {
+        let missing = || Error::invalid("blockwise_mm", "checkpoints were not returned");
+        Ok(BlockwiseMmBwdAdded {
+            gate_up_proj_act_checkpoint_t: self
+                .checkpoints
+                .gate_up_activations_t
+                .as_ref()
+                .ok_or_else(missing)?,
+            down_proj_act_checkpoint: self
+                .checkpoints
+                .down_activations
+                .as_ref()
+                .ok_or_else(missing)?,
+            output_hidden_states_grad: &self.inputs.output_hidden_states_grad,
+            expert_index: Some(&self.routed.expert_index),
+        })
     }
 }

@@ -1,0 +1,260 @@
+//! The routed experts of one MoE layer on one rank, composed of the kernels once for every
+//! caller (moekit's own):
+//!
+//! ```text
+//! forward:  permute (the block plan) → blockwise_mm (checkpointing when a backward follows)
+//! backward: blockwise_mm_bwd on the forward's validated call
+//! ```
+//!
+//! The tokens arrive routed: `hidden_states [T, H]`, `expert_index [T, K]` and
+//! `topk_affinities [T, K]`. They run in nki-library's `skip_token` layout (padding slots hold
+//! −1), so `hidden_states` is read as given, with no `[T+1, H]` copy carrying a zero padding row,
+//! and the output and its gradient are `[T, H]`.
+//!
+//! The backward checks only what it adds (the output gradient, and the checkpoints' shapes:
+//! their values are the forward's own outputs): the forward's tensors, plan and weights were
+//! checked once, when the forward ran. The weights are the caller's and are passed to both passes; the backward refuses
+//! weights other than the forward's (by address and shape), and they must not change in
+//! between.
+
+use crate::backend::Backend;
+use crate::contracts::{
+    BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdAdded, BlockwiseMmInputs,
+    BlockwiseMmParams, OutputDType, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
+    SkipMode,
+};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Storage, Tensor};
+
+/// The experts' weights, the caller's.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'w> {
+    /// `[E, H, 2, I]`.
+    pub gate_up_proj_weight: &'w Tensor,
+    /// `[E, I, H]`.
+    pub down_proj_weight: &'w Tensor,
+}
+
+/// The tokens of one call and their routing, owned by the call (lend a caller's memory through
+/// tensor views to avoid copies).
+#[derive(Clone, Debug)]
+pub struct RoutedTokens {
+    /// `[T, H]`.
+    pub hidden_states: Tensor,
+    /// `[T, K]` i32: expert ids in `[0, E)`, or [`SKIP`](crate::contracts::SKIP).
+    pub expert_index: Tensor,
+    /// `[T, K]`: each slot's weight (0 in skipped slots).
+    pub topk_affinities: Tensor,
+}
+
+/// What [`LocalExperts::backward`] needs from its forward: the tokens, the plan, the
+/// checkpoints, and what the forward's validation established.
+#[derive(Clone, Debug)]
+pub struct ExpertsSaved {
+    tokens: RoutedTokens,
+    plan: PermuteOutputs,
+    params: BlockwiseMmParams,
+    dims: BlockwiseDims,
+    /// The weights it ran with.
+    weights: [TensorIdentity; 2],
+    /// `[N, 2, I, B]`.
+    gate_up_activations_t: Tensor,
+    /// `[N, B, H]`.
+    down_activations: Tensor,
+}
+
+impl ExpertsSaved {
+    /// The forward's tokens.
+    pub fn tokens(&self) -> &RoutedTokens {
+        &self.tokens
+    }
+}
+
+/// The gradients of one [`LocalExperts::backward`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertsGrads {
+    /// `[T, H]`, in the experts' output dtype.
+    pub d_hidden_states: Tensor,
+    /// `[T, K]` (0 in skipped slots).
+    pub d_topk_affinities: Tensor,
+    /// `[E, H, 2, I]`.
+    pub d_gate_up_proj_weight: Tensor,
+    /// `[E, I, H]`.
+    pub d_down_proj_weight: Tensor,
+}
+
+/// The experts on one backend.
+#[derive(Clone, Copy)]
+pub struct LocalExperts<'b> {
+    pub backend: &'b dyn Backend,
+    /// B of the block plan.
+    pub block_size: usize,
+    /// The dtype of the plan's affinities, the output and the gradients ([`OutputDType`]).
+    pub output_dtype: OutputDType,
+}
+
+/// nki-library's layout without a padding row: padding slots hold −1.
+const SKIP_TOKEN: SkipMode = SkipMode { skip_token: true };
+
+impl LocalExperts<'_> {
+    /// `output [T, H]`, each token's expert outputs weighted by its affinities and summed;
+    /// with `record`, also what the backward needs (the forward then keeps its checkpoints).
+    pub fn forward(
+        &self,
+        weights: ExpertWeights<'_>,
+        tokens: RoutedTokens,
+        record: bool,
+    ) -> Result<(Tensor, Option<ExpertsSaved>)> {
+        let experts = match weights.gate_up_proj_weight.shape() {
+            &[e, _, 2, _] => e,
+            shape => return Err(Error::shape("gate_up_proj_weight", "[E, H, 2, I]", shape)),
+        };
+        let plan = self.backend.permute(
+            &Permute::new(
+                PermuteInputs {
+                    expert_index: &tokens.expert_index,
+                    topk_affinities: &tokens.topk_affinities,
+                },
+                PermuteParams {
+                    skip_dma: SKIP_TOKEN,
+                    ..PermuteParams::new(experts, self.block_size)
+                },
+            )?
+            .with_output_dtype(self.output_dtype),
+        )?;
+        let params = BlockwiseMmParams {
+            checkpoint_activation: record,
+            skip_dma: SKIP_TOKEN,
+            ..BlockwiseMmParams::default()
+        };
+        let call = BlockwiseMm::new(forward_inputs(weights, &tokens, &plan), params)?
+            .with_output_dtype(self.output_dtype);
+        let dims = call.dims();
+        let out = self.backend.blockwise_mm(&call)?;
+        if !record {
+            return Ok((out.output, None));
+        }
+        let (Some(gate_up_activations_t), Some(down_activations)) =
+            (out.gate_up_activations_t, out.down_activations)
+        else {
+            return Err(Error::invalid(
+                "blockwise_mm",
+                format!("backend `{}` returned no checkpoints", self.backend.name()),
+            ));
+        };
+        let saved = ExpertsSaved {
+            tokens,
+            plan,
+            params,
+            dims,
+            weights: [
+                TensorIdentity::of(weights.gate_up_proj_weight),
+                TensorIdentity::of(weights.down_proj_weight),
+            ],
+            gate_up_activations_t,
+            down_activations,
+        };
+        Ok((out.output, Some(saved)))
+    }
+
+    /// The gradients of the tokens, their affinities and the weights for `d_output [T, H]`,
+    /// the gradient of the forward's output. `weights` must be the forward's.
+    pub fn backward(
+        &self,
+        weights: ExpertWeights<'_>,
+        saved: &ExpertsSaved,
+        d_output: &Tensor,
+    ) -> Result<ExpertsGrads> {
+        for (name, tensor, identity) in [
+            (
+                "gate_up_proj_weight",
+                weights.gate_up_proj_weight,
+                &saved.weights[0],
+            ),
+            (
+                "down_proj_weight",
+                weights.down_proj_weight,
+                &saved.weights[1],
+            ),
+        ] {
+            if TensorIdentity::of(tensor) != *identity {
+                return Err(Error::invalid(
+                    name,
+                    "the backward was given another tensor than its forward",
+                ));
+            }
+        }
+        let forward = BlockwiseMm::rebuilt(
+            forward_inputs(weights, &saved.tokens, &saved.plan),
+            saved.params,
+            saved.dims,
+        )?;
+        let call = BlockwiseMmBwd::of_own_forward(
+            &forward,
+            BlockwiseMmBwdAdded {
+                gate_up_proj_act_checkpoint_t: &saved.gate_up_activations_t,
+                down_proj_act_checkpoint: &saved.down_activations,
+                output_hidden_states_grad: d_output,
+                expert_index: Some(&saved.tokens.expert_index),
+            },
+            false,
+        )?
+        .with_output_dtype(self.output_dtype);
+        let grads = self.backend.blockwise_mm_bwd(&call)?;
+        let d_topk_affinities = grads.d_topk_affinities.ok_or_else(|| {
+            Error::invalid(
+                "blockwise_mm_bwd",
+                format!(
+                    "backend `{}` returned no d_topk_affinities",
+                    self.backend.name()
+                ),
+            )
+        })?;
+        Ok(ExpertsGrads {
+            d_hidden_states: grads.hidden_states_grad,
+            d_topk_affinities,
+            d_gate_up_proj_weight: grads.gate_up_proj_weight_grad,
+            d_down_proj_weight: grads.down_proj_weight_grad,
+        })
+    }
+}
+
+fn forward_inputs<'a>(
+    weights: ExpertWeights<'a>,
+    tokens: &'a RoutedTokens,
+    plan: &'a PermuteOutputs,
+) -> BlockwiseMmInputs<'a> {
+    BlockwiseMmInputs {
+        hidden_states: &tokens.hidden_states,
+        expert_affinities_masked: &plan.expert_affinities_masked,
+        gate_up_proj_weight: weights.gate_up_proj_weight,
+        down_proj_weight: weights.down_proj_weight,
+        token_position_to_id: &plan.token_position_to_id,
+        block_to_expert: &plan.block_to_expert,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
+    }
+}
+
+/// Which tensor a reference points at: its elements' address, its dtype and its shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct TensorIdentity {
+    address: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl TensorIdentity {
+    fn of(tensor: &Tensor) -> Self {
+        let address = match tensor.storage() {
+            Storage::F32(v) => v.as_ptr() as usize,
+            Storage::BF16(v) => v.as_ptr() as usize,
+            Storage::I32(v) => v.as_ptr() as usize,
+        };
+        Self {
+            address,
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+        }
+    }
+}

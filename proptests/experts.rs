@@ -1,0 +1,409 @@
+//! `moekit::experts::LocalExperts`, the one composition of the experts' kernels.
+//!
+//! - Oracle: the same layer composed by hand in nki-library's padded layout (`hidden_states
+//!   [T+1, H]` with a zero row T, `permute` → `blockwise_mm` with checkpoints →
+//!   `blockwise_mm_bwd` validated in full) on the reference backend. `LocalExperts` (the
+//!   `skip_token` layout, the backward on the forward's validated call) agrees on both backends
+//!   for random sizes, routings and skipped slots: within 1e-6 relative to the largest entry on
+//!   the reference (both in f64, summed in other orders), 1e-4 on cpu (f32 accumulation).
+//! - `BlockwiseMmBwd::of_forward` gives bit-identical gradients to `BlockwiseMmBwd::new` and
+//!   still refuses what the backward adds when it is wrong (shapes, non-finite values, pairs
+//!   the plan lacks); the backward refuses weights other than its forward's.
+
+mod common;
+
+use common::*;
+use moekit::contracts::*;
+use moekit::experts::{ExpertWeights, ExpertsGrads, LocalExperts, RoutedTokens};
+use moekit::{Backend, BackendKind, Error, Tensor};
+use proptest::prelude::*;
+
+/// One random layer.
+#[derive(Debug)]
+struct Case {
+    t: usize,
+    h: usize,
+    e: usize,
+    k: usize,
+    i: usize,
+    b: usize,
+    x: Vec<f64>,
+    index: Vec<i32>,
+    affinities: Vec<f64>,
+    gate_up: Vec<f64>,
+    down: Vec<f64>,
+    d_output: Vec<f64>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        1usize..24,
+        1usize..12,
+        1usize..7,
+        1usize..5,
+        routing(),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(|(t, h, e, b, routing, skip, seed)| {
+            let mut rng = SeededRng::new(seed);
+            let k = 1 + rng.below(e.min(3));
+            let i = 1 + rng.below(6);
+            let mut index = expert_index(&mut rng, routing, t, e, k);
+            let mut affinities = rng.values(t * k, 1.0);
+            if skip {
+                skip_slots(&mut rng, &mut index, &mut affinities);
+            }
+            Case {
+                t,
+                h,
+                e,
+                k,
+                i,
+                b,
+                x: rng.values(t * h, 1.0),
+                index,
+                affinities,
+                gate_up: rng.values(e * h * 2 * i, 0.5),
+                down: rng.values(e * i * h, 0.5),
+                d_output: rng.values(t * h, 1.0),
+            }
+        })
+}
+
+struct Tensors {
+    x: Tensor,
+    index: Tensor,
+    affinities: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    d_output: Tensor,
+}
+
+impl Case {
+    fn tensors(&self) -> Tensors {
+        let (t, h, e, k, i) = (self.t, self.h, self.e, self.k, self.i);
+        Tensors {
+            x: f32_tensor(&[t, h], &self.x),
+            index: i32_tensor(&[t, k], &self.index),
+            affinities: f32_tensor(&[t, k], &self.affinities),
+            gate_up: f32_tensor(&[e, h, 2, i], &self.gate_up),
+            down: f32_tensor(&[e, i, h], &self.down),
+            d_output: f32_tensor(&[t, h], &self.d_output),
+        }
+    }
+}
+
+/// `rows [T, H]` with a zero row appended: `[T+1, H]`.
+fn padded(rows: &Tensor) -> Tensor {
+    let mut values = rows.f32_values().into_owned();
+    values.extend(vec![0.0; rows.shape()[1]]);
+    Tensor::from_f32([rows.shape()[0] + 1, rows.shape()[1]], values).unwrap()
+}
+
+/// The oracle: the layer composed by hand in the padded layout, every call validated in full.
+fn composed(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
+    let x = case.tensors();
+    let plan = backend
+        .permute(
+            &Permute::new(
+                PermuteInputs {
+                    expert_index: &x.index,
+                    topk_affinities: &x.affinities,
+                },
+                PermuteParams::new(case.e, case.b),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let hidden_states = padded(&x.x);
+    let forward = BlockwiseMmInputs {
+        hidden_states: &hidden_states,
+        expert_affinities_masked: &plan.expert_affinities_masked,
+        gate_up_proj_weight: &x.gate_up,
+        down_proj_weight: &x.down,
+        token_position_to_id: &plan.token_position_to_id,
+        block_to_expert: &plan.block_to_expert,
+        gate_and_up_proj_bias: None,
+        down_proj_bias: None,
+    };
+    let out = backend
+        .blockwise_mm(
+            &BlockwiseMm::new(
+                forward,
+                BlockwiseMmParams {
+                    checkpoint_activation: true,
+                    ..BlockwiseMmParams::default()
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let d_output = padded(&x.d_output);
+    let grads = backend
+        .blockwise_mm_bwd(
+            &BlockwiseMmBwd::new(
+                BlockwiseMmBwdInputs {
+                    forward,
+                    gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
+                    down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
+                    output_hidden_states_grad: &d_output,
+                    expert_index: Some(&x.index),
+                },
+                BlockwiseMmBwdParams::default(),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    (
+        out.output.into_leading_rows("output", case.t).unwrap(),
+        ExpertsGrads {
+            d_hidden_states: grads
+                .hidden_states_grad
+                .into_leading_rows("hidden_states_grad", case.t)
+                .unwrap(),
+            d_topk_affinities: grads.d_topk_affinities.unwrap(),
+            d_gate_up_proj_weight: grads.gate_up_proj_weight_grad,
+            d_down_proj_weight: grads.down_proj_weight_grad,
+        },
+    )
+}
+
+fn through_local_experts(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
+    let x = case.tensors();
+    let experts = LocalExperts {
+        backend,
+        block_size: case.b,
+        output_dtype: OutputDType::Input,
+    };
+    let weights = ExpertWeights {
+        gate_up_proj_weight: &x.gate_up,
+        down_proj_weight: &x.down,
+    };
+    let tokens = RoutedTokens {
+        hidden_states: x.x,
+        expert_index: x.index,
+        topk_affinities: x.affinities,
+    };
+    let (output, saved) = experts.forward(weights, tokens, true).unwrap();
+    let grads = experts
+        .backward(weights, &saved.unwrap(), &x.d_output)
+        .unwrap();
+    (output, grads)
+}
+
+fn assert_layers_agree(got: &(Tensor, ExpertsGrads), want: &(Tensor, ExpertsGrads), tol: f64) {
+    let pairs = [
+        ("output", &got.0, &want.0),
+        (
+            "d_hidden_states",
+            &got.1.d_hidden_states,
+            &want.1.d_hidden_states,
+        ),
+        (
+            "d_topk_affinities",
+            &got.1.d_topk_affinities,
+            &want.1.d_topk_affinities,
+        ),
+        (
+            "d_gate_up_proj_weight",
+            &got.1.d_gate_up_proj_weight,
+            &want.1.d_gate_up_proj_weight,
+        ),
+        (
+            "d_down_proj_weight",
+            &got.1.d_down_proj_weight,
+            &want.1.d_down_proj_weight,
+        ),
+    ];
+    for (name, got, want) in pairs {
+        assert_eq!(got.shape(), want.shape(), "{name}");
+        let want = f32s(want);
+        assert_close(name, &f32s(got), &want, 0.0, tol * scale(&want)).unwrap();
+    }
+}
+
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn local_experts_equal_the_padded_composition(case in case()) {
+        let reference = BackendKind::Reference.create();
+        let want = composed(reference.as_ref(), &case);
+        assert_layers_agree(&through_local_experts(reference.as_ref(), &case), &want, 1e-6);
+        let cpu = BackendKind::Cpu.create();
+        assert_layers_agree(&through_local_experts(cpu.as_ref(), &case), &want, 1e-4);
+    }
+
+    #[test]
+    fn the_backward_of_a_validated_forward_equals_the_fully_validated_backward(case in case()) {
+        let cpu = BackendKind::Cpu.create();
+        let x = case.tensors();
+        let plan = cpu
+            .permute(
+                &Permute::new(
+                    PermuteInputs { expert_index: &x.index, topk_affinities: &x.affinities },
+                    PermuteParams::new(case.e, case.b),
+                )
+                .unwrap(),
+            )
+            .unwrap();
+        let hidden_states = padded(&x.x);
+        let inputs = BlockwiseMmInputs {
+            hidden_states: &hidden_states,
+            expert_affinities_masked: &plan.expert_affinities_masked,
+            gate_up_proj_weight: &x.gate_up,
+            down_proj_weight: &x.down,
+            token_position_to_id: &plan.token_position_to_id,
+            block_to_expert: &plan.block_to_expert,
+            gate_and_up_proj_bias: None,
+            down_proj_bias: None,
+        };
+        let forward = BlockwiseMm::new(
+            inputs,
+            BlockwiseMmParams { checkpoint_activation: true, ..BlockwiseMmParams::default() },
+        )
+        .unwrap();
+        let out = cpu.blockwise_mm(&forward).unwrap();
+        let d_output = padded(&x.d_output);
+        let added = BlockwiseMmBwdAdded {
+            gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
+            down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
+            output_hidden_states_grad: &d_output,
+            expert_index: Some(&x.index),
+        };
+        let full = BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
+                forward: inputs,
+                gate_up_proj_act_checkpoint_t: added.gate_up_proj_act_checkpoint_t,
+                down_proj_act_checkpoint: added.down_proj_act_checkpoint,
+                output_hidden_states_grad: added.output_hidden_states_grad,
+                expert_index: added.expert_index,
+            },
+            BlockwiseMmBwdParams::default(),
+        )
+        .unwrap();
+        let trusted = BlockwiseMmBwd::of_forward(&forward, added, false).unwrap();
+        prop_assert_eq!(
+            cpu.blockwise_mm_bwd(&trusted).unwrap(),
+            cpu.blockwise_mm_bwd(&full).unwrap()
+        );
+    }
+}
+
+#[test]
+fn the_backward_still_checks_what_it_adds_and_refuses_other_weights() {
+    let mut rng = SeededRng::new(5);
+    let (t, h, e, k, i, b) = (3, 4, 4, 1, 2, 2);
+    let case = Case {
+        t,
+        h,
+        e,
+        k,
+        i,
+        b,
+        x: rng.values(t * h, 1.0),
+        index: vec![0, 1, 2],
+        affinities: vec![0.5, 0.25, 1.0],
+        gate_up: rng.values(e * h * 2 * i, 0.5),
+        down: rng.values(e * i * h, 0.5),
+        d_output: rng.values(t * h, 1.0),
+    };
+    let cpu = BackendKind::Cpu.create();
+    let x = case.tensors();
+    let experts = LocalExperts {
+        backend: cpu.as_ref(),
+        block_size: b,
+        output_dtype: OutputDType::Input,
+    };
+    let weights = ExpertWeights {
+        gate_up_proj_weight: &x.gate_up,
+        down_proj_weight: &x.down,
+    };
+    let tokens = RoutedTokens {
+        hidden_states: x.x.clone(),
+        expert_index: x.index.clone(),
+        topk_affinities: x.affinities.clone(),
+    };
+    let (output, saved) = experts.forward(weights, tokens.clone(), true).unwrap();
+    let saved = saved.unwrap();
+    let message = |result: Result<ExpertsGrads, Error>| result.unwrap_err().to_string();
+
+    // The output gradient: its shape and its values are checked.
+    let wide = f32_tensor(&[t, h + 1], &vec![0.5; t * (h + 1)]);
+    let err = message(experts.backward(weights, &saved, &wide));
+    assert!(err.contains("output_hidden_states_grad"), "{err}");
+    let mut values = vec![0.5; t * h];
+    values[t * h - 1] = f64::NAN;
+    let err = message(experts.backward(weights, &saved, &f32_tensor(&[t, h], &values)));
+    assert!(
+        err.contains("output_hidden_states_grad") && err.contains("non-finite"),
+        "{err}"
+    );
+
+    // Weights other than the forward's, even equal in value.
+    let copy = x.gate_up.clone();
+    let other = ExpertWeights {
+        gate_up_proj_weight: &copy,
+        down_proj_weight: &x.down,
+    };
+    let err = message(experts.backward(other, &saved, &x.d_output));
+    assert!(err.contains("gate_up_proj_weight"), "{err}");
+
+    // Without a record the forward keeps nothing; its output is the recorded one's.
+    let (unrecorded, none) = experts.forward(weights, tokens, false).unwrap();
+    assert!(none.is_none());
+    assert_eq!(unrecorded, output);
+
+    // The trusted backward checks expert_index against the forward's plan: token 0 did not
+    // choose expert 3.
+    let plan = cpu
+        .permute(
+            &Permute::new(
+                PermuteInputs {
+                    expert_index: &x.index,
+                    topk_affinities: &x.affinities,
+                },
+                PermuteParams::new(e, b),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let hidden_states = padded(&x.x);
+    let forward = BlockwiseMm::new(
+        BlockwiseMmInputs {
+            hidden_states: &hidden_states,
+            expert_affinities_masked: &plan.expert_affinities_masked,
+            gate_up_proj_weight: &x.gate_up,
+            down_proj_weight: &x.down,
+            token_position_to_id: &plan.token_position_to_id,
+            block_to_expert: &plan.block_to_expert,
+            gate_and_up_proj_bias: None,
+            down_proj_bias: None,
+        },
+        BlockwiseMmParams {
+            checkpoint_activation: true,
+            ..BlockwiseMmParams::default()
+        },
+    )
+    .unwrap();
+    let out = cpu.blockwise_mm(&forward).unwrap();
+    let d_output = padded(&x.d_output);
+    let wrong_index = i32_tensor(&[t, k], &[3, 1, 2]);
+    let err = BlockwiseMmBwd::of_forward(
+        &forward,
+        BlockwiseMmBwdAdded {
+            gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
+            down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
+            output_hidden_states_grad: &d_output,
+            expert_index: Some(&wrong_index),
+        },
+        false,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("token 0 chose expert 3, but the block plan has no slot"),
+        "{err}"
+    );
+}
