@@ -88,10 +88,10 @@ pub struct Dispatched {
     pub topk_affinities: Tensor,
 }
 
-impl Dispatched {
+impl Route {
     /// M, the rows received from all sources (`Σ recv_counts`).
     pub fn received_rows(&self) -> usize {
-        let counts = self.route.recv_counts.as_i32().unwrap_or_default();
+        let counts = self.recv_counts.as_i32().unwrap_or_default();
         counts.iter().map(|&rows| rows.max(0) as usize).sum()
     }
 }

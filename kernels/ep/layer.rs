@@ -2,10 +2,12 @@
 //! communicator, composed of the kernels on any backend.
 //!
 //! ```text
-//! forward:  router_topk (replicated router) → dispatch → permute → blockwise_mm → combine
-//! backward: combine_bwd → blockwise_mm_bwd → dispatch_bwd → router_topk_bwd, with the router
-//!           weight's gradient summed over the ranks (all-reduce)
+//! forward:  router_topk (replicated router) → dispatch → local experts → combine
+//! backward: combine_bwd → local experts' backward → dispatch_bwd → router_topk_bwd, with the
+//!           router weight's gradient summed over the ranks (all-reduce)
 //! ```
+//! The local experts are [`LocalExperts`], the one composition of `permute`, `blockwise_mm`
+//! and `blockwise_mm_bwd`, on the rows dispatch delivered.
 //! Each rank brings its own tokens `x [T, H]`, the replicated router `w [H, E]` and its local
 //! experts `gate_up_proj_weight [E/R, H, 2, I]` and `down_proj_weight [E/R, I, H]` (rank r holds
 //! experts `[r·E/R, (r+1)·E/R)`). A rank may receive no rows; its expert gradients are then 0.
@@ -19,15 +21,16 @@
 use std::time::{Duration, Instant};
 
 use super::comm::Communicator;
-use super::exchange::{DispatchParams, Dispatched, combine, combine_bwd, dispatch, dispatch_bwd};
+use super::exchange::{
+    DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
+};
 use crate::backend::Backend;
 use crate::contracts::{
-    BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
-    BlockwiseMmParams, OutputDType, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
-    RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams,
-    RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, XHbmLayout,
+    OutputDType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result};
+use crate::experts::{self, ExpertWeights, LocalExperts, RoutedTokens};
 use crate::tensor::Tensor;
 
 /// Parameters of [`ExpertParallelMoe`].
@@ -210,9 +213,8 @@ pub struct ExpertsInputs<'a> {
 /// What [`ShardedExperts::backward`] needs from the forward.
 #[derive(Clone, Debug)]
 pub struct ExpertsSaved {
-    dispatched: Dispatched,
-    /// The local plan and checkpoints, when this rank received rows.
-    local: Option<LocalExperts>,
+    route: Route,
+    local: Received,
     /// Wall time of the forward's dispatch and combine (waiting for other ranks included).
     exchange_time: Duration,
 }
@@ -224,13 +226,13 @@ impl ExpertsSaved {
     }
 }
 
+/// What this rank's experts did with the rows dispatch delivered.
 #[derive(Clone, Debug)]
-struct LocalExperts {
-    /// `[R·S+1, H]`, the received rows in dispatch's layout plus the padding row.
-    hidden_states: Tensor,
-    plan: PermuteOutputs,
-    gate_up_activations_t: Tensor,
-    down_activations: Tensor,
+enum Received {
+    /// Rows arrived: their forward through this rank's experts.
+    Rows(Box<experts::ExpertsSaved>),
+    /// No row arrived (dispatch's layout still has `[R·S, H]` zero rows and `[R·S, K]` slots).
+    Nothing { rows: usize, k: usize },
 }
 
 /// One rank's gradients of [`ShardedExperts`].
@@ -250,6 +252,15 @@ pub struct ExpertsGrads {
 }
 
 impl ShardedExperts<'_> {
+    /// This rank's experts, computing in f32.
+    fn local(&self) -> LocalExperts<'_> {
+        LocalExperts {
+            backend: self.backend,
+            block_size: self.block_size,
+            output_dtype: OutputDType::Float32,
+        }
+    }
+
     /// `output [T, H]` f32: each token's rows through the experts of whichever ranks own them,
     /// weighted and summed back on this rank.
     pub fn forward(&self, inputs: ExpertsInputs<'_>) -> Result<(Tensor, ExpertsSaved)> {
@@ -264,34 +275,41 @@ impl ShardedExperts<'_> {
             },
         )?;
         let mut exchange_time = start.elapsed();
-        let local = super::comm::agree(self.comm, self.local_forward(inputs, &dispatched))?;
-        let h = inputs.x.shape()[1];
-        // `[R·S, H]`, dispatch's layout.
-        let rows = dispatched.hidden_states.shape()[0];
-        let expert_output = match &local {
-            Some((output, _)) => output.clone(),
-            None => Tensor::from_f32([rows, h], vec![0.0; rows * h])?,
+        let Dispatched {
+            route,
+            hidden_states,
+            expert_index,
+            topk_affinities,
+        } = dispatched;
+        let received = route.received_rows();
+        let tokens = RoutedTokens {
+            hidden_states,
+            expert_index,
+            topk_affinities,
         };
+        let local = super::comm::agree(self.comm, self.local_forward(inputs, tokens, received))?;
         let start = Instant::now();
-        let output = combine(self.comm, &dispatched.route, &expert_output)?;
+        let output = combine(self.comm, &route, &local.0)?;
         exchange_time += start.elapsed();
         Ok((
             output,
             ExpertsSaved {
-                dispatched,
-                local: local.map(|(_, experts)| experts),
+                route,
+                local: local.1,
                 exchange_time,
             },
         ))
     }
 
-    /// This rank's experts on the rows it received (none when it received none).
+    /// This rank's experts on the rows dispatch delivered (`tokens`, `received` of them real):
+    /// their output in dispatch's layout `[R·S, H]`, zero where no row arrived.
     fn local_forward(
         &self,
         inputs: ExpertsInputs<'_>,
-        dispatched: &Dispatched,
-    ) -> Result<Option<(Tensor, LocalExperts)>> {
-        let h = dispatched.hidden_states.shape()[1];
+        tokens: RoutedTokens,
+        received: usize,
+    ) -> Result<(Tensor, Received)> {
+        let [rows, h] = [0, 1].map(|axis| tokens.hidden_states.shape()[axis]);
         let local_experts = self.num_experts / self.comm.size();
         if inputs.gate_up_proj_weight.shape().first() != Some(&local_experts) {
             return Err(Error::shape(
@@ -300,48 +318,14 @@ impl ShardedExperts<'_> {
                 inputs.gate_up_proj_weight.shape(),
             ));
         }
-        if dispatched.received_rows() == 0 {
-            return Ok(None);
+        if received == 0 {
+            let k = tokens.expert_index.shape()[1];
+            let zeros = Tensor::from_f32([rows, h], vec![0.0; rows * h])?;
+            return Ok((zeros, Received::Nothing { rows, k }));
         }
-        let hidden_states = with_padding_row(&dispatched.hidden_states)?;
-        let plan = self.backend.permute(
-            &Permute::new(
-                PermuteInputs {
-                    expert_index: &dispatched.expert_index,
-                    topk_affinities: &dispatched.topk_affinities,
-                },
-                PermuteParams::new(local_experts, self.block_size),
-            )?
-            .with_output_dtype(OutputDType::Float32),
-        )?;
-        let out = self.backend.blockwise_mm(
-            &BlockwiseMm::new(
-                forward_inputs(&hidden_states, &plan, inputs),
-                BlockwiseMmParams {
-                    checkpoint_activation: true,
-                    ..BlockwiseMmParams::default()
-                },
-            )?
-            .with_output_dtype(OutputDType::Float32),
-        )?;
-        let (Some(gate_up_activations_t), Some(down_activations)) =
-            (out.gate_up_activations_t, out.down_activations)
-        else {
-            return Err(Error::invalid(
-                "blockwise_mm",
-                "the backend returned no checkpoints",
-            ));
-        };
-        Ok(Some((
-            out.output
-                .into_leading_rows("output", dispatched.hidden_states.shape()[0])?,
-            LocalExperts {
-                hidden_states,
-                plan,
-                gate_up_activations_t,
-                down_activations,
-            },
-        )))
+        let (output, saved) = self.local().forward(weights(inputs), tokens, true)?;
+        let saved = saved.ok_or_else(|| Error::invalid("blockwise_mm", "no record was kept"))?;
+        Ok((output, Received::Rows(Box::new(saved))))
     }
 
     /// Gradients of `x`, the affinities and this rank's experts for `d_output [T, H]`.
@@ -351,107 +335,63 @@ impl ShardedExperts<'_> {
         saved: &ExpertsSaved,
         d_output: &Tensor,
     ) -> Result<ExpertsGrads> {
-        let route = &saved.dispatched.route;
         let start = Instant::now();
-        let d_expert_output = combine_bwd(self.comm, route, d_output)?;
+        let d_expert_output = combine_bwd(self.comm, &saved.route, d_output)?;
         let mut exchange_time = start.elapsed();
         let local = super::comm::agree(
             self.comm,
-            self.local_backward(inputs, saved, &d_expert_output),
+            self.local_backward(inputs, &saved.local, &d_expert_output),
         )?;
-        let (d_rows, d_row_affinities, d_gate_up, d_down) = local;
         let start = Instant::now();
         let (d_x, d_topk_affinities) = dispatch_bwd(
             self.comm,
-            route,
+            &saved.route,
             inputs.expert_index,
             DispatchParams {
                 num_experts: self.num_experts,
             },
-            &d_rows,
-            &d_row_affinities,
+            &local.d_hidden_states,
+            &local.d_topk_affinities,
         )?;
         exchange_time += start.elapsed();
         Ok(ExpertsGrads {
             d_x,
             d_topk_affinities,
-            d_gate_up_proj_weight: d_gate_up,
-            d_down_proj_weight: d_down,
+            d_gate_up_proj_weight: local.d_gate_up_proj_weight,
+            d_down_proj_weight: local.d_down_proj_weight,
             exchange_time,
         })
     }
 
-    /// `blockwise_mm_bwd` on the received rows: `(d rows [R·S, H], d row affinities [R·S, K],
-    /// d gate_up, d down)` in dispatch's layout; zeros when this rank received no rows.
+    /// The backward of this rank's experts, in dispatch's layout; zeros when no row arrived.
     fn local_backward(
         &self,
         inputs: ExpertsInputs<'_>,
-        saved: &ExpertsSaved,
+        received: &Received,
         d_expert_output: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        let dispatched = &saved.dispatched;
-        let zeros = |shape: &[usize]| Tensor::from_f32(shape, vec![0.0; shape.iter().product()]);
-        let Some(local) = &saved.local else {
-            return Ok((
-                zeros(dispatched.hidden_states.shape())?,
-                zeros(dispatched.expert_index.shape())?,
-                zeros(inputs.gate_up_proj_weight.shape())?,
-                zeros(inputs.down_proj_weight.shape())?,
-            ));
-        };
-        let grads = self.backend.blockwise_mm_bwd(
-            &BlockwiseMmBwd::new(
-                BlockwiseMmBwdInputs {
-                    forward: forward_inputs(&local.hidden_states, &local.plan, inputs),
-                    gate_up_proj_act_checkpoint_t: &local.gate_up_activations_t,
-                    down_proj_act_checkpoint: &local.down_activations,
-                    output_hidden_states_grad: &with_padding_row(d_expert_output)?,
-                    expert_index: Some(&dispatched.expert_index),
-                },
-                BlockwiseMmBwdParams::default(),
-            )?
-            .with_output_dtype(OutputDType::Float32),
-        )?;
-        let d_affinities = grads.d_topk_affinities.ok_or_else(|| {
-            Error::invalid(
-                "blockwise_mm_bwd",
-                "the backend returned no d_topk_affinities",
-            )
-        })?;
-        let rows = d_expert_output.shape()[0];
-        Ok((
-            grads
-                .hidden_states_grad
-                .into_leading_rows("hidden_states_grad", rows)?,
-            d_affinities,
-            grads.gate_up_proj_weight_grad,
-            grads.down_proj_weight_grad,
-        ))
+    ) -> Result<experts::ExpertsGrads> {
+        match received {
+            Received::Rows(saved) => self
+                .local()
+                .backward(weights(inputs), saved, d_expert_output),
+            &Received::Nothing { rows, k } => {
+                let zeros =
+                    |shape: &[usize]| Tensor::from_f32(shape, vec![0.0; shape.iter().product()]);
+                let h = d_expert_output.shape()[1];
+                Ok(experts::ExpertsGrads {
+                    d_hidden_states: zeros(&[rows, h])?,
+                    d_topk_affinities: zeros(&[rows, k])?,
+                    d_gate_up_proj_weight: zeros(inputs.gate_up_proj_weight.shape())?,
+                    d_down_proj_weight: zeros(inputs.down_proj_weight.shape())?,
+                })
+            }
+        }
     }
 }
 
-/// `rows [M, H]` as f32 followed by a zero row: the `[M+1, H]` layout of the blockwise kernels,
-/// whose row M is the padding token's.
-fn with_padding_row(rows: &Tensor) -> Result<Tensor> {
-    let (m, h) = (rows.shape()[0], rows.shape()[1]);
-    let mut padded = rows.f32_values().into_owned();
-    padded.extend(std::iter::repeat_n(0.0, h));
-    Tensor::from_f32([m + 1, h], padded)
-}
-
-fn forward_inputs<'a>(
-    hidden_states: &'a Tensor,
-    plan: &'a PermuteOutputs,
-    inputs: ExpertsInputs<'a>,
-) -> BlockwiseMmInputs<'a> {
-    BlockwiseMmInputs {
-        hidden_states,
-        expert_affinities_masked: &plan.expert_affinities_masked,
+fn weights<'a>(inputs: ExpertsInputs<'a>) -> ExpertWeights<'a> {
+    ExpertWeights {
         gate_up_proj_weight: inputs.gate_up_proj_weight,
         down_proj_weight: inputs.down_proj_weight,
-        token_position_to_id: &plan.token_position_to_id,
-        block_to_expert: &plan.block_to_expert,
-        gate_and_up_proj_bias: None,
-        down_proj_bias: None,
     }
 }
