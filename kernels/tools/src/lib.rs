@@ -11,7 +11,10 @@
 //! - [`catalog`]: the kernel catalog as `moekit list` prints it;
 //! - [`golden`]: named-tensor files (safetensors) for comparing against other implementations,
 //!   and the atomic file writes every saved file goes through;
-//! - `torch` (feature `libtorch`): conversions to and from libtorch tensors.
+//! - `torch` (feature `libtorch`): conversions to and from libtorch tensors;
+//! - `torch_moe` (feature `libtorch`): the MoE layer the ways PyTorch computes it (Hugging
+//!   Face's router and eager expert loop, `torch._grouped_mm`), for the benchmark's peers and
+//!   the trainer.
 
 pub mod bench;
 pub mod catalog;
@@ -20,3 +23,5 @@ pub mod golden;
 pub mod layer;
 #[cfg(feature = "libtorch")]
 pub mod torch;
+#[cfg(feature = "libtorch")]
+pub mod torch_moe;

@@ -9,6 +9,7 @@
 //! only its shard of each (see [`ExpertShard`]): `[E/R, H, 2, I]` and `[E/R, I, H]`.
 
 use anyhow::{Result, ensure};
+use moekit_tools::torch_moe::hf_router;
 use tch::{Kind, Tensor, nn};
 
 use super::ModelConfig;
@@ -462,12 +463,12 @@ impl MoeBlock {
         // backpropagated exactly once (see `Tape`).
         let flat = tape.cut(x.reshape([-1, shape[2]]));
         let router_logits = tape.cut(flat.linear(&self.gate, None::<Tensor>));
-        let probs = router_logits.softmax(-1, Kind::Float);
-        let (_, expert_index) = (&probs + &self.expert_bias).topk(self.top_k, -1, true, true);
-        let mut affinities = probs.gather(-1, &expert_index, false);
-        if self.norm_topk_prob {
-            affinities = &affinities / affinities.sum_dim_intlist(-1, true, Kind::Float);
-        }
+        let (affinities, expert_index) = hf_router(
+            &router_logits,
+            self.top_k,
+            self.norm_topk_prob,
+            Some(&self.expert_bias),
+        );
         let affinities = affinities.to_kind(x.kind());
         let output = experts.forward(
             &flat,

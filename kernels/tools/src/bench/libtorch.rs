@@ -1,12 +1,11 @@
 //! libtorch peers (feature `libtorch`): the same MoE layer computed the ways PyTorch runs it,
 //! timed in the same process as moekit's kernels.
 //!
-//! - router: `softmax(x @ w, float32)`, `topk`, divide by the top-k sum (Hugging Face).
+//! - router: Hugging Face's ([`crate::torch_moe::hf_router`] on `x @ w`).
 //! - permute: `argsort(stable)` of the flattened expert ids, `bincount`, `cumsum`.
-//! - experts, `loop`: Hugging Face's eager path, one expert at a time over the tokens that chose
-//!   it (`nonzero`, `index_select`, three matmuls, `index_add_`).
-//! - experts, `grouped_mm`: tokens sorted by expert, `torch._grouped_mm` for gate_up and down,
-//!   `index_add_` to combine.
+//! - experts, `loop`: Hugging Face's eager path ([`crate::torch_moe::experts_loop`]), with one
+//!   parameter per expert as Hugging Face's per-expert modules hold them.
+//! - experts, `grouped_mm`: [`crate::torch_moe::experts_grouped_mm`].
 //!
 //! Forward passes run with autograd recording (as in training, so activations are saved);
 //! backward times are `loss.backward()` alone.
@@ -21,6 +20,7 @@ use moekit::error::{Error, Result};
 use super::{PeerPath, Stage};
 use crate::layer::LayerInputs;
 use crate::torch::to_tch;
+use crate::torch_moe::{experts_grouped_mm, experts_loop, hf_router};
 
 fn tch_error(err: tch::TchError) -> Error {
     Error::invalid("libtorch", err.to_string())
@@ -54,10 +54,9 @@ fn time_backward(
 /// The layer's tensors in libtorch, weights split for the loop and fused for `_grouped_mm`.
 struct Operands {
     k: i64,
-    i: i64,
     x: Th,
     w: Th,
-    /// `[E, H, 2I]`.
+    /// `[E, H, 2, I]`.
     gate_up: Th,
     /// Per-expert `[H, I]`, `[H, I]`, `[I, H]` leaf tensors, as Hugging Face's per-expert
     /// modules hold them (one parameter per expert, so no expert's gradient touches another's).
@@ -73,18 +72,13 @@ struct Operands {
 
 impl Operands {
     fn new(inputs: &LayerInputs, routed: &RouterTopkOutputs) -> Self {
-        let (h, i, e) = (
-            inputs.shape.h as i64,
-            inputs.shape.i as i64,
-            inputs.shape.e as i64,
-        );
+        let e = inputs.shape.e as i64;
         let grad = |t: Th| t.set_requires_grad(true);
         let gate_up4 = to_tch(&inputs.gate_up_proj_weight); // [E, H, 2, I]
         let down = to_tch(&inputs.down_proj_weight); // [E, I, H]
         let dtype = gate_up4.kind();
         Self {
             k: inputs.shape.k as i64,
-            i,
             x: grad(to_tch(&inputs.x)),
             w: grad(to_tch(&inputs.w)),
             experts: (0..e)
@@ -96,7 +90,7 @@ impl Operands {
                     ]
                 })
                 .collect(),
-            gate_up: grad(gate_up4.reshape([e, h, 2 * i])),
+            gate_up: grad(gate_up4),
             down: grad(down),
             expert_index: to_tch(&routed.expert_index).to_kind(Kind::Int64),
             topk: grad(to_tch(&routed.topk_affinities).to_kind(dtype)),
@@ -112,13 +106,8 @@ impl Operands {
 
     /// Hugging Face's router: normalised top-k affinities `[T, K]`.
     fn router(&self) -> Result<Th> {
-        let probs = self
-            .x
-            .f_matmul(&self.w)
-            .map_err(tch_error)?
-            .softmax(-1, Kind::Float);
-        let (values, _) = probs.topk(self.k, -1, true, true);
-        Ok(&values / values.sum_dim_intlist(-1, true, Kind::Float))
+        let logits = self.x.f_matmul(&self.w).map_err(tch_error)?;
+        Ok(hf_router(&logits, self.k, true, None).0)
     }
 
     /// `argsort` of the flattened ids, and the per-expert offsets.
@@ -130,47 +119,35 @@ impl Operands {
     }
 
     /// Hugging Face's eager experts: `[T, H]`.
-    fn experts_loop(&self, _experts: i64) -> Result<Th> {
-        let mut out = self.x.zeros_like();
-        for (expert, [gate, up, down]) in self.experts.iter().enumerate() {
-            let hit = self.expert_index.eq(expert as i64).nonzero();
-            if hit.size()[0] == 0 {
-                continue;
-            }
-            let (token, slot) = (hit.select(1, 0), hit.select(1, 1));
-            let xs = self.x.index_select(0, &token);
-            let act = xs.matmul(gate).silu() * xs.matmul(up);
-            let weight = self
-                .topk
-                .index(&[Some(token.shallow_clone()), Some(slot)])
-                .unsqueeze(-1);
-            let y = act.matmul(down) * weight;
-            out = out.f_index_add_(0, &token, &y).map_err(tch_error)?;
-        }
-        Ok(out)
+    fn experts_loop(&self, experts: i64) -> Result<Th> {
+        let projections = |expert: i64| {
+            let [gate, up, down] = &self.experts[expert as usize];
+            (
+                gate.shallow_clone(),
+                up.shallow_clone(),
+                down.shallow_clone(),
+            )
+        };
+        experts_loop(
+            &self.x,
+            &self.expert_index,
+            &self.topk,
+            experts,
+            projections,
+        )
+        .map_err(tch_error)
     }
 
     /// Sorted tokens through `torch._grouped_mm`: `[T, H]`.
-    fn experts_grouped(&self, experts: i64) -> Result<Th> {
-        let (order, offsets) = self.permute(experts);
-        let token = order.floor_divide_scalar(self.k);
-        let xs = self.x.index_select(0, &token);
-        let gate_up = xs
-            .f_internal_grouped_mm(&self.gate_up, Some(&offsets), None::<&Th>, None::<Kind>)
-            .map_err(tch_error)?;
-        let act = gate_up.narrow(-1, 0, self.i).silu() * gate_up.narrow(-1, self.i, self.i);
-        let y = act
-            .f_internal_grouped_mm(&self.down, Some(&offsets), None::<&Th>, None::<Kind>)
-            .map_err(tch_error)?;
-        let weight = self
-            .topk
-            .flatten(0, 1)
-            .index_select(0, &order)
-            .unsqueeze(-1);
-        self.x
-            .zeros_like()
-            .f_index_add(0, &token, &(y * weight))
-            .map_err(tch_error)
+    fn experts_grouped(&self, _experts: i64) -> Result<Th> {
+        experts_grouped_mm(
+            &self.x,
+            &self.expert_index,
+            &self.topk,
+            &self.gate_up,
+            &self.down,
+        )
+        .map_err(tch_error)
     }
 }
 
