@@ -7,24 +7,36 @@
 //! the backward every gradient is divided by R, and the replicated parameters' gradients are
 //! first summed over the ranks (each rank's expert gradients already hold every rank's tokens,
 //! which dispatch and combine brought to it).
+//!
+//! A run without MPI is a group of one rank ([`RankGroup::one_process`]), so the trainer has one
+//! code path for any R; the group's collectives are then the identity.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use moekit::ep::{Communicator, MpiComm, agree, agree_with_values};
+use moekit::ep::{Communicator, LocalComm, MpiComm, agree, agree_with_values};
 use tch::{Kind, Tensor};
 
 use crate::config::JobConfig;
 use crate::model::ExpertShard;
 
-/// The ranks of an expert-parallel run, as seen from one of them.
+/// The ranks of a run, as seen from one of them: the MPI ranks of an expert-parallel run, or
+/// the one process of a run without (the same code path, its collectives trivial).
 pub struct RankGroup {
     comm: Rc<dyn Communicator>,
 }
 
 impl RankGroup {
+    /// The group of a run without MPI: this process alone.
+    pub fn one_process(config: &JobConfig) -> Result<RankGroup> {
+        let comm = LocalComm::group(1)?
+            .pop()
+            .context("a group of one rank has one communicator")?;
+        Self::new(Rc::new(comm), config)
+    }
+
     /// The group of `comm`'s ranks for `config`; checks, on every rank alike, that all loaded
     /// the same job config and that there are `expert_parallel_degree` of them, so a mismatch
     /// is the same error on every rank.
@@ -93,6 +105,9 @@ impl RankGroup {
     /// `result` where every rank succeeded; otherwise the first failing rank's error, on every
     /// rank (so no rank goes on to a collective the others have left).
     pub fn all_ok<T>(&self, result: Result<T>) -> Result<T> {
+        if self.ranks() == 1 {
+            return result;
+        }
         let rank = self.rank();
         let local = result.map_err(|err| moekit::Error::Collective {
             rank,
@@ -127,6 +142,10 @@ impl RankGroup {
     /// none (else the replicas would drift apart): anything else is an error on every rank.
     pub fn reduce_gradients(&self, params: &[(String, Tensor)]) -> Result<()> {
         let ranks = self.ranks();
+        if ranks == 1 {
+            // Summed over one rank and divided by one: the gradients as they are.
+            return Ok(());
+        }
         let scale = 1.0 / ranks as f64;
         let (experts, replicated): (Vec<_>, Vec<_>) = params
             .iter()

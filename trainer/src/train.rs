@@ -22,7 +22,7 @@ use crate::config::JobConfig;
 use crate::data::{Batches, Source, TextTokenizer, hold_out_tail, validation_batches};
 use crate::footprint::{StepFootprint, ensure_fits_in_host_memory, held_parameters};
 use crate::hf::load_hf;
-use crate::model::{ExpertShard, ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss};
+use crate::model::{ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss};
 use crate::moe::Experts;
 use crate::optim::{AdamW, learning_rate};
 use crate::parallel::{RankGroup, is_expert_parameter};
@@ -181,8 +181,8 @@ pub struct Trainer {
     config: JobConfig,
     /// Where the parameters, optimizer state and batches live.
     device: Device,
-    /// The other ranks of an expert-parallel run.
-    group: Option<RankGroup>,
+    /// The ranks of the run (this process alone without expert parallelism).
+    group: RankGroup,
     // Owns the parameters the model and optimizer hold handles to.
     _vars: nn::VarStore,
     model: Qwen3Model,
@@ -205,8 +205,8 @@ impl Trainer {
             tch::set_num_threads(config.training.threads as i32);
         }
         let group = match (config.parallelism.expert_parallel_degree, comm) {
-            (_, Some(comm)) => Some(RankGroup::new(comm, config)?),
-            (1, None) => None,
+            (_, Some(comm)) => RankGroup::new(comm, config)?,
+            (1, None) => RankGroup::one_process(config)?,
             (ranks, None) => bail!(
                 "parallelism.expert_parallel_degree = {ranks} needs MPI: launch with \
                  `mpirun -n {ranks} moekit-train ...`"
@@ -216,24 +216,19 @@ impl Trainer {
         if device == Device::Cpu {
             // On CUDA the GPU's memory is libtorch's to report.
             let ranks = config.parallelism.expert_parallel_degree;
-            let fits = check_memory(config, ranks);
-            match &group {
-                Some(group) => group.all_ok(fits)?,
-                None => fits?,
-            }
+            group.all_ok(check_memory(config, ranks))?;
         }
         tch::manual_seed(config.job.seed as i64);
         let block_size = config.kernels.block_size;
-        let (experts, shard) = match &group {
-            Some(group) => (
-                config.kernels.moe.create_expert_parallel(
-                    group.comm(),
-                    config.model.num_experts,
-                    block_size,
-                )?,
-                group.shard(),
-            ),
-            None => (config.kernels.moe.create(block_size)?, ExpertShard::ALL),
+        let shard = group.shard();
+        // One rank holds every expert: no exchange.
+        let experts = match shard.ranks {
+            1 => config.kernels.moe.create(block_size)?,
+            _ => config.kernels.moe.create_expert_parallel(
+                group.comm(),
+                config.model.num_experts,
+                block_size,
+            )?,
         };
         let mut vars = nn::VarStore::new(device);
         let model = Qwen3Model::new_sharded(&vars.root(), &config.model, shard);
@@ -247,10 +242,7 @@ impl Trainer {
             batches,
             validation,
             tokenizer_json,
-        } = match &group {
-            Some(group) => group.all_ok(data)?,
-            None => data?,
-        };
+        } = group.all_ok(data)?;
         let mut trainer = Self {
             config: config.clone(),
             device,
@@ -268,28 +260,21 @@ impl Trainer {
             true => select_checkpoint(&trainer.checkpoint_folder()),
             false => Ok(Selection::default()),
         };
-        let selection = match &trainer.group {
-            Some(group) => {
-                let selection = group.all_ok(selection)?;
-                let newest = selection.newest.as_ref();
-                let step = newest.map_or(-1, |(step, _)| *step as i64);
-                group.same_everywhere("the newest verified checkpoint's step", step)?;
-                selection
-            }
-            None => selection?,
-        };
+        let selection = trainer.group.all_ok(selection)?;
+        let newest = selection
+            .newest
+            .as_ref()
+            .map_or(-1, |(step, _)| *step as i64);
+        (trainer.group).same_everywhere("the newest verified checkpoint's step", newest)?;
         // Every rank has chosen (reading only); one process sets the damaged ones aside and
         // removes the staging folders of interrupted saves.
-        let set_aside = match &trainer.group {
-            Some(group) if group.rank() != 0 => Ok(()),
-            _ if !config.checkpoint.enable => Ok(()),
-            _ => set_aside_damaged(&selection)
-                .and_then(|()| remove_stale_staging(&trainer.checkpoint_folder())),
+        let set_aside = if trainer.group.rank() != 0 || !config.checkpoint.enable {
+            Ok(())
+        } else {
+            set_aside_damaged(&selection)
+                .and_then(|()| remove_stale_staging(&trainer.checkpoint_folder()))
         };
-        match &trainer.group {
-            Some(group) => group.all_ok(set_aside)?,
-            None => set_aside?,
-        }
+        trainer.group.all_ok(set_aside)?;
         let latest = selection.newest;
         let loaded = if let Some((_, dir)) = latest {
             trainer
@@ -302,10 +287,7 @@ impl Trainer {
         } else {
             Ok(())
         };
-        match &trainer.group {
-            Some(group) => group.all_ok(loaded)?,
-            None => loaded?,
-        }
+        trainer.group.all_ok(loaded)?;
         Ok(trainer)
     }
 
@@ -332,7 +314,7 @@ impl Trainer {
     /// Whether this process reports progress and writes metrics and plots: the single
     /// process, or rank 0 of an expert-parallel run.
     pub fn is_main_rank(&self) -> bool {
-        self.group.as_ref().is_none_or(|group| group.rank() == 0)
+        self.group.rank() == 0
     }
 
     /// This rank's sequences of the next global micro-batch `[batch_size, seq_len]`.
@@ -344,10 +326,7 @@ impl Trainer {
     /// This rank's `[batch_size, seq_len]` sequences of a global batch, on the device.
     fn rank_slice(&self, batch: &Tensor) -> Tensor {
         let rows = self.config.training.batch_size as i64;
-        let batch = match &self.group {
-            Some(group) => batch.narrow(0, group.rank() as i64 * rows, rows),
-            None => batch.shallow_clone(),
-        };
+        let batch = batch.narrow(0, self.group.rank() as i64 * rows, rows);
         batch.to_device(self.device)
     }
 
@@ -380,9 +359,10 @@ impl Trainer {
 
     /// `values` averaged over the ranks (the values themselves on a single process).
     fn mean_over_ranks(&self, values: &[f64]) -> Result<Vec<f64>> {
-        let Some(group) = &self.group else {
+        let group = &self.group;
+        if group.ranks() == 1 {
             return Ok(values.to_vec());
-        };
+        }
         let mut sums: Vec<f32> = values.iter().map(|&v| v as f32).collect();
         group.sum(&mut sums)?;
         Ok(sums
@@ -395,9 +375,10 @@ impl Trainer {
     /// `training.max_norm`.
     fn reduce_and_clip_gradients(&mut self) -> Result<f64> {
         let max_norm = self.config.training.max_norm;
-        let Some(group) = &self.group else {
+        let group = &self.group;
+        if group.ranks() == 1 {
             return Ok(self.optimizer.clip_grad_norm(max_norm));
-        };
+        }
         group.reduce_gradients(self.optimizer.params())?;
         let (replicated, sharded) = self.optimizer.grad_squares(is_expert_parameter);
         let mut sharded = [sharded as f32];
@@ -417,10 +398,7 @@ impl Trainer {
 
     /// Continues from a training checkpoint of the same model, seed and batch shape.
     fn resume(&mut self, dir: &Path) -> Result<()> {
-        let checkpoint = match &self.group {
-            Some(group) => load_training_shard(dir, group.rank(), group.ranks())?,
-            None => load_training_shard(dir, 0, 1)?,
-        };
+        let checkpoint = load_training_shard(dir, self.group.rank(), self.group.ranks())?;
         let state = &checkpoint.state;
         let training = &self.config.training;
         ensure!(
@@ -506,9 +484,10 @@ impl Trainer {
         };
         let folder = self.checkpoint_folder();
         let keep = self.config.checkpoint.keep_latest_k;
-        let Some(group) = &self.group else {
+        let group = &self.group;
+        if group.ranks() == 1 {
             return save_training(&folder, keep, &checkpoint, self.tokenizer_json.as_deref());
-        };
+        }
         // Rank 0 stages the folder, every rank writes its shard, rank 0 completes it; each
         // stage's outcome reaches every rank before the next.
         let (rank, ranks, step) = (group.rank(), group.ranks(), self.step);
@@ -605,10 +584,10 @@ impl Trainer {
                 }
             }
         }
-        if let Some(group) = &self.group {
+        if self.group.ranks() > 1 {
             // Every layer's counts in one collective.
             let mut sums: Vec<f32> = counts.iter().flatten().map(|&c| c as f32).collect();
-            group.sum(&mut sums)?;
+            self.group.sum(&mut sums)?;
             for (layer_counts, sums) in counts.iter_mut().zip(sums.chunks(experts as usize)) {
                 *layer_counts = sums.iter().map(|&c| f64::from(c)).collect();
             }
@@ -629,7 +608,7 @@ impl Trainer {
         }
 
         let elapsed = start.elapsed().as_secs_f64();
-        let ranks = self.group.as_ref().map_or(1, RankGroup::ranks);
+        let ranks = self.group.ranks();
         let tokens = (accumulation * training.batch_size * training.seq_len * ranks) as f64;
         Ok(StepMetrics {
             step: self.step,
@@ -671,74 +650,116 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
     let mut trainer = Trainer::new(config, comm)?;
     let resumed = trainer.steps_taken();
     let total = config.training.steps;
-    if !trainer.is_main_rank() {
-        // The other ranks of an expert-parallel run take the same steps and write their
-        // checkpoint shards at the same steps; rank 0 reports.
-        let checkpoint = &config.checkpoint;
-        for step in resumed + 1..=total {
-            trainer.step()?;
-            if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
-                trainer.save()?;
-            }
-        }
-        return Ok(total.saturating_sub(resumed));
-    }
-    let metrics_path = folder.join("metrics.jsonl");
-    if resumed > 0 {
-        keep_metrics_through(&metrics_path, resumed)?;
-    }
-    let mut metrics_file = BufWriter::new(
-        File::options()
-            .create(true)
-            .write(true)
-            .append(resumed > 0)
-            .truncate(resumed == 0)
-            .open(&metrics_path)
-            .with_context(|| format!("cannot open {}", metrics_path.display()))?,
-    );
-    if resumed > 0 {
-        println!(
-            "resumed after step {resumed} from {}",
-            trainer.checkpoint_folder().display()
-        );
-    }
-    let ranks = config.parallelism.expert_parallel_degree;
-    let model = &config.model;
-    let architecture = match model.name {
-        ModelName::Qwen3 => "dense Qwen3".to_owned(),
-        ModelName::Qwen3Moe => format!(
-            "{} MoE layers of {} experts, top-{}, with kernels.moe = {}",
-            model.moe_layer_count(),
-            model.num_experts,
-            model.num_experts_per_tok,
-            config.kernels.moe.name()
-        ),
+    // Every rank takes the same steps and writes its checkpoint shards at the same steps;
+    // rank 0 reports.
+    let mut report = match trainer.is_main_rank() {
+        true => Some(Report::open(config, &trainer)?),
+        false => None,
     };
-    println!(
-        "training {} parameters ({architecture}) for {total} steps{}",
-        model.parameter_count(),
-        if ranks > 1 {
-            format!(", experts sharded over {ranks} ranks")
-        } else {
-            String::new()
-        },
-    );
-    let start = Instant::now();
-    // Each MoE layer's assignments per expert, summed over the steps this process takes.
-    let mut load = vec![vec![0.0; config.model.num_experts]; config.model.moe_layer_count()];
     for step in resumed + 1..=total {
         let metrics = trainer.step()?;
-        serde_json::to_writer(&mut metrics_file, &metrics)?;
-        writeln!(metrics_file)?;
-        if step % config.metrics.log_freq == 0 || step == total {
-            metrics_file.flush()?;
-            let elapsed = start.elapsed().as_secs_f64();
+        if let Some(report) = &mut report {
+            report.step(step, &metrics)?;
+        }
+        let checkpoint = &config.checkpoint;
+        if checkpoint.enable && (step.is_multiple_of(checkpoint.interval) || step == total) {
+            if let Some(report) = &mut report {
+                report.flush()?;
+            }
+            let dir = trainer.save()?;
+            if report.is_some() {
+                println!("checkpoint: {}", dir.display());
+            }
+        }
+    }
+    if let Some(report) = report {
+        report.finish(resumed < total)?;
+    }
+    Ok(total.saturating_sub(resumed))
+}
+
+/// What rank 0 reports: the progress line every `metrics.log_freq` steps, every step's
+/// metrics in `<dump_folder>/metrics.jsonl`, and the plots at the end.
+struct Report<'c> {
+    config: &'c JobConfig,
+    metrics_path: PathBuf,
+    metrics_file: BufWriter<File>,
+    resumed: usize,
+    start: Instant,
+    /// Each MoE layer's assignments per expert, summed over the steps this process takes.
+    load: Vec<Vec<f64>>,
+}
+
+impl<'c> Report<'c> {
+    /// Opens metrics.jsonl (kept through the resumed step, else replaced) and prints what is
+    /// trained.
+    fn open(config: &'c JobConfig, trainer: &Trainer) -> Result<Self> {
+        let resumed = trainer.steps_taken();
+        let metrics_path = config.job.dump_folder.join("metrics.jsonl");
+        if resumed > 0 {
+            keep_metrics_through(&metrics_path, resumed)?;
+        }
+        let metrics_file = BufWriter::new(
+            File::options()
+                .create(true)
+                .write(true)
+                .append(resumed > 0)
+                .truncate(resumed == 0)
+                .open(&metrics_path)
+                .with_context(|| format!("cannot open {}", metrics_path.display()))?,
+        );
+        if resumed > 0 {
+            println!(
+                "resumed after step {resumed} from {}",
+                trainer.checkpoint_folder().display()
+            );
+        }
+        let ranks = config.parallelism.expert_parallel_degree;
+        let model = &config.model;
+        let architecture = match model.name {
+            ModelName::Qwen3 => "dense Qwen3".to_owned(),
+            ModelName::Qwen3Moe => format!(
+                "{} MoE layers of {} experts, top-{}, with kernels.moe = {}",
+                model.moe_layer_count(),
+                model.num_experts,
+                model.num_experts_per_tok,
+                config.kernels.moe.name()
+            ),
+        };
+        println!(
+            "training {} parameters ({architecture}) for {} steps{}",
+            model.parameter_count(),
+            config.training.steps,
+            if ranks > 1 {
+                format!(", experts sharded over {ranks} ranks")
+            } else {
+                String::new()
+            },
+        );
+        Ok(Self {
+            config,
+            metrics_path,
+            metrics_file,
+            resumed,
+            start: Instant::now(),
+            load: vec![vec![0.0; model.num_experts]; model.moe_layer_count()],
+        })
+    }
+
+    /// Records step `step`'s metrics, printing the progress line when it is due.
+    fn step(&mut self, step: usize, metrics: &StepMetrics) -> Result<()> {
+        let (config, total, resumed) = (self.config, self.config.training.steps, self.resumed);
+        serde_json::to_writer(&mut self.metrics_file, metrics)?;
+        writeln!(self.metrics_file)?;
+        if step.is_multiple_of(config.metrics.log_freq) || step == total {
+            self.metrics_file.flush()?;
+            let elapsed = self.start.elapsed().as_secs_f64();
             let eta = elapsed / (step - resumed) as f64 * (total - step) as f64;
             let exchange = metrics.exchange_share.map_or_else(String::new, |share| {
                 format!("  exchange {:.0}%", 100.0 * share)
             });
             // A dense model has no router, so no aux loss.
-            let aux = match model.name {
+            let aux = match config.model.name {
                 ModelName::Qwen3Moe => format!("  aux {:.4}", metrics.aux_loss),
                 ModelName::Qwen3 => String::new(),
             };
@@ -753,25 +774,28 @@ pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<u
                 bar = "=".repeat(20 * step / total),
             );
         }
-        for (total, counts) in load.iter_mut().zip(&metrics.expert_counts) {
+        for (total, counts) in self.load.iter_mut().zip(&metrics.expert_counts) {
             for (t, c) in total.iter_mut().zip(counts) {
                 *t += c;
             }
         }
-        let checkpoint = &config.checkpoint;
-        if checkpoint.enable && (step % checkpoint.interval == 0 || step == total) {
-            metrics_file.flush()?;
-            let dir = trainer.save()?;
-            println!("checkpoint: {}", dir.display());
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        Ok(self.metrics_file.flush()?)
+    }
+
+    /// Flushes the metrics and draws the plots (the expert load only when `took_steps`).
+    fn finish(mut self, took_steps: bool) -> Result<()> {
+        self.flush()?;
+        println!("metrics: {}", self.metrics_path.display());
+        let load = took_steps.then_some(&self.load[..]);
+        if let Err(err) = plot(self.config, &self.metrics_path, load) {
+            eprintln!("warning: plots skipped: {err:#}");
         }
+        Ok(())
     }
-    metrics_file.flush()?;
-    println!("metrics: {}", metrics_path.display());
-    let took_steps = resumed < total;
-    if let Err(err) = plot(config, &metrics_path, took_steps.then_some(&load[..])) {
-        eprintln!("warning: plots skipped: {err:#}");
-    }
-    Ok(total.saturating_sub(resumed))
 }
 
 /// Rewrites metrics.jsonl (atomically) with only its well-formed lines of steps up to `step`:
