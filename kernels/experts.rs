@@ -63,13 +63,6 @@ pub struct ExpertsSaved {
     down_activations: Tensor,
 }
 
-impl ExpertsSaved {
-    /// The forward's tokens.
-    pub fn tokens(&self) -> &RoutedTokens {
-        &self.tokens
-    }
-}
-
 /// The gradients of one [`LocalExperts::backward`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertsGrads {

@@ -63,7 +63,7 @@ pub struct EpInputs<'a> {
 #[derive(Clone, Debug)]
 pub struct EpSaved {
     routed: RouterTopkOutputs,
-    experts: ExpertsSaved,
+    experts: ShardedSaved,
 }
 
 /// One rank's gradients.
@@ -123,7 +123,7 @@ impl ExpertParallelMoe<'_> {
         });
         // A router error on one rank must stop every rank before the exchange.
         let routed = super::comm::agree(self.comm, routed)?;
-        let (output, experts) = self.experts().forward(experts_inputs(inputs, &routed))?;
+        let (output, experts) = self.experts().forward(sharded_inputs(inputs, &routed))?;
         Ok((output, EpSaved { routed, experts }))
     }
 
@@ -136,7 +136,7 @@ impl ExpertParallelMoe<'_> {
     ) -> Result<EpGrads> {
         let p = self.params;
         let experts = self.experts().backward(
-            experts_inputs(inputs, &saved.routed),
+            sharded_inputs(inputs, &saved.routed),
             &saved.experts,
             d_output,
         )?;
@@ -174,8 +174,8 @@ impl ExpertParallelMoe<'_> {
     }
 }
 
-fn experts_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> ExpertsInputs<'a> {
-    ExpertsInputs {
+fn sharded_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> ShardedInputs<'a> {
+    ShardedInputs {
         x: inputs.x,
         expert_index: &routed.expert_index,
         topk_affinities: &routed.topk_affinities,
@@ -197,7 +197,7 @@ pub struct ShardedExperts<'a> {
 
 /// One rank's inputs to [`ShardedExperts`].
 #[derive(Clone, Copy, Debug)]
-pub struct ExpertsInputs<'a> {
+pub struct ShardedInputs<'a> {
     /// `[T, H]`.
     pub x: &'a Tensor,
     /// `[T, K]` i32, global expert ids.
@@ -212,14 +212,14 @@ pub struct ExpertsInputs<'a> {
 
 /// What [`ShardedExperts::backward`] needs from the forward.
 #[derive(Clone, Debug)]
-pub struct ExpertsSaved {
+pub struct ShardedSaved {
     route: Route,
     local: Received,
     /// Wall time of the forward's dispatch and combine (waiting for other ranks included).
     exchange_time: Duration,
 }
 
-impl ExpertsSaved {
+impl ShardedSaved {
     /// Wall time the forward spent in dispatch and combine, waiting for other ranks included.
     pub fn exchange_time(&self) -> Duration {
         self.exchange_time
@@ -237,7 +237,7 @@ enum Received {
 
 /// One rank's gradients of [`ShardedExperts`].
 #[derive(Clone, Debug, PartialEq)]
-pub struct ExpertsGrads {
+pub struct ShardedGrads {
     /// `[T, H]` f32, through the experts only.
     pub d_x: Tensor,
     /// `[T, K]` f32.
@@ -263,7 +263,7 @@ impl ShardedExperts<'_> {
 
     /// `output [T, H]` f32: each token's rows through the experts of whichever ranks own them,
     /// weighted and summed back on this rank.
-    pub fn forward(&self, inputs: ExpertsInputs<'_>) -> Result<(Tensor, ExpertsSaved)> {
+    pub fn forward(&self, inputs: ShardedInputs<'_>) -> Result<(Tensor, ShardedSaved)> {
         let start = Instant::now();
         let dispatched = dispatch(
             self.comm,
@@ -293,7 +293,7 @@ impl ShardedExperts<'_> {
         exchange_time += start.elapsed();
         Ok((
             output,
-            ExpertsSaved {
+            ShardedSaved {
                 route,
                 local: local.1,
                 exchange_time,
@@ -305,7 +305,7 @@ impl ShardedExperts<'_> {
     /// their output in dispatch's layout `[R·S, H]`, zero where no row arrived.
     fn local_forward(
         &self,
-        inputs: ExpertsInputs<'_>,
+        inputs: ShardedInputs<'_>,
         tokens: RoutedTokens,
         received: usize,
     ) -> Result<(Tensor, Received)> {
@@ -331,10 +331,10 @@ impl ShardedExperts<'_> {
     /// Gradients of `x`, the affinities and this rank's experts for `d_output [T, H]`.
     pub fn backward(
         &self,
-        inputs: ExpertsInputs<'_>,
-        saved: &ExpertsSaved,
+        inputs: ShardedInputs<'_>,
+        saved: &ShardedSaved,
         d_output: &Tensor,
-    ) -> Result<ExpertsGrads> {
+    ) -> Result<ShardedGrads> {
         let start = Instant::now();
         let d_expert_output = combine_bwd(self.comm, &saved.route, d_output)?;
         let mut exchange_time = start.elapsed();
@@ -354,7 +354,7 @@ impl ShardedExperts<'_> {
             &local.d_topk_affinities,
         )?;
         exchange_time += start.elapsed();
-        Ok(ExpertsGrads {
+        Ok(ShardedGrads {
             d_x,
             d_topk_affinities,
             d_gate_up_proj_weight: local.d_gate_up_proj_weight,
@@ -366,7 +366,7 @@ impl ShardedExperts<'_> {
     /// The backward of this rank's experts, in dispatch's layout; zeros when no row arrived.
     fn local_backward(
         &self,
-        inputs: ExpertsInputs<'_>,
+        inputs: ShardedInputs<'_>,
         received: &Received,
         d_expert_output: &Tensor,
     ) -> Result<experts::ExpertsGrads> {
@@ -389,7 +389,7 @@ impl ShardedExperts<'_> {
     }
 }
 
-fn weights<'a>(inputs: ExpertsInputs<'a>) -> ExpertWeights<'a> {
+fn weights<'a>(inputs: ShardedInputs<'a>) -> ExpertWeights<'a> {
     ExpertWeights {
         gate_up_proj_weight: inputs.gate_up_proj_weight,
         down_proj_weight: inputs.down_proj_weight,

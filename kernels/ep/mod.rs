@@ -30,8 +30,8 @@ pub use exchange::{
     DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
 };
 pub use layer::{
-    EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe, ExpertsGrads, ExpertsInputs,
-    ExpertsSaved, ShardedExperts,
+    EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe, ShardedExperts, ShardedGrads,
+    ShardedInputs, ShardedSaved,
 };
 pub use local::LocalComm;
 #[cfg(feature = "mpi")]

@@ -12,7 +12,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use anyhow::Result;
-use moekit::ep::{Communicator, ExpertsInputs, ExpertsSaved, ShardedExperts};
+use moekit::ep::{Communicator, ShardedExperts, ShardedInputs, ShardedSaved};
 use moekit_tools::torch::{from_tch, to_tch};
 
 use super::kernels::input_gradients;
@@ -89,8 +89,8 @@ struct Saved {
 }
 
 impl Saved {
-    fn inputs(&self) -> ExpertsInputs<'_> {
-        ExpertsInputs {
+    fn inputs(&self) -> ShardedInputs<'_> {
+        ShardedInputs {
             x: &self.x,
             expert_index: &self.expert_index,
             topk_affinities: &self.topk_affinities,
@@ -157,7 +157,7 @@ impl Experts for ExpertParallelExperts {
 struct ExpertParallelBackward {
     group: Rc<ExpertGroup>,
     saved: Saved,
-    experts: ExpertsSaved,
+    experts: ShardedSaved,
     /// `x`, `affinities`, `gate_up`, `down` as the forward received them (with their graphs).
     inputs: [Tensor; 4],
     output: Tensor,
