@@ -101,32 +101,54 @@ fn padded(rows: &Tensor) -> Tensor {
     Tensor::from_f32([rows.shape()[0] + 1, rows.shape()[1]], values).unwrap()
 }
 
+/// The plan and the padded `[T+1, H]` tokens and output gradient of nki-library's layout.
+struct Padded {
+    plan: PermuteOutputs,
+    hidden_states: Tensor,
+    d_output: Tensor,
+}
+
+impl Padded {
+    fn new(backend: &dyn Backend, x: &Tensors, e: usize, b: usize) -> Self {
+        let plan = backend
+            .permute(
+                &Permute::new(
+                    PermuteInputs {
+                        expert_index: &x.index,
+                        topk_affinities: &x.affinities,
+                    },
+                    PermuteParams::new(e, b),
+                )
+                .unwrap(),
+            )
+            .unwrap();
+        Self {
+            plan,
+            hidden_states: padded(&x.x),
+            d_output: padded(&x.d_output),
+        }
+    }
+
+    /// `blockwise_mm`'s inputs with `x`'s weights.
+    fn inputs<'a>(&'a self, x: &'a Tensors) -> BlockwiseMmInputs<'a> {
+        BlockwiseMmInputs {
+            hidden_states: &self.hidden_states,
+            expert_affinities_masked: &self.plan.expert_affinities_masked,
+            gate_up_proj_weight: &x.gate_up,
+            down_proj_weight: &x.down,
+            token_position_to_id: &self.plan.token_position_to_id,
+            block_to_expert: &self.plan.block_to_expert,
+            gate_and_up_proj_bias: None,
+            down_proj_bias: None,
+        }
+    }
+}
+
 /// The oracle: the layer composed by hand in the padded layout, every call validated in full.
 fn composed(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
     let x = case.tensors();
-    let plan = backend
-        .permute(
-            &Permute::new(
-                PermuteInputs {
-                    expert_index: &x.index,
-                    topk_affinities: &x.affinities,
-                },
-                PermuteParams::new(case.e, case.b),
-            )
-            .unwrap(),
-        )
-        .unwrap();
-    let hidden_states = padded(&x.x);
-    let forward = BlockwiseMmInputs {
-        hidden_states: &hidden_states,
-        expert_affinities_masked: &plan.expert_affinities_masked,
-        gate_up_proj_weight: &x.gate_up,
-        down_proj_weight: &x.down,
-        token_position_to_id: &plan.token_position_to_id,
-        block_to_expert: &plan.block_to_expert,
-        gate_and_up_proj_bias: None,
-        down_proj_bias: None,
-    };
+    let layer = Padded::new(backend, &x, case.e, case.b);
+    let forward = layer.inputs(&x);
     let out = backend
         .blockwise_mm(
             &BlockwiseMm::new(
@@ -139,7 +161,6 @@ fn composed(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
             .unwrap(),
         )
         .unwrap();
-    let d_output = padded(&x.d_output);
     let grads = backend
         .blockwise_mm_bwd(
             &BlockwiseMmBwd::new(
@@ -147,7 +168,7 @@ fn composed(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
                     forward,
                     gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
                     down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
-                    output_hidden_states_grad: &d_output,
+                    output_hidden_states_grad: &layer.d_output,
                     expert_index: Some(&x.index),
                 },
                 BlockwiseMmBwdParams::default(),
@@ -239,37 +260,18 @@ proptest! {
     fn the_backward_of_a_validated_forward_equals_the_fully_validated_backward(case in case()) {
         let cpu = BackendKind::Cpu.create();
         let x = case.tensors();
-        let plan = cpu
-            .permute(
-                &Permute::new(
-                    PermuteInputs { expert_index: &x.index, topk_affinities: &x.affinities },
-                    PermuteParams::new(case.e, case.b),
-                )
-                .unwrap(),
-            )
-            .unwrap();
-        let hidden_states = padded(&x.x);
-        let inputs = BlockwiseMmInputs {
-            hidden_states: &hidden_states,
-            expert_affinities_masked: &plan.expert_affinities_masked,
-            gate_up_proj_weight: &x.gate_up,
-            down_proj_weight: &x.down,
-            token_position_to_id: &plan.token_position_to_id,
-            block_to_expert: &plan.block_to_expert,
-            gate_and_up_proj_bias: None,
-            down_proj_bias: None,
-        };
+        let layer = Padded::new(cpu.as_ref(), &x, case.e, case.b);
+        let inputs = layer.inputs(&x);
         let forward = BlockwiseMm::new(
             inputs,
             BlockwiseMmParams { checkpoint_activation: true, ..BlockwiseMmParams::default() },
         )
         .unwrap();
         let out = cpu.blockwise_mm(&forward).unwrap();
-        let d_output = padded(&x.d_output);
         let added = BlockwiseMmBwdAdded {
             gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
             down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
-            output_hidden_states_grad: &d_output,
+            output_hidden_states_grad: &layer.d_output,
             expert_index: Some(&x.index),
         };
         let full = BlockwiseMmBwd::new(
@@ -357,30 +359,9 @@ fn the_backward_still_checks_what_it_adds_and_refuses_other_weights() {
 
     // The trusted backward checks expert_index against the forward's plan: token 0 did not
     // choose expert 3.
-    let plan = cpu
-        .permute(
-            &Permute::new(
-                PermuteInputs {
-                    expert_index: &x.index,
-                    topk_affinities: &x.affinities,
-                },
-                PermuteParams::new(e, b),
-            )
-            .unwrap(),
-        )
-        .unwrap();
-    let hidden_states = padded(&x.x);
+    let layer = Padded::new(cpu.as_ref(), &x, e, b);
     let forward = BlockwiseMm::new(
-        BlockwiseMmInputs {
-            hidden_states: &hidden_states,
-            expert_affinities_masked: &plan.expert_affinities_masked,
-            gate_up_proj_weight: &x.gate_up,
-            down_proj_weight: &x.down,
-            token_position_to_id: &plan.token_position_to_id,
-            block_to_expert: &plan.block_to_expert,
-            gate_and_up_proj_bias: None,
-            down_proj_bias: None,
-        },
+        layer.inputs(&x),
         BlockwiseMmParams {
             checkpoint_activation: true,
             ..BlockwiseMmParams::default()
@@ -388,14 +369,13 @@ fn the_backward_still_checks_what_it_adds_and_refuses_other_weights() {
     )
     .unwrap();
     let out = cpu.blockwise_mm(&forward).unwrap();
-    let d_output = padded(&x.d_output);
     let wrong_index = i32_tensor(&[t, k], &[3, 1, 2]);
     let err = BlockwiseMmBwd::of_forward(
         &forward,
         BlockwiseMmBwdAdded {
             gate_up_proj_act_checkpoint_t: out.gate_up_activations_t.as_ref().unwrap(),
             down_proj_act_checkpoint: out.down_activations.as_ref().unwrap(),
-            output_hidden_states_grad: &d_output,
+            output_hidden_states_grad: &layer.d_output,
             expert_index: Some(&wrong_index),
         },
         false,
