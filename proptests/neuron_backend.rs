@@ -422,6 +422,47 @@ struct SmallRouter {
     params: RouterTopkParams,
 }
 
+impl SmallRouter {
+    /// The validated call, with `w_bias` if asked.
+    fn call(&self, with_bias: bool) -> Result<RouterTopk<'_>, Error> {
+        RouterTopk::new(
+            RouterTopkInputs {
+                x: &self.x,
+                w: &self.w,
+                w_bias: with_bias.then_some(&self.bias),
+                selection_bias: None,
+            },
+            self.params,
+        )
+    }
+}
+
+/// One token routed to expert 0 of 2: a permute call, which the neuron backend does not run.
+struct OneSlot {
+    index: Tensor,
+    affinities: Tensor,
+}
+
+impl OneSlot {
+    fn new() -> Self {
+        Self {
+            index: i32_tensor(&[1, 1], &[0]),
+            affinities: f32_tensor(&[1, 1], &[1.0]),
+        }
+    }
+
+    fn permute(&self) -> Permute<'_> {
+        Permute::new(
+            PermuteInputs {
+                expert_index: &self.index,
+                topk_affinities: &self.affinities,
+            },
+            PermuteParams::new(2, 1),
+        )
+        .unwrap()
+    }
+}
+
 fn small_router() -> SmallRouter {
     let mut rng = SeededRng::new(7);
     SmallRouter {
@@ -446,17 +487,7 @@ fn run_small(
     let dir = workdir(name);
     let entry = entry.unwrap_or_else(|| router_entry(4, 6, 5, r.params));
     let backend = backend_with(&dir, &[("router.neff", neff, entry)]);
-    let bias = with_bias.then_some(&r.bias);
-    let call = RouterTopk::new(
-        RouterTopkInputs {
-            x: &r.x,
-            w: &r.w,
-            w_bias: bias,
-            selection_bias: None,
-        },
-        r.params,
-    )?;
-    backend.router_topk(&call)
+    backend.router_topk(&r.call(with_bias)?)
 }
 
 fn expect_neff_error(result: Result<RouterTopkOutputs, Error>, needles: &[&str]) {
@@ -533,16 +564,7 @@ fn a_bias_run_and_a_run_without_topk_affinities_match_the_reference() {
     let r = small_router();
     let neff = router_neff(&r.x, &r.w, Some(&r.bias), 2, r.params, false);
     let got = run_small("bias", neff, None, true).unwrap();
-    let call = RouterTopk::new(
-        RouterTopkInputs {
-            x: &r.x,
-            w: &r.w,
-            w_bias: Some(&r.bias),
-            selection_bias: None,
-        },
-        r.params,
-    )
-    .unwrap();
+    let call = r.call(true).unwrap();
     let want = BackendKind::Reference.create().router_topk(&call).unwrap();
     assert_eq!(got.expert_index.as_i32(), want.expert_index.as_i32());
     let expected = f32s(&want.topk_affinities);
@@ -597,16 +619,7 @@ fn manifest_lookup_failures_name_the_manifest_and_what_it_registers() {
 fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors() {
     let _guard = exclusive();
     let r = small_router();
-    let call = RouterTopk::new(
-        RouterTopkInputs {
-            x: &r.x,
-            w: &r.w,
-            w_bias: None,
-            selection_bias: None,
-        },
-        r.params,
-    )
-    .unwrap();
+    let call = r.call(false).unwrap();
     let dir = workdir("missing");
     let no_manifest = NeuronBackend::new(NeuronConfig {
         library: Some(PathBuf::from(FAKE)),
@@ -638,15 +651,8 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
     let err = no_neff.router_topk(&call).unwrap_err();
     assert!(err.to_string().contains("gone.neff"), "{err}");
 
-    let (index, affinities) = (i32_tensor(&[1, 1], &[0]), f32_tensor(&[1, 1], &[1.0]));
-    let permute = Permute::new(
-        PermuteInputs {
-            expert_index: &index,
-            topk_affinities: &affinities,
-        },
-        PermuteParams::new(2, 1),
-    )
-    .unwrap();
+    let one_slot = OneSlot::new();
+    let permute = one_slot.permute();
     let err = no_neff.permute(&permute).unwrap_err();
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
     assert!(
@@ -803,25 +809,9 @@ fn backends_state_their_kernels_tolerance_device_shapes_and_repeat_timing() {
     let neff = router_neff(&r.x, &r.w, None, 2, r.params, false);
     let entry = router_entry(4, 6, 5, r.params);
     let neuron = backend_with(&dir, &[("router.neff", neff, entry)]);
-    let call = RouterTopk::new(
-        RouterTopkInputs {
-            x: &r.x,
-            w: &r.w,
-            w_bias: None,
-            selection_bias: None,
-        },
-        r.params,
-    )
-    .unwrap();
-    let (index, affinities) = (i32_tensor(&[1, 1], &[0]), f32_tensor(&[1, 1], &[1.0]));
-    let permute = Permute::new(
-        PermuteInputs {
-            expert_index: &index,
-            topk_affinities: &affinities,
-        },
-        PermuteParams::new(2, 1),
-    )
-    .unwrap();
+    let call = r.call(false).unwrap();
+    let one_slot = OneSlot::new();
+    let permute = one_slot.permute();
 
     // neuron: the kernels its manifest registers, at the shapes it registers, timed on the
     // device, against documented limits.
