@@ -5,9 +5,11 @@
 //! `cargo bench -p moekit-tools --bench kernels`. `moekit bench` reports the same kernels against the machine's
 //! measured limits; BENCHMARKS.md records both.
 
+use std::sync::Arc;
+
 use criterion::{Criterion, criterion_group, criterion_main};
 use moekit::contracts::{BlockwiseMmBwd, OutputDType};
-use moekit::experts::{ExpertWeights, LocalExperts, RoutedTokens};
+use moekit::experts::{Experts, ExpertsInputs, LocalExperts};
 use moekit::{Backend, BackendKind, DType};
 use moekit_tools::layer::{Layer, LayerInputs, MoeShape};
 
@@ -59,7 +61,7 @@ fn layer_kernels(c: &mut Criterion) {
 /// tokens): the forward's validation, and the backward's, in full or after its validated forward
 /// (`BlockwiseMmBwd::of_forward`, what `moekit::experts` runs).
 fn validation(c: &mut Criterion) {
-    let backend = BackendKind::Cpu.create();
+    let backend: Arc<dyn Backend> = Arc::from(BackendKind::Cpu.create());
     let shape: MoeShape = "qwen3-moe-small".parse().expect("known shape");
     let inputs = LayerInputs::new(shape, 2048, DType::F32, 128).expect("inputs");
     let layer = Layer::new(backend.as_ref(), inputs).expect("routed layer");
@@ -83,26 +85,24 @@ fn validation(c: &mut Criterion) {
         b.iter(|| backend.blockwise_mm_bwd(&layer.blockwise_mm_bwd().expect("valid")))
     });
     let experts = LocalExperts {
-        backend: backend.as_ref(),
+        backend: Arc::clone(&backend),
         block_size: 128,
         output_dtype: OutputDType::Input,
     };
-    let weights = ExpertWeights {
+    let inputs = ExpertsInputs {
+        hidden_states: &layer.inputs.x,
+        expert_index: &layer.routed.expert_index,
+        topk_affinities: &layer.routed.topk_affinities,
         gate_up_proj_weight: &layer.inputs.gate_up_proj_weight,
         down_proj_weight: &layer.inputs.down_proj_weight,
     };
-    let tokens = RoutedTokens {
-        hidden_states: layer.inputs.x.clone(),
-        expert_index: layer.routed.expert_index.clone(),
-        topk_affinities: layer.routed.topk_affinities.clone(),
-    };
-    let (_, saved) = experts.forward(weights, tokens, true).expect("forward");
+    let (_, saved) = experts.forward(inputs, true).expect("forward");
     let saved = saved.expect("recorded");
     let d_output = (layer.inputs.output_hidden_states_grad.clone())
         .into_leading_rows("d_output", 2048)
         .expect("[T, H]");
     group.bench_function("LocalExperts::backward", |b| {
-        b.iter(|| experts.backward(weights, &saved, &d_output))
+        b.iter(|| experts.backward(inputs, &saved, &d_output))
     });
     group.finish();
 }

@@ -1,5 +1,6 @@
-//! The routed experts of one MoE layer on one rank, composed of the kernels once for every
-//! caller (moekit's own):
+//! The routed experts of one MoE layer, composed of the kernels once for every caller
+//! (moekit's own): the [`Experts`] interface, with [`LocalExperts`] on one rank and
+//! [`ShardedExperts`](crate::ep::ShardedExperts) over the ranks of a communicator.
 //!
 //! ```text
 //! forward:  permute (the block plan) → blockwise_mm (checkpointing when a backward follows)
@@ -11,11 +12,13 @@
 //! −1), so `hidden_states` is read as given, with no `[T+1, H]` copy carrying a zero padding row,
 //! and the output and its gradient are `[T, H]`.
 //!
-//! The backward checks only what it adds (the output gradient, and the checkpoints' shapes:
-//! their values are the forward's own outputs): the forward's tensors, plan and weights were
-//! checked once, when the forward ran. The weights are the caller's and are passed to both passes; the backward refuses
-//! weights other than the forward's (by address and shape), and they must not change in
-//! between.
+//! As nki-library's backward kernels do, the backward takes the forward's inputs again, and
+//! they must be the very tensors the forward read (the backward refuses others, by address,
+//! dtype and shape) and unchanged since. It checks only what it adds (the output gradient, and
+//! the checkpoints' shapes: their values are the forward's own outputs): the forward's
+//! tensors, plan and weights were checked once, when the forward ran.
+
+use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::contracts::{
@@ -26,44 +29,59 @@ use crate::contracts::{
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};
 
-/// The experts' weights, the caller's.
+/// The routed experts of one MoE layer: `forward → (output, saved state)`, then
+/// `backward(saved state, output gradient)` on the same inputs.
+pub trait Experts {
+    /// What the backward needs from its forward.
+    type Saved;
+
+    /// `output [T, H]`, each token's expert outputs weighted by its affinities and summed;
+    /// with `record`, also what the backward needs (the forward then keeps its checkpoints).
+    fn forward(
+        &self,
+        inputs: ExpertsInputs<'_>,
+        record: bool,
+    ) -> Result<(Tensor, Option<Self::Saved>)>;
+
+    /// The gradients of the tokens, their affinities and the weights for `d_output [T, H]`,
+    /// the gradient of the forward's output. `inputs` must be the forward's.
+    fn backward(
+        &self,
+        inputs: ExpertsInputs<'_>,
+        saved: &Self::Saved,
+        d_output: &Tensor,
+    ) -> Result<ExpertsGrads>;
+}
+
+/// The inputs of one call: the routed tokens and the experts' weights, the caller's.
 #[derive(Clone, Copy, Debug)]
-pub struct ExpertWeights<'w> {
-    /// `[E, H, 2, I]`.
-    pub gate_up_proj_weight: &'w Tensor,
-    /// `[E, I, H]`.
-    pub down_proj_weight: &'w Tensor,
-}
-
-/// The tokens of one call and their routing, owned by the call (lend a caller's memory through
-/// tensor views to avoid copies).
-#[derive(Clone, Debug)]
-pub struct RoutedTokens {
+pub struct ExpertsInputs<'a> {
     /// `[T, H]`.
-    pub hidden_states: Tensor,
+    pub hidden_states: &'a Tensor,
     /// `[T, K]` i32: expert ids in `[0, E)`, or [`SKIP`](crate::contracts::SKIP).
-    pub expert_index: Tensor,
+    pub expert_index: &'a Tensor,
     /// `[T, K]`: each slot's weight (0 in skipped slots).
-    pub topk_affinities: Tensor,
+    pub topk_affinities: &'a Tensor,
+    /// `[E, H, 2, I]` (this rank's `E/R` experts when sharded).
+    pub gate_up_proj_weight: &'a Tensor,
+    /// `[E, I, H]` (this rank's `E/R` experts when sharded).
+    pub down_proj_weight: &'a Tensor,
 }
 
-/// What [`LocalExperts::backward`] needs from its forward: the tokens, the plan, the
-/// checkpoints, and what the forward's validation established.
-#[derive(Clone, Debug)]
-pub struct ExpertsSaved {
-    tokens: RoutedTokens,
-    plan: PermuteOutputs,
-    params: BlockwiseMmParams,
-    dims: BlockwiseDims,
-    /// The weights it ran with.
-    weights: [TensorIdentity; 2],
-    /// `[N, 2, I, B]`.
-    gate_up_activations_t: Tensor,
-    /// `[N, B, H]`.
-    down_activations: Tensor,
+impl<'a> ExpertsInputs<'a> {
+    /// Each input with its contract name.
+    fn named(self) -> [(&'static str, &'a Tensor); 5] {
+        [
+            ("hidden_states", self.hidden_states),
+            ("expert_index", self.expert_index),
+            ("topk_affinities", self.topk_affinities),
+            ("gate_up_proj_weight", self.gate_up_proj_weight),
+            ("down_proj_weight", self.down_proj_weight),
+        ]
+    }
 }
 
-/// The gradients of one [`LocalExperts::backward`].
+/// The gradients of one [`Experts::backward`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertsGrads {
     /// `[T, H]`, in the experts' output dtype.
@@ -76,37 +94,51 @@ pub struct ExpertsGrads {
     pub d_down_proj_weight: Tensor,
 }
 
-/// The experts on one backend.
-#[derive(Clone, Copy)]
-pub struct LocalExperts<'b> {
-    pub backend: &'b dyn Backend,
+/// The experts on one backend, all E of them on this rank.
+#[derive(Clone)]
+pub struct LocalExperts {
+    pub backend: Arc<dyn Backend>,
     /// B of the block plan.
     pub block_size: usize,
     /// The dtype of the plan's affinities, the output and the gradients ([`OutputDType`]).
     pub output_dtype: OutputDType,
 }
 
+/// What [`LocalExperts::backward`] needs from its forward: the plan, the checkpoints, and what
+/// the forward's validation established.
+#[derive(Clone, Debug)]
+pub struct LocalSaved {
+    /// The inputs it ran on, in [`ExpertsInputs::named`]'s order.
+    inputs: [TensorIdentity; 5],
+    plan: PermuteOutputs,
+    params: BlockwiseMmParams,
+    dims: BlockwiseDims,
+    /// `[N, 2, I, B]`.
+    gate_up_activations_t: Tensor,
+    /// `[N, B, H]`.
+    down_activations: Tensor,
+}
+
 /// nki-library's layout without a padding row: padding slots hold −1.
 const SKIP_TOKEN: SkipMode = SkipMode { skip_token: true };
 
-impl LocalExperts<'_> {
-    /// `output [T, H]`, each token's expert outputs weighted by its affinities and summed;
-    /// with `record`, also what the backward needs (the forward then keeps its checkpoints).
-    pub fn forward(
+impl Experts for LocalExperts {
+    type Saved = LocalSaved;
+
+    fn forward(
         &self,
-        weights: ExpertWeights<'_>,
-        tokens: RoutedTokens,
+        inputs: ExpertsInputs<'_>,
         record: bool,
-    ) -> Result<(Tensor, Option<ExpertsSaved>)> {
-        let experts = match weights.gate_up_proj_weight.shape() {
+    ) -> Result<(Tensor, Option<LocalSaved>)> {
+        let experts = match inputs.gate_up_proj_weight.shape() {
             &[e, _, 2, _] => e,
             shape => return Err(Error::shape("gate_up_proj_weight", "[E, H, 2, I]", shape)),
         };
         let plan = self.backend.permute(
             &Permute::new(
                 PermuteInputs {
-                    expert_index: &tokens.expert_index,
-                    topk_affinities: &tokens.topk_affinities,
+                    expert_index: inputs.expert_index,
+                    topk_affinities: inputs.topk_affinities,
                 },
                 PermuteParams {
                     skip_dma: SKIP_TOKEN,
@@ -120,7 +152,7 @@ impl LocalExperts<'_> {
             skip_dma: SKIP_TOKEN,
             ..BlockwiseMmParams::default()
         };
-        let call = BlockwiseMm::new(forward_inputs(weights, &tokens, &plan), params)?
+        let call = BlockwiseMm::new(blockwise_inputs(inputs, &plan), params)?
             .with_output_dtype(self.output_dtype);
         let dims = call.dims();
         let out = self.backend.blockwise_mm(&call)?;
@@ -135,41 +167,24 @@ impl LocalExperts<'_> {
                 format!("backend `{}` returned no checkpoints", self.backend.name()),
             ));
         };
-        let saved = ExpertsSaved {
-            tokens,
+        let saved = LocalSaved {
+            inputs: inputs.named().map(|(_, tensor)| TensorIdentity::of(tensor)),
             plan,
             params,
             dims,
-            weights: [
-                TensorIdentity::of(weights.gate_up_proj_weight),
-                TensorIdentity::of(weights.down_proj_weight),
-            ],
             gate_up_activations_t,
             down_activations,
         };
         Ok((out.output, Some(saved)))
     }
 
-    /// The gradients of the tokens, their affinities and the weights for `d_output [T, H]`,
-    /// the gradient of the forward's output. `weights` must be the forward's.
-    pub fn backward(
+    fn backward(
         &self,
-        weights: ExpertWeights<'_>,
-        saved: &ExpertsSaved,
+        inputs: ExpertsInputs<'_>,
+        saved: &LocalSaved,
         d_output: &Tensor,
     ) -> Result<ExpertsGrads> {
-        for (name, tensor, identity) in [
-            (
-                "gate_up_proj_weight",
-                weights.gate_up_proj_weight,
-                &saved.weights[0],
-            ),
-            (
-                "down_proj_weight",
-                weights.down_proj_weight,
-                &saved.weights[1],
-            ),
-        ] {
+        for ((name, tensor), identity) in inputs.named().into_iter().zip(&saved.inputs) {
             if TensorIdentity::of(tensor) != *identity {
                 return Err(Error::invalid(
                     name,
@@ -178,7 +193,7 @@ impl LocalExperts<'_> {
             }
         }
         let forward = BlockwiseMm::rebuilt(
-            forward_inputs(weights, &saved.tokens, &saved.plan),
+            blockwise_inputs(inputs, &saved.plan),
             saved.params,
             saved.dims,
         )?;
@@ -188,7 +203,7 @@ impl LocalExperts<'_> {
                 gate_up_proj_act_checkpoint_t: &saved.gate_up_activations_t,
                 down_proj_act_checkpoint: &saved.down_activations,
                 output_hidden_states_grad: d_output,
-                expert_index: Some(&saved.tokens.expert_index),
+                expert_index: Some(inputs.expert_index),
             },
             false,
         )?
@@ -212,16 +227,15 @@ impl LocalExperts<'_> {
     }
 }
 
-fn forward_inputs<'a>(
-    weights: ExpertWeights<'a>,
-    tokens: &'a RoutedTokens,
+fn blockwise_inputs<'a>(
+    inputs: ExpertsInputs<'a>,
     plan: &'a PermuteOutputs,
 ) -> BlockwiseMmInputs<'a> {
     BlockwiseMmInputs {
-        hidden_states: &tokens.hidden_states,
+        hidden_states: inputs.hidden_states,
         expert_affinities_masked: &plan.expert_affinities_masked,
-        gate_up_proj_weight: weights.gate_up_proj_weight,
-        down_proj_weight: weights.down_proj_weight,
+        gate_up_proj_weight: inputs.gate_up_proj_weight,
+        down_proj_weight: inputs.down_proj_weight,
         token_position_to_id: &plan.token_position_to_id,
         block_to_expert: &plan.block_to_expert,
         gate_and_up_proj_bias: None,

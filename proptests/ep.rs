@@ -21,6 +21,7 @@ mod common;
 
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
+use std::rc::Rc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -37,13 +38,22 @@ use proptest::prelude::*;
 
 /// Runs `f(rank, comm)` on every rank of a fresh group, each in its own thread.
 fn on_ranks<T: Send>(comms: Vec<LocalComm>, f: impl Fn(usize, &LocalComm) -> T + Sync) -> Vec<T> {
+    on_owned_ranks(comms, |rank, comm| f(rank, &comm))
+}
+
+/// Runs `f(rank, comm)` on every rank of a fresh group, each in its own thread, which owns its
+/// rank.
+fn on_owned_ranks<T: Send>(
+    comms: Vec<LocalComm>,
+    f: impl Fn(usize, LocalComm) -> T + Sync,
+) -> Vec<T> {
     thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
                 let f = &f;
-                scope.spawn(move || f(rank, &comm))
+                scope.spawn(move || f(rank, comm))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -444,8 +454,8 @@ fn ep_case() -> impl Strategy<Value = EpCase> {
 type RankResult = moekit::Result<(Tensor, EpGrads)>;
 
 fn run_ep(c: &EpCase, data: &EpData, backend: BackendKind) -> Vec<RankResult> {
-    on_ranks(LocalComm::group(c.r).unwrap(), |_, comm| {
-        run_rank(comm, c, data, backend)
+    on_owned_ranks(LocalComm::group(c.r).unwrap(), |_, comm| {
+        run_rank(Rc::new(comm), c, data, backend)
     })
 }
 

@@ -8,13 +8,15 @@
 //!   the reference (both in f64, summed in other orders), 1e-4 on cpu (f32 accumulation).
 //! - `BlockwiseMmBwd::of_forward` gives bit-identical gradients to `BlockwiseMmBwd::new` and
 //!   still refuses what the backward adds when it is wrong (shapes, non-finite values, pairs
-//!   the plan lacks); the backward refuses weights other than its forward's.
+//!   the plan lacks); the backward refuses inputs other than its forward's.
 
 mod common;
 
 use common::*;
 use moekit::contracts::*;
-use moekit::experts::{ExpertWeights, ExpertsGrads, LocalExperts, RoutedTokens};
+use std::sync::Arc;
+
+use moekit::experts::{Experts, ExpertsGrads, ExpertsInputs, LocalExperts};
 use moekit::{Backend, BackendKind, Error, Tensor};
 use proptest::prelude::*;
 
@@ -190,25 +192,32 @@ fn composed(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
     )
 }
 
-fn through_local_experts(backend: &dyn Backend, case: &Case) -> (Tensor, ExpertsGrads) {
-    let x = case.tensors();
-    let experts = LocalExperts {
-        backend,
-        block_size: case.b,
+impl Tensors {
+    fn experts_inputs(&self) -> ExpertsInputs<'_> {
+        ExpertsInputs {
+            hidden_states: &self.x,
+            expert_index: &self.index,
+            topk_affinities: &self.affinities,
+            gate_up_proj_weight: &self.gate_up,
+            down_proj_weight: &self.down,
+        }
+    }
+}
+
+fn local_experts(backend: BackendKind, block_size: usize) -> LocalExperts {
+    LocalExperts {
+        backend: Arc::from(backend.create()),
+        block_size,
         output_dtype: OutputDType::Input,
-    };
-    let weights = ExpertWeights {
-        gate_up_proj_weight: &x.gate_up,
-        down_proj_weight: &x.down,
-    };
-    let tokens = RoutedTokens {
-        hidden_states: x.x,
-        expert_index: x.index,
-        topk_affinities: x.affinities,
-    };
-    let (output, saved) = experts.forward(weights, tokens, true).unwrap();
+    }
+}
+
+fn through_local_experts(backend: BackendKind, case: &Case) -> (Tensor, ExpertsGrads) {
+    let x = case.tensors();
+    let experts = local_experts(backend, case.b);
+    let (output, saved) = experts.forward(x.experts_inputs(), true).unwrap();
     let grads = experts
-        .backward(weights, &saved.unwrap(), &x.d_output)
+        .backward(x.experts_inputs(), &saved.unwrap(), &x.d_output)
         .unwrap();
     (output, grads)
 }
@@ -251,9 +260,8 @@ proptest! {
     fn local_experts_equal_the_padded_composition(case in case()) {
         let reference = BackendKind::Reference.create();
         let want = composed(reference.as_ref(), &case);
-        assert_layers_agree(&through_local_experts(reference.as_ref(), &case), &want, 1e-6);
-        let cpu = BackendKind::Cpu.create();
-        assert_layers_agree(&through_local_experts(cpu.as_ref(), &case), &want, 1e-4);
+        assert_layers_agree(&through_local_experts(BackendKind::Reference, &case), &want, 1e-6);
+        assert_layers_agree(&through_local_experts(BackendKind::Cpu, &case), &want, 1e-4);
     }
 
     #[test]
@@ -294,7 +302,7 @@ proptest! {
 }
 
 #[test]
-fn the_backward_still_checks_what_it_adds_and_refuses_other_weights() {
+fn the_backward_still_checks_what_it_adds_and_refuses_other_inputs() {
     let mut rng = SeededRng::new(5);
     let (t, h, e, k, i, b) = (3, 4, 4, 1, 2, 2);
     let case = Case {
@@ -313,47 +321,42 @@ fn the_backward_still_checks_what_it_adds_and_refuses_other_weights() {
     };
     let cpu = BackendKind::Cpu.create();
     let x = case.tensors();
-    let experts = LocalExperts {
-        backend: cpu.as_ref(),
-        block_size: b,
-        output_dtype: OutputDType::Input,
-    };
-    let weights = ExpertWeights {
-        gate_up_proj_weight: &x.gate_up,
-        down_proj_weight: &x.down,
-    };
-    let tokens = RoutedTokens {
-        hidden_states: x.x.clone(),
-        expert_index: x.index.clone(),
-        topk_affinities: x.affinities.clone(),
-    };
-    let (output, saved) = experts.forward(weights, tokens.clone(), true).unwrap();
+    let experts = local_experts(BackendKind::Cpu, b);
+    let inputs = x.experts_inputs();
+    let (output, saved) = experts.forward(inputs, true).unwrap();
     let saved = saved.unwrap();
     let message = |result: Result<ExpertsGrads, Error>| result.unwrap_err().to_string();
 
     // The output gradient: its shape and its values are checked.
     let wide = f32_tensor(&[t, h + 1], &vec![0.5; t * (h + 1)]);
-    let err = message(experts.backward(weights, &saved, &wide));
+    let err = message(experts.backward(inputs, &saved, &wide));
     assert!(err.contains("output_hidden_states_grad"), "{err}");
     let mut values = vec![0.5; t * h];
     values[t * h - 1] = f64::NAN;
-    let err = message(experts.backward(weights, &saved, &f32_tensor(&[t, h], &values)));
+    let err = message(experts.backward(inputs, &saved, &f32_tensor(&[t, h], &values)));
     assert!(
         err.contains("output_hidden_states_grad") && err.contains("non-finite"),
         "{err}"
     );
 
-    // Weights other than the forward's, even equal in value.
+    // Inputs other than the forward's, even equal in value: weights and tokens.
     let copy = x.gate_up.clone();
-    let other = ExpertWeights {
+    let other = ExpertsInputs {
         gate_up_proj_weight: &copy,
-        down_proj_weight: &x.down,
+        ..inputs
     };
     let err = message(experts.backward(other, &saved, &x.d_output));
     assert!(err.contains("gate_up_proj_weight"), "{err}");
+    let copy = x.index.clone();
+    let other = ExpertsInputs {
+        expert_index: &copy,
+        ..inputs
+    };
+    let err = message(experts.backward(other, &saved, &x.d_output));
+    assert!(err.contains("expert_index"), "{err}");
 
     // Without a record the forward keeps nothing; its output is the recorded one's.
-    let (unrecorded, none) = experts.forward(weights, tokens, false).unwrap();
+    let (unrecorded, none) = experts.forward(inputs, false).unwrap();
     assert!(none.is_none());
     assert_eq!(unrecorded, output);
 

@@ -16,6 +16,7 @@
 mod common;
 
 use std::process::{Command, ExitCode};
+use std::rc::Rc;
 use std::time::Duration;
 
 use common::ep_layer::{EpCase, ep_data, run_rank, single_rank};
@@ -25,7 +26,11 @@ use moekit::BackendKind;
 use moekit::ep::{Communicator, MpiComm, RowChunks, RowsToSend};
 
 /// The layer on this rank: `(output, d_x, d_w, d_gate_up, d_down)`.
-fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Result<[Vec<f64>; 5]> {
+fn run_layer(
+    comm: &Rc<MpiComm>,
+    c: &EpCase,
+    nan_on: Option<usize>,
+) -> moekit::Result<[Vec<f64>; 5]> {
     let rank = comm.rank();
     let mut data = ep_data(c);
     if nan_on == Some(rank) {
@@ -33,7 +38,7 @@ fn run_layer(comm: &MpiComm, c: &EpCase, nan_on: Option<usize>) -> moekit::Resul
         x[0] = f64::NAN;
         data.x[rank] = f32_tensor(&[c.tokens[rank], c.h], &x);
     }
-    let (output, grads) = run_rank(comm, c, &data, BackendKind::Cpu)?;
+    let (output, grads) = run_rank(comm.clone(), c, &data, BackendKind::Cpu)?;
     Ok([
         output.to_f64_vec(),
         grads.d_x.to_f64_vec(),
@@ -182,7 +187,7 @@ fn check_exchanges(comm: &MpiComm) -> Result<(), String> {
     Ok(())
 }
 
-fn check_layer(comm: &MpiComm) -> Result<(), String> {
+fn check_layer(comm: &Rc<MpiComm>) -> Result<(), String> {
     let (rank, r) = (comm.rank(), comm.size());
     for seed in 0..6u64 {
         let c = EpCase {
@@ -260,6 +265,7 @@ fn main() -> ExitCode {
         ));
         return ExitCode::FAILURE;
     }
+    let comm = Rc::new(comm);
     if std::env::args().any(|a| a == "fault") {
         let c = EpCase {
             r: comm.size(),

@@ -6,7 +6,7 @@
 //! backward: combine_bwd → local experts' backward → dispatch_bwd → router_topk_bwd, with the
 //!           router weight's gradient summed over the ranks (all-reduce)
 //! ```
-//! The local experts are [`LocalExperts`], the one composition of `permute`, `blockwise_mm`
+//! The local experts are [`LocalExperts`](crate::experts::LocalExperts), the one composition of `permute`, `blockwise_mm`
 //! and `blockwise_mm_bwd`, on the rows dispatch delivered.
 //! Each rank brings its own tokens `x [T, H]`, the replicated router `w [H, E]` and its local
 //! experts `gate_up_proj_weight [E/R, H, 2, I]` and `down_proj_weight [E/R, I, H]` (rank r holds
@@ -18,7 +18,8 @@
 //! [`ShardedExperts`] is the expert half alone (dispatch … combine and back), for callers that
 //! route the tokens themselves.
 
-use std::time::{Duration, Instant};
+use std::rc::Rc;
+use std::sync::Arc;
 
 use super::comm::Communicator;
 use super::exchange::{
@@ -30,7 +31,7 @@ use crate::contracts::{
     RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result};
-use crate::experts::{self, ExpertWeights, LocalExperts, RoutedTokens};
+use crate::experts::{Experts, ExpertsGrads, ExpertsInputs, LocalExperts, LocalSaved};
 use crate::tensor::Tensor;
 
 /// Parameters of [`ExpertParallelMoe`].
@@ -80,17 +81,17 @@ pub struct EpGrads {
 }
 
 /// The layer on one rank: run `forward` then `backward` on every rank of `comm`.
-pub struct ExpertParallelMoe<'a> {
-    pub backend: &'a dyn Backend,
-    pub comm: &'a dyn Communicator,
+pub struct ExpertParallelMoe {
+    pub backend: Arc<dyn Backend>,
+    pub comm: Rc<dyn Communicator>,
     pub params: EpParams,
 }
 
-impl ExpertParallelMoe<'_> {
-    fn experts(&self) -> ShardedExperts<'_> {
+impl ExpertParallelMoe {
+    fn experts(&self) -> ShardedExperts {
         ShardedExperts {
-            backend: self.backend,
-            comm: self.comm,
+            backend: Arc::clone(&self.backend),
+            comm: Rc::clone(&self.comm),
             num_experts: self.params.num_experts,
             block_size: self.params.block_size,
         }
@@ -122,8 +123,11 @@ impl ExpertParallelMoe<'_> {
                 .router_topk(&call.with_output_dtype(OutputDType::Float32))
         });
         // A router error on one rank must stop every rank before the exchange.
-        let routed = super::comm::agree(self.comm, routed)?;
-        let (output, experts) = self.experts().forward(sharded_inputs(inputs, &routed))?;
+        let routed = super::comm::agree(self.comm.as_ref(), routed)?;
+        let (output, experts) = self
+            .experts()
+            .forward(experts_inputs(inputs, &routed), true)?;
+        let experts = experts.ok_or_else(|| Error::invalid("dispatch", "no record was kept"))?;
         Ok((output, EpSaved { routed, experts }))
     }
 
@@ -136,7 +140,7 @@ impl ExpertParallelMoe<'_> {
     ) -> Result<EpGrads> {
         let p = self.params;
         let experts = self.experts().backward(
-            sharded_inputs(inputs, &saved.routed),
+            experts_inputs(inputs, &saved.routed),
             &saved.experts,
             d_output,
         )?;
@@ -155,14 +159,14 @@ impl ExpertParallelMoe<'_> {
             self.backend
                 .router_topk_bwd(&call.with_output_dtype(OutputDType::Float32))
         });
-        let router = super::comm::agree(self.comm, router)?;
+        let router = super::comm::agree(self.comm.as_ref(), router)?;
         let mut d_w = router.d_w.f32_values().into_owned();
         self.comm.all_reduce_sum(&mut d_w)?;
         let d_x: Vec<f32> = router
             .d_x
             .f32_values()
             .iter()
-            .zip(experts.d_x.f32_values().iter())
+            .zip(experts.d_hidden_states.f32_values().iter())
             .map(|(a, b)| a + b)
             .collect();
         Ok(EpGrads {
@@ -174,9 +178,9 @@ impl ExpertParallelMoe<'_> {
     }
 }
 
-fn sharded_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> ShardedInputs<'a> {
-    ShardedInputs {
-        x: inputs.x,
+fn experts_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> ExpertsInputs<'a> {
+    ExpertsInputs {
+        hidden_states: inputs.x,
         expert_index: &routed.expert_index,
         topk_affinities: &routed.topk_affinities,
         gate_up_proj_weight: inputs.gate_up_proj_weight,
@@ -185,29 +189,21 @@ fn sharded_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> Sh
 }
 
 /// The expert half of the layer, for callers that route themselves (a trainer whose router
-/// lives in its own autograd): dispatch → permute → blockwise_mm → combine, and back.
-pub struct ShardedExperts<'a> {
-    pub backend: &'a dyn Backend,
-    pub comm: &'a dyn Communicator,
+/// lives in its own autograd): dispatch → this rank's [`LocalExperts`] → combine, and back.
+///
+/// Its [`ExpertsInputs`] are this rank's tokens with global expert ids in `[0, E)` and this
+/// rank's experts `gate_up_proj_weight [E/R, H, 2, I]`, `down_proj_weight [E/R, I, H]`. Every
+/// kernel runs with `output_dtype=float32`: the output and the gradients are f32. Every rank
+/// calls `forward` and `backward` of the same layer at the same point (they are collectives).
+#[derive(Clone)]
+pub struct ShardedExperts {
+    pub backend: Arc<dyn Backend>,
+    /// This rank's group.
+    pub comm: Rc<dyn Communicator>,
     /// E, experts over all ranks (a multiple of R).
     pub num_experts: usize,
     /// B of the local block plan.
     pub block_size: usize,
-}
-
-/// One rank's inputs to [`ShardedExperts`].
-#[derive(Clone, Copy, Debug)]
-pub struct ShardedInputs<'a> {
-    /// `[T, H]`.
-    pub x: &'a Tensor,
-    /// `[T, K]` i32, global expert ids.
-    pub expert_index: &'a Tensor,
-    /// `[T, K]`.
-    pub topk_affinities: &'a Tensor,
-    /// `[E/R, H, 2, I]`, this rank's experts.
-    pub gate_up_proj_weight: &'a Tensor,
-    /// `[E/R, I, H]`.
-    pub down_proj_weight: &'a Tensor,
 }
 
 /// What [`ShardedExperts::backward`] needs from the forward.
@@ -215,101 +211,54 @@ pub struct ShardedInputs<'a> {
 pub struct ShardedSaved {
     route: Route,
     local: Received,
-    /// Wall time of the forward's dispatch and combine (waiting for other ranks included).
-    exchange_time: Duration,
 }
 
-impl ShardedSaved {
-    /// Wall time the forward spent in dispatch and combine, waiting for other ranks included.
-    pub fn exchange_time(&self) -> Duration {
-        self.exchange_time
-    }
+/// The rows dispatch delivered to this rank, in its layout (see [`Dispatched`]).
+#[derive(Clone, Debug)]
+struct Delivered {
+    /// `[R·S, H]` f32.
+    hidden_states: Tensor,
+    /// `[R·S, K]` i32, local expert ids.
+    expert_index: Tensor,
+    /// `[R·S, K]` f32.
+    topk_affinities: Tensor,
 }
 
 /// What this rank's experts did with the rows dispatch delivered.
 #[derive(Clone, Debug)]
 enum Received {
     /// Rows arrived: their forward through this rank's experts.
-    Rows(Box<experts::ExpertsSaved>),
+    Rows(Box<(Delivered, LocalSaved)>),
     /// No row arrived (dispatch's layout still has `[R·S, H]` zero rows and `[R·S, K]` slots).
     Nothing { rows: usize, k: usize },
 }
 
-/// One rank's gradients of [`ShardedExperts`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct ShardedGrads {
-    /// `[T, H]` f32, through the experts only.
-    pub d_x: Tensor,
-    /// `[T, K]` f32.
-    pub d_topk_affinities: Tensor,
-    /// `[E/R, H, 2, I]` f32, this rank's experts, from every rank's tokens.
-    pub d_gate_up_proj_weight: Tensor,
-    /// `[E/R, I, H]` f32.
-    pub d_down_proj_weight: Tensor,
-    /// Wall time of the backward's exchanges (combine's and dispatch's backward), waiting for
-    /// other ranks included.
-    pub exchange_time: Duration,
-}
-
-impl ShardedExperts<'_> {
+impl ShardedExperts {
     /// This rank's experts, computing in f32.
-    fn local(&self) -> LocalExperts<'_> {
+    fn local(&self) -> LocalExperts {
         LocalExperts {
-            backend: self.backend,
+            backend: Arc::clone(&self.backend),
             block_size: self.block_size,
             output_dtype: OutputDType::Float32,
         }
     }
 
-    /// `output [T, H]` f32: each token's rows through the experts of whichever ranks own them,
-    /// weighted and summed back on this rank.
-    pub fn forward(&self, inputs: ShardedInputs<'_>) -> Result<(Tensor, ShardedSaved)> {
-        let start = Instant::now();
-        let dispatched = dispatch(
-            self.comm,
-            inputs.x,
-            inputs.expert_index,
-            inputs.topk_affinities,
-            DispatchParams {
-                num_experts: self.num_experts,
-            },
-        )?;
-        let mut exchange_time = start.elapsed();
-        let Dispatched {
-            route,
-            hidden_states,
-            expert_index,
-            topk_affinities,
-        } = dispatched;
-        let received = route.received_rows();
-        let tokens = RoutedTokens {
-            hidden_states,
-            expert_index,
-            topk_affinities,
-        };
-        let local = super::comm::agree(self.comm, self.local_forward(inputs, tokens, received))?;
-        let start = Instant::now();
-        let output = combine(self.comm, &route, &local.0)?;
-        exchange_time += start.elapsed();
-        Ok((
-            output,
-            ShardedSaved {
-                route,
-                local: local.1,
-                exchange_time,
-            },
-        ))
+    fn dispatch_params(&self) -> DispatchParams {
+        DispatchParams {
+            num_experts: self.num_experts,
+        }
     }
 
-    /// This rank's experts on the rows dispatch delivered (`tokens`, `received` of them real):
-    /// their output in dispatch's layout `[R·S, H]`, zero where no row arrived.
+    /// This rank's experts on the rows dispatch delivered (`received` of them real): their
+    /// output in dispatch's layout `[R·S, H]`, zero where no row arrived.
     fn local_forward(
         &self,
-        inputs: ShardedInputs<'_>,
-        tokens: RoutedTokens,
+        inputs: ExpertsInputs<'_>,
+        delivered: Delivered,
         received: usize,
-    ) -> Result<(Tensor, Received)> {
-        let [rows, h] = [0, 1].map(|axis| tokens.hidden_states.shape()[axis]);
+        record: bool,
+    ) -> Result<(Tensor, Option<Received>)> {
+        let [rows, h] = [0, 1].map(|axis| delivered.hidden_states.shape()[axis]);
         let local_experts = self.num_experts / self.comm.size();
         if inputs.gate_up_proj_weight.shape().first() != Some(&local_experts) {
             return Err(Error::shape(
@@ -319,66 +268,37 @@ impl ShardedExperts<'_> {
             ));
         }
         if received == 0 {
-            let k = tokens.expert_index.shape()[1];
+            let k = delivered.expert_index.shape()[1];
             let zeros = Tensor::from_f32([rows, h], vec![0.0; rows * h])?;
-            return Ok((zeros, Received::Nothing { rows, k }));
+            return Ok((zeros, Some(Received::Nothing { rows, k })));
         }
-        let (output, saved) = self.local().forward(weights(inputs), tokens, true)?;
-        let saved = saved.ok_or_else(|| Error::invalid("blockwise_mm", "no record was kept"))?;
-        Ok((output, Received::Rows(Box::new(saved))))
-    }
-
-    /// Gradients of `x`, the affinities and this rank's experts for `d_output [T, H]`.
-    pub fn backward(
-        &self,
-        inputs: ShardedInputs<'_>,
-        saved: &ShardedSaved,
-        d_output: &Tensor,
-    ) -> Result<ShardedGrads> {
-        let start = Instant::now();
-        let d_expert_output = combine_bwd(self.comm, &saved.route, d_output)?;
-        let mut exchange_time = start.elapsed();
-        let local = super::comm::agree(
-            self.comm,
-            self.local_backward(inputs, &saved.local, &d_expert_output),
-        )?;
-        let start = Instant::now();
-        let (d_x, d_topk_affinities) = dispatch_bwd(
-            self.comm,
-            &saved.route,
-            inputs.expert_index,
-            DispatchParams {
-                num_experts: self.num_experts,
-            },
-            &local.d_hidden_states,
-            &local.d_topk_affinities,
-        )?;
-        exchange_time += start.elapsed();
-        Ok(ShardedGrads {
-            d_x,
-            d_topk_affinities,
-            d_gate_up_proj_weight: local.d_gate_up_proj_weight,
-            d_down_proj_weight: local.d_down_proj_weight,
-            exchange_time,
-        })
+        let (output, saved) = self
+            .local()
+            .forward(local_inputs(&delivered, inputs), record)?;
+        Ok((
+            output,
+            saved.map(|saved| Received::Rows(Box::new((delivered, saved)))),
+        ))
     }
 
     /// The backward of this rank's experts, in dispatch's layout; zeros when no row arrived.
     fn local_backward(
         &self,
-        inputs: ShardedInputs<'_>,
+        inputs: ExpertsInputs<'_>,
         received: &Received,
         d_expert_output: &Tensor,
-    ) -> Result<experts::ExpertsGrads> {
+    ) -> Result<ExpertsGrads> {
         match received {
-            Received::Rows(saved) => self
-                .local()
-                .backward(weights(inputs), saved, d_expert_output),
+            Received::Rows(rows) => {
+                let (delivered, saved) = rows.as_ref();
+                self.local()
+                    .backward(local_inputs(delivered, inputs), saved, d_expert_output)
+            }
             &Received::Nothing { rows, k } => {
                 let zeros =
                     |shape: &[usize]| Tensor::from_f32(shape, vec![0.0; shape.iter().product()]);
                 let h = d_expert_output.shape()[1];
-                Ok(experts::ExpertsGrads {
+                Ok(ExpertsGrads {
                     d_hidden_states: zeros(&[rows, h])?,
                     d_topk_affinities: zeros(&[rows, k])?,
                     d_gate_up_proj_weight: zeros(inputs.gate_up_proj_weight.shape())?,
@@ -389,9 +309,79 @@ impl ShardedExperts<'_> {
     }
 }
 
-fn weights<'a>(inputs: ShardedInputs<'a>) -> ExpertWeights<'a> {
-    ExpertWeights {
-        gate_up_proj_weight: inputs.gate_up_proj_weight,
-        down_proj_weight: inputs.down_proj_weight,
+impl Experts for ShardedExperts {
+    type Saved = ShardedSaved;
+
+    /// `output [T, H]` f32: each token's rows through the experts of whichever ranks own them,
+    /// weighted and summed back on this rank.
+    fn forward(
+        &self,
+        inputs: ExpertsInputs<'_>,
+        record: bool,
+    ) -> Result<(Tensor, Option<ShardedSaved>)> {
+        let comm = self.comm.as_ref();
+        let Dispatched {
+            route,
+            hidden_states,
+            expert_index,
+            topk_affinities,
+        } = dispatch(
+            comm,
+            inputs.hidden_states,
+            inputs.expert_index,
+            inputs.topk_affinities,
+            self.dispatch_params(),
+        )?;
+        let delivered = Delivered {
+            hidden_states,
+            expert_index,
+            topk_affinities,
+        };
+        let received = route.received_rows();
+        let (output, local) = super::comm::agree(
+            comm,
+            self.local_forward(inputs, delivered, received, record),
+        )?;
+        let output = combine(comm, &route, &output)?;
+        Ok((output, local.map(|local| ShardedSaved { route, local })))
+    }
+
+    /// Gradients of the tokens (`[T, H]`, `[T, K]`, f32) and of this rank's experts (from
+    /// every rank's tokens).
+    fn backward(
+        &self,
+        inputs: ExpertsInputs<'_>,
+        saved: &ShardedSaved,
+        d_output: &Tensor,
+    ) -> Result<ExpertsGrads> {
+        let comm = self.comm.as_ref();
+        let d_expert_output = combine_bwd(comm, &saved.route, d_output)?;
+        let local = super::comm::agree(
+            comm,
+            self.local_backward(inputs, &saved.local, &d_expert_output),
+        )?;
+        let (d_hidden_states, d_topk_affinities) = dispatch_bwd(
+            comm,
+            &saved.route,
+            inputs.expert_index,
+            self.dispatch_params(),
+            &local.d_hidden_states,
+            &local.d_topk_affinities,
+        )?;
+        Ok(ExpertsGrads {
+            d_hidden_states,
+            d_topk_affinities,
+            ..local
+        })
+    }
+}
+
+/// The rows dispatch delivered, with this rank's experts.
+fn local_inputs<'a>(delivered: &'a Delivered, inputs: ExpertsInputs<'a>) -> ExpertsInputs<'a> {
+    ExpertsInputs {
+        hidden_states: &delivered.hidden_states,
+        expert_index: &delivered.expert_index,
+        topk_affinities: &delivered.topk_affinities,
+        ..inputs
     }
 }

@@ -30,8 +30,7 @@ pub use exchange::{
     DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
 };
 pub use layer::{
-    EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe, ShardedExperts, ShardedGrads,
-    ShardedInputs, ShardedSaved,
+    EpGrads, EpInputs, EpParams, EpSaved, ExpertParallelMoe, ShardedExperts, ShardedSaved,
 };
 pub use local::LocalComm;
 #[cfg(feature = "mpi")]

@@ -1,6 +1,9 @@
 //! The expert-parallel layer's test data and its oracle, the single-rank layer holding every
 //! expert (shared by the `LocalComm` and the MPI tests).
 
+use std::rc::Rc;
+use std::sync::Arc;
+
 use moekit::contracts::{
     BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs,
     BlockwiseMmParams, Permute, PermuteInputs, PermuteParams, RouterPipeline, RouterTopk,
@@ -203,7 +206,7 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
 /// The expert-parallel layer, forward then backward, on rank `comm.rank()` of `comm` (call on
 /// every rank), with that rank's slice of the experts.
 pub fn run_rank(
-    comm: &dyn Communicator,
+    comm: Rc<dyn Communicator>,
     c: &EpCase,
     data: &EpData,
     backend: BackendKind,
@@ -219,9 +222,8 @@ pub fn run_rank(
         &[c.local, i, h],
         &data.down[rank * per_down..(rank + 1) * per_down],
     );
-    let backend = backend.create();
     let layer = ExpertParallelMoe {
-        backend: backend.as_ref(),
+        backend: Arc::from(backend.create()),
         comm,
         params: EpParams {
             num_experts: c.r * c.local,

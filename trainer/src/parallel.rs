@@ -11,12 +11,17 @@
 //! A run without MPI is a group of one rank ([`RankGroup::one_process`]), so the trainer has one
 //! code path for any R; the group's collectives are then the identity.
 
+use std::borrow::Cow;
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::mem::MaybeUninit;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use moekit::ep::{Communicator, LocalComm, MpiComm, agree, agree_with_values};
+use moekit::ep::{
+    Communicator, LocalComm, MpiComm, Received, RowChunks, RowsToSend, agree, agree_with_values,
+};
 use tch::{Kind, Tensor};
 
 use crate::config::JobConfig;
@@ -264,6 +269,81 @@ pub fn init_mpi(config: &JobConfig) -> Result<Option<Rc<MpiComm>>> {
 /// Whether `name` is a sharded expert weight (`...mlp.experts.gate_up_proj`, `down_proj`).
 pub fn is_expert_parameter(name: &str) -> bool {
     name.contains(".mlp.experts.")
+}
+
+/// A rank group's communicator that adds up the wall time its operations take (waiting for
+/// the other ranks included): the sharded experts' exchange time, which each step reports.
+pub struct TimedComm {
+    comm: Rc<dyn Communicator>,
+    /// Time spent since [`Self::take_time`] last read it.
+    time: Cell<Duration>,
+}
+
+impl TimedComm {
+    pub fn new(comm: Rc<dyn Communicator>) -> Self {
+        Self {
+            comm,
+            time: Cell::new(Duration::ZERO),
+        }
+    }
+
+    /// The time spent in operations since the last call.
+    pub fn take_time(&self) -> Duration {
+        self.time.replace(Duration::ZERO)
+    }
+
+    fn timed<T>(&self, operation: impl FnOnce(&dyn Communicator) -> T) -> T {
+        let start = Instant::now();
+        let result = operation(self.comm.as_ref());
+        self.time.set(self.time.get() + start.elapsed());
+        result
+    }
+}
+
+impl Communicator for TimedComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+    ) -> moekit::Result<(Vec<u8>, Vec<usize>)> {
+        self.timed(|comm| comm.all_to_all_v(send, send_counts))
+    }
+
+    fn all_to_all_v_words(
+        &self,
+        send: Cow<'_, [f32]>,
+        send_counts: &[usize],
+        recv_counts: Option<&[usize]>,
+    ) -> moekit::Result<Received> {
+        self.timed(|comm| comm.all_to_all_v_words(send, send_counts, recv_counts))
+    }
+
+    fn all_to_all_v_rows(
+        &self,
+        source: &[f32],
+        width: usize,
+        rows: RowsToSend<'_>,
+        recv: RowChunks<'_>,
+        out: &mut [MaybeUninit<f32>],
+    ) -> moekit::Result<()> {
+        self.timed(|comm| comm.all_to_all_v_rows(source, width, rows, recv, out))
+    }
+
+    fn all_reduce_sum(&self, buffer: &mut [f32]) -> moekit::Result<()> {
+        self.timed(|comm| comm.all_reduce_sum(buffer))
+    }
+
+    fn barrier(&self) -> moekit::Result<()> {
+        self.timed(|comm| comm.barrier())
+    }
 }
 
 #[cfg(test)]

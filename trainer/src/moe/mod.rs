@@ -5,25 +5,27 @@
 //! `y[t] = Σ_k affinities[t, k] · down_e(silu(x_t · W[e, :, 0, :]) ⊙ (x_t · W[e, :, 1, :]))`
 //! with `e = expert_index[t, k]`, on weights in the kernels' layout: `gate_up [E, H, 2, I]`
 //! and `down [E, I, H]`. They differ only in how, so the trainer switches between them by
-//! configuration alone. With expert parallelism, [`ExpertParallelExperts`] runs moekit's
-//! kernels on this rank's `E/R` experts and exchanges tokens with the other ranks.
+//! configuration alone. With expert parallelism, [`KernelExperts`] runs moekit's sharded
+//! experts: this rank's `E/R` experts, tokens exchanged with the other ranks.
 
-mod expert_parallel;
 mod grouped_mm;
 mod kernels;
 mod torch_loop;
 
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use moekit::ep::Communicator;
+use moekit::contracts::OutputDType;
+use moekit::ep::{Communicator, ShardedExperts};
+use moekit::experts::LocalExperts;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+use crate::parallel::TimedComm;
 use crate::tape::Tape;
 
-pub use expert_parallel::ExpertParallelExperts;
 pub use grouped_mm::{GroupedMmExperts, check_alignment as check_grouped_mm_alignment};
 pub use kernels::KernelExperts;
 pub use torch_loop::TorchLoopExperts;
@@ -97,18 +99,26 @@ impl MoeImpl {
                 self.name()
             );
         };
-        Ok(Box::new(ExpertParallelExperts::new(
-            backend,
-            comm,
+        let comm = Rc::new(TimedComm::new(comm));
+        let experts = ShardedExperts {
+            backend: Arc::from(backend.create()),
+            comm: Rc::clone(&comm) as Rc<dyn Communicator>,
             num_experts,
             block_size,
-        )))
+        };
+        Ok(Box::new(KernelExperts::new(experts, Some(comm))))
     }
 
     /// Instantiates the implementation; `block_size` is the moekit block plan's B.
     pub fn create(self, block_size: usize) -> Result<Box<dyn Experts>> {
         if let Some(backend) = self.kernel_backend() {
-            return Ok(Box::new(KernelExperts::new(backend, block_size)));
+            let experts = LocalExperts {
+                backend: Arc::from(backend.create()),
+                block_size,
+                // The layer's dtype.
+                output_dtype: OutputDType::Input,
+            };
+            return Ok(Box::new(KernelExperts::new(experts, None)));
         }
         Ok(match self {
             MoeImpl::Torch => Box::new(TorchLoopExperts),
