@@ -3,7 +3,8 @@
 //!
 //! The Neuron runtime bindings are committed (`ffi/`, crate `moekit-nrt-sys`) and the fake
 //! runtime is built only for the tests (`ffi/fake/`, a dev-dependency), so building moekit needs
-//! neither libclang nor a C compiler.
+//! neither libclang nor a C compiler; with the `mpi` feature, `mpicc` compiles moekit's MPI shim
+//! (`ffi/mpi/`), still without libclang.
 
 use std::env;
 

@@ -13,7 +13,8 @@ done
 if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     missing+=(python3-venv)
 fi
-# libclang (with clang's headers) lets the `mpi` crate generate its MPI bindings.
+# libclang (with clang's headers) lets the test suite regenerate the committed Neuron bindings
+# and compare (ffi/tests/bindings.rs); building needs none.
 if ! dpkg -s libclang-dev >/dev/null 2>&1; then
     missing+=(libclang-dev)
 fi

@@ -25,7 +25,19 @@ cargo clippy --locked -p moekit-tools --all-targets --features mpi -- -D warning
 # (`expert_parallel` runs only under mpirun, so --all-targets leaves it out: named here.)
 cargo clippy --locked -p moekit-trainer --all-targets --test expert_parallel -- -D warnings
 cargo clippy --locked --all-targets --features mpi -- -D warnings
-cargo clippy --locked -p moekit-nrt-sys -p moekit-nrt-fake --all-targets -- -D warnings
+cargo clippy --locked -p moekit-nrt-sys -p moekit-nrt-fake -p moekit-mpi-sys --all-targets -- -D warnings
+# Building the library (with `mpi`) or the trainer needs no libclang: no bindings generator in
+# their build graph (the Neuron bindings are committed; MPI goes through moekit's shim).
+build_graph=$(cargo tree --locked -p moekit-trainer -p moekit-tools --features moekit-tools/mpi \
+    -e normal,build --prefix none)
+grep -q '^moekit-mpi-sys ' <<<"${build_graph}" || {
+    echo "the trainer's build graph lacks moekit-mpi-sys: the check below would prove nothing" >&2
+    exit 1
+}
+if grep -E '^(bindgen|clang-sys) ' <<<"${build_graph}"; then
+    echo "building moekit or the trainer pulls in a bindings generator (libclang)" >&2
+    exit 1
+fi
 # The documentation's links resolve (a renamed item breaks them).
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -p moekit -p moekit-tools
 # The committed Neuron runtime bindings are what bindgen generates now from ffi/nrt.h and from

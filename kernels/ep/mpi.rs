@@ -1,20 +1,16 @@
-//! R ranks as MPI processes (feature `mpi`, Open MPI through the `mpi` crate), launched with
-//! `mpirun -n R ...`.
+//! R ranks as MPI processes (feature `mpi`, Open MPI through moekit's MPI shim,
+//! `moekit-mpi-sys`), launched with `mpirun -n R ...`.
 
 use std::borrow::Cow;
+use std::ffi::{c_int, c_void};
 use std::io::Write;
 use std::mem::MaybeUninit;
 use std::ops::Range;
+use std::ptr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mpi::datatype::{Buffer, Equivalence, UserDatatype, View};
-use mpi::environment::Universe;
-use mpi::point_to_point::{Message, Status};
-use mpi::request::{Request, Scope};
-use mpi::topology::{Process, SimpleCommunicator};
-use mpi::traits::{Communicator as _, Destination, Source};
-use mpi::{Address, Tag};
+use moekit_mpi_sys as sys;
 
 use super::comm::{
     Communicator, Received, RowChunks, RowsToSend, Selected, check_counts, check_rows,
@@ -36,10 +32,9 @@ use crate::uninit::{assume_init, uninit, write_copy};
 /// holds the waiting rank's buffers then, so the call cannot return: it prints the message and
 /// `MPI_Abort`s, which stops every rank, the silent ones included.
 pub struct MpiComm {
-    world: SimpleCommunicator,
+    rank: usize,
+    size: usize,
     timeout: Duration,
-    // Declared after `world`, so MPI is finalised after the communicator is released.
-    _universe: Universe,
 }
 
 /// Environment variables MPI launchers set in the processes they start: Open MPI's `mpirun`,
@@ -49,6 +44,10 @@ const LAUNCHER_VARIABLES: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI
 /// Exit status of a job [`MpiComm`] ends because a rank did not answer.
 const UNANSWERED_EXIT: i32 = 3;
 
+/// Exit status of a job [`MpiComm`] ends because an MPI call failed while messages were in
+/// flight (the shim could not allocate a handle).
+const FAILED_EXIT: i32 = 4;
+
 impl MpiComm {
     /// How long an operation waits for the other ranks unless [`Self::with_timeout`] says
     /// otherwise (PyTorch's default for NCCL process groups).
@@ -56,14 +55,34 @@ impl MpiComm {
 
     /// Initialises MPI; an error if it is already initialised in this process.
     pub fn init() -> Result<Self> {
-        let universe = mpi::initialize().ok_or_else(|| Error::Collective {
-            rank: 0,
-            message: "MPI is already initialised in this process".to_owned(),
-        })?;
+        let failed = |message: String| Error::Collective { rank: 0, message };
+        // SAFETY: no MPI call precedes it in this process (the shim checks MPI_Initialized).
+        match unsafe { sys::moekit_mpi_init() } {
+            0 => {}
+            sys::MOEKIT_MPI_ALREADY_INITIALISED => {
+                return Err(failed(
+                    "MPI is already initialised in this process".to_owned(),
+                ));
+            }
+            code => return Err(failed(format!("MPI_Init failed (MPI error {code})"))),
+        }
+        let (mut rank, mut size) = (0, 0);
+        // SAFETY: MPI is initialised; both write one int.
+        let codes = unsafe {
+            [
+                sys::moekit_mpi_rank(&mut rank),
+                sys::moekit_mpi_size(&mut size),
+            ]
+        };
+        if codes != [0, 0] {
+            return Err(failed(format!(
+                "cannot read this process's rank of MPI_COMM_WORLD (MPI errors {codes:?})"
+            )));
+        }
         Ok(Self {
-            world: universe.world(),
+            rank: rank as usize,
+            size: size as usize,
             timeout: Self::DEFAULT_TIMEOUT,
-            _universe: universe,
         })
     }
 
@@ -76,38 +95,52 @@ impl MpiComm {
     }
 
     /// How long each operation waits for the other ranks before ending the job.
-    pub fn with_timeout(self, timeout: Duration) -> Self {
-        Self { timeout, ..self }
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        // Updated in place: a new value would finalise MPI when this one drops.
+        self.timeout = timeout;
+        self
     }
-}
 
-impl MpiComm {
     /// Aborts every process of the job with `code` (`MPI_Abort`): for a rank that fails
     /// outside a collective while the others may be waiting in one.
     pub fn abort(&self, code: i32) -> ! {
-        self.world.abort(code)
+        // SAFETY: MPI is initialised while `self` lives.
+        unsafe { sys::moekit_mpi_abort(code) }
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // SAFETY: MPI was initialised by `init`, once per process, and every operation
+        // completed before its call returned.
+        unsafe { sys::moekit_mpi_finalize() };
     }
 }
 
 /// Tag of every message. Each round sends one message per ordered pair of ranks, and MPI
 /// keeps the messages of a pair in order, so every round meets its own messages.
-const P2P_TAG: Tag = 0x726f;
+const P2P_TAG: c_int = 0x726f;
 
 /// What a round carries.
-trait Element: Equivalence {
+trait Element: Copy {
+    /// The shim's element kind.
+    const KIND: c_int;
     /// Its name in messages, plural.
     const PLURAL: &'static str;
 }
 
 impl Element for f32 {
+    const KIND: c_int = sys::F32;
     const PLURAL: &'static str = "words";
 }
 
 impl Element for u8 {
+    const KIND: c_int = sys::BYTES;
     const PLURAL: &'static str = "bytes";
 }
 
 impl Element for u64 {
+    const KIND: c_int = sys::U64;
     const PLURAL: &'static str = "counts";
 }
 
@@ -122,34 +155,28 @@ impl Deadline {
     }
 }
 
-/// A receive slot MPI fills: `T`'s datatype over memory that needs no initialisation first
-/// (a receive buffer is written whole before it is read, so zero-filling it would be a pass
-/// over the memory for nothing).
-#[repr(transparent)]
-struct Slot<T>(MaybeUninit<T>);
-
-// SAFETY: `Slot<T>` is `repr(transparent)` over `MaybeUninit<T>`, which has `T`'s size and
-// layout, so `T`'s datatype describes it exactly.
-unsafe impl<T: Equivalence> Equivalence for Slot<T> {
-    type Out = T::Out;
-    fn equivalent_datatype() -> Self::Out {
-        T::equivalent_datatype()
-    }
+/// What one send of a round carries, borrowed for the round.
+enum Outgoing<'a, T> {
+    /// Contiguous elements.
+    Elements(&'a [T]),
+    /// Rows of `row_words` f32 of `source`, each at its byte offset: sent where they lie.
+    Rows {
+        source: &'a [f32],
+        byte_offsets: Vec<i64>,
+        row_words: c_int,
+    },
 }
 
-/// `slots` as MPI receive slots.
-fn as_slots<T>(slots: &mut [MaybeUninit<T>]) -> &mut [Slot<T>] {
-    // SAFETY: `Slot<T>` is `repr(transparent)` over `MaybeUninit<T>`: same layout, and any
-    // contents are valid for both.
-    unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [Slot<T>]) }
+/// A posted operation with the rank at its other end. The memory it reads or writes must stay
+/// borrowed until [`MpiComm::complete`] has seen it finish.
+struct Pending {
+    peer: usize,
+    request: *mut sys::moekit_mpi_request,
 }
 
 /// Counts and displacements as MPI's `int`s.
 fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>)> {
-    let too_large = || Error::Collective {
-        rank,
-        message: "an all-to-all chunk exceeds MPI's count limit (2^31 - 1 elements)".to_owned(),
-    };
+    let too_large = || too_large(rank);
     let counts = counts
         .iter()
         .map(|&c| i32::try_from(c).map_err(|_| too_large()))
@@ -163,10 +190,29 @@ fn counts_and_displacements(rank: usize, counts: &[usize]) -> Result<(Vec<i32>, 
     Ok((counts, displacements))
 }
 
+fn too_large(rank: usize) -> Error {
+    Error::Collective {
+        rank,
+        message: "an all-to-all chunk exceeds MPI's count limit (2^31 - 1 elements)".to_owned(),
+    }
+}
+
+/// `len` elements as MPI's `int` count.
+fn count(rank: usize, len: usize) -> Result<c_int> {
+    c_int::try_from(len).map_err(|_| too_large(rank))
+}
+
 impl MpiComm {
     /// When an operation starting now gives up.
     fn deadline(&self) -> Deadline {
         Deadline(Instant::now().checked_add(self.timeout))
+    }
+
+    /// Ends the job with `line` on stderr (one write, so that the lines of several ranks do
+    /// not interleave): MPI may hold this rank's buffers, so the call cannot return.
+    fn end_job(&self, line: String, code: i32) -> ! {
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        self.abort(code)
     }
 
     /// Ends the job because the ranks `silent` did not answer by the deadline: see the type's
@@ -176,38 +222,122 @@ impl MpiComm {
         let line = format!(
             "rank {} stops: rank(s) {} did not answer within {} s (stopped, hung or lost); \
              aborting the job\n",
-            self.rank(),
+            self.rank,
             silent.join(", "),
             self.timeout.as_secs_f64()
         );
-        // One write, so that the lines of several ranks do not interleave.
-        let _ = std::io::stderr().write_all(line.as_bytes());
-        self.world.abort(UNANSWERED_EXIT)
+        self.end_job(line, UNANSWERED_EXIT)
     }
 
-    /// Completes `requests`, each paired with the rank at its other end; returns each one's
-    /// status with that rank, in the order they completed. Polls rather than blocks, so that a
-    /// rank that never answers ends the job at `deadline` ([`Self::unanswered`]).
-    fn complete<'a, D: ?Sized, S: Scope<'a>>(
+    /// Checks the status `code` of the shim's `what`; a failure ends the job (operations
+    /// posted before it may hold buffers).
+    fn posted(&self, what: &str, code: c_int) {
+        if code != 0 {
+            let line = format!(
+                "rank {} stops: {what} failed (MPI error {code}); aborting the job\n",
+                self.rank
+            );
+            self.end_job(line, FAILED_EXIT);
+        }
+    }
+
+    /// Posts a receive of `slots` from `src`.
+    fn receive<T: Element>(&self, slots: &mut [MaybeUninit<T>], src: usize) -> Result<Pending> {
+        let len = count(self.rank, slots.len())?;
+        let mut request = ptr::null_mut();
+        // SAFETY: `slots` holds `len` elements of `T`, whose kind is `T::KIND`; the caller keeps
+        // it borrowed until the request completes (see `Pending`).
+        let code = unsafe {
+            sys::moekit_mpi_irecv(
+                slots.as_mut_ptr().cast::<c_void>(),
+                len,
+                T::KIND,
+                src as c_int,
+                P2P_TAG,
+                &mut request,
+            )
+        };
+        self.posted("MPI_Irecv", code);
+        Ok(Pending { peer: src, request })
+    }
+
+    /// Posts the send of `outgoing` to `dst`.
+    fn send<T: Element>(&self, outgoing: &Outgoing<'_, T>, dst: usize) -> Result<Pending> {
+        let mut request = ptr::null_mut();
+        let code = match outgoing {
+            Outgoing::Elements(elements) => {
+                let len = count(self.rank, elements.len())?;
+                // SAFETY: `elements` holds `len` elements of kind `T::KIND`, borrowed until the
+                // request completes (see `Pending`).
+                unsafe {
+                    sys::moekit_mpi_isend(
+                        elements.as_ptr().cast::<c_void>(),
+                        len,
+                        T::KIND,
+                        dst as c_int,
+                        P2P_TAG,
+                        &mut request,
+                    )
+                }
+            }
+            Outgoing::Rows {
+                source,
+                byte_offsets,
+                row_words,
+            } => {
+                let rows = count(self.rank, byte_offsets.len())?;
+                // SAFETY: every row, `row_words` f32 from its byte offset, lies inside `source`
+                // (`check_rows` found the selected rows there), which stays borrowed until the
+                // request completes; `byte_offsets` holds `rows` offsets.
+                unsafe {
+                    sys::moekit_mpi_isend_rows(
+                        source.as_ptr(),
+                        rows,
+                        byte_offsets.as_ptr(),
+                        *row_words,
+                        dst as c_int,
+                        P2P_TAG,
+                        &mut request,
+                    )
+                }
+            }
+        };
+        self.posted("MPI_Isend", code);
+        Ok(Pending { peer: dst, request })
+    }
+
+    /// Completes `pending`, receives of elements of `T` or sends; returns each one's peer with
+    /// the elements it received (sends: meaningless), in the order they completed. Polls
+    /// rather than blocks, so that a rank that never answers ends the job at `deadline`
+    /// ([`Self::unanswered`]).
+    fn complete<T: Element>(
         &self,
-        mut pending: Vec<(usize, Request<'a, D, S>)>,
+        mut pending: Vec<Pending>,
         deadline: Deadline,
-    ) -> Vec<(usize, Status)> {
+    ) -> Vec<(usize, i64)> {
         let mut done = Vec::with_capacity(pending.len());
         // The requests still pending after a sweep, in a buffer kept across sweeps.
         let mut waiting = Vec::with_capacity(pending.len());
         loop {
-            for (rank, request) in pending.drain(..) {
-                match request.test() {
-                    Ok(status) => done.push((rank, status)),
-                    Err(request) => waiting.push((rank, request)),
+            for operation in pending.drain(..) {
+                let (mut finished, mut received) = (0, 0);
+                // SAFETY: the request was posted and has not completed (a completed one is
+                // freed by the shim and dropped here).
+                let code = unsafe {
+                    sys::moekit_mpi_test(operation.request, T::KIND, &mut finished, &mut received)
+                };
+                self.posted("MPI_Test", code);
+                if finished != 0 {
+                    done.push((operation.peer, received));
+                } else {
+                    waiting.push(operation);
                 }
             }
             if waiting.is_empty() {
                 return done;
             }
             if deadline.passed() {
-                let silent: Vec<usize> = waiting.iter().map(|&(rank, _)| rank).collect();
+                let silent: Vec<usize> = waiting.iter().map(|operation| operation.peer).collect();
                 self.unanswered(&silent);
             }
             std::mem::swap(&mut pending, &mut waiting);
@@ -216,73 +346,96 @@ impl MpiComm {
         }
     }
 
-    /// Matches the next message from `from` (rank `src`), waiting for it until `deadline`.
-    fn probe(&self, from: &Process<'_>, src: usize, deadline: Deadline) -> (Message, Status) {
-        loop {
-            if let Some(matched) = from.immediate_matched_probe_with_tag(P2P_TAG) {
-                return matched;
+    /// Receives the next message from rank `src`, whatever its length, waiting for it until
+    /// `deadline`.
+    fn receive_any_length(&self, src: usize, deadline: Deadline) -> Vec<f32> {
+        let (message, len) = loop {
+            let (mut found, mut message, mut len) = (0, ptr::null_mut(), 0);
+            // SAFETY: plain out-parameters.
+            let code = unsafe {
+                sys::moekit_mpi_improbe(
+                    src as c_int,
+                    P2P_TAG,
+                    sys::F32,
+                    &mut found,
+                    &mut message,
+                    &mut len,
+                )
+            };
+            self.posted("MPI_Improbe", code);
+            if found != 0 {
+                break (message, len);
             }
             if deadline.passed() {
                 self.unanswered(&[src]);
             }
             std::thread::yield_now();
-        }
+        };
+        // A length that is not whole words is MPI's truncation error on receipt.
+        let words = usize::try_from(len).unwrap_or(0);
+        let mut values = uninit::<f32>(words);
+        let mut request = ptr::null_mut();
+        // SAFETY: `values` holds `words` f32 and lives until the request completes below;
+        // `message` is the matched message, consumed here.
+        let code = unsafe {
+            sys::moekit_mpi_imrecv(
+                values.as_mut_ptr().cast::<c_void>(),
+                words as c_int,
+                sys::F32,
+                message,
+                &mut request,
+            )
+        };
+        self.posted("MPI_Imrecv", code);
+        self.complete::<f32>(vec![Pending { peer: src, request }], deadline);
+        // SAFETY: the buffer holds exactly the probed message.
+        unsafe { assume_init(values) }
     }
 
     /// One point-to-point round, every message posted at once: a receive from each other rank
     /// into its chunk of `out` (the elements `chunks[src]`: ascending, disjoint ranges; this
     /// rank's own chunk and the elements between chunks are left alone) and each
-    /// `(dst, buffer)` of `sends`. A source that sent fewer elements than its chunk holds is an
-    /// error naming it (more is MPI's truncation error).
-    fn round<T: Element, S: Buffer + ?Sized>(
+    /// `(dst, outgoing)` of `sends`. A source that sent fewer elements than its chunk holds is
+    /// an error naming it (more is MPI's truncation error).
+    fn round<T: Element>(
         &self,
         out: &mut [MaybeUninit<T>],
         chunks: &[Range<usize>],
-        sends: &[(usize, &S)],
+        sends: &[(usize, Outgoing<'_, T>)],
     ) -> Result<()> {
-        let rank = self.rank();
+        let rank = self.rank;
         let deadline = self.deadline();
-        let mut rest = as_slots(out);
+        // Every count is checked before anything is posted.
+        for range in chunks {
+            count(rank, range.len())?;
+        }
+        for (_, outgoing) in sends {
+            match outgoing {
+                Outgoing::Elements(elements) => count(rank, elements.len()).map(drop)?,
+                Outgoing::Rows { byte_offsets, .. } => count(rank, byte_offsets.len()).map(drop)?,
+            }
+        }
+        let mut rest = out;
         let mut consumed = 0;
-        let chunks: Vec<_> = chunks
+        let mut receives = Vec::with_capacity(chunks.len());
+        for (src, range) in chunks.iter().enumerate() {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - consumed);
+            let (chunk, tail) = tail.split_at_mut(range.len());
+            rest = tail;
+            consumed = range.end;
+            if src != rank {
+                receives.push(self.receive(chunk, src)?);
+            }
+        }
+        let posted_sends = sends
             .iter()
-            .map(|range| {
-                let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - consumed);
-                let (chunk, tail) = tail.split_at_mut(range.len());
-                rest = tail;
-                consumed = range.end;
-                chunk
-            })
-            .collect();
-        let expected: Vec<usize> = chunks.iter().map(|chunk| chunk.len()).collect();
-        let received = mpi::request::scope(|scope| {
-            let receives: Vec<_> = chunks
-                .into_iter()
-                .enumerate()
-                .filter(|&(src, _)| src != rank)
-                .map(|(src, chunk)| {
-                    let from = self.world.process_at_rank(src as i32);
-                    (
-                        src,
-                        from.immediate_receive_into_with_tag(scope, chunk, P2P_TAG),
-                    )
-                })
-                .collect();
-            let sends: Vec<_> = sends
-                .iter()
-                .map(|&(dst, buffer)| {
-                    let to = self.world.process_at_rank(dst as i32);
-                    (dst, to.immediate_send_with_tag(scope, buffer, P2P_TAG))
-                })
-                .collect();
-            let received = self.complete(receives, deadline);
-            self.complete(sends, deadline);
-            received
-        });
+            .map(|(dst, outgoing)| self.send(outgoing, *dst))
+            .collect::<Result<Vec<_>>>()?;
+        let received = self.complete::<T>(receives, deadline);
+        self.complete::<T>(posted_sends, deadline);
         let short = received
             .into_iter()
-            .map(|(src, status)| (src, status.count(T::equivalent_datatype()) as usize))
-            .filter(|&(src, got)| got != expected[src])
+            .filter(|&(src, got)| got != chunks[src].len() as i64)
             .min();
         match short {
             Some((src, got)) => Err(Error::Collective {
@@ -290,7 +443,7 @@ impl MpiComm {
                 message: format!(
                     "sent {got} {} where rank {rank} expected {}",
                     T::PLURAL,
-                    expected[src]
+                    chunks[src].len()
                 ),
             }),
             None => Ok(()),
@@ -304,15 +457,16 @@ impl MpiComm {
         send: &[u8],
         send_counts: &[usize],
     ) -> Result<(Vec<u8>, Vec<usize>)> {
-        let (rank, size) = (self.rank(), self.size());
+        let (rank, size) = (self.rank, self.size);
         let (_, displacements) = counts_and_displacements(rank, send_counts)?;
         let others = || (0..size).filter(move |&peer| peer != rank);
 
         let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
         let mut recv_counts = uninit::<u64>(size);
         recv_counts[rank].write(counts[rank]);
-        let sends: Vec<(usize, &[u64])> =
-            others().map(|dst| (dst, &counts[dst..dst + 1])).collect();
+        let sends: Vec<(usize, Outgoing<'_, u64>)> = others()
+            .map(|dst| (dst, Outgoing::Elements(&counts[dst..dst + 1])))
+            .collect();
         let slots: Vec<Range<usize>> = (0..size).map(|src| src..src + 1).collect();
         self.round(&mut recv_counts, &slots, &sends)?;
         // SAFETY: this rank's count was written, every other one received.
@@ -330,7 +484,9 @@ impl MpiComm {
             &send[start..start + send_counts[dst]]
         };
         write_copy(&mut received[chunks[rank].clone()], chunk(rank));
-        let sends: Vec<(usize, &[u8])> = others().map(|dst| (dst, chunk(dst))).collect();
+        let sends: Vec<(usize, Outgoing<'_, u8>)> = others()
+            .map(|dst| (dst, Outgoing::Elements(chunk(dst))))
+            .collect();
         self.round(&mut received, &chunks, &sends)?;
         // SAFETY: this rank's chunk was copied, every other one received whole.
         Ok((unsafe { assume_init(received) }, recv_counts))
@@ -339,15 +495,15 @@ impl MpiComm {
 
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
-        self.world.rank() as usize
+        self.rank
     }
 
     fn size(&self) -> usize {
-        self.world.size() as usize
+        self.size
     }
 
     fn all_to_all_v(&self, send: &[u8], send_counts: &[usize]) -> Result<(Vec<u8>, Vec<usize>)> {
-        check_counts(self.rank(), self.size(), send.len(), send_counts, "bytes")?;
+        check_counts(self.rank, self.size, send.len(), send_counts, "bytes")?;
         self.all_to_all_v_bytes(send, send_counts)
     }
 
@@ -362,14 +518,17 @@ impl Communicator for MpiComm {
         send_counts: &[usize],
         recv_counts: Option<&[usize]>,
     ) -> Result<Received> {
-        let (rank, size) = (self.rank(), self.size());
+        let (rank, size) = (self.rank, self.size);
         check_counts(rank, size, send.len(), send_counts, "words")?;
         let (counts, displacements) = counts_and_displacements(rank, send_counts)?;
         let chunk = |dst: usize| {
             let start = displacements[dst] as usize;
             &send[start..start + counts[dst] as usize]
         };
-        let float = f32::equivalent_datatype();
+        let sends: Vec<(usize, Outgoing<'_, f32>)> = (0..size)
+            .filter(|&dst| dst != rank)
+            .map(|dst| (dst, Outgoing::Elements(chunk(dst))))
+            .collect();
         match recv_counts {
             Some(known) => {
                 if known.len() != size {
@@ -390,10 +549,6 @@ impl Communicator for MpiComm {
                     let own_start: usize = known[..rank].iter().sum();
                     write_copy(&mut received[own_start..], chunk(rank));
                 }
-                let sends: Vec<(usize, &[f32])> = (0..size)
-                    .filter(|&dst| dst != rank)
-                    .map(|dst| (dst, chunk(dst)))
-                    .collect();
                 let chunks = RowChunks::Packed(known);
                 let chunks: Vec<Range<usize>> = (0..size).map(|src| chunks.range(src)).collect();
                 self.round(&mut received, &chunks, &sends)?;
@@ -412,37 +567,22 @@ impl Communicator for MpiComm {
             }
             None => {
                 let deadline = self.deadline();
-                let mut chunks: Vec<(Arc<Vec<f32>>, Range<usize>)> = Vec::with_capacity(size);
-                mpi::request::scope(|scope| {
-                    let sends: Vec<_> = (0..size)
-                        .filter(|&dst| dst != rank)
-                        .map(|dst| {
-                            let to = self.world.process_at_rank(dst as i32);
-                            (dst, to.immediate_send_with_tag(scope, chunk(dst), P2P_TAG))
-                        })
-                        .collect();
-                    for src in 0..size {
+                let posted = sends
+                    .iter()
+                    .map(|(dst, outgoing)| self.send(outgoing, *dst))
+                    .collect::<Result<Vec<_>>>()?;
+                let chunks: Vec<(Arc<Vec<f32>>, Range<usize>)> = (0..size)
+                    .map(|src| {
                         let values = if src == rank {
                             chunk(rank).to_vec()
                         } else {
-                            let from = self.world.process_at_rank(src as i32);
-                            let (message, status) = self.probe(&from, src, deadline);
-                            let mut values = uninit::<f32>(status.count(float) as usize);
-                            mpi::request::scope(|receiving| {
-                                let request = message.immediate_matched_receive_into(
-                                    receiving,
-                                    as_slots(&mut values),
-                                );
-                                self.complete(vec![(src, request)], deadline);
-                            });
-                            // SAFETY: the buffer holds exactly the probed message.
-                            unsafe { assume_init(values) }
+                            self.receive_any_length(src, deadline)
                         };
                         let len = values.len();
-                        chunks.push((Arc::new(values), 0..len));
-                    }
-                    self.complete(sends, deadline);
-                });
+                        (Arc::new(values), 0..len)
+                    })
+                    .collect();
+                self.complete::<f32>(posted, deadline);
                 Ok(Received::from_chunks(chunks))
             }
         }
@@ -460,85 +600,68 @@ impl Communicator for MpiComm {
         recv: RowChunks<'_>,
         out: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
-        let (rank, size) = (self.rank(), self.size());
+        let (rank, size) = (self.rank, self.size);
         check_rows(rank, size, source.len(), width, rows, recv, out.len())?;
-        let too_large = || Error::Collective {
-            rank,
-            message: "an all-to-all chunk exceeds MPI's count limit (2^31 - 1 elements)".to_owned(),
-        };
         let words = |rows: usize| {
             rows.checked_mul(width)
-                .and_then(|words| i32::try_from(words).ok())
-                .ok_or_else(too_large)
+                .ok_or_else(|| too_large(rank))
+                .and_then(|words| count(rank, words))
         };
         recv.counts()
             .iter()
             .try_for_each(|&rows| words(rows).map(drop))?;
 
-        // What each other rank is sent: a datatype over `source` from a starting word.
-        let float = f32::equivalent_datatype();
-        let mut outgoing: Vec<(usize, UserDatatype, usize)> = Vec::with_capacity(size);
+        // What each other rank is sent: a range of rows as one run of words, a list of rows
+        // (unless consecutive) by their byte offsets.
+        let mut sends: Vec<(usize, Outgoing<'_, f32>)> = Vec::with_capacity(size);
         for dst in (0..size).filter(|&dst| dst != rank) {
-            let contiguous = |range: Range<usize>| {
-                Ok((
-                    UserDatatype::contiguous(words(range.len())?, &float),
-                    range.start * width,
-                ))
-            };
-            let (datatype, start) = match rows.selected(dst) {
-                Selected::Range(range) => contiguous(range)?,
+            let range = match rows.selected(dst) {
+                Selected::Range(range) => Some(range),
                 Selected::Listed(listed) if listed.windows(2).all(|w| w[1] == w[0] + 1) => {
                     let first = listed.first().copied().unwrap_or(0);
-                    contiguous(first..first + listed.len())?
+                    Some(first..first + listed.len())
                 }
                 Selected::Listed(listed) => {
-                    i32::try_from(listed.len()).map_err(|_| too_large())?;
-                    let displacements = listed
+                    let byte_offsets = listed
                         .iter()
-                        .map(|&row| Address::try_from(row * width * 4).map_err(|_| too_large()))
-                        .collect::<Result<Vec<Address>>>()?;
-                    let datatype = UserDatatype::heterogeneous_indexed_block(
-                        words(1)?,
-                        &displacements,
-                        &float,
-                    );
-                    (datatype, 0)
+                        .map(|&row| i64::try_from(row * width * 4).map_err(|_| too_large(rank)))
+                        .collect::<Result<Vec<i64>>>()?;
+                    sends.push((
+                        dst,
+                        Outgoing::Rows {
+                            source,
+                            byte_offsets,
+                            row_words: words(1)?,
+                        },
+                    ));
+                    None
                 }
             };
-            outgoing.push((dst, datatype, start));
+            if let Some(range) = range {
+                words(range.len())?;
+                let elements = &source[range.start * width..range.end * width];
+                sends.push((dst, Outgoing::Elements(elements)));
+            }
         }
-        let views: Vec<_> = outgoing
-            .iter()
-            .map(|(dst, datatype, start)| {
-                // SAFETY: every datatype covers only selected rows, which `check_rows` found
-                // inside `source`, counted from `start`: a range's words from its first, a
-                // list's by byte displacements from word 0.
-                let view = unsafe { View::with_count_and_datatype(&source[*start..], 1, datatype) };
-                (*dst, view)
-            })
-            .collect();
-
         let chunks: Vec<Range<usize>> = (0..size)
             .map(|src| {
                 let rows = recv.range(src);
                 rows.start * width..rows.end * width
             })
             .collect();
-        let sends: Vec<(usize, &View<'_, '_, UserDatatype, [f32]>)> =
-            views.iter().map(|(dst, view)| (*dst, view)).collect();
         self.round(out, &chunks, &sends)
     }
 
     /// Every rank's buffer gathered (a round), then summed in rank order: bit-identical on
     /// every rank (`MPI_Allreduce`'s order is the implementation's).
     fn all_reduce_sum(&self, buffer: &mut [f32]) -> Result<()> {
-        let (rank, size, len) = (self.rank(), self.size(), buffer.len());
+        let (rank, size, len) = (self.rank, self.size, buffer.len());
         let mut all = uninit::<f32>(len * size);
         write_copy(&mut all[rank * len..], buffer);
         let chunks: Vec<Range<usize>> = (0..size).map(|src| src * len..(src + 1) * len).collect();
-        let sends: Vec<(usize, &[f32])> = (0..size)
+        let sends: Vec<(usize, Outgoing<'_, f32>)> = (0..size)
             .filter(|&dst| dst != rank)
-            .map(|dst| (dst, &buffer[..]))
+            .map(|dst| (dst, Outgoing::Elements(&buffer[..])))
             .collect();
         self.round(&mut all, &chunks, &sends)?;
         // SAFETY: this rank's chunk was copied, every other one received whole.
@@ -554,12 +677,12 @@ impl Communicator for MpiComm {
 
     /// A round of empty messages: every rank has reached it once each has heard from all.
     fn barrier(&self) -> Result<()> {
-        let rank = self.rank();
-        let sends: Vec<(usize, &[f32])> = (0..self.size())
+        let rank = self.rank;
+        let sends: Vec<(usize, Outgoing<'_, f32>)> = (0..self.size)
             .filter(|&dst| dst != rank)
-            .map(|dst| (dst, &[][..]))
+            .map(|dst| (dst, Outgoing::Elements(&[][..])))
             .collect();
-        let empty: Vec<Range<usize>> = vec![0..0; self.size()];
-        self.round::<f32, _>(&mut [], &empty, &sends)
+        let empty: Vec<Range<usize>> = vec![0..0; self.size];
+        self.round::<f32>(&mut [], &empty, &sends)
     }
 }
