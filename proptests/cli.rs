@@ -542,12 +542,18 @@ fn bench_reports_every_kernel_as_json_rows() {
     );
     let text = String::from_utf8(out.stdout).unwrap();
     let rows: Vec<&str> = text.lines().collect();
-    let kernels = Kernel::ALL.len() + 1; // plus the whole-layer row
-    assert_eq!(rows.len(), 2 * kernels, "{text}");
-    for kernel in Kernel::ALL {
+    // Every kernel, the whole layer and the experts composed, at each token count.
+    let names: Vec<&str> = Kernel::ALL
+        .iter()
+        .map(|kernel| kernel.name())
+        .chain(["moe_layer_fwd_bwd", "experts_fwd_bwd"])
+        .collect();
+    assert_eq!(rows.len(), 2 * names.len(), "{text}");
+    for name in names {
         assert!(
             rows.iter()
-                .any(|r| r.contains(&format!("\"kernel\":\"{}\"", kernel.name())))
+                .any(|r| r.contains(&format!("\"kernel\":\"{name}\""))),
+            "no {name} row: {text}"
         );
     }
     for row in &rows {
@@ -602,6 +608,14 @@ fn bench_reports_only_the_rows_asked_for() {
         stdout.contains("\"kernel\":\"moe_layer_fwd_bwd\""),
         "{stdout}"
     );
+    // The experts composed: one row, with the forward's and the backward's useful work.
+    let stdout = bench_rows(&["experts_fwd_bwd"]);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(
+        stdout.contains("\"kernel\":\"experts_fwd_bwd\""),
+        "{stdout}"
+    );
+    assert!(stdout.contains("\"gflops\":"), "{stdout}");
 }
 
 #[test]

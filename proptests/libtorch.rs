@@ -69,6 +69,7 @@ fn bench_reports_libtorch_times_and_ratios() {
         "blockwise_mm",
         "blockwise_mm_bwd",
         "moe_layer_fwd_bwd",
+        "experts_fwd_bwd",
     ] {
         let row = text
             .lines()

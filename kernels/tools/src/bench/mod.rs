@@ -8,12 +8,15 @@ pub mod libtorch;
 pub mod limits;
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use limits::MachineLimits;
 use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
+use moekit::contracts::OutputDType;
 use moekit::error::{Error, Result};
+use moekit::experts::{Experts, ExpertsInputs, LocalExperts};
 use moekit::kernel::Kernel;
 use moekit::tensor::DType;
 
@@ -40,8 +43,13 @@ pub struct BenchConfig {
 /// The row that times the whole layer: every kernel once, forward and backward.
 pub const LAYER_ROW: &str = "moe_layer_fwd_bwd";
 
-/// The rows a run reports: every row (empty), or the named ones (kernel names, and
-/// [`LAYER_ROW`]).
+/// The row that times the experts as the trainer runs them: [`LocalExperts`]' forward
+/// (`permute`, `blockwise_mm` with checkpoints) and backward (`blockwise_mm_bwd` on the
+/// forward's validated call), validation included.
+pub const EXPERTS_ROW: &str = "experts_fwd_bwd";
+
+/// The rows a run reports: every row (empty), or the named ones (kernel names,
+/// [`LAYER_ROW`] and [`EXPERTS_ROW`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RowSelection(Vec<String>);
 
@@ -57,7 +65,7 @@ impl RowSelection {
         let known: Vec<&str> = Kernel::ALL
             .iter()
             .map(|kernel| kernel.name())
-            .chain([LAYER_ROW])
+            .chain([LAYER_ROW, EXPERTS_ROW])
             .collect();
         if let Some(name) = names.iter().find(|name| !known.contains(&name.as_str())) {
             return Err(Error::param(
@@ -211,7 +219,9 @@ pub fn median(mut values: Vec<f64>) -> f64 {
 /// The layer's routing, plan and checkpoints come from `backend` where it runs all three
 /// forward kernels, else from the reference. The layer row is reported only when every kernel
 /// of the layer was timed.
-pub fn run(backend: &dyn Backend, config: &BenchConfig) -> Result<BenchResult> {
+pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResult> {
+    let shared = backend;
+    let backend = shared.as_ref();
     let supported = |kernel: Kernel| backend.supports(kernel);
     let reference = BackendKind::Reference.create();
     let builds_layer = [Kernel::RouterTopk, Kernel::Permute, Kernel::BlockwiseMm]
@@ -263,6 +273,7 @@ pub fn run(backend: &dyn Backend, config: &BenchConfig) -> Result<BenchResult> {
             "blockwise_mm" => experts_fwd,
             "blockwise_mm_bwd" => experts_bwd,
             LAYER_ROW => layer_peer,
+            EXPERTS_ROW => experts_fwd_bwd,
             _ => None,
         },
     };
@@ -328,6 +339,33 @@ pub fn run(backend: &dyn Backend, config: &BenchConfig) -> Result<BenchResult> {
         let layer_ms: f64 = rows.iter().map(|r| r.ms).sum();
         let layer_flop = expert_flop * 3.0 + 6.0 * tf * hf * ef;
         rows.push(row(LAYER_ROW, layer_ms, gflops(layer_flop, layer_ms)));
+    }
+    // The experts composed, forward and backward, where the backend runs their kernels.
+    let experts_kernels = [Kernel::Permute, Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd];
+    let runs_experts = experts_kernels.into_iter().try_fold(true, |all, kernel| {
+        Ok::<_, Error>(all && supported(kernel)?)
+    })?;
+    if runs_experts && config.rows.shows(EXPERTS_ROW) {
+        let experts = LocalExperts {
+            backend: Arc::clone(shared),
+            block_size: b,
+            output_dtype: OutputDType::Input,
+        };
+        let inputs = ExpertsInputs {
+            hidden_states: &layer.inputs.x,
+            expert_index: &layer.routed.expert_index,
+            topk_affinities: &layer.routed.topk_affinities,
+            gate_up_proj_weight: &layer.inputs.gate_up_proj_weight,
+            down_proj_weight: &layer.inputs.down_proj_weight,
+        };
+        let d_output = (layer.inputs.output_hidden_states_grad.clone())
+            .into_leading_rows("output_hidden_states_grad", t)?;
+        let ms = time(min, || {
+            let (_, saved) = experts.forward(inputs, true)?;
+            let saved = saved.ok_or_else(|| Error::invalid("blockwise_mm", "no record kept"))?;
+            experts.backward(inputs, &saved, &d_output)
+        })?;
+        rows.push(row(EXPERTS_ROW, ms, gflops(3.0 * expert_flop, ms)));
     }
     // The routing table an expert-parallel layer would exchange with (not part of the
     // single-rank layer above), at the most ranks up to 8 that divide E.

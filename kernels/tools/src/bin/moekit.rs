@@ -18,6 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -107,7 +108,8 @@ enum Command {
         #[arg(long)]
         no_libtorch: bool,
         /// Only this row (a kernel name as printed, e.g. permute or blockwise_mm_bwd; repeat
-        /// for several; default: every row). moe_layer_fwd_bwd times every kernel it sums.
+        /// for several; default: every row). moe_layer_fwd_bwd times every kernel it sums;
+        /// experts_fwd_bwd times the experts composed (moekit::experts::LocalExperts).
         #[arg(long = "kernel")]
         kernels: Vec<String>,
         #[command(flatten)]
@@ -400,8 +402,8 @@ fn execute(command: Command) -> Result<Outcome> {
                     rows: rows.clone(),
                 })
                 .collect();
-            let backend = backend.create_with(neuron.options());
-            bench(backend.as_ref(), &configs, json)?;
+            let backend: Arc<dyn Backend> = Arc::from(backend.create_with(neuron.options()));
+            bench(&backend, &configs, json)?;
         }
     }
     Ok(Outcome::Pass)
@@ -524,7 +526,7 @@ fn mpi_bench(_: &dyn Fn(&dyn Communicator) -> Result<Vec<ExchangeRow>>, _: MoeSh
 }
 
 /// `moekit bench`: each of `configs`, as a table or JSON lines.
-fn bench(backend: &dyn Backend, configs: &[BenchConfig], json: bool) -> Result<()> {
+fn bench(backend: &Arc<dyn Backend>, configs: &[BenchConfig], json: bool) -> Result<()> {
     // An accelerator's kernels are set against its documented limits, the host's against its
     // limits measured before and after the kernels (the higher reading of each counts).
     let measure = || MachineLimits::of(backend.device());
