@@ -167,8 +167,8 @@ enum Outgoing<'a, T> {
     },
 }
 
-/// A posted operation with the rank at its other end. The memory it reads or writes must stay
-/// borrowed until [`MpiComm::complete`] has seen it finish.
+/// A posted operation with the rank at its other end. The memory it reads or writes must be
+/// left alone until [`MpiComm::complete`] has seen it finish.
 struct Pending {
     peer: usize,
     request: *mut sys::moekit_mpi_request,
@@ -241,12 +241,23 @@ impl MpiComm {
         }
     }
 
+    /// `len` elements as the count of an operation about to be posted; the callers check
+    /// their counts first, so a count too large here ends the job (operations posted before it
+    /// may hold buffers) rather than returning.
+    fn posted_count(&self, len: usize) -> c_int {
+        count(self.rank, len).unwrap_or_else(|err| self.end_job(format!("{err}\n"), FAILED_EXIT))
+    }
+
     /// Posts a receive of `slots` from `src`.
-    fn receive<T: Element>(&self, slots: &mut [MaybeUninit<T>], src: usize) -> Result<Pending> {
-        let len = count(self.rank, slots.len())?;
+    ///
+    /// # Safety
+    /// `slots` must not be read, written or freed until [`Self::complete`] has returned the
+    /// result.
+    unsafe fn receive<T: Element>(&self, slots: &mut [MaybeUninit<T>], src: usize) -> Pending {
+        let len = self.posted_count(slots.len());
         let mut request = ptr::null_mut();
-        // SAFETY: `slots` holds `len` elements of `T`, whose kind is `T::KIND`; the caller keeps
-        // it borrowed until the request completes (see `Pending`).
+        // SAFETY: `slots` holds `len` elements of `T`, whose kind is `T::KIND`; the caller leaves
+        // it alone until the request completes.
         let code = unsafe {
             sys::moekit_mpi_irecv(
                 slots.as_mut_ptr().cast::<c_void>(),
@@ -258,17 +269,21 @@ impl MpiComm {
             )
         };
         self.posted("MPI_Irecv", code);
-        Ok(Pending { peer: src, request })
+        Pending { peer: src, request }
     }
 
     /// Posts the send of `outgoing` to `dst`.
-    fn send<T: Element>(&self, outgoing: &Outgoing<'_, T>, dst: usize) -> Result<Pending> {
+    ///
+    /// # Safety
+    /// The memory `outgoing` borrows must not be written or freed until [`Self::complete`]
+    /// has returned the result.
+    unsafe fn send<T: Element>(&self, outgoing: &Outgoing<'_, T>, dst: usize) -> Pending {
         let mut request = ptr::null_mut();
         let code = match outgoing {
             Outgoing::Elements(elements) => {
-                let len = count(self.rank, elements.len())?;
-                // SAFETY: `elements` holds `len` elements of kind `T::KIND`, borrowed until the
-                // request completes (see `Pending`).
+                let len = self.posted_count(elements.len());
+                // SAFETY: `elements` holds `len` elements of kind `T::KIND`, left alone until the
+                // request completes (the caller's contract).
                 unsafe {
                     sys::moekit_mpi_isend(
                         elements.as_ptr().cast::<c_void>(),
@@ -285,10 +300,11 @@ impl MpiComm {
                 byte_offsets,
                 row_words,
             } => {
-                let rows = count(self.rank, byte_offsets.len())?;
+                let rows = self.posted_count(byte_offsets.len());
                 // SAFETY: every row, `row_words` f32 from its byte offset, lies inside `source`
-                // (`check_rows` found the selected rows there), which stays borrowed until the
-                // request completes; `byte_offsets` holds `rows` offsets.
+                // (`check_rows` found the selected rows there), which is left alone until the
+                // request completes (the caller's contract); `byte_offsets` holds `rows`
+                // offsets.
                 unsafe {
                     sys::moekit_mpi_isend_rows(
                         source.as_ptr(),
@@ -303,7 +319,7 @@ impl MpiComm {
             }
         };
         self.posted("MPI_Isend", code);
-        Ok(Pending { peer: dst, request })
+        Pending { peer: dst, request }
     }
 
     /// Completes `pending`, receives of elements of `T` or sends; returns each one's peer with
@@ -424,13 +440,17 @@ impl MpiComm {
             rest = tail;
             consumed = range.end;
             if src != rank {
-                receives.push(self.receive(chunk, src)?);
+                // SAFETY: `out` stays borrowed by this call, which completes every receive
+                // below before it returns.
+                receives.push(unsafe { self.receive(chunk, src) });
             }
         }
         let posted_sends = sends
             .iter()
-            .map(|(dst, outgoing)| self.send(outgoing, *dst))
-            .collect::<Result<Vec<_>>>()?;
+            // SAFETY: `sends` stays borrowed by this call, which completes every send below
+            // before it returns.
+            .map(|(dst, outgoing)| unsafe { self.send(outgoing, *dst) })
+            .collect();
         let received = self.complete::<T>(receives, deadline);
         self.complete::<T>(posted_sends, deadline);
         let short = received
@@ -569,8 +589,10 @@ impl Communicator for MpiComm {
                 let deadline = self.deadline();
                 let posted = sends
                     .iter()
-                    .map(|(dst, outgoing)| self.send(outgoing, *dst))
-                    .collect::<Result<Vec<_>>>()?;
+                    // SAFETY: `send` stays borrowed by this call, which completes every send
+                    // below before it returns.
+                    .map(|(dst, outgoing)| unsafe { self.send(outgoing, *dst) })
+                    .collect();
                 let chunks: Vec<(Arc<Vec<f32>>, Range<usize>)> = (0..size)
                     .map(|src| {
                         let values = if src == rank {
