@@ -12,8 +12,10 @@
 //! - [`backends`]: the backends this build provides ([`BackendKind`]), selected by name.
 //! - [`mod@reference`]: the f64 oracle backend.
 //! - [`cpu`]: the tuned CPU backend (packed GEMMs, SIMD, rayon), deterministic across threads.
-//! - [`experts`]: the routed experts of one rank composed of the kernels, forward and
-//!   backward, for every caller (moekit's own).
+//! - [`experts`]: the [`Experts`](experts::Experts) interface, the routed experts composed of
+//!   the kernels, forward and backward, for every caller (moekit's own); its sharded
+//!   implementation is [`ep::ShardedExperts`].
+//! - [`fallback`]: each kernel on a primary backend where it runs it, else on another.
 //! - [`ep`]: expert parallelism: rank groups and their collectives.
 //! - [`kernel`]: the kernel catalog, and running any kernel by name on named tensors
 //!   ([`Kernel::run`](kernel::Kernel::run)).
@@ -93,6 +95,7 @@ mod dispatch;
 pub mod ep;
 pub mod error;
 pub mod experts;
+pub mod fallback;
 pub mod files;
 pub mod kernel;
 pub mod memory;

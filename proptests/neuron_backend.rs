@@ -16,6 +16,7 @@ use common::*;
 use moekit::backend::{Device, KernelCall, Tolerance};
 use moekit::contracts::*;
 use moekit::cpu::CpuBackend;
+use moekit::fallback::FallbackBackend;
 use moekit::kernel::Kernel;
 use moekit::neuron::{NeuronBackend, NeuronConfig};
 use moekit::{Backend, BackendKind, Error, Tensor};
@@ -887,4 +888,58 @@ fn backends_state_their_kernels_tolerance_device_shapes_and_repeat_timing() {
         let timed = backend.time_repeated(KernelCall::RouterTopk(&call), 3);
         assert_eq!(timed.unwrap(), None, "{kind}");
     }
+}
+
+#[test]
+fn a_fallback_backend_runs_each_kernel_on_the_primary_where_it_has_it_else_on_the_fallback() {
+    let _guard = exclusive();
+    let r = small_router();
+    let dir = workdir("fallback");
+    let neff = router_neff(&r.x, &r.w, None, 2, r.params, false);
+    let entry = router_entry(4, 6, 5, r.params);
+    let neuron = || backend_with(&dir, &[("router.neff", neff.clone(), entry.clone())]);
+    let call = r.call(false).unwrap();
+    // (One runtime per process: the primary alone runs, and closes, first.)
+    let on_neuron = neuron().router_topk(&call).unwrap();
+    let backend = FallbackBackend::new(Box::new(neuron()), BackendKind::Cpu.create());
+
+    // Every kernel runs somewhere; the backend is the primary as far as tools see it, with the
+    // looser tolerance.
+    for &kernel in Kernel::ALL {
+        assert!(backend.supports(kernel).unwrap(), "{}", kernel.name());
+    }
+    assert_eq!(backend.name(), NeuronBackend::NAME);
+    assert_eq!(backend.tolerance(), NeuronBackend::TOLERANCE);
+    assert!(matches!(backend.device(), Device::Accelerator(_)));
+    assert!(backend.fixed_shapes().unwrap().is_some());
+
+    // router_topk runs on the device (which times its repeats itself), with the primary's
+    // results; permute on cpu (timed by the wall clock), with cpu's.
+    assert!(
+        backend
+            .time_repeated(KernelCall::RouterTopk(&call), 3)
+            .unwrap()
+            .is_some()
+    );
+    assert_eq!(backend.router_topk(&call).unwrap(), on_neuron);
+    let one_slot = OneSlot::new();
+    let permute = one_slot.permute();
+    assert!(
+        backend
+            .time_repeated(KernelCall::Permute(&permute), 3)
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        backend.permute(&permute).unwrap(),
+        CpuBackend.permute(&permute).unwrap()
+    );
+
+    // A kernel the primary runs, but not this call (its NEFF takes no bias), is the primary's
+    // error: nothing falls back silently.
+    let err = backend.router_topk(&r.call(true).unwrap()).unwrap_err();
+    assert!(
+        err.to_string().contains("router.neff") && err.to_string().contains("w_bias"),
+        "{err}"
+    );
 }

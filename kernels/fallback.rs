@@ -1,0 +1,113 @@
+//! [`FallbackBackend`]: a backend that runs each kernel on a primary backend where it runs it,
+//! else on a fallback (moekit's own combinator): the `neuron` backend's compiled kernels, say,
+//! with the block plan (`permute`, which nki-library ships no kernel for) on `cpu`.
+
+use std::time::Duration;
+
+use crate::backend::{Backend, Device, FixedShapes, KernelCall, Tolerance};
+use crate::contracts::{
+    A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
+    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
+    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+};
+use crate::error::Result;
+use crate::kernel::Kernel;
+
+/// Each kernel on `primary` where [`Backend::supports`] says it runs it, else on `fallback`.
+///
+/// It takes `primary`'s name, device and fixed shapes (the backend a user chose), and the
+/// looser of the two tolerances.
+pub struct FallbackBackend {
+    primary: Box<dyn Backend>,
+    fallback: Box<dyn Backend>,
+}
+
+impl FallbackBackend {
+    pub fn new(primary: Box<dyn Backend>, fallback: Box<dyn Backend>) -> Self {
+        Self { primary, fallback }
+    }
+
+    /// The backend that runs `kernel`.
+    fn runner(&self, kernel: Kernel) -> Result<&dyn Backend> {
+        Ok(if self.primary.supports(kernel)? {
+            self.primary.as_ref()
+        } else {
+            self.fallback.as_ref()
+        })
+    }
+}
+
+impl Backend for FallbackBackend {
+    fn name(&self) -> &'static str {
+        self.primary.name()
+    }
+
+    fn supports(&self, kernel: Kernel) -> Result<bool> {
+        Ok(self.primary.supports(kernel)? || self.fallback.supports(kernel)?)
+    }
+
+    fn tolerance(&self) -> Tolerance {
+        let (a, b) = (self.primary.tolerance(), self.fallback.tolerance());
+        Tolerance {
+            rtol: a.rtol.max(b.rtol),
+            atol: a.atol.max(b.atol),
+        }
+    }
+
+    fn device(&self) -> Device {
+        self.primary.device()
+    }
+
+    fn time_repeated(&self, call: KernelCall<'_, '_>, repeats: u32) -> Result<Option<Duration>> {
+        self.runner(call.kernel())?.time_repeated(call, repeats)
+    }
+
+    fn fixed_shapes(&self) -> Result<Option<FixedShapes>> {
+        self.primary.fixed_shapes()
+    }
+
+    fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
+        self.runner(Kernel::RouterTopk)?.router_topk(call)
+    }
+
+    fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
+        self.runner(Kernel::RouterTopkBwd)?.router_topk_bwd(call)
+    }
+
+    fn load_balancing_loss(
+        &self,
+        call: &LoadBalancingLoss<'_>,
+    ) -> Result<LoadBalancingLossOutputs> {
+        self.runner(Kernel::LoadBalancingLoss)?
+            .load_balancing_loss(call)
+    }
+
+    fn load_balancing_loss_bwd(
+        &self,
+        call: &LoadBalancingLossBwd<'_>,
+    ) -> Result<LoadBalancingLossGrads> {
+        self.runner(Kernel::LoadBalancingLossBwd)?
+            .load_balancing_loss_bwd(call)
+    }
+
+    fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
+        self.runner(Kernel::Permute)?.permute(call)
+    }
+
+    fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+        self.runner(Kernel::PermuteBwd)?.permute_bwd(call)
+    }
+
+    fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        self.runner(Kernel::BlockwiseMm)?.blockwise_mm(call)
+    }
+
+    fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        self.runner(Kernel::BlockwiseMmBwd)?.blockwise_mm_bwd(call)
+    }
+
+    fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
+        self.runner(Kernel::A2avRouting)?.a2av_routing(call)
+    }
+}
