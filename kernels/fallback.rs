@@ -14,27 +14,42 @@ use crate::contracts::{
 use crate::error::Result;
 use crate::kernel::Kernel;
 
-/// Each kernel on `primary` where [`Backend::supports`] says it runs it, else on `fallback`.
+/// Each kernel on `primary` where [`Backend::supports`] says it runs it, else on `fallback`;
+/// which backend runs which kernel is decided once, when it is made.
 ///
 /// It takes `primary`'s name, device and fixed shapes (the backend a user chose), and the
 /// looser of the two tolerances.
 pub struct FallbackBackend {
     primary: Box<dyn Backend>,
     fallback: Box<dyn Backend>,
+    /// The kernels `primary` runs.
+    on_primary: Vec<Kernel>,
 }
 
 impl FallbackBackend {
-    pub fn new(primary: Box<dyn Backend>, fallback: Box<dyn Backend>) -> Self {
-        Self { primary, fallback }
+    /// An error where `primary` cannot say which kernels it runs (a neuron backend whose
+    /// manifest cannot be read).
+    pub fn new(primary: Box<dyn Backend>, fallback: Box<dyn Backend>) -> Result<Self> {
+        let mut on_primary = Vec::new();
+        for &kernel in Kernel::ALL {
+            if primary.supports(kernel)? {
+                on_primary.push(kernel);
+            }
+        }
+        Ok(Self {
+            primary,
+            fallback,
+            on_primary,
+        })
     }
 
     /// The backend that runs `kernel`.
-    fn runner(&self, kernel: Kernel) -> Result<&dyn Backend> {
-        Ok(if self.primary.supports(kernel)? {
+    fn runner(&self, kernel: Kernel) -> &dyn Backend {
+        if self.on_primary.contains(&kernel) {
             self.primary.as_ref()
         } else {
             self.fallback.as_ref()
-        })
+        }
     }
 }
 
@@ -44,7 +59,7 @@ impl Backend for FallbackBackend {
     }
 
     fn supports(&self, kernel: Kernel) -> Result<bool> {
-        Ok(self.primary.supports(kernel)? || self.fallback.supports(kernel)?)
+        self.runner(kernel).supports(kernel)
     }
 
     fn tolerance(&self) -> Tolerance {
@@ -60,7 +75,7 @@ impl Backend for FallbackBackend {
     }
 
     fn time_repeated(&self, call: KernelCall<'_, '_>, repeats: u32) -> Result<Option<Duration>> {
-        self.runner(call.kernel())?.time_repeated(call, repeats)
+        self.runner(call.kernel()).time_repeated(call, repeats)
     }
 
     fn fixed_shapes(&self) -> Result<Option<FixedShapes>> {
@@ -68,18 +83,18 @@ impl Backend for FallbackBackend {
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
-        self.runner(Kernel::RouterTopk)?.router_topk(call)
+        self.runner(Kernel::RouterTopk).router_topk(call)
     }
 
     fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
-        self.runner(Kernel::RouterTopkBwd)?.router_topk_bwd(call)
+        self.runner(Kernel::RouterTopkBwd).router_topk_bwd(call)
     }
 
     fn load_balancing_loss(
         &self,
         call: &LoadBalancingLoss<'_>,
     ) -> Result<LoadBalancingLossOutputs> {
-        self.runner(Kernel::LoadBalancingLoss)?
+        self.runner(Kernel::LoadBalancingLoss)
             .load_balancing_loss(call)
     }
 
@@ -87,27 +102,27 @@ impl Backend for FallbackBackend {
         &self,
         call: &LoadBalancingLossBwd<'_>,
     ) -> Result<LoadBalancingLossGrads> {
-        self.runner(Kernel::LoadBalancingLossBwd)?
+        self.runner(Kernel::LoadBalancingLossBwd)
             .load_balancing_loss_bwd(call)
     }
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
-        self.runner(Kernel::Permute)?.permute(call)
+        self.runner(Kernel::Permute).permute(call)
     }
 
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
-        self.runner(Kernel::PermuteBwd)?.permute_bwd(call)
+        self.runner(Kernel::PermuteBwd).permute_bwd(call)
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
-        self.runner(Kernel::BlockwiseMm)?.blockwise_mm(call)
+        self.runner(Kernel::BlockwiseMm).blockwise_mm(call)
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-        self.runner(Kernel::BlockwiseMmBwd)?.blockwise_mm_bwd(call)
+        self.runner(Kernel::BlockwiseMmBwd).blockwise_mm_bwd(call)
     }
 
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
-        self.runner(Kernel::A2avRouting)?.a2av_routing(call)
+        self.runner(Kernel::A2avRouting).a2av_routing(call)
     }
 }

@@ -22,6 +22,7 @@ mod common;
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -30,9 +31,10 @@ use common::rows_exchange::RowsCase;
 use common::*;
 use moekit::contracts::{A2avRouting, A2avRoutingInputs, A2avRoutingParams};
 use moekit::ep::{
-    Communicator, DispatchParams, Dispatched, EpGrads, LocalComm, RowChunks, RowsToSend, agree,
-    all_to_all_v_values, combine, combine_bwd, dispatch, dispatch_bwd,
+    Communicator, DispatchParams, Dispatched, EpGrads, LocalComm, RowChunks, RowsToSend,
+    ShardedExperts, agree, all_to_all_v_values, combine, combine_bwd, dispatch, dispatch_bwd,
 };
+use moekit::experts::{Experts, ExpertsInputs};
 use moekit::{BackendKind, Error, Tensor};
 use proptest::prelude::*;
 
@@ -958,5 +960,38 @@ fn a2av_routing_refuses_ranks_that_do_not_divide_the_experts() {
         for needle in needles {
             assert!(message.contains(needle), "`{message}` lacks `{needle}`");
         }
+    }
+}
+
+#[test]
+fn sharded_experts_keep_nothing_without_a_record_even_on_a_rank_that_receives_no_rows() {
+    // E = 2 over R = 2, every token on expert 0: rank 1 receives no row.
+    let results = on_owned_ranks(LocalComm::group(2).unwrap(), |rank, comm| {
+        let experts = ShardedExperts {
+            backend: Arc::from(BackendKind::Cpu.create()),
+            comm: Rc::new(comm),
+            num_experts: 2,
+            block_size: 2,
+        };
+        let (t, h, i) = (3, 4, 2);
+        let mut rng = SeededRng::new(rank as u64);
+        let x = f32_tensor(&[t, h], &rng.values(t * h, 1.0));
+        let index = i32_tensor(&[t, 1], &[0, 0, 0]);
+        let affinities = f32_tensor(&[t, 1], &[1.0, 0.5, 0.25]);
+        let gate_up = f32_tensor(&[1, h, 2, i], &rng.values(h * 2 * i, 0.5));
+        let down = f32_tensor(&[1, i, h], &rng.values(i * h, 0.5));
+        let inputs = ExpertsInputs {
+            hidden_states: &x,
+            expert_index: &index,
+            topk_affinities: &affinities,
+            gate_up_proj_weight: &gate_up,
+            down_proj_weight: &down,
+        };
+        let (recorded, saved) = experts.forward(inputs, true).unwrap();
+        let (unrecorded, nothing) = experts.forward(inputs, false).unwrap();
+        (saved.is_some(), nothing.is_none(), recorded == unrecorded)
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        assert_eq!(result, (true, true, true), "rank {rank}");
     }
 }

@@ -901,7 +901,7 @@ fn a_fallback_backend_runs_each_kernel_on_the_primary_where_it_has_it_else_on_th
     let call = r.call(false).unwrap();
     // (One runtime per process: the primary alone runs, and closes, first.)
     let on_neuron = neuron().router_topk(&call).unwrap();
-    let backend = FallbackBackend::new(Box::new(neuron()), BackendKind::Cpu.create());
+    let backend = FallbackBackend::new(Box::new(neuron()), BackendKind::Cpu.create()).unwrap();
 
     // Every kernel runs somewhere; the backend is the primary as far as tools see it, with the
     // looser tolerance.

@@ -110,7 +110,8 @@ int moekit_mpi_irecv(void *buffer, int count, int kind, int src, int tag,
 }
 
 int moekit_mpi_test(struct moekit_mpi_request *request, int kind, int *done, int64_t *count) {
-    MPI_Status status;
+    /* Zeroed: a completed send's status need not be set, and its count is not used. */
+    MPI_Status status = {0};
     int code = MPI_Test(&request->request, done, &status);
     if (code != MPI_SUCCESS || !*done) {
         return code;

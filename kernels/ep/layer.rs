@@ -61,7 +61,7 @@ pub struct EpInputs<'a> {
 }
 
 /// What the backward needs from the forward.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct EpSaved {
     routed: RouterTopkOutputs,
     experts: ShardedSaved,
@@ -207,14 +207,14 @@ pub struct ShardedExperts {
 }
 
 /// What [`ShardedExperts::backward`] needs from the forward.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ShardedSaved {
     route: Route,
     local: Received,
 }
 
 /// The rows dispatch delivered to this rank, in its layout (see [`Dispatched`]).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct Delivered {
     /// `[R·S, H]` f32.
     hidden_states: Tensor,
@@ -225,7 +225,7 @@ struct Delivered {
 }
 
 /// What this rank's experts did with the rows dispatch delivered.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 enum Received {
     /// Rows arrived: their forward through this rank's experts.
     Rows(Box<(Delivered, LocalSaved)>),
@@ -270,7 +270,7 @@ impl ShardedExperts {
         if received == 0 {
             let k = delivered.expert_index.shape()[1];
             let zeros = Tensor::from_f32([rows, h], vec![0.0; rows * h])?;
-            return Ok((zeros, Some(Received::Nothing { rows, k })));
+            return Ok((zeros, record.then_some(Received::Nothing { rows, k })));
         }
         let (output, saved) = self
             .local()

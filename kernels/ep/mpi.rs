@@ -4,6 +4,7 @@
 use std::borrow::Cow;
 use std::ffi::{c_int, c_void};
 use std::io::Write;
+use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::ptr;
@@ -35,6 +36,8 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     timeout: Duration,
+    /// MPI runs single-threaded (`MPI_Init`): the value stays on the thread that made it.
+    _single_thread: PhantomData<*const ()>,
 }
 
 /// Environment variables MPI launchers set in the processes they start: Open MPI's `mpirun`,
@@ -75,6 +78,8 @@ impl MpiComm {
             ]
         };
         if codes != [0, 0] {
+            // SAFETY: MPI was initialised above and nothing is in flight.
+            unsafe { sys::moekit_mpi_finalize() };
             return Err(failed(format!(
                 "cannot read this process's rank of MPI_COMM_WORLD (MPI errors {codes:?})"
             )));
@@ -83,6 +88,7 @@ impl MpiComm {
             rank: rank as usize,
             size: size as usize,
             timeout: Self::DEFAULT_TIMEOUT,
+            _single_thread: PhantomData,
         })
     }
 
@@ -431,20 +437,25 @@ impl MpiComm {
                 Outgoing::Rows { byte_offsets, .. } => count(rank, byte_offsets.len()).map(drop)?,
             }
         }
+        // Every chunk is split off before anything is posted.
         let mut rest = out;
         let mut consumed = 0;
-        let mut receives = Vec::with_capacity(chunks.len());
+        let mut incoming = Vec::with_capacity(chunks.len());
         for (src, range) in chunks.iter().enumerate() {
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - consumed);
             let (chunk, tail) = tail.split_at_mut(range.len());
             rest = tail;
             consumed = range.end;
             if src != rank {
-                // SAFETY: `out` stays borrowed by this call, which completes every receive
-                // below before it returns.
-                receives.push(unsafe { self.receive(chunk, src) });
+                incoming.push((src, chunk));
             }
         }
+        let receives: Vec<Pending> = incoming
+            .into_iter()
+            // SAFETY: `out` stays borrowed by this call, which completes every receive below
+            // before it returns.
+            .map(|(src, chunk)| unsafe { self.receive(chunk, src) })
+            .collect();
         let posted_sends = sends
             .iter()
             // SAFETY: `sends` stays borrowed by this call, which completes every send below
