@@ -271,8 +271,10 @@ pub fn is_expert_parameter(name: &str) -> bool {
     name.contains(".mlp.experts.")
 }
 
-/// A rank group's communicator that adds up the wall time its operations take (waiting for
-/// the other ranks included): the sharded experts' exchange time, which each step reports.
+/// A rank group's communicator that adds up the wall time its operations take: the sharded
+/// experts' exchange time, which each step reports. Every operation counts, the verdicts the
+/// ranks exchange before each payload included, and so does waiting in one for the other
+/// ranks (a slower rank's experts, say).
 pub struct TimedComm {
     comm: Rc<dyn Communicator>,
     /// Time spent since [`Self::take_time`] last read it.
