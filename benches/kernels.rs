@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use moekit::contracts::{BlockwiseMmBwd, OutputDType};
-use moekit::experts::{Experts, ExpertsInputs, LocalExperts};
+use moekit::experts::{Experts, LocalExperts};
 use moekit::{Backend, BackendKind, DType};
 use moekit_tools::layer::{Layer, LayerInputs, MoeShape};
 
@@ -89,18 +89,10 @@ fn validation(c: &mut Criterion) {
         block_size: 128,
         output_dtype: OutputDType::Input,
     };
-    let inputs = ExpertsInputs {
-        hidden_states: &layer.inputs.x,
-        expert_index: &layer.routed.expert_index,
-        topk_affinities: &layer.routed.topk_affinities,
-        gate_up_proj_weight: &layer.inputs.gate_up_proj_weight,
-        down_proj_weight: &layer.inputs.down_proj_weight,
-    };
+    let inputs = layer.experts_inputs();
     let (_, saved) = experts.forward(inputs, true).expect("forward");
     let saved = saved.expect("recorded");
-    let d_output = (layer.inputs.output_hidden_states_grad.clone())
-        .into_leading_rows("d_output", 2048)
-        .expect("[T, H]");
+    let d_output = layer.experts_output_grad().expect("[T, H]");
     group.bench_function("LocalExperts::backward", |b| {
         b.iter(|| experts.backward(inputs, &saved, &d_output))
     });

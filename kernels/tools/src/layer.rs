@@ -7,6 +7,7 @@ use std::str::FromStr;
 
 use moekit::contracts::*;
 use moekit::error::find_named;
+use moekit::experts::ExpertsInputs;
 use moekit::random::SplitMix64;
 use moekit::tensor::try_capacity;
 use moekit::{Backend, DType, Error, Result, Tensor};
@@ -317,6 +318,26 @@ impl Layer {
             },
             BlockwiseMmBwdParams::default(),
         )
+    }
+
+    /// The inputs of the composed experts ([`Experts`](moekit::experts::Experts)): the tokens `x [T, H]`, their routing
+    /// and the weights.
+    pub fn experts_inputs(&self) -> ExpertsInputs<'_> {
+        ExpertsInputs {
+            hidden_states: &self.inputs.x,
+            expert_index: &self.routed.expert_index,
+            topk_affinities: &self.routed.topk_affinities,
+            gate_up_proj_weight: &self.inputs.gate_up_proj_weight,
+            down_proj_weight: &self.inputs.down_proj_weight,
+        }
+    }
+
+    /// The gradient of the composed experts' output, `[T, H]`: the layer's output gradient
+    /// without the padding row.
+    pub fn experts_output_grad(&self) -> Result<Tensor> {
+        let t = self.inputs.x.shape()[0];
+        (self.inputs.output_hidden_states_grad.clone())
+            .into_leading_rows("output_hidden_states_grad", t)
     }
 
     /// What the backward adds to the forward's inputs: the checkpoints, the output gradient

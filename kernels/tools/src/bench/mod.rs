@@ -16,7 +16,7 @@ use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
 use moekit::contracts::OutputDType;
 use moekit::error::{Error, Result};
-use moekit::experts::{Experts, ExpertsInputs, LocalExperts};
+use moekit::experts::{Experts, LocalExperts};
 use moekit::kernel::Kernel;
 use moekit::tensor::DType;
 
@@ -351,15 +351,8 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
             block_size: b,
             output_dtype: OutputDType::Input,
         };
-        let inputs = ExpertsInputs {
-            hidden_states: &layer.inputs.x,
-            expert_index: &layer.routed.expert_index,
-            topk_affinities: &layer.routed.topk_affinities,
-            gate_up_proj_weight: &layer.inputs.gate_up_proj_weight,
-            down_proj_weight: &layer.inputs.down_proj_weight,
-        };
-        let d_output = (layer.inputs.output_hidden_states_grad.clone())
-            .into_leading_rows("output_hidden_states_grad", t)?;
+        let inputs = layer.experts_inputs();
+        let d_output = layer.experts_output_grad()?;
         let ms = time(min, || {
             let (_, saved) = experts.forward(inputs, true)?;
             let saved = saved.ok_or_else(|| Error::invalid("blockwise_mm", "no record kept"))?;
