@@ -9,16 +9,18 @@
 //! backend: which kernels it runs ([`Backend::supports`]), how close to the f64 reference its
 //! results are ([`Tolerance`]), where it computes ([`Device`]), how it times a repeated call
 //! where it can ([`Backend::time_repeated`]) and, for compiled kernels, the shapes it runs
-//! ([`FixedShapes`]).
+//! ([`FixedShapes`]) and whether it has what a caller's planned calls need, ahead of running
+//! them ([`Backend::prepare`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::contracts::{
-    A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
+    BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams,
+    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
+    Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads,
+    RouterTopkOutputs,
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
@@ -55,6 +57,13 @@ pub trait Backend: Send + Sync {
     /// kernels); `None` where it takes any shape.
     fn fixed_shapes(&self) -> Result<Option<FixedShapes>> {
         Ok(None)
+    }
+
+    /// Readies the backend for `calls` before any of them runs, or says which it cannot run:
+    /// a backend of compiled kernels finds and loads each call's kernel, so that a missing one
+    /// is an error before a job starts rather than in its middle. Nothing to do on the hosts.
+    fn prepare(&self, _calls: &[PlannedCall]) -> Result<()> {
+        Ok(())
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs>;
@@ -155,6 +164,31 @@ impl KernelCall<'_, '_> {
             KernelCall::BlockwiseMm(call) => backend.blockwise_mm(call).map(drop),
             KernelCall::BlockwiseMmBwd(call) => backend.blockwise_mm_bwd(call).map(drop),
             KernelCall::A2avRouting(call) => backend.a2av_routing(call).map(drop),
+        }
+    }
+}
+
+/// A kernel call known ahead by its sizes and parameters, before its tensors exist (moekit's
+/// own): what a caller such as [`crate::experts::Experts`] will run, for
+/// [`Backend::prepare`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PlannedCall {
+    /// `blockwise_mm` without the optional biases.
+    BlockwiseMm {
+        dims: BlockwiseDims,
+        params: BlockwiseMmParams,
+    },
+    BlockwiseMmBwd {
+        dims: BlockwiseDims,
+        params: BlockwiseMmBwdParams,
+    },
+}
+
+impl PlannedCall {
+    pub fn kernel(&self) -> Kernel {
+        match self {
+            PlannedCall::BlockwiseMm { .. } => Kernel::BlockwiseMm,
+            PlannedCall::BlockwiseMmBwd { .. } => Kernel::BlockwiseMmBwd,
         }
     }
 }

@@ -46,11 +46,12 @@ pub enum Error {
         expected: usize,
     },
     /// An output the parameters ask for is too large to allocate.
-    #[error("cannot allocate {what}: {source}")]
+    // The cause is part of the message, not a `source` (which would print it twice in a
+    // chain of causes).
+    #[error("cannot allocate {what}: {error}")]
     Allocation {
         what: String,
-        #[source]
-        source: std::collections::TryReserveError,
+        error: std::collections::TryReserveError,
     },
     /// A tensor's shape has more elements than an address space holds, or an extent past
     /// `i64::MAX`.
@@ -68,11 +69,10 @@ pub enum Error {
     #[error("unknown backend `{name}`; available backends: {known}")]
     UnknownBackend { name: String, known: String },
     /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A file exists but its contents are not what the format requires.
     #[error("{path}: {message}")]

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, PlannedCall};
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdAdded, BlockwiseMmInputs,
     BlockwiseMmParams, OutputDType, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
@@ -51,6 +51,26 @@ pub trait Experts {
         saved: &Self::Saved,
         d_output: &Tensor,
     ) -> Result<ExpertsGrads>;
+
+    /// The backend calls of compiled shapes a forward of `sizes` makes (and, with `record`, its
+    /// backward): what a backend of compiled kernels must have for them.
+    fn planned_calls(&self, sizes: ExpertsSizes, record: bool) -> Result<Vec<PlannedCall>>;
+
+    /// Readies the backend for a forward of `sizes` (and, with `record`, its backward), or
+    /// says what it lacks ([`Backend::prepare`] of [`Self::planned_calls`]).
+    fn prepare(&self, sizes: ExpertsSizes, record: bool) -> Result<()>;
+}
+
+/// The sizes of one experts call: T tokens, each routed to K of E experts of hidden size H and
+/// intermediate size I. E counts every expert (over all ranks when sharded), T this rank's
+/// tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertsSizes {
+    pub t: usize,
+    pub h: usize,
+    pub e: usize,
+    pub k: usize,
+    pub i: usize,
 }
 
 /// The inputs of one call: the routed tokens and the experts' weights, the caller's.
@@ -122,6 +142,28 @@ pub struct LocalSaved {
 /// nki-library's layout without a padding row: padding slots hold −1.
 const SKIP_TOKEN: SkipMode = SkipMode { skip_token: true };
 
+/// The experts have no biases: their backward returns no bias gradients.
+const BIAS_GRADIENTS: bool = false;
+
+impl LocalExperts {
+    /// The block plan's parameters for `experts` experts.
+    fn permute_params(&self, experts: usize) -> PermuteParams {
+        PermuteParams {
+            skip_dma: SKIP_TOKEN,
+            ..PermuteParams::new(experts, self.block_size)
+        }
+    }
+
+    /// The forward's `blockwise_mm` parameters (checkpointing when a backward follows).
+    fn forward_params(record: bool) -> BlockwiseMmParams {
+        BlockwiseMmParams {
+            checkpoint_activation: record,
+            skip_dma: SKIP_TOKEN,
+            ..BlockwiseMmParams::default()
+        }
+    }
+}
+
 impl Experts for LocalExperts {
     type Saved = LocalSaved;
 
@@ -140,18 +182,11 @@ impl Experts for LocalExperts {
                     expert_index: inputs.expert_index,
                     topk_affinities: inputs.topk_affinities,
                 },
-                PermuteParams {
-                    skip_dma: SKIP_TOKEN,
-                    ..PermuteParams::new(experts, self.block_size)
-                },
+                self.permute_params(experts),
             )?
             .with_output_dtype(self.output_dtype),
         )?;
-        let params = BlockwiseMmParams {
-            checkpoint_activation: record,
-            skip_dma: SKIP_TOKEN,
-            ..BlockwiseMmParams::default()
-        };
+        let params = Self::forward_params(record);
         let call = BlockwiseMm::new(blockwise_inputs(inputs, &plan), params)?
             .with_output_dtype(self.output_dtype);
         let dims = call.dims();
@@ -205,7 +240,7 @@ impl Experts for LocalExperts {
                 output_hidden_states_grad: d_output,
                 expert_index: Some(inputs.expert_index),
             },
-            false,
+            BIAS_GRADIENTS,
         )?
         .with_output_dtype(self.output_dtype);
         let grads = self.backend.blockwise_mm_bwd(&call)?;
@@ -224,6 +259,34 @@ impl Experts for LocalExperts {
             d_gate_up_proj_weight: grads.gate_up_proj_weight_grad,
             d_down_proj_weight: grads.down_proj_weight_grad,
         })
+    }
+
+    /// `blockwise_mm` (and `blockwise_mm_bwd`) on T rows of `skip_token`'s layout and the
+    /// static plan of T·K assignments (the `permute` plan runs at any shape).
+    fn planned_calls(&self, sizes: ExpertsSizes, record: bool) -> Result<Vec<PlannedCall>> {
+        let ExpertsSizes { t, h, e, k, i } = sizes;
+        let dims = BlockwiseDims {
+            t,
+            rows: t,
+            h,
+            e,
+            i,
+            b: self.block_size,
+            n: self.permute_params(e).block_count(t, k)?,
+        };
+        let params = Self::forward_params(record);
+        let mut calls = vec![PlannedCall::BlockwiseMm { dims, params }];
+        if record {
+            calls.push(PlannedCall::BlockwiseMmBwd {
+                dims,
+                params: params.backward(BIAS_GRADIENTS),
+            });
+        }
+        Ok(calls)
+    }
+
+    fn prepare(&self, sizes: ExpertsSizes, record: bool) -> Result<()> {
+        self.backend.prepare(&self.planned_calls(sizes, record)?)
     }
 }
 

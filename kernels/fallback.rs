@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::backend::{Backend, Device, FixedShapes, KernelCall, Tolerance};
+use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
@@ -80,6 +80,15 @@ impl Backend for FallbackBackend {
 
     fn fixed_shapes(&self) -> Result<Option<FixedShapes>> {
         self.primary.fixed_shapes()
+    }
+
+    /// Each call prepared by the backend that will run it.
+    fn prepare(&self, calls: &[PlannedCall]) -> Result<()> {
+        let (on_primary, on_fallback): (Vec<PlannedCall>, Vec<PlannedCall>) = calls
+            .iter()
+            .partition(|call| self.on_primary.contains(&call.kernel()));
+        self.primary.prepare(&on_primary)?;
+        self.fallback.prepare(&on_fallback)
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

@@ -11,9 +11,9 @@ use crate::error::{Error, Result};
 /// whose size cannot be allocated.
 pub fn read_regular_file(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
-    let io = |source| Error::Io {
+    let io = |error| Error::Io {
         path: path.to_owned(),
-        source,
+        error,
     };
     // The type is checked before opening: opening a FIFO without a writer blocks.
     if !fs::metadata(path).map_err(io)?.is_file() {
@@ -28,9 +28,9 @@ pub fn read_regular_file(path: &Path) -> Result<Vec<u8>> {
     let mut bytes = Vec::new();
     bytes
         .try_reserve_exact(len)
-        .map_err(|source| Error::Allocation {
+        .map_err(|error| Error::Allocation {
             what: format!("the {len} bytes of {}", path.display()),
-            source,
+            error,
         })?;
     // The file may have grown since: read no more than its size then.
     file.take(len as u64).read_to_end(&mut bytes).map_err(io)?;

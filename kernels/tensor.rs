@@ -35,9 +35,9 @@ pub fn try_capacity<T>(what: &str, shape: &[usize]) -> Result<Vec<T>> {
         .unwrap_or(usize::MAX);
     let mut v = Vec::new();
     v.try_reserve_exact(len)
-        .map_err(|source| Error::Allocation {
+        .map_err(|error| Error::Allocation {
             what: format!("{what} of shape {shape:?}"),
-            source,
+            error,
         })?;
     Ok(v)
 }

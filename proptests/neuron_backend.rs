@@ -10,14 +10,19 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::rc::Rc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use common::*;
-use moekit::backend::{Device, KernelCall, Tolerance};
+use moekit::backend::{Device, KernelCall, PlannedCall, Tolerance};
 use moekit::contracts::*;
 use moekit::cpu::CpuBackend;
+use moekit::ep::{LocalComm, ShardedExperts};
+use moekit::experts::{Experts, ExpertsInputs, ExpertsSizes, LocalExperts};
 use moekit::fallback::FallbackBackend;
 use moekit::kernel::Kernel;
+use moekit::neuron::backend::manifest_entry;
+use moekit::neuron::manifest::Manifest;
 use moekit::neuron::{NeuronBackend, NeuronConfig};
 use moekit::{Backend, BackendKind, Error, Tensor};
 use proptest::prelude::*;
@@ -942,4 +947,347 @@ fn a_fallback_backend_runs_each_kernel_on_the_primary_where_it_has_it_else_on_th
         err.to_string().contains("router.neff") && err.to_string().contains("w_bias"),
         "{err}"
     );
+}
+
+/// The stand-in NEFF of a planned call (every float f32, as the experts' f32 inputs).
+fn planned_neff(call: &PlannedCall) -> String {
+    let (dims, activation, scaling, skip, checkpoint) = match call {
+        PlannedCall::BlockwiseMm { dims, params } => (
+            dims,
+            params.activation_function,
+            params.expert_affinities_scaling_mode,
+            params.skip_dma.skip_token,
+            params.checkpoint_activation,
+        ),
+        PlannedCall::BlockwiseMmBwd { dims, params } => (
+            dims,
+            params.activation_type,
+            params.expert_affinities_scaling_mode,
+            params.skip_dma.skip_token,
+            true,
+        ),
+    };
+    let stand_in = moekit_nrt_fake::Blockwise {
+        t: dims.t,
+        h: dims.h,
+        e: dims.e,
+        i: dims.i,
+        b: dims.b,
+        n: dims.n,
+        activation: activation.name(),
+        scaling: scaling.name(),
+        skip_token: skip,
+        checkpoint,
+    };
+    match call {
+        PlannedCall::BlockwiseMm { .. } => stand_in.forward_neff(),
+        PlannedCall::BlockwiseMmBwd { .. } => stand_in.backward_neff(),
+    }
+}
+
+/// Writes the manifest [`manifest_entry`] makes for `calls`, and a stand-in NEFF for each
+/// under the file name it gives; returns the manifest's path.
+fn manifest_for(dir: &Path, calls: &[PlannedCall]) -> PathBuf {
+    let mut manifest = String::new();
+    for call in calls {
+        let entry = manifest_entry(call);
+        let neff = entry
+            .lines()
+            .find_map(|line| line.strip_prefix("neff = "))
+            .unwrap()
+            .trim_matches('"')
+            .to_owned();
+        std::fs::write(dir.join(neff), planned_neff(call)).unwrap();
+        manifest += &entry;
+        manifest += "\n";
+    }
+    std::fs::write(dir.join("kernels.toml"), manifest).unwrap();
+    dir.join("kernels.toml")
+}
+
+/// The experts of a layer on `neuron` (the manifest at `manifest`) with the plan on cpu.
+fn neuron_experts(manifest: &Path, block_size: usize) -> LocalExperts {
+    let neuron = NeuronBackend::new(NeuronConfig {
+        library: Some(PathBuf::from(FAKE)),
+        manifest: manifest.to_path_buf(),
+    });
+    let backend = FallbackBackend::new(Box::new(neuron), BackendKind::Cpu.create()).unwrap();
+    LocalExperts {
+        backend: Arc::new(backend),
+        block_size,
+        output_dtype: OutputDType::Input,
+    }
+}
+
+/// Random routed tokens and weights of `sizes`, and an output gradient.
+fn experts_tensors(sizes: ExpertsSizes, seed: u64) -> [Tensor; 6] {
+    let ExpertsSizes { t, h, e, k, i } = sizes;
+    let mut rng = SeededRng::new(seed);
+    let index = expert_index(&mut rng, Routing::Random, t, e, k);
+    [
+        f32_tensor(&[t, h], &rng.values(t * h, 1.0)),
+        i32_tensor(&[t, k], &index),
+        f32_tensor(&[t, k], &rng.values(t * k, 1.0)),
+        f32_tensor(&[e, h, 2, i], &rng.values(e * h * 2 * i, 0.5)),
+        f32_tensor(&[e, i, h], &rng.values(e * i * h, 0.5)),
+        f32_tensor(&[t, h], &rng.values(t * h, 1.0)),
+    ]
+}
+
+fn inputs_of(tensors: &[Tensor; 6]) -> ExpertsInputs<'_> {
+    ExpertsInputs {
+        hidden_states: &tensors[0],
+        expert_index: &tensors[1],
+        topk_affinities: &tensors[2],
+        gate_up_proj_weight: &tensors[3],
+        down_proj_weight: &tensors[4],
+    }
+}
+
+#[test]
+fn experts_prepare_the_neffs_their_planned_calls_name_and_run_on_them() {
+    let _guard = exclusive();
+    let dir = workdir("planned_calls");
+    let sizes = ExpertsSizes {
+        t: 12,
+        h: 8,
+        e: 4,
+        k: 2,
+        i: 6,
+    };
+    let block_size = 4;
+    let cpu = LocalExperts {
+        backend: Arc::from(BackendKind::Cpu.create()),
+        block_size,
+        output_dtype: OutputDType::Input,
+    };
+    let mut calls = cpu.planned_calls(sizes, true).unwrap();
+    calls.extend(cpu.planned_calls(sizes, false).unwrap());
+    assert_eq!(
+        calls.iter().map(PlannedCall::kernel).collect::<Vec<_>>(),
+        [
+            Kernel::BlockwiseMm,
+            Kernel::BlockwiseMmBwd,
+            Kernel::BlockwiseMm
+        ]
+    );
+
+    // With the backward registered at other sizes only, preparing a recorded forward names
+    // what is missing, as does a forward without checkpoints (registered with them only).
+    let other_sizes = cpu
+        .planned_calls(ExpertsSizes { t: 5, ..sizes }, true)
+        .unwrap();
+    let manifest = manifest_for(&dir, &[calls[0], other_sizes[1]]);
+    let experts = neuron_experts(&manifest, block_size);
+    let err = experts.prepare(sizes, true).unwrap_err().to_string();
+    assert!(
+        err.contains("kernels.toml") && err.contains("no NEFF for blockwise_mm_bwd with t=12"),
+        "{err}"
+    );
+    let err = experts.prepare(sizes, false).unwrap_err().to_string();
+    assert!(err.contains("checkpoint_activation=false"), "{err}");
+    drop(experts);
+
+    // With every entry, the experts prepare, and a forward and backward run on the NEFFs
+    // (the fake's f64) and agree with cpu's.
+    let manifest = manifest_for(&dir, &calls);
+    let experts = neuron_experts(&manifest, block_size);
+    experts.prepare(sizes, true).unwrap();
+    experts.prepare(sizes, false).unwrap();
+    let tensors = experts_tensors(sizes, 7);
+    let (output, saved) = experts.forward(inputs_of(&tensors), true).unwrap();
+    let grads = experts
+        .backward(inputs_of(&tensors), &saved.unwrap(), &tensors[5])
+        .unwrap();
+    let (want_output, want_saved) = cpu.forward(inputs_of(&tensors), true).unwrap();
+    let want = cpu
+        .backward(inputs_of(&tensors), &want_saved.unwrap(), &tensors[5])
+        .unwrap();
+    for (name, got, want) in [
+        ("output", &output, &want_output),
+        (
+            "d_hidden_states",
+            &grads.d_hidden_states,
+            &want.d_hidden_states,
+        ),
+        (
+            "d_topk_affinities",
+            &grads.d_topk_affinities,
+            &want.d_topk_affinities,
+        ),
+        (
+            "d_gate_up",
+            &grads.d_gate_up_proj_weight,
+            &want.d_gate_up_proj_weight,
+        ),
+        (
+            "d_down",
+            &grads.d_down_proj_weight,
+            &want.d_down_proj_weight,
+        ),
+    ] {
+        assert_close(name, &f32s(got), &f32s(want), 1e-4, 1e-4).unwrap();
+    }
+
+    // A call of other sizes goes to the device too, which has no NEFF for it: the manifest's
+    // error, not a silent fallback.
+    let other = experts_tensors(ExpertsSizes { t: 5, ..sizes }, 8);
+    let err = experts.forward(inputs_of(&other), false).unwrap_err();
+    assert!(
+        err.to_string().contains("no NEFF for blockwise_mm"),
+        "{err}"
+    );
+}
+
+#[test]
+fn sharded_experts_plan_the_calls_of_dispatchs_layout() {
+    let _guard = exclusive();
+    let dir = workdir("sharded_planned_calls");
+    let (ranks, block_size) = (2, 4);
+    let sizes = ExpertsSizes {
+        t: 6,
+        h: 8,
+        e: 4,
+        k: 2,
+        i: 6,
+    };
+    // Rank r's routed tokens and its half of the experts' weights.
+    let global = experts_tensors(sizes, 11);
+    let local = ShardedExperts::local_sizes(sizes, ranks).unwrap();
+    assert_eq!((local.t, local.e), (12, 2));
+    let planner = LocalExperts {
+        backend: Arc::from(BackendKind::Cpu.create()),
+        block_size,
+        output_dtype: OutputDType::Float32,
+    };
+    let manifest = manifest_for(&dir, &planner.planned_calls(local, true).unwrap());
+    let backend = neuron_experts(&manifest, block_size).backend;
+    let outputs = std::thread::scope(|scope| {
+        let handles: Vec<_> = LocalComm::group(ranks)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (backend, global) = (Arc::clone(&backend), &global);
+                scope.spawn(move || {
+                    let experts = ShardedExperts {
+                        backend,
+                        comm: Rc::new(comm),
+                        num_experts: sizes.e,
+                        block_size,
+                    };
+                    assert_eq!(experts.planned_calls(sizes, true).unwrap().len(), 2);
+                    experts.prepare(sizes, true).unwrap();
+                    let share = sizes.e / ranks;
+                    let weights = [3, 4].map(|w| {
+                        let rows = global[w].shape()[0] / ranks;
+                        let values = f32s(&global[w]);
+                        let per_expert = values.len() / sizes.e;
+                        let mut shape = global[w].shape().to_vec();
+                        shape[0] = rows;
+                        f32_tensor(
+                            &shape,
+                            &values[rank * share * per_expert..(rank + 1) * share * per_expert],
+                        )
+                    });
+                    let inputs = ExpertsInputs {
+                        gate_up_proj_weight: &weights[0],
+                        down_proj_weight: &weights[1],
+                        ..inputs_of(global)
+                    };
+                    let (output, saved) = experts.forward(inputs, true).unwrap();
+                    experts
+                        .backward(inputs, &saved.unwrap(), &global[5])
+                        .unwrap();
+                    f32s(&output)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    // Every rank sent the same tokens: each gets the whole layer's output, cpu's.
+    let cpu = LocalExperts {
+        backend: Arc::from(BackendKind::Cpu.create()),
+        block_size,
+        output_dtype: OutputDType::Input,
+    };
+    let (want, _) = cpu.forward(inputs_of(&global), false).unwrap();
+    for output in outputs {
+        assert_close("output", &output, &f32s(&want), 1e-4, 1e-4).unwrap();
+    }
+}
+
+#[test]
+fn a_manifest_entry_reads_back_as_the_entry_its_call_finds() {
+    let dims = BlockwiseDims {
+        t: 512,
+        rows: 512,
+        h: 2048,
+        e: 128,
+        i: 768,
+        b: 128,
+        n: 160,
+    };
+    let clamp = ClampLimits {
+        gate: Clamp {
+            lower: None,
+            upper: Some(7.0),
+        },
+        up: Clamp {
+            lower: Some(-1e20),
+            upper: Some(0.25),
+        },
+    };
+    let forward = BlockwiseMmParams {
+        clamp,
+        activation_function: ActFnType::Gelu,
+        skip_dma: SkipMode { skip_token: true },
+        ..BlockwiseMmParams::default()
+    };
+    let calls = [
+        PlannedCall::BlockwiseMm {
+            dims,
+            params: forward,
+        },
+        PlannedCall::BlockwiseMmBwd {
+            dims,
+            params: forward.backward(false),
+        },
+    ];
+    let dir = workdir("manifest_entry");
+    let text: Vec<String> = calls.iter().map(manifest_entry).collect();
+    std::fs::write(dir.join("kernels.toml"), text.join("\n")).unwrap();
+    let manifest = Manifest::read(&dir.join("kernels.toml")).unwrap();
+    assert_eq!(manifest.entries.len(), 2);
+    let neffs: Vec<&Path> = manifest.entries.iter().map(|e| e.neff.as_path()).collect();
+    assert_eq!(
+        neffs,
+        [
+            dir.join("blockwise_mm_t512_h2048_e128_i768_b128.neff"),
+            dir.join("blockwise_mm_bwd_t512_h2048_e128_i768_b128.neff"),
+        ]
+    );
+    // Each entry is its call's: the limits, set or not, read back as the call's, and a call
+    // with another limit finds neither.
+    let (fwd, bwd) = (&manifest.entries[0], &manifest.entries[1]);
+    assert_eq!(fwd.params["gate_clamp_upper_limit"].to_string(), "7");
+    assert_eq!(
+        bwd.params["linear_clamp_lower_limit"].to_string(),
+        "-100000000000000000000"
+    );
+    assert!(!fwd.params.contains_key("gate_clamp_lower_limit"));
+    let other = PlannedCall::BlockwiseMm {
+        dims,
+        params: BlockwiseMmParams {
+            clamp: ClampLimits::default(),
+            ..forward
+        },
+    };
+    let other_manifest = dir.join("other.toml");
+    std::fs::write(&other_manifest, manifest_entry(&other)).unwrap();
+    let other = Manifest::read(&other_manifest).unwrap();
+    assert_ne!(other.entries[0].params, fwd.params);
 }

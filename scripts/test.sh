@@ -60,6 +60,8 @@ for ranks in 2 4; do
     env "${runner}=mpirun -n ${ranks} --oversubscribe" \
         cargo test --locked -p moekit-trainer --test expert_parallel
 done
+# kernels.moe = "neuron" (on the fake runtime) with the experts sharded over 2 ranks.
+env "${runner}=mpirun -n 2 --oversubscribe" cargo test --locked -p moekit-trainer --test neuron -- ep
 
 # every_rank_stops PATTERN CARGO-TEST-ARGS...: runs them as 2 ranks; both must report PATTERN.
 every_rank_stops() {

@@ -236,6 +236,21 @@ impl Default for BlockwiseMmParams {
     }
 }
 
+impl BlockwiseMmParams {
+    /// The parameters of this forward's backward: its activation, scaling, clamps and layout
+    /// carry over (`bias`: also return the biases' gradients).
+    pub fn backward(&self, bias: bool) -> BlockwiseMmBwdParams {
+        BlockwiseMmBwdParams {
+            activation_type: self.activation_function,
+            expert_affinities_scaling_mode: self.expert_affinities_scaling_mode,
+            clamp: self.clamp,
+            bias,
+            skip_dma: self.skip_dma,
+            is_tensor_update_accumulating: self.is_tensor_update_accumulating,
+        }
+    }
+}
+
 /// Parameters of [`BlockwiseMmBwd`], named as nki-library's `blockwise_mm_bwd` names them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockwiseMmBwdParams {
@@ -853,15 +868,7 @@ impl<'a> BlockwiseMmBwd<'a> {
         bias: bool,
         checkpoints: Checkpoints,
     ) -> Result<Self> {
-        let fp = forward.params();
-        let params = BlockwiseMmBwdParams {
-            activation_type: fp.activation_function,
-            expert_affinities_scaling_mode: fp.expert_affinities_scaling_mode,
-            clamp: fp.clamp,
-            bias,
-            skip_dma: fp.skip_dma,
-            is_tensor_update_accumulating: fp.is_tensor_update_accumulating,
-        };
+        let params = forward.params().backward(bias);
         let inputs = BlockwiseMmBwdInputs {
             forward: forward.inputs(),
             gate_up_proj_act_checkpoint_t: added.gate_up_proj_act_checkpoint_t,

@@ -85,6 +85,37 @@ impl PermuteParams {
             skip_dma: SkipMode::default(),
         }
     }
+
+    /// N, the plan's blocks for `t` tokens of top-`k` ([`static_block_count`]): an error
+    /// where B or `n_block_per_iter` is 0, or the N·B slots do not fit in i32 indices.
+    pub fn block_count(&self, t: usize, k: usize) -> Result<usize> {
+        let (e, b) = (self.num_experts, self.block_size);
+        if b == 0 {
+            return Err(Error::param("block_size", "must be at least 1, got 0"));
+        }
+        if self.n_block_per_iter == 0 {
+            return Err(Error::param(
+                "n_block_per_iter",
+                "must be at least 1, got 0",
+            ));
+        }
+        t.checked_mul(k)
+            .and_then(|assignments| static_block_count(assignments, e, b, self.n_block_per_iter))
+            .filter(|n| {
+                n.checked_mul(b)
+                    .is_some_and(|slots| i32::try_from(slots).is_ok())
+            })
+            .ok_or_else(|| {
+                Error::param(
+                    "block_size",
+                    format!(
+                        "the N·B block slots of T·K = {t}·{k} assignments over E = {e} experts in \
+                         blocks of {b} (n_block_per_iter = {}) do not fit in i32 indices",
+                        self.n_block_per_iter
+                    ),
+                )
+            })
+    }
 }
 
 /// The `expert_index` value of a slot with no assignment (`permute`, `permute_bwd`,
@@ -223,27 +254,7 @@ impl<'a> Permute<'a> {
                 ),
             ));
         }
-        if params.n_block_per_iter == 0 {
-            return Err(Error::param(
-                "n_block_per_iter",
-                "must be at least 1, got 0",
-            ));
-        }
-        let n = static_block_count(t * k, e, b, params.n_block_per_iter)
-            .filter(|n| {
-                n.checked_mul(b)
-                    .is_some_and(|slots| i32::try_from(slots).is_ok())
-            })
-            .ok_or_else(|| {
-                Error::param(
-                    "block_size",
-                    format!(
-                        "the N·B block slots of T·K = {t}·{k} assignments over E = {e} experts in \
-                         blocks of {b} (n_block_per_iter = {}) do not fit in i32 indices",
-                        params.n_block_per_iter
-                    ),
-                )
-            })?;
+        let n = params.block_count(t, k)?;
         Ok(Self {
             inputs,
             expert_ids: ids,

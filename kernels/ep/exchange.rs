@@ -97,7 +97,7 @@ impl Route {
 }
 
 /// E experts must split evenly over R ranks.
-fn check_sharding(e: usize, r: usize) -> Result<()> {
+pub(super) fn check_sharding(e: usize, r: usize) -> Result<()> {
     if e == 0 || !e.is_multiple_of(r) {
         return Err(Error::param(
             "num_experts",

@@ -23,15 +23,17 @@ use std::sync::Arc;
 
 use super::comm::Communicator;
 use super::exchange::{
-    DispatchParams, Dispatched, Route, combine, combine_bwd, dispatch, dispatch_bwd,
+    DispatchParams, Dispatched, Route, check_sharding, combine, combine_bwd, dispatch, dispatch_bwd,
 };
-use crate::backend::Backend;
+use crate::backend::{Backend, PlannedCall};
 use crate::contracts::{
     OutputDType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
     RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, XHbmLayout,
 };
 use crate::error::{Error, Result};
-use crate::experts::{Experts, ExpertsGrads, ExpertsInputs, LocalExperts, LocalSaved};
+use crate::experts::{
+    Experts, ExpertsGrads, ExpertsInputs, ExpertsSizes, LocalExperts, LocalSaved,
+};
 use crate::tensor::Tensor;
 
 /// Parameters of [`ExpertParallelMoe`].
@@ -243,6 +245,26 @@ impl ShardedExperts {
         }
     }
 
+    /// The sizes of the local experts' call on one of `ranks` ranks when every rank has
+    /// `sizes.t` tokens: dispatch's layout of `R·T` rows, over this rank's `E/R` experts.
+    pub fn local_sizes(sizes: ExpertsSizes, ranks: usize) -> Result<ExpertsSizes> {
+        check_sharding(sizes.e, ranks)?;
+        let t = sizes.t.checked_mul(ranks).ok_or_else(|| {
+            Error::invalid(
+                "hidden_states",
+                format!(
+                    "R·T = {ranks}·{} rows of dispatch's layout overflow",
+                    sizes.t
+                ),
+            )
+        })?;
+        Ok(ExpertsSizes {
+            t,
+            e: sizes.e / ranks,
+            ..sizes
+        })
+    }
+
     fn dispatch_params(&self) -> DispatchParams {
         DispatchParams {
             num_experts: self.num_experts,
@@ -373,6 +395,18 @@ impl Experts for ShardedExperts {
             d_topk_affinities,
             ..local
         })
+    }
+
+    /// The local experts' calls on dispatch's layout ([`Self::local_sizes`]), the same on
+    /// every rank.
+    fn planned_calls(&self, sizes: ExpertsSizes, record: bool) -> Result<Vec<PlannedCall>> {
+        let local = Self::local_sizes(sizes, self.comm.size())?;
+        self.local().planned_calls(local, record)
+    }
+
+    fn prepare(&self, sizes: ExpertsSizes, record: bool) -> Result<()> {
+        let local = Self::local_sizes(sizes, self.comm.size())?;
+        self.local().prepare(local, record)
     }
 }
 

@@ -17,7 +17,9 @@
 //!
 //! The runtime is opened on the first call (the library from `NEURON_RT_LIB` or the default
 //! paths, the manifest from `MOEKIT_NEURON_MANIFEST` or `./kernels.toml`), so creating the
-//! backend never fails; its errors arrive with the first call. The runtime is one per process:
+//! backend never fails; its errors arrive with the first call, or ahead of every call with
+//! [`Backend::prepare`], which also loads the NEFFs a caller's planned calls need
+//! ([`manifest_entry`] writes the manifest entry of each). The runtime is one per process:
 //! keep one `neuron` backend at a time.
 
 use std::collections::{BTreeMap, HashMap};
@@ -27,19 +29,20 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 
-use super::limits::NEURONCORE_V3;
-use super::manifest::{Manifest, Value, supported_kernels};
+use super::limits::{NEURONCORE_V3, broken_limits};
+use super::manifest::{Entry, Manifest, Value, entry_toml, supported_kernels};
 use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, Usage};
-use crate::backend::{Backend, Device, FixedShapes, KernelCall, Tolerance};
+use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
 use crate::contracts::tensors::{
     blockwise_mm as fwd, blockwise_mm_bwd as bwd, router_topk as router,
 };
 use crate::contracts::{
-    A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmOutputs, ClampLimits, LoadBalancingLoss, LoadBalancingLossBwd,
-    LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads,
-    PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
+    BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams, ClampLimits,
+    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
+    Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads,
+    RouterTopkOutputs,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
@@ -169,28 +172,87 @@ impl NeuronBackend {
         &self.config
     }
 
-    /// Runs `call`'s NEFF: opens the runtime on first use, loads the NEFF once, checks and binds
-    /// the tensors, executes, and reads the outputs back by name.
-    fn run(&self, call: &Call<'_>, execution: Execution) -> Result<Ran> {
+    /// `f` on the session, opening the runtime and reading the manifest on first use.
+    fn with_session<R>(&self, f: impl FnOnce(&mut Session) -> Result<R>) -> Result<R> {
         let mut guard = self.session.lock().unwrap_or_else(PoisonError::into_inner);
         let session = match guard.take() {
             Some(session) => guard.insert(session),
             None => guard.insert(Session::open(&self.config)?),
         };
-        let neff = session.manifest.find(call.kernel, &call.key)?.neff.clone();
-        if !session.models.contains_key(&neff) {
-            // On core 0, where the tensors are allocated; the runtime picks how many cores.
-            let model = session.runtime.load_file(&neff, 0, -1)?;
-            session.models.insert(neff.clone(), model);
-        }
-        let model = &session.models[&neff];
-        let (outputs, elapsed) = execute(&session.runtime, model, &neff, call, execution)?;
-        Ok(Ran {
-            outputs,
-            neff,
-            elapsed,
+        f(session)
+    }
+
+    /// Runs `call`'s NEFF: loads it once, checks and binds the tensors, executes, and reads the
+    /// outputs back by name.
+    fn run(&self, call: &Call<'_>, execution: Execution) -> Result<Ran> {
+        self.with_session(|session| {
+            let neff = session.load(call.kernel, &call.key)?;
+            let model = &session.models[&neff];
+            let (outputs, elapsed) = execute(&session.runtime, model, &neff, call, execution)?;
+            Ok(Ran {
+                outputs,
+                neff,
+                elapsed,
+            })
         })
     }
+}
+
+impl Session {
+    /// The NEFF the manifest registers for `kernel` with `key`, loaded once.
+    fn load(&mut self, kernel: Kernel, key: &[(&'static str, Value)]) -> Result<PathBuf> {
+        let neff = self.manifest.find(kernel, key)?.neff.clone();
+        if !self.models.contains_key(&neff) {
+            // On core 0, where the tensors are allocated; the runtime picks how many cores.
+            let model = self.runtime.load_file(&neff, 0, -1)?;
+            self.models.insert(neff.clone(), model);
+        }
+        Ok(neff)
+    }
+}
+
+/// The manifest key of a planned call.
+fn planned_key(call: &PlannedCall) -> Vec<(&'static str, Value)> {
+    match call {
+        // moekit's planned calls take no biases.
+        PlannedCall::BlockwiseMm { dims, params } => blockwise_mm_key(dims, params, [false, false]),
+        PlannedCall::BlockwiseMmBwd { dims, params } => blockwise_mm_bwd_key(dims, params),
+    }
+}
+
+/// The `[[kernel]]` table of a manifest that registers a NEFF for `call`, naming the NEFF
+/// after its kernel and sizes (`blockwise_mm_t512_h2048_e128_i768_b128_checkpoint.neff`):
+/// what a user compiles, and lists, for the calls a job will make. Each nki-library limit the
+/// shape breaks precedes it as a `#` comment.
+pub fn manifest_entry(call: &PlannedCall) -> String {
+    let (dims, checkpoint) = match call {
+        PlannedCall::BlockwiseMm { dims, params } => (dims, params.checkpoint_activation),
+        PlannedCall::BlockwiseMmBwd { dims, .. } => (dims, false),
+    };
+    let neff = format!(
+        "{}_t{}_h{}_e{}_i{}_b{}{}.neff",
+        call.kernel().name(),
+        dims.t,
+        dims.h,
+        dims.e,
+        dims.i,
+        dims.b,
+        if checkpoint { "_checkpoint" } else { "" }
+    );
+    let key = planned_key(call);
+    let entry = Entry {
+        kernel: call.kernel(),
+        neff: PathBuf::from(neff),
+        params: key
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), value.clone()))
+            .collect(),
+    };
+    let warnings: String = broken_limits(&entry)
+        .iter()
+        .map(|warning| format!("# {warning}\n"))
+        .collect();
+    warnings + &entry_toml(entry.kernel, &entry.neff, &key)
 }
 
 fn neff_error(neff: &std::path::Path, message: String) -> Error {
@@ -488,57 +550,68 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
     }
 }
 
+/// The manifest key of a `blockwise_mm` call of `dims` and `params`, with or without each bias
+/// (`gate_and_up_proj_bias`, `down_proj_bias`).
+fn blockwise_mm_key(
+    dims: &BlockwiseDims,
+    params: &BlockwiseMmParams,
+    biases: [bool; 2],
+) -> Vec<(&'static str, Value)> {
+    let [gate_up_bias, down_bias] = biases;
+    [
+        ("t", Value::Int(dims.t)),
+        ("h", Value::Int(dims.h)),
+        ("e", Value::Int(dims.e)),
+        ("i", Value::Int(dims.i)),
+        (Param::BlockSize.name(), Value::Int(dims.b)),
+        ("num_blocks", Value::Int(dims.n)),
+        (
+            Param::ActivationFunction.name(),
+            Value::Str(params.activation_function.to_string()),
+        ),
+        (
+            Param::ExpertAffinitiesScalingMode.name(),
+            Value::Str(params.expert_affinities_scaling_mode.to_string()),
+        ),
+        (
+            Param::CheckpointActivation.name(),
+            Value::Bool(params.checkpoint_activation),
+        ),
+        (fwd::GATE_AND_UP_PROJ_BIAS.name, Value::Bool(gate_up_bias)),
+        (fwd::DOWN_PROJ_BIAS.name, Value::Bool(down_bias)),
+        (
+            Param::SkipToken.name(),
+            Value::Bool(params.skip_dma.skip_token),
+        ),
+        (
+            Param::IsTensorUpdateAccumulating.name(),
+            Value::Bool(params.is_tensor_update_accumulating),
+        ),
+    ]
+    .into_iter()
+    .chain(limit_keys(
+        [
+            Param::GateClampLowerLimit,
+            Param::GateClampUpperLimit,
+            Param::UpClampLowerLimit,
+            Param::UpClampUpperLimit,
+        ],
+        params.clamp,
+    ))
+    .collect()
+}
+
 fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
-    let (inputs, dims) = (call.inputs(), call.dims());
-    let checkpoint = call.params().checkpoint_activation;
-    let (t, h, i, b, n) = (dims.t, dims.h, dims.i, dims.b, dims.n);
-    let params = call.params();
+    let (inputs, dims, params) = (call.inputs(), call.dims(), call.params());
+    let checkpoint = params.checkpoint_activation;
+    let (h, i, b, n) = (dims.h, dims.i, dims.b, dims.n);
+    let biases = [
+        inputs.gate_and_up_proj_bias.is_some(),
+        inputs.down_proj_bias.is_some(),
+    ];
     Call {
         kernel: Kernel::BlockwiseMm,
-        key: vec![
-            ("t", Value::Int(t)),
-            ("h", Value::Int(h)),
-            ("e", Value::Int(dims.e)),
-            ("i", Value::Int(i)),
-            (Param::BlockSize.name(), Value::Int(b)),
-            ("num_blocks", Value::Int(n)),
-            (
-                Param::ActivationFunction.name(),
-                Value::Str(call.params().activation_function.to_string()),
-            ),
-            (
-                Param::ExpertAffinitiesScalingMode.name(),
-                Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
-            ),
-            (Param::CheckpointActivation.name(), Value::Bool(checkpoint)),
-            (
-                fwd::GATE_AND_UP_PROJ_BIAS.name,
-                Value::Bool(inputs.gate_and_up_proj_bias.is_some()),
-            ),
-            (
-                fwd::DOWN_PROJ_BIAS.name,
-                Value::Bool(inputs.down_proj_bias.is_some()),
-            ),
-            (
-                Param::SkipToken.name(),
-                Value::Bool(params.skip_dma.skip_token),
-            ),
-            (
-                Param::IsTensorUpdateAccumulating.name(),
-                Value::Bool(params.is_tensor_update_accumulating),
-            ),
-        ]
-        .into_iter()
-        .chain(limit_keys(
-            [
-                Param::GateClampLowerLimit,
-                Param::GateClampUpperLimit,
-                Param::UpClampLowerLimit,
-                Param::UpClampUpperLimit,
-            ],
-            call.params().clamp,
-        ))
-        .collect(),
+        key: blockwise_mm_key(&dims, &params, biases),
         inputs: inputs.named(),
         outputs: vec![
             OutputSpec::new(&fwd::OUTPUT, &[dims.rows, h], true),
@@ -548,48 +621,56 @@ fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
     }
 }
 
+/// The manifest key of a `blockwise_mm_bwd` call of `dims` and `params`.
+fn blockwise_mm_bwd_key(
+    dims: &BlockwiseDims,
+    params: &BlockwiseMmBwdParams,
+) -> Vec<(&'static str, Value)> {
+    [
+        ("t", Value::Int(dims.t)),
+        ("h", Value::Int(dims.h)),
+        ("e", Value::Int(dims.e)),
+        ("i", Value::Int(dims.i)),
+        (Param::BlockSize.name(), Value::Int(dims.b)),
+        ("num_blocks", Value::Int(dims.n)),
+        (
+            Param::ActivationType.name(),
+            Value::Str(params.activation_type.to_string()),
+        ),
+        (
+            Param::ExpertAffinitiesScalingMode.name(),
+            Value::Str(params.expert_affinities_scaling_mode.to_string()),
+        ),
+        (Param::Bias.name(), Value::Bool(params.bias)),
+        (
+            Param::SkipToken.name(),
+            Value::Bool(params.skip_dma.skip_token),
+        ),
+        (
+            Param::IsTensorUpdateAccumulating.name(),
+            Value::Bool(params.is_tensor_update_accumulating),
+        ),
+    ]
+    .into_iter()
+    .chain(limit_keys(
+        [
+            Param::NonLinearClampLowerLimit,
+            Param::NonLinearClampUpperLimit,
+            Param::LinearClampLowerLimit,
+            Param::LinearClampUpperLimit,
+        ],
+        params.clamp,
+    ))
+    .collect()
+}
+
 fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
-    let (inputs, dims) = (call.inputs(), call.dims());
-    let bias = call.params().bias;
-    let (t, h, e, i) = (dims.t, dims.h, dims.e, dims.i);
+    let (inputs, dims, params) = (call.inputs(), call.dims(), call.params());
+    let bias = params.bias;
+    let (h, e, i) = (dims.h, dims.e, dims.i);
     Call {
         kernel: Kernel::BlockwiseMmBwd,
-        key: vec![
-            ("t", Value::Int(t)),
-            ("h", Value::Int(h)),
-            ("e", Value::Int(e)),
-            ("i", Value::Int(i)),
-            (Param::BlockSize.name(), Value::Int(dims.b)),
-            ("num_blocks", Value::Int(dims.n)),
-            (
-                Param::ActivationType.name(),
-                Value::Str(call.params().activation_type.to_string()),
-            ),
-            (
-                Param::ExpertAffinitiesScalingMode.name(),
-                Value::Str(call.params().expert_affinities_scaling_mode.to_string()),
-            ),
-            (Param::Bias.name(), Value::Bool(bias)),
-            (
-                Param::SkipToken.name(),
-                Value::Bool(call.params().skip_dma.skip_token),
-            ),
-            (
-                Param::IsTensorUpdateAccumulating.name(),
-                Value::Bool(call.params().is_tensor_update_accumulating),
-            ),
-        ]
-        .into_iter()
-        .chain(limit_keys(
-            [
-                Param::NonLinearClampLowerLimit,
-                Param::NonLinearClampUpperLimit,
-                Param::LinearClampLowerLimit,
-                Param::LinearClampUpperLimit,
-            ],
-            call.params().clamp,
-        ))
-        .collect(),
+        key: blockwise_mm_bwd_key(&dims, &params),
         // nki-library's backward takes neither the biases (the checkpoints hold their effect)
         // nor `expert_index` (moekit's own, which maps the affinity gradient on the host).
         inputs: inputs
@@ -713,6 +794,18 @@ impl Backend for NeuronBackend {
 
     fn fixed_shapes(&self) -> Result<Option<FixedShapes>> {
         Ok(Some(Manifest::read(&self.config.manifest)?.fixed_shapes()?))
+    }
+
+    /// Opens the runtime, and finds and loads the NEFF of every call: a missing runtime,
+    /// manifest, entry or NEFF file is an error naming it (and, for an entry, what the manifest
+    /// registers).
+    fn prepare(&self, calls: &[PlannedCall]) -> Result<()> {
+        self.with_session(|session| {
+            for call in calls {
+                session.load(call.kernel(), &planned_key(call))?;
+            }
+            Ok(())
+        })
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {

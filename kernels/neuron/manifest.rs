@@ -165,6 +165,37 @@ pub fn supported_kernels() -> Vec<&'static str> {
         .collect()
 }
 
+/// The `[[kernel]]` table registering `neff` for calls of `kernel` with `key` (as
+/// [`Manifest::read`] reads it back). A clamp limit that is not set is left out, which means
+/// the same.
+pub fn entry_toml(kernel: Kernel, neff: &Path, key: &[(&str, Value)]) -> String {
+    let quoted = |text: &str| toml::Value::String(text.to_owned()).to_string();
+    let mut table = format!(
+        "[[kernel]]\nname = {}\nneff = {}\n",
+        quoted(kernel.name()),
+        quoted(&neff.to_string_lossy())
+    );
+    let kinds = keys(kernel).unwrap_or_default();
+    for (name, value) in key {
+        let kind = kinds
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, kind)| *kind);
+        let written = match (kind, value) {
+            (Some(ValueKind::Limit), Value::Str(limit)) if limit == NO_LIMIT => continue,
+            // A TOML float (`7.0`, not `7`, which could overflow TOML's integers).
+            (Some(ValueKind::Limit), Value::Str(limit)) if limit.contains(['.', 'e']) => {
+                limit.clone()
+            }
+            (Some(ValueKind::Limit), Value::Str(limit)) => format!("{limit}.0"),
+            (_, Value::Str(text)) => quoted(text),
+            (_, value) => value.to_string(),
+        };
+        table += &format!("{name} = {written}\n");
+    }
+    table
+}
+
 /// One registered NEFF.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -219,9 +250,9 @@ struct EntryForm {
 impl Manifest {
     /// Reads and checks the manifest at `path`.
     pub fn read(path: &Path) -> Result<Manifest> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| Error::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         let format = |message: String| Error::Format {
             path: path.to_path_buf(),

@@ -65,9 +65,17 @@ impl Job {
 pub struct Kernels {
     #[serde(default)]
     pub moe: MoeImpl,
-    /// B, token slots per block of the moekit block plan (`reference`, `cpu`).
+    /// B, token slots per block of the moekit block plan (`reference`, `cpu`, `neuron`).
     #[serde(default = "default_block_size")]
     pub block_size: usize,
+    /// `neuron`: the kernel manifest naming the NEFFs (`moekit-train neffs` lists the entries
+    /// a config needs); `MOEKIT_NEURON_MANIFEST`, else `./kernels.toml`, if unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neuron_manifest: Option<PathBuf>,
+    /// `neuron`: the Neuron runtime library (libnrt.so) to open; `NEURON_RT_LIB`, else the
+    /// Neuron SDK's default paths, if unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neuron_runtime: Option<PathBuf>,
 }
 
 /// `{name} must be at least 1`, for counts where 0 means nothing.
@@ -589,7 +597,7 @@ impl JobConfig {
         ensure!(
             self.kernels.moe.kernel_backend().is_some(),
             "parallelism.expert_parallel_degree = {ranks} exchanges tokens with moekit's \
-             dispatch and combine: kernels.moe must be reference or cpu, got {}",
+             dispatch and combine: kernels.moe must be reference, cpu or neuron, got {}",
             self.kernels.moe.name()
         );
         Ok(())

@@ -7,6 +7,7 @@
 //!                       [--temperature T] [--top-p P] [--seed S] [--json] [--kernels.moe IMPL]
 //! moekit-train export --checkpoint DIR --out DIR
 //! moekit-train bench --config FILE [--bench.impls A,B] [--bench.warmup N] [--bench.steps N]
+//! moekit-train neffs --config FILE [--section.key VALUE]...
 //! ```
 
 use std::panic::AssertUnwindSafe;
@@ -16,6 +17,7 @@ use std::rc::Rc;
 
 use anyhow::{Context, Result, bail, ensure};
 use moekit::ep::Communicator;
+use moekit::neuron::backend::manifest_entry;
 use moekit_tools::golden::TensorFile;
 use moekit_tools::torch::from_tch;
 use moekit_trainer::bench::{self, BenchOptions};
@@ -25,7 +27,7 @@ use moekit_trainer::footprint::{ensure_fits_in_host_memory, evaluation_bytes};
 use moekit_trainer::generate::{
     GenerateOptions, Sampling, directory_tokenizer, generate, stop_ids,
 };
-use moekit_trainer::moe::MoeImpl;
+use moekit_trainer::moe::{MoeImpl, planned_calls};
 use moekit_trainer::oom;
 use moekit_trainer::parallel::init_mpi;
 use moekit_trainer::train::train;
@@ -41,13 +43,14 @@ usage: moekit-train [train] --config FILE [--section.key VALUE]...
        moekit-train bench --config FILE [--bench.impls torch,grouped_mm,reference,cpu]
                           [--bench.warmup 3] [--bench.steps 10] [--bench.json true]
                           [--section.key VALUE]...
+       moekit-train neffs --config FILE [--section.key VALUE]...
 
 train   Trains a Qwen3-MoE model as the job config (TOML) describes. Any key of the config can
         be overridden: `--training.steps 20`, `--kernels.moe cpu`, `--optimizer.lr=1e-3`.
 eval    Loads a Hugging Face model directory or a training checkpoint, runs the forward pass on
         `input_ids [batch, seq]` (i64 or i32) from a safetensors file, writes `logits` (f32) to
         --output and prints {\"loss\", \"aux_loss\", \"total_loss\"} as one JSON line.
-        IMPL: torch (default), grouped_mm, reference, cpu.
+        IMPL: torch (default), grouped_mm, reference, cpu, neuron.
 generate
         Loads a model as eval does and continues the prompt (text through the directory's
         tokenizer.json, byte level where it has none; or token ids) on a KV cache until
@@ -61,7 +64,13 @@ export  Writes a training checkpoint's model as a Hugging Face directory (must n
 bench   Trains the config with each MoE implementation in one process, steps taken in turn,
         and prints the median step time, tokens/s, model FLOP/s as a share of the measured
         f32 FMA peak, and the ratios to torch and grouped_mm (one JSON object per row with
-        --bench.json true).";
+        --bench.json true).
+neffs   Prints the kernel manifest (kernels.toml) of the NEFFs training the config with
+        kernels.moe = \"neuron\" needs on each rank: the experts' blockwise_mm (with
+        checkpoints, and without for the validation loss) and blockwise_mm_bwd, at the shapes
+        the model, training.batch_size, training.seq_len, kernels.block_size and
+        parallelism.expert_parallel_degree give. Compile each from nki-library's kernel to the
+        file its `neff` names (relative to the manifest).";
 
 /// `--key value` and `--key=value` pairs, in order, where each of `switches` may also stand
 /// alone (`--json`, for `--json true`); `None` when `-h`/`--help` stands where a flag would.
@@ -202,6 +211,23 @@ fn run_bench(pairs: Vec<(String, String)>) -> Result<()> {
         }
     } else {
         print!("{}", bench::table(&limits, &rows));
+    }
+    Ok(())
+}
+
+fn run_neffs(pairs: Vec<(String, String)>) -> Result<()> {
+    let config = load_job(pairs)?;
+    let calls = planned_calls(&config)?;
+    ensure!(
+        !calls.is_empty(),
+        "model.name = \"qwen3\" is the dense Qwen3: it has no experts, so no NEFF to list"
+    );
+    println!(
+        "# The NEFFs of kernels.moe = \"neuron\" for this config (moekit-train neffs), by\n\
+         # nki-library's kernel names and parameters; `neff` is relative to this file."
+    );
+    for call in &calls {
+        println!("\n{}", manifest_entry(call).trim_end());
     }
     Ok(())
 }
@@ -365,7 +391,7 @@ fn run_eval(options: Options) -> Result<()> {
 fn run() -> Result<()> {
     let mut args = std::env::args().skip(1).peekable();
     let command = match args.peek().map(String::as_str) {
-        Some("train" | "eval" | "generate" | "export" | "bench" | "help") => args.next(),
+        Some("train" | "eval" | "generate" | "export" | "bench" | "neffs" | "help") => args.next(),
         _ => None,
     };
     let switches: &[&str] = match command.as_deref() {
@@ -403,6 +429,7 @@ fn run() -> Result<()> {
             ],
         )?),
         Some("bench") => run_bench(pairs),
+        Some("neffs") => run_neffs(pairs),
         Some("export") => {
             let options = Options::new(pairs, &["checkpoint", "out"])?;
             export(

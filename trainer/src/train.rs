@@ -23,7 +23,7 @@ use crate::data::{Batches, Source, TextTokenizer, hold_out_tail, validation_batc
 use crate::footprint::{StepFootprint, ensure_fits_in_host_memory, held_parameters};
 use crate::hf::load_hf;
 use crate::model::{ModelName, Qwen3Model, causal_lm_loss, load_balancing_loss};
-use crate::moe::Experts;
+use crate::moe::{Experts, MoeImpl, prepare};
 use crate::optim::{AdamW, learning_rate};
 use crate::parallel::{RankGroup, is_expert_parameter};
 use crate::plots;
@@ -219,17 +219,17 @@ impl Trainer {
             group.all_ok(check_memory(config, ranks))?;
         }
         tch::manual_seed(config.job.seed as i64);
-        let block_size = config.kernels.block_size;
         let shard = group.shard();
         // One rank holds every expert: no exchange.
         let experts = match shard.ranks {
-            1 => config.kernels.moe.create(block_size)?,
+            1 => MoeImpl::create_for(&config.kernels)?,
             _ => config.kernels.moe.create_expert_parallel(
+                &config.kernels,
                 group.comm(),
                 config.model.num_experts,
-                block_size,
             )?,
         };
+        group.all_ok(prepare(experts.as_ref(), config))?;
         let mut vars = nn::VarStore::new(device);
         let model = Qwen3Model::new_sharded(&vars.root(), &config.model, shard);
         // Initialised in f32 (the same values whatever the dtype), then cast.

@@ -155,9 +155,9 @@ fn repeated_key(json: &[u8]) -> Option<String> {
 /// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomically_with(path, |tmp| {
-        fs::write(tmp, bytes).map_err(|source| Error::Io {
+        fs::write(tmp, bytes).map_err(|error| Error::Io {
             path: tmp.to_owned(),
-            source,
+            error,
         })
     })
 }
@@ -242,7 +242,7 @@ fn write_atomically_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
     static WRITES: AtomicU64 = AtomicU64::new(0);
     let io = |path: &Path| {
         let path = path.to_owned();
-        move |source| Error::Io { path, source }
+        move |error| Error::Io { path, error }
     };
     let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
     let n = WRITES.fetch_add(1, Ordering::Relaxed);

@@ -17,7 +17,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use anyhow::Result;
-use moekit::experts::{Experts as MoekitExperts, ExpertsInputs};
+use moekit::experts::{Experts as MoekitExperts, ExpertsInputs, ExpertsSizes};
 use moekit_tools::torch::{from_tch, to_tch};
 use tch::{Device, Tensor};
 
@@ -85,8 +85,8 @@ impl<E: MoekitExperts + 'static> Experts for KernelExperts<E> {
     ) -> Result<Tensor> {
         anyhow::ensure!(
             x.device() == Device::Cpu,
-            "moekit's kernels (kernels.moe = \"reference\" or \"cpu\") run on the CPU, but the \
-             activations are on {:?}",
+            "moekit's kernels (kernels.moe = \"reference\", \"cpu\" or \"neuron\") take \
+             host tensors, but the activations are on {:?}",
             x.device()
         );
         // From here to the output, moekit's kernels run and libtorch waits.
@@ -114,6 +114,10 @@ impl<E: MoekitExperts + 'static> Experts for KernelExperts<E> {
             output: output.shallow_clone(),
         }));
         Ok(output)
+    }
+
+    fn prepare(&self, sizes: ExpertsSizes, record: bool) -> Result<()> {
+        Ok(self.experts.prepare(sizes, record)?)
     }
 
     fn take_exchange_time(&self) -> Option<Duration> {

@@ -16,13 +16,21 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail, ensure};
+use moekit::backend::PlannedCall;
 use moekit::contracts::OutputDType;
+use moekit::cpu::CpuBackend;
 use moekit::ep::{Communicator, ShardedExperts};
-use moekit::experts::LocalExperts;
+use moekit::experts::{Experts as _, ExpertsSizes, LocalExperts};
+use moekit::fallback::FallbackBackend;
+use moekit::kernel::Kernel;
+use moekit::neuron::{NeuronBackend, NeuronConfig};
+use moekit::{Backend, BackendKind};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+use crate::config::{JobConfig, Kernels};
+use crate::model::ModelName;
 use crate::parallel::TimedComm;
 use crate::tape::Tape;
 
@@ -43,7 +51,8 @@ pub enum MoeImpl {
     /// moekit's cpu kernels, backward stitched into autograd (the default).
     #[default]
     Cpu,
-    /// moekit's neuron backend (NEFF kernels through libnrt).
+    /// moekit's neuron backend: the experts' `blockwise_mm` and `blockwise_mm_bwd` as NEFFs
+    /// through libnrt (see [`NEURON_KERNELS`]), backward stitched into autograd.
     Neuron,
 }
 
@@ -74,46 +83,89 @@ impl MoeImpl {
         matches!(self, MoeImpl::Torch | MoeImpl::GroupedMm)
     }
 
-    /// The moekit backend of `reference` and `cpu`, the implementations that run moekit's
-    /// kernels on the host (and so can exchange tokens between ranks).
-    pub fn kernel_backend(self) -> Option<moekit::BackendKind> {
+    /// The moekit backend of `reference`, `cpu` and `neuron`, the implementations that run
+    /// moekit's kernels on the host (and so can exchange tokens between ranks).
+    pub fn kernel_backend(self) -> Option<BackendKind> {
         match self {
-            MoeImpl::Reference => Some(moekit::BackendKind::Reference),
-            MoeImpl::Cpu => Some(moekit::BackendKind::Cpu),
-            _ => None,
+            MoeImpl::Reference => Some(BackendKind::Reference),
+            MoeImpl::Cpu => Some(BackendKind::Cpu),
+            MoeImpl::Neuron => Some(BackendKind::Neuron),
+            MoeImpl::Torch | MoeImpl::GroupedMm => None,
         }
+    }
+
+    /// The backend moekit's experts run on (`neuron`: where it finds its runtime and manifest).
+    /// `neuron` runs the kernels of [`NEURON_KERNELS`] as NEFFs and the block plan on `cpu`; a
+    /// manifest that cannot be read, or that registers no NEFF of one of those kernels, is an
+    /// error.
+    fn experts_backend(self, neuron: NeuronConfig) -> Result<Option<Arc<dyn Backend>>> {
+        let Some(kind) = self.kernel_backend() else {
+            return Ok(None);
+        };
+        if kind != BackendKind::Neuron {
+            return Ok(Some(Arc::from(kind.create())));
+        }
+        let neuron = NeuronBackend::new(neuron);
+        let manifest = neuron.config().manifest.display().to_string();
+        for kernel in NEURON_KERNELS {
+            let registered = neuron
+                .supports(kernel)
+                .context("kernels.moe = \"neuron\": its kernel manifest")?;
+            ensure!(
+                registered,
+                "kernels.moe = \"neuron\" runs {} as NEFFs, but the kernel manifest {manifest} \
+                 registers no {} NEFF; `moekit-train neffs --config FILE` lists the entries a \
+                 config needs",
+                NEURON_KERNELS.map(Kernel::name).join(" and "),
+                kernel.name()
+            );
+        }
+        let backend = FallbackBackend::new(Box::new(neuron), BackendKind::Cpu.create())?;
+        Ok(Some(Arc::new(backend)))
     }
 
     /// This rank's experts of an expert-parallel run over `comm` (moekit's kernels only; the
     /// config checks it).
     pub fn create_expert_parallel(
         self,
+        kernels: &Kernels,
         comm: Rc<dyn Communicator>,
         num_experts: usize,
-        block_size: usize,
     ) -> Result<Box<dyn Experts>> {
-        let Some(backend) = self.kernel_backend() else {
+        let Some(backend) = self.experts_backend(neuron_config(kernels))? else {
             bail!(
-                "expert parallelism runs moekit's kernels: kernels.moe must be reference or cpu, \
-                 got {}",
+                "expert parallelism runs moekit's kernels: kernels.moe must be reference, cpu \
+                 or neuron, got {}",
                 self.name()
             );
         };
         let comm = Rc::new(TimedComm::new(comm));
         let experts = ShardedExperts {
-            backend: Arc::from(backend.create()),
+            backend,
             comm: Rc::clone(&comm) as Rc<dyn Communicator>,
             num_experts,
-            block_size,
+            block_size: kernels.block_size,
         };
         Ok(Box::new(KernelExperts::new(experts, Some(comm))))
     }
 
-    /// Instantiates the implementation; `block_size` is the moekit block plan's B.
+    /// Instantiates the implementation; `block_size` is the moekit block plan's B (`neuron`
+    /// finds its runtime and manifest as [`NeuronConfig::from_env`] says).
     pub fn create(self, block_size: usize) -> Result<Box<dyn Experts>> {
-        if let Some(backend) = self.kernel_backend() {
+        self.create_with(block_size, NeuronConfig::from_env())
+    }
+
+    /// `kernels.moe` with `kernels`' block size, runtime and manifest.
+    pub fn create_for(kernels: &Kernels) -> Result<Box<dyn Experts>> {
+        kernels
+            .moe
+            .create_with(kernels.block_size, neuron_config(kernels))
+    }
+
+    fn create_with(self, block_size: usize, neuron: NeuronConfig) -> Result<Box<dyn Experts>> {
+        if let Some(backend) = self.experts_backend(neuron)? {
             let experts = LocalExperts {
-                backend: Arc::from(backend.create()),
+                backend,
                 block_size,
                 // The layer's dtype.
                 output_dtype: OutputDType::Input,
@@ -121,17 +173,84 @@ impl MoeImpl {
             return Ok(Box::new(KernelExperts::new(experts, None)));
         }
         Ok(match self {
-            MoeImpl::Torch => Box::new(TorchLoopExperts),
             MoeImpl::GroupedMm => Box::new(GroupedMmExperts),
-            // `neuron` (reference and cpu returned above).
-            _ => bail!(
-                "kernels.moe = \"neuron\": moekit's neuron backend runs only the kernels \
-                 the NKI library provides (router_topk, blockwise_mm, blockwise_mm_bwd), and \
-                 training also needs router_topk_bwd, permute and the aux loss; \
-                 choose one of torch, grouped_mm, reference, cpu"
-            ),
+            _ => Box::new(TorchLoopExperts),
         })
     }
+}
+
+/// The kernels `kernels.moe = "neuron"` runs on NeuronCores: the experts' products. The block
+/// plan (`permute`, which nki-library ships no kernel for) runs on `cpu`, the router and the
+/// auxiliary loss in libtorch, as for every implementation.
+pub const NEURON_KERNELS: [Kernel; 2] = [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd];
+
+/// Where the `neuron` backend finds its runtime and manifest: `kernels`' paths, else the
+/// environment's.
+fn neuron_config(kernels: &Kernels) -> NeuronConfig {
+    let from_env = NeuronConfig::from_env();
+    NeuronConfig {
+        library: kernels.neuron_runtime.clone().or(from_env.library),
+        manifest: kernels.neuron_manifest.clone().unwrap_or(from_env.manifest),
+    }
+}
+
+/// The experts calls training `config` makes on each rank, as (sizes, whether a backward
+/// follows): a training step's micro-batch of `batch_size · seq_len` tokens, forward and
+/// backward, and with a validation split the validation loss's forward of as many tokens.
+/// None for the dense Qwen3, which has no experts.
+fn training_calls(config: &JobConfig) -> Vec<(ExpertsSizes, bool)> {
+    let model = &config.model;
+    if model.name != ModelName::Qwen3Moe {
+        return Vec::new();
+    }
+    let sizes = ExpertsSizes {
+        t: config.training.batch_size * config.training.seq_len,
+        h: model.hidden_size,
+        e: model.num_experts,
+        k: model.num_experts_per_tok,
+        i: model.moe_intermediate_size,
+    };
+    let mut calls = vec![(sizes, true)];
+    if config.data.has_validation() {
+        calls.push((sizes, false));
+    }
+    calls
+}
+
+/// Readies `experts` for training `config`, or says what they lack (a `neuron` run's
+/// missing runtime, manifest, entry or NEFF), before the first step.
+pub fn prepare(experts: &dyn Experts, config: &JobConfig) -> Result<()> {
+    for (sizes, record) in training_calls(config) {
+        experts.prepare(sizes, record).with_context(|| {
+            format!(
+                "kernels.moe = \"{}\" cannot run this config's experts",
+                config.kernels.moe.name()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// The kernel calls of compiled shapes training `config` makes on each rank with moekit's
+/// experts ([`training_calls`], in dispatch's layout under expert parallelism): what a
+/// `neuron` run needs NEFFs for.
+pub fn planned_calls(config: &JobConfig) -> Result<Vec<PlannedCall>> {
+    let ranks = config.parallelism.expert_parallel_degree;
+    // The plan of the experts on any backend (the calls do not depend on it).
+    let experts = LocalExperts {
+        backend: Arc::new(CpuBackend),
+        block_size: config.kernels.block_size,
+        output_dtype: OutputDType::Input,
+    };
+    let mut calls = Vec::new();
+    for (sizes, record) in training_calls(config) {
+        let sizes = match ranks {
+            1 => sizes,
+            _ => ShardedExperts::local_sizes(sizes, ranks)?,
+        };
+        calls.extend(experts.planned_calls(sizes, record)?);
+    }
+    Ok(calls)
 }
 
 /// `tensor` (an activation, a gradient or a parameter of this step) lent to moekit's kernels
@@ -164,6 +283,12 @@ pub trait Experts {
         down: &Tensor,
         tape: &mut Tape,
     ) -> Result<Tensor>;
+
+    /// Readies the implementation for calls of `sizes` (with `record`, forwards whose backward
+    /// follows), or says what it lacks: a `neuron` run's NEFFs are found and loaded.
+    fn prepare(&self, _sizes: ExpertsSizes, _record: bool) -> Result<()> {
+        Ok(())
+    }
 
     /// Wall time spent exchanging tokens with other ranks since the last call (expert
     /// parallelism's dispatch and combine, forward and backward); `None` for implementations
