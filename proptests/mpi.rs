@@ -5,6 +5,9 @@
 //! - `MpiComm`'s all-to-all-v (of bytes, words and rows taken where they lie) delivers every
 //!   chunk in rank order; its all-reduce is
 //!   bit-identical on every rank and equals the rank-order sum.
+//! - `MpiComm::split` into groups by `rank % 2` and into pairs by `rank / 2`, ordered by
+//!   descending world rank: each communicator has the ranks it should, in key order, and its
+//!   collectives, interleaved with the world's and each other's, meet only its own ranks.
 //! - The expert-parallel layer equals the single-rank layer (the same oracle and tolerances as
 //!   the `LocalComm` tests), for several routings including all tokens on rank 0.
 //! - With the argument `fault`, rank 1 gets a NaN in its tokens: every rank must report that
@@ -233,6 +236,50 @@ fn check_layer(comm: &Rc<MpiComm>) -> Result<(), String> {
     Ok(())
 }
 
+/// Splits the world two ways and runs collectives on each, interleaved.
+fn check_split(world: &MpiComm) -> Result<(), String> {
+    let (rank, size) = (world.rank(), world.size());
+    let parity = world
+        .split(rank % 2, size - rank)
+        .map_err(|e| e.to_string())?;
+    let pairs = world
+        .split(rank / 2, size - rank)
+        .map_err(|e| e.to_string())?;
+    // Members by world rank, ordered by the key (descending world rank).
+    let members = |same: &dyn Fn(usize) -> bool| -> Vec<usize> {
+        (0..size).rev().filter(|&other| same(other)).collect()
+    };
+    for (name, comm, want) in [
+        ("parity", &parity, members(&|other| other % 2 == rank % 2)),
+        ("pairs", &pairs, members(&|other| other / 2 == rank / 2)),
+    ] {
+        let position = want.iter().position(|&other| other == rank);
+        if comm.size() != want.len() || Some(comm.rank()) != position {
+            return Err(format!(
+                "{name}: rank {} of {}, expected {position:?} of {}",
+                comm.rank(),
+                comm.size(),
+                want.len()
+            ));
+        }
+        // Each member adds 1 + its world rank; interleaved with a world-wide sum.
+        let mut mine = [1.0 + rank as f32];
+        comm.all_reduce_sum(&mut mine).map_err(|e| e.to_string())?;
+        let mut everyone = [1.0f32];
+        world
+            .all_reduce_sum(&mut everyone)
+            .map_err(|e| e.to_string())?;
+        let want_sum: f32 = want.iter().map(|&other| 1.0 + other as f32).sum();
+        if mine[0] != want_sum || everyone[0] != size as f32 {
+            return Err(format!(
+                "{name}: sums {} and {}, expected {want_sum} and {size}",
+                mine[0], everyone[0]
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Writes one line to stderr in a single `write`, so that lines from different ranks, which
 /// `mpirun` forwards through one stream, are never interleaved mid-line.
 fn report(line: String) {
@@ -296,7 +343,9 @@ fn main() -> ExitCode {
             }
         };
     }
-    let result = check_exchanges(&comm).and_then(|()| check_layer(&comm));
+    let result = check_exchanges(&comm)
+        .and_then(|()| check_split(&comm))
+        .and_then(|()| check_layer(&comm));
     match result {
         Ok(()) => {
             println!(

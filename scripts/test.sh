@@ -110,8 +110,9 @@ fails_with 'rank 0 stops: rank(s) 1 did not answer within 1 s' \
     env "${runner}=mpirun -n 2 --oversubscribe" cargo test --locked --features mpi --test mpi -- stall
 
 # moekit-train launched wrongly under mpirun must stop every rank with a message and a
-# non-zero exit, never hang: E = 8 not divisible by R = 3, R = 2 asked of 3 ranks, R = 1 asked
-# of 2 ranks, and ranks given different degrees (MPI_Abort after the ranks agree on the error).
+# non-zero exit, never hang: E = 8 not divisible by R = 3, R = 2 or D = 2 asked of 3 ranks,
+# R = D = 1 asked of 2 ranks, and ranks given different degrees (MPI_Abort after the ranks
+# agree on the error).
 # (The binary is the one `cargo test -p moekit-trainer` built above, in the test profile.)
 cargo test --locked -p moekit-trainer --no-run
 train=(target/debug/moekit-train train --config configs/qwen3_moe_debug.toml)
@@ -125,14 +126,20 @@ launch_fails() {
 }
 launch_fails 3 'parallelism.expert_parallel_degree = 3 must divide model.num_experts = 8' \
     --parallelism.expert_parallel_degree 3
-launch_fails 3 'parallelism.expert_parallel_degree = 2, but mpirun started 3 ranks' \
+launch_fails 3 'expert_parallel_degree = 2 and data_parallel_degree = 1 need 2 rank(s), but mpirun started 3' \
     --parallelism.expert_parallel_degree 2
-launch_fails 2 'parallelism.expert_parallel_degree = 1, but mpirun started 2 ranks'
+launch_fails 3 'expert_parallel_degree = 1 and data_parallel_degree = 2 need 2 rank(s), but mpirun started 3' \
+    --parallelism.data_parallel_degree 2
+launch_fails 2 'expert_parallel_degree = 1 and data_parallel_degree = 1 need 1 rank(s), but mpirun started 2'
 dump=$(mktemp -d)
 fails_with 'parallelism.expert_parallel_degree is 2 on rank 0, 1 on rank(s) 1' \
     mpirun --oversubscribe -n 1 "${train[@]}" --job.dump_folder "${dump}" \
     --parallelism.expert_parallel_degree 2 : \
     -n 1 "${train[@]}" --job.dump_folder "${dump}" --parallelism.expert_parallel_degree 1
+fails_with 'parallelism.data_parallel_degree is 2 on rank 0, 1 on rank(s) 1' \
+    mpirun --oversubscribe -n 1 "${train[@]}" --job.dump_folder "${dump}" \
+    --parallelism.data_parallel_degree 2 : \
+    -n 1 "${train[@]}" --job.dump_folder "${dump}" --parallelism.expert_parallel_degree 2
 rm -rf "${dump}"
 
 # A rank stopped mid-training: once rank 0 has logged a step, rank 1 gets SIGSTOP; rank 0 must

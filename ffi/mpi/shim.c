@@ -5,6 +5,8 @@
  * Compiled with mpicc by build.rs.
  *
  * Element kinds: 0 bytes (MPI_BYTE), 1 f32 (MPI_FLOAT), 2 u64 (MPI_UINT64_T).
+ * Communicators are heap handles too: the world's (moekit_mpi_comm_world) and those split from
+ * one (moekit_mpi_comm_split), each freed by moekit_mpi_comm_free before MPI_Finalize.
  * Every function returns MPI_SUCCESS (0), an MPI error code, or one of the codes below.
  * Requests and messages are heap handles: a request is freed when moekit_mpi_test reports it
  * complete, a message when moekit_mpi_imrecv turns it into a request.
@@ -25,6 +27,10 @@ static MPI_Datatype datatype(int kind) {
         return MPI_BYTE;
     }
 }
+
+struct moekit_mpi_comm {
+    MPI_Comm comm;
+};
 
 struct moekit_mpi_request {
     MPI_Request request;
@@ -48,9 +54,45 @@ int moekit_mpi_init(void) {
 
 int moekit_mpi_finalize(void) { return MPI_Finalize(); }
 
-int moekit_mpi_rank(int *rank) { return MPI_Comm_rank(MPI_COMM_WORLD, rank); }
+int moekit_mpi_comm_world(struct moekit_mpi_comm **out) {
+    *out = malloc(sizeof **out);
+    if (*out == NULL) {
+        return MOEKIT_MPI_NO_MEMORY;
+    }
+    (*out)->comm = MPI_COMM_WORLD;
+    return MPI_SUCCESS;
+}
 
-int moekit_mpi_size(int *size) { return MPI_Comm_size(MPI_COMM_WORLD, size); }
+int moekit_mpi_comm_split(const struct moekit_mpi_comm *parent, int color, int key,
+                          struct moekit_mpi_comm **out) {
+    *out = malloc(sizeof **out);
+    if (*out == NULL) {
+        return MOEKIT_MPI_NO_MEMORY;
+    }
+    int code = MPI_Comm_split(parent->comm, color, key, &(*out)->comm);
+    if (code != MPI_SUCCESS) {
+        free(*out);
+        *out = NULL;
+    }
+    return code;
+}
+
+int moekit_mpi_comm_free(struct moekit_mpi_comm *comm) {
+    int code = MPI_SUCCESS;
+    if (comm->comm != MPI_COMM_WORLD) {
+        code = MPI_Comm_free(&comm->comm);
+    }
+    free(comm);
+    return code;
+}
+
+int moekit_mpi_rank(const struct moekit_mpi_comm *comm, int *rank) {
+    return MPI_Comm_rank(comm->comm, rank);
+}
+
+int moekit_mpi_size(const struct moekit_mpi_comm *comm, int *size) {
+    return MPI_Comm_size(comm->comm, size);
+}
 
 void moekit_mpi_abort(int code) {
     MPI_Abort(MPI_COMM_WORLD, code);
@@ -63,17 +105,18 @@ static int new_request(struct moekit_mpi_request **out) {
     return *out == NULL ? MOEKIT_MPI_NO_MEMORY : MPI_SUCCESS;
 }
 
-int moekit_mpi_isend(const void *buffer, int count, int kind, int dst, int tag,
-                     struct moekit_mpi_request **out) {
+int moekit_mpi_isend(const struct moekit_mpi_comm *comm, const void *buffer, int count, int kind,
+                     int dst, int tag, struct moekit_mpi_request **out) {
     int code = new_request(out);
     if (code != MPI_SUCCESS) {
         return code;
     }
-    return MPI_Isend(buffer, count, datatype(kind), dst, tag, MPI_COMM_WORLD, &(*out)->request);
+    return MPI_Isend(buffer, count, datatype(kind), dst, tag, comm->comm, &(*out)->request);
 }
 
-int moekit_mpi_isend_rows(const float *source, int rows, const int64_t *row_byte_offsets,
-                          int row_words, int dst, int tag, struct moekit_mpi_request **out) {
+int moekit_mpi_isend_rows(const struct moekit_mpi_comm *comm, const float *source, int rows,
+                          const int64_t *row_byte_offsets, int row_words, int dst, int tag,
+                          struct moekit_mpi_request **out) {
     MPI_Aint *displacements = malloc(sizeof *displacements * (size_t)(rows > 0 ? rows : 1));
     if (displacements == NULL) {
         return MOEKIT_MPI_NO_MEMORY;
@@ -93,20 +136,20 @@ int moekit_mpi_isend_rows(const float *source, int rows, const int64_t *row_byte
         code = new_request(out);
     }
     if (code == MPI_SUCCESS) {
-        code = MPI_Isend(source, 1, rows_type, dst, tag, MPI_COMM_WORLD, &(*out)->request);
+        code = MPI_Isend(source, 1, rows_type, dst, tag, comm->comm, &(*out)->request);
     }
     /* A datatype freed while a send uses it stays alive until the send completes. */
     MPI_Type_free(&rows_type);
     return code;
 }
 
-int moekit_mpi_irecv(void *buffer, int count, int kind, int src, int tag,
-                     struct moekit_mpi_request **out) {
+int moekit_mpi_irecv(const struct moekit_mpi_comm *comm, void *buffer, int count, int kind,
+                     int src, int tag, struct moekit_mpi_request **out) {
     int code = new_request(out);
     if (code != MPI_SUCCESS) {
         return code;
     }
-    return MPI_Irecv(buffer, count, datatype(kind), src, tag, MPI_COMM_WORLD, &(*out)->request);
+    return MPI_Irecv(buffer, count, datatype(kind), src, tag, comm->comm, &(*out)->request);
 }
 
 int moekit_mpi_test(struct moekit_mpi_request *request, int kind, int *done, int64_t *count) {
@@ -123,11 +166,11 @@ int moekit_mpi_test(struct moekit_mpi_request *request, int kind, int *done, int
     return code;
 }
 
-int moekit_mpi_improbe(int src, int tag, int kind, int *found, struct moekit_mpi_message **message,
-                       int64_t *count) {
+int moekit_mpi_improbe(const struct moekit_mpi_comm *comm, int src, int tag, int kind, int *found,
+                       struct moekit_mpi_message **message, int64_t *count) {
     MPI_Message matched;
     MPI_Status status;
-    int code = MPI_Improbe(src, tag, MPI_COMM_WORLD, found, &matched, &status);
+    int code = MPI_Improbe(src, tag, comm->comm, found, &matched, &status);
     if (code != MPI_SUCCESS || !*found) {
         return code;
     }

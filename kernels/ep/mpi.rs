@@ -4,10 +4,10 @@
 use std::borrow::Cow;
 use std::ffi::{c_int, c_void};
 use std::io::Write;
-use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::ptr;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,8 +19,10 @@ use super::comm::{
 use crate::error::{Error, Result};
 use crate::uninit::{assume_init, uninit, write_copy};
 
-/// This process's rank of `MPI_COMM_WORLD`. MPI is initialised by [`MpiComm::init`] and
-/// finalised when the value is dropped; one per process.
+/// This process's rank of `MPI_COMM_WORLD` ([`MpiComm::init`]), or of a communicator split
+/// from one ([`MpiComm::split`]). MPI is initialised once per process, by `init`, and
+/// finalised when the last communicator is dropped. A communicator stays on the thread that
+/// made it (MPI runs single-threaded, `MPI_Init`).
 ///
 /// MPI reports its own failures by aborting the job (`MPI_ERRORS_ARE_FATAL`), so `mpirun`
 /// exits non-zero with MPI's message; moekit's errors reach every rank before anything but
@@ -33,11 +35,24 @@ use crate::uninit::{assume_init, uninit, write_copy};
 /// holds the waiting rank's buffers then, so the call cannot return: it prints the message and
 /// `MPI_Abort`s, which stops every rank, the silent ones included.
 pub struct MpiComm {
+    /// The shim's handle, freed (before MPI is finalised) when the value drops.
+    comm: *mut sys::moekit_mpi_comm,
     rank: usize,
     size: usize,
     timeout: Duration,
-    /// MPI runs single-threaded (`MPI_Init`): the value stays on the thread that made it.
-    _single_thread: PhantomData<*const ()>,
+    mpi: Rc<Initialised>,
+}
+
+/// MPI initialised in this process, finalised when the last communicator holding it drops.
+struct Initialised;
+
+impl Drop for Initialised {
+    fn drop(&mut self) {
+        // SAFETY: MPI was initialised by `MpiComm::init`, once per process; every communicator
+        // has been freed (each holds this value) and every operation completed before its call
+        // returned.
+        unsafe { sys::moekit_mpi_finalize() };
+    }
 }
 
 /// Environment variables MPI launchers set in the processes they start: Open MPI's `mpirun`,
@@ -69,27 +84,72 @@ impl MpiComm {
             }
             code => return Err(failed(format!("MPI_Init failed (MPI error {code})"))),
         }
-        let (mut rank, mut size) = (0, 0);
-        // SAFETY: MPI is initialised; both write one int.
-        let codes = unsafe {
-            [
-                sys::moekit_mpi_rank(&mut rank),
-                sys::moekit_mpi_size(&mut size),
-            ]
-        };
-        if codes != [0, 0] {
-            // SAFETY: MPI was initialised above and nothing is in flight.
-            unsafe { sys::moekit_mpi_finalize() };
+        let mpi = Rc::new(Initialised);
+        let mut comm = ptr::null_mut();
+        // SAFETY: MPI is initialised; the call writes one handle.
+        let code = unsafe { sys::moekit_mpi_comm_world(&mut comm) };
+        if code != 0 {
             return Err(failed(format!(
-                "cannot read this process's rank of MPI_COMM_WORLD (MPI errors {codes:?})"
+                "cannot make a handle on MPI_COMM_WORLD (error {code})"
             )));
         }
-        Ok(Self {
-            rank: rank as usize,
-            size: size as usize,
-            timeout: Self::DEFAULT_TIMEOUT,
-            _single_thread: PhantomData,
-        })
+        Self::of(comm, Self::DEFAULT_TIMEOUT, mpi)
+            .map_err(|message| failed(format!("MPI_COMM_WORLD: {message}")))
+    }
+
+    /// The communicator of the shim's `comm` (now owned: freed on every path): its rank and
+    /// size, read.
+    fn of(
+        comm: *mut sys::moekit_mpi_comm,
+        timeout: Duration,
+        mpi: Rc<Initialised>,
+    ) -> std::result::Result<Self, String> {
+        let mut this = Self {
+            comm,
+            rank: 0,
+            size: 0,
+            timeout,
+            mpi,
+        };
+        let (mut rank, mut size) = (0, 0);
+        // SAFETY: `comm` is a live handle; both calls write one int.
+        let codes = unsafe {
+            [
+                sys::moekit_mpi_rank(comm, &mut rank),
+                sys::moekit_mpi_size(comm, &mut size),
+            ]
+        };
+        match (codes, usize::try_from(rank), usize::try_from(size)) {
+            ([0, 0], Ok(rank), Ok(size)) if rank < size => {
+                (this.rank, this.size) = (rank, size);
+                Ok(this)
+            }
+            _ => Err(format!(
+                "cannot read this process's rank and size (MPI errors {codes:?})"
+            )),
+        }
+    }
+
+    /// The communicator of this one's ranks that pass the same `color`, ordered by `key` (then
+    /// by their rank here): `MPI_Comm_split`, with this one's timeout. Every rank of this
+    /// communicator must call it; it waits for them without a timeout (MPI's own collective),
+    /// so call it where every rank is known to arrive, as after a check of the job they run.
+    pub fn split(&self, color: usize, key: usize) -> Result<Self> {
+        let failed = |message: String| Error::Collective {
+            rank: self.rank,
+            message: format!("MPI_Comm_split: {message}"),
+        };
+        let as_int = |what: &str, value: usize| {
+            c_int::try_from(value).map_err(|_| failed(format!("{what} {value} exceeds an int")))
+        };
+        let (color, key) = (as_int("color", color)?, as_int("key", key)?);
+        let mut comm = ptr::null_mut();
+        // SAFETY: `self.comm` is a live handle; the call writes one handle on success.
+        let code = unsafe { sys::moekit_mpi_comm_split(self.comm, color, key, &mut comm) };
+        if code != 0 {
+            return Err(failed(format!("MPI error {code}")));
+        }
+        Self::of(comm, self.timeout, Rc::clone(&self.mpi)).map_err(failed)
     }
 
     /// Whether an MPI launcher (`mpirun`, `srun`, `mpiexec`) started this process, so that it
@@ -117,9 +177,9 @@ impl MpiComm {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        // SAFETY: MPI was initialised by `init`, once per process, and every operation
-        // completed before its call returned.
-        unsafe { sys::moekit_mpi_finalize() };
+        // SAFETY: the handle is live, and every operation on it completed before its call
+        // returned; MPI is finalised only after (`self.mpi` drops after this).
+        unsafe { sys::moekit_mpi_comm_free(self.comm) };
     }
 }
 
@@ -266,6 +326,7 @@ impl MpiComm {
         // it alone until the request completes.
         let code = unsafe {
             sys::moekit_mpi_irecv(
+                self.comm,
                 slots.as_mut_ptr().cast::<c_void>(),
                 len,
                 T::KIND,
@@ -292,6 +353,7 @@ impl MpiComm {
                 // request completes (the caller's contract).
                 unsafe {
                     sys::moekit_mpi_isend(
+                        self.comm,
                         elements.as_ptr().cast::<c_void>(),
                         len,
                         T::KIND,
@@ -313,6 +375,7 @@ impl MpiComm {
                 // offsets.
                 unsafe {
                     sys::moekit_mpi_isend_rows(
+                        self.comm,
                         source.as_ptr(),
                         rows,
                         byte_offsets.as_ptr(),
@@ -376,6 +439,7 @@ impl MpiComm {
             // SAFETY: plain out-parameters.
             let code = unsafe {
                 sys::moekit_mpi_improbe(
+                    self.comm,
                     src as c_int,
                     P2P_TAG,
                     sys::F32,

@@ -188,6 +188,9 @@ pub struct TrainingState {
     /// optimizer state are in their own files.
     #[serde(default = "one_rank")]
     pub expert_parallel_degree: usize,
+    /// D, the replicas that trained (each holding what the files hold).
+    #[serde(default = "one_rank")]
+    pub data_parallel_degree: usize,
 }
 
 fn one_rank() -> usize {
@@ -424,17 +427,23 @@ pub fn load_training(dir: &Path) -> Result<TrainingCheckpoint> {
 }
 
 /// Reads rank `rank`'s part of an expert-parallel training checkpoint (the whole checkpoint
-/// for a single process's), to resume that rank; the checkpoint must have been saved by `ranks`
-/// ranks, and verified ([`select_checkpoint`]).
-pub fn load_training_shard(dir: &Path, rank: usize, ranks: usize) -> Result<TrainingCheckpoint> {
+/// for a single process's), to resume that rank of a replica of `ranks`, one of `replicas`;
+/// the checkpoint must have been saved by the same layout, and verified
+/// ([`select_checkpoint`]).
+pub fn load_training_shard(
+    dir: &Path,
+    rank: usize,
+    ranks: usize,
+    replicas: usize,
+) -> Result<TrainingCheckpoint> {
     let state = read_state(dir)?;
+    let (saved_ranks, saved_replicas) = (state.expert_parallel_degree, state.data_parallel_degree);
     ensure!(
-        state.expert_parallel_degree == ranks,
-        "{} was saved by {} rank(s); resume it with parallelism.expert_parallel_degree = {} \
-         (this run has {ranks})",
+        (saved_ranks, saved_replicas) == (ranks, replicas),
+        "{} was saved by {saved_replicas} replica(s) of {saved_ranks} rank(s); resume it with \
+         parallelism.expert_parallel_degree = {saved_ranks} and data_parallel_degree = \
+         {saved_replicas} (this run has {ranks} and {replicas})",
         dir.display(),
-        state.expert_parallel_degree,
-        state.expert_parallel_degree
     );
     let (params, optimizer) = read_shard(dir, rank, ranks)?;
     Ok(TrainingCheckpoint {

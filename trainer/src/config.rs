@@ -181,15 +181,20 @@ fn one() -> usize {
     1
 }
 
-/// `[parallelism]`.
+/// `[parallelism]`: R·D ranks, launched as `mpirun -n R·D moekit-train ...` (one process
+/// when both are 1), form D replicas of R ranks each: world rank `d·R + r` is rank r of
+/// replica d.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Parallelism {
-    /// R, the ranks the experts of every MoE layer are sharded over (each holds E/R of them,
-    /// and its own slice of every batch). 1 trains in one process; R > 1 runs under
-    /// `mpirun -n R`.
+    /// R, the ranks of a replica, over which the experts of every MoE layer are sharded (each
+    /// holds E/R of them).
     #[serde(default = "one")]
     pub expert_parallel_degree: usize,
+    /// D, the replicas: each holds the whole model (its experts sharded over its R ranks),
+    /// and every rank trains on its own slice of every global batch.
+    #[serde(default = "one")]
+    pub data_parallel_degree: usize,
     /// Seconds a rank waits in an exchange for the others before the job stops with an error
     /// naming the ranks that did not answer (stopped, hung or lost).
     #[serde(default = "default_collective_timeout_s")]
@@ -203,10 +208,30 @@ impl Parallelism {
             "parallelism.expert_parallel_degree must be at least 1, got 0"
         );
         ensure!(
+            self.data_parallel_degree >= 1,
+            "parallelism.data_parallel_degree must be at least 1, got 0"
+        );
+        self.ranks()?;
+        ensure!(
             self.collective_timeout_s >= 1,
             "parallelism.collective_timeout_s must be at least 1, got 0"
         );
         Ok(())
+    }
+}
+
+impl Parallelism {
+    /// R·D, the ranks of the run.
+    pub fn ranks(&self) -> Result<usize> {
+        self.expert_parallel_degree
+            .checked_mul(self.data_parallel_degree)
+            .with_context(|| {
+                format!(
+                    "parallelism.expert_parallel_degree × data_parallel_degree = {} × {} \
+                     overflows",
+                    self.expert_parallel_degree, self.data_parallel_degree
+                )
+            })
     }
 }
 

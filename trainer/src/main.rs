@@ -151,7 +151,7 @@ fn run_train(pairs: Vec<(String, String)>) -> Result<()> {
     // The other ranks may be waiting in a collective this rank will never join, after an error
     // or a panic (whose message the panic hook has printed): abort the job (mpirun then stops
     // every rank) rather than finalise MPI and leave them hanging.
-    let rank_comm = Some(comm.clone() as Rc<dyn Communicator>);
+    let rank_comm = Some(Rc::clone(&comm));
     let training = || oom::catch(|| train(&config, rank_comm));
     match std::panic::catch_unwind(AssertUnwindSafe(training)) {
         Ok(Ok(_)) => {}

@@ -1,15 +1,20 @@
-//! Expert parallelism across MPI ranks (`parallelism.expert_parallel_degree = R`, launched as
-//! `mpirun -n R moekit-train ...`): MPI's initialisation, the rank group, the checks that every
-//! rank runs the same job, and the gradient reduction.
+//! Expert and data parallelism across MPI ranks (`parallelism.expert_parallel_degree = R`,
+//! `data_parallel_degree = D`, launched as `mpirun -n R·D moekit-train ...`): MPI's
+//! initialisation, the rank group, the checks that every rank runs the same job, and the
+//! gradient reduction.
 //!
-//! Each rank holds E/R experts of every MoE layer and a replica of everything else, and trains
-//! on its own slice of every batch. The objective is the mean of the ranks' losses, so after
-//! the backward every gradient is divided by R, and the replicated parameters' gradients are
-//! first summed over the ranks (each rank's expert gradients already hold every rank's tokens,
-//! which dispatch and combine brought to it).
+//! The R·D ranks form D replicas of R ranks (world rank `d·R + r` is rank r of replica d, as
+//! torchtitan lays expert parallelism inside data parallelism). Within a replica each rank
+//! holds E/R experts of every MoE layer and a copy of everything else; rank r of every replica
+//! holds the same experts. Every rank trains on its own slice of every global batch. The
+//! objective is the mean of the R·D ranks' losses, so after the backward every gradient is
+//! divided by R·D, after the replicated parameters' gradients are summed over all ranks and
+//! each expert shard's over its D copies (each rank's expert gradients already hold its
+//! replica's tokens, which dispatch and combine brought to it). Every sum runs in rank order,
+//! so every copy holds the same bits.
 //!
 //! A run without MPI is a group of one rank ([`RankGroup::one_process`]), so the trainer has one
-//! code path for any R; the group's collectives are then the identity.
+//! code path for any R and D; the group's collectives are then the identity.
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -27,36 +32,75 @@ use tch::{Kind, Tensor};
 use crate::config::JobConfig;
 use crate::model::ExpertShard;
 
-/// The ranks of a run, as seen from one of them: the MPI ranks of an expert-parallel run, or
-/// the one process of a run without (the same code path, its collectives trivial).
+/// The ranks of a run, as seen from one of them: the MPI ranks of a parallel run, or the one
+/// process of a run without (the same code path, its collectives trivial).
 pub struct RankGroup {
+    /// Every rank.
     comm: Rc<dyn Communicator>,
+    /// This rank's replica: the R ranks its experts are sharded over.
+    replica: Rc<dyn Communicator>,
+    /// The D ranks that hold this rank's experts, one per replica.
+    copies: Rc<dyn Communicator>,
 }
 
 impl RankGroup {
     /// The group of a run without MPI: this process alone.
     pub fn one_process(config: &JobConfig) -> Result<RankGroup> {
-        let comm = LocalComm::group(1)?
-            .pop()
-            .context("a group of one rank has one communicator")?;
-        Self::new(Rc::new(comm), config)
+        let comm: Rc<dyn Communicator> = Rc::new(
+            LocalComm::group(1)?
+                .pop()
+                .context("a group of one rank has one communicator")?,
+        );
+        let group = RankGroup {
+            replica: Rc::clone(&comm),
+            copies: Rc::clone(&comm),
+            comm,
+        };
+        group.check_layout(config)?;
+        Ok(group)
     }
 
-    /// The group of `comm`'s ranks for `config`; checks, on every rank alike, that all loaded
-    /// the same job config and that there are `expert_parallel_degree` of them, so a mismatch
-    /// is the same error on every rank.
-    pub fn new(comm: Rc<dyn Communicator>, config: &JobConfig) -> Result<RankGroup> {
-        let ranks = config.parallelism.expert_parallel_degree;
-        let group = RankGroup { comm };
-        group.check_same_job(config)?;
-        if group.ranks() != ranks {
+    /// The group of `world`'s ranks for `config`; checks, on every rank alike, that all loaded
+    /// the same job config and that there are R·D of them, so a mismatch is the same error on
+    /// every rank; then splits them into replicas and copies.
+    pub fn new(world: Rc<MpiComm>, config: &JobConfig) -> Result<RankGroup> {
+        let comm: Rc<dyn Communicator> = world.clone();
+        let whole = RankGroup {
+            replica: Rc::clone(&comm),
+            copies: Rc::clone(&comm),
+            comm,
+        };
+        whole.check_same_job(config)?;
+        whole.check_layout(config)?;
+        // Every rank has checked the same config and count: all of them split.
+        let r = config.parallelism.expert_parallel_degree;
+        let rank = world.rank();
+        let replica = world.split(rank / r, rank)?;
+        let copies = world.split(rank % r, rank)?;
+        Ok(RankGroup {
+            replica: Rc::new(replica),
+            copies: Rc::new(copies),
+            ..whole
+        })
+    }
+
+    /// The ranks started are the R·D the config asks for.
+    fn check_layout(&self, config: &JobConfig) -> Result<()> {
+        let parallelism = &config.parallelism;
+        let ranks = parallelism.ranks()?;
+        if self.ranks() != ranks {
+            let (r, d) = (
+                parallelism.expert_parallel_degree,
+                parallelism.data_parallel_degree,
+            );
             bail!(
-                "parallelism.expert_parallel_degree = {ranks}, but mpirun started {} ranks \
-                 (launch with `mpirun -n {ranks} moekit-train ...`)",
-                group.ranks()
+                "parallelism.expert_parallel_degree = {r} and data_parallel_degree = {d} need \
+                 {ranks} rank(s), but mpirun started {} (launch with `mpirun -n {ranks} \
+                 moekit-train ...`)",
+                self.ranks()
             );
         }
-        Ok(group)
+        Ok(())
     }
 
     /// Every rank sends every other its whole validated config ([`JobConfig::entries`]), and
@@ -95,15 +139,26 @@ impl RankGroup {
         self.comm.size()
     }
 
-    pub fn comm(&self) -> Rc<dyn Communicator> {
-        Rc::clone(&self.comm)
+    /// This rank's replica: the ranks its experts are sharded over, which exchange tokens.
+    pub fn replica(&self) -> Rc<dyn Communicator> {
+        Rc::clone(&self.replica)
     }
 
-    /// The experts this rank holds.
+    /// Whether this rank is in the first replica (whose ranks write the checkpoints' shards).
+    pub fn in_first_replica(&self) -> bool {
+        self.copies.rank() == 0
+    }
+
+    /// D, the replicas.
+    pub fn replicas(&self) -> usize {
+        self.copies.size()
+    }
+
+    /// The experts this rank holds: its replica's shard.
     pub fn shard(&self) -> ExpertShard {
         ExpertShard {
-            rank: self.rank(),
-            ranks: self.ranks(),
+            rank: self.replica.rank(),
+            ranks: self.replica.size(),
         }
     }
 
@@ -141,68 +196,75 @@ impl RankGroup {
         Ok(())
     }
 
-    /// Divides every gradient by R after summing the replicated parameters' gradients over
-    /// the ranks (see the module docs), all of them in one collective. `params` are in the same
-    /// order on every rank, and a replicated parameter must have a gradient on all ranks or on
-    /// none (else the replicas would drift apart): anything else is an error on every rank.
+    /// `values` summed over this rank's replica, in rank order: a sum over the expert shards.
+    pub fn sum_over_replica(&self, values: &mut [f32]) -> Result<()> {
+        self.replica.all_reduce_sum(values)?;
+        Ok(())
+    }
+
+    /// Divides every gradient by R·D after summing the replicated parameters' gradients over
+    /// all ranks and the expert parameters' over the copies of their shard (see the module
+    /// docs), each in one collective. `params` are in the same order on every rank, and a
+    /// parameter must have a gradient on all the ranks it is summed over or on none (else the
+    /// copies would drift apart): anything else is an error on every rank.
     pub fn reduce_gradients(&self, params: &[(String, Tensor)]) -> Result<()> {
         let ranks = self.ranks();
         if ranks == 1 {
             // Summed over one rank and divided by one: the gradients as they are.
             return Ok(());
         }
-        let scale = 1.0 / ranks as f64;
+        let scale = 1.0 / ranks as f32;
         let (experts, replicated): (Vec<_>, Vec<_>) = params
             .iter()
             .partition(|(name, _)| is_expert_parameter(name));
-        for (_, p) in experts {
-            let mut grad = p.grad();
-            if grad.defined() {
-                tch::no_grad(|| {
-                    let _ = grad.g_mul_scalar_(scale);
-                });
-            }
-        }
-        // Every replicated gradient back to back (zeros for a rank without one, so all ranks
-        // send the same sizes), then one count per parameter of the ranks that have one.
-        let grads: Vec<Tensor> = replicated.iter().map(|(_, p)| p.grad()).collect();
-        let mut values = Vec::new();
-        for (grad, (_, p)) in grads.iter().zip(&replicated) {
-            if grad.defined() {
-                values.extend(Vec::<f32>::try_from(
-                    grad.to_kind(Kind::Float).flatten(0, -1),
-                )?);
-            } else {
-                values.resize(values.len() + p.numel(), 0.0);
-            }
-        }
-        values.extend(grads.iter().map(|g| if g.defined() { 1.0f32 } else { 0.0 }));
-        self.sum(&mut values)?;
-        let with_gradient = values.split_off(values.len() - grads.len());
-        for ((name, _), &count) in replicated.iter().zip(&with_gradient) {
-            let count = count as usize;
-            if count != 0 && count != ranks {
-                bail!(
-                    "`{name}` has a gradient on {count} of {ranks} ranks: the replicas would \
-                     drift apart"
-                );
-            }
-        }
-        let mut offset = 0;
-        for (grad, (_, p)) in grads.iter().zip(&replicated) {
-            let numel = p.numel();
-            let mean: Vec<f32> = values[offset..offset + numel]
-                .iter()
-                .map(|&v| v * scale as f32)
-                .collect();
-            offset += numel;
-            if grad.defined() {
-                let mean = Tensor::from_slice(&mean).view(grad.size().as_slice());
-                tch::no_grad(|| grad.shallow_clone().copy_(&mean));
-            }
-        }
-        Ok(())
+        mean_gradients(self.copies.as_ref(), &experts, scale)?;
+        mean_gradients(self.comm.as_ref(), &replicated, scale)
     }
+}
+
+/// Every gradient of `params` summed over `comm`'s ranks, in one collective, and multiplied by
+/// `scale`. The gradients travel back to back (zeros for a rank without one, so all ranks send
+/// the same sizes), then one count per parameter of the ranks that have one, which must be
+/// all or none.
+fn mean_gradients(comm: &dyn Communicator, params: &[&(String, Tensor)], scale: f32) -> Result<()> {
+    let ranks = comm.size();
+    let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+    let mut values = Vec::new();
+    for (grad, (_, p)) in grads.iter().zip(params) {
+        if grad.defined() {
+            values.extend(Vec::<f32>::try_from(
+                grad.to_kind(Kind::Float).flatten(0, -1),
+            )?);
+        } else {
+            values.resize(values.len() + p.numel(), 0.0);
+        }
+    }
+    values.extend(grads.iter().map(|g| if g.defined() { 1.0f32 } else { 0.0 }));
+    comm.all_reduce_sum(&mut values)?;
+    let with_gradient = values.split_off(values.len() - grads.len());
+    for ((name, _), &count) in params.iter().zip(&with_gradient) {
+        let count = count as usize;
+        if count != 0 && count != ranks {
+            bail!(
+                "`{name}` has a gradient on {count} of the {ranks} ranks that hold it: its \
+                 copies would drift apart"
+            );
+        }
+    }
+    let mut offset = 0;
+    for (grad, (_, p)) in grads.iter().zip(params) {
+        let numel = p.numel();
+        let mean: Vec<f32> = values[offset..offset + numel]
+            .iter()
+            .map(|&v| v * scale)
+            .collect();
+        offset += numel;
+        if grad.defined() {
+            let mean = Tensor::from_slice(&mean).view(grad.size().as_slice());
+            tch::no_grad(|| grad.shallow_clone().copy_(&mean));
+        }
+    }
+    Ok(())
 }
 
 /// The keys where some rank's config (`configs[rank]`: key → value) differs from rank 0's, as
@@ -246,13 +308,13 @@ fn config_differences(configs: &[BTreeMap<String, String>]) -> Vec<String> {
 /// How many differing keys a config mismatch names.
 const DIFFERENCES_SHOWN: usize = 8;
 
-/// MPI's world when this process has peers: `config` asks for expert parallelism, or an MPI
+/// MPI's world when this process has peers: `config` asks for several ranks, or an MPI
 /// launcher started it (`None` otherwise, and for `mpirun -n 1` of a one-rank job). Under a
 /// launcher MPI starts whatever the degree, so that a rank given a config unlike its peers'
 /// (degree 1 among ranks of degree 2, say) stops with them instead of training alone.
 /// Initialised once per process by its `main`, finalised when the last handle is dropped.
 pub fn init_mpi(config: &JobConfig) -> Result<Option<Rc<MpiComm>>> {
-    let ranks = config.parallelism.expert_parallel_degree;
+    let ranks = config.parallelism.ranks()?;
     if ranks == 1 && !MpiComm::launched() {
         return Ok(None);
     }

@@ -5,10 +5,10 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use moekit::ep::Communicator;
+use moekit::ep::MpiComm;
 use moekit_tools::golden::write_atomically;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor, nn};
@@ -52,6 +52,10 @@ pub struct StepMetrics {
     /// dispatch and combine (forward and backward, waiting for other ranks included).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exchange_share: Option<f64>,
+    /// With several ranks: the share of the step's wall time this rank spent reducing the
+    /// gradients and their norm over the ranks (waiting for other ranks included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reduction_share: Option<f64>,
     /// Token-to-expert assignments of each MoE layer over the step.
     pub expert_load: Vec<LayerLoad>,
     /// The assignments themselves, `[MoE layers][E]` (not written to metrics.jsonl).
@@ -197,18 +201,17 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Seeds libtorch with `job.seed`, initialises the model and loads the data. With
-    /// `parallelism.expert_parallel_degree` R > 1, `comm` must hold the R ranks (see
-    /// [`crate::parallel::init_mpi`]).
-    pub fn new(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<Self> {
+    /// Seeds libtorch with `job.seed`, initialises the model and loads the data. With R·D > 1
+    /// ranks (`parallelism`), `comm` must hold them (see [`crate::parallel::init_mpi`]).
+    pub fn new(config: &JobConfig, comm: Option<Rc<MpiComm>>) -> Result<Self> {
         if config.training.threads > 0 {
             tch::set_num_threads(config.training.threads as i32);
         }
-        let group = match (config.parallelism.expert_parallel_degree, comm) {
+        let group = match (config.parallelism.ranks()?, comm) {
             (_, Some(comm)) => RankGroup::new(comm, config)?,
             (1, None) => RankGroup::one_process(config)?,
             (ranks, None) => bail!(
-                "parallelism.expert_parallel_degree = {ranks} needs MPI: launch with \
+                "parallelism asks for {ranks} ranks, which need MPI: launch with \
                  `mpirun -n {ranks} moekit-train ...`"
             ),
         };
@@ -225,7 +228,7 @@ impl Trainer {
             1 => MoeImpl::create_for(&config.kernels)?,
             _ => config.kernels.moe.create_expert_parallel(
                 &config.kernels,
-                group.comm(),
+                group.replica(),
                 config.model.num_experts,
             )?,
         };
@@ -237,7 +240,7 @@ impl Trainer {
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
         // Every rank draws the same global batches of R × batch_size sequences and trains on
         // its own slice of each. A rank that cannot read the data stops every rank.
-        let data = load_data(config, shard.ranks);
+        let data = load_data(config, group.ranks());
         let Data {
             batches,
             validation,
@@ -372,20 +375,22 @@ impl Trainer {
     }
 
     /// The global gradient norm after the ranks' gradients are reduced, clipped to
-    /// `training.max_norm`.
-    fn reduce_and_clip_gradients(&mut self) -> Result<f64> {
+    /// `training.max_norm`, and the time the reductions took (`None` on one process).
+    fn reduce_and_clip_gradients(&mut self) -> Result<(f64, Option<Duration>)> {
         let max_norm = self.config.training.max_norm;
         let group = &self.group;
         if group.ranks() == 1 {
-            return Ok(self.optimizer.clip_grad_norm(max_norm));
+            return Ok((self.optimizer.clip_grad_norm(max_norm), None));
         }
+        let start = Instant::now();
         group.reduce_gradients(self.optimizer.params())?;
         let (replicated, sharded) = self.optimizer.grad_squares(is_expert_parameter);
         let mut sharded = [sharded as f32];
-        group.sum(&mut sharded)?;
+        group.sum_over_replica(&mut sharded)?;
+        let reduction = start.elapsed();
         let norm = (replicated + f64::from(sharded[0])).sqrt();
         self.optimizer.clip_to(norm, max_norm);
-        Ok(norm)
+        Ok((norm, Some(reduction)))
     }
 
     /// `<dump_folder>/<checkpoint.folder>`.
@@ -398,7 +403,8 @@ impl Trainer {
 
     /// Continues from a training checkpoint of the same model, seed and batch shape.
     fn resume(&mut self, dir: &Path) -> Result<()> {
-        let checkpoint = load_training_shard(dir, self.group.rank(), self.group.ranks())?;
+        let shard = self.group.shard();
+        let checkpoint = load_training_shard(dir, shard.rank, shard.ranks, self.group.replicas())?;
         let state = &checkpoint.state;
         let training = &self.config.training;
         ensure!(
@@ -473,6 +479,7 @@ impl Trainer {
                 gradient_accumulation_steps: self.config.training.gradient_accumulation_steps,
                 dtype: self.config.training.dtype,
                 expert_parallel_degree: self.config.parallelism.expert_parallel_degree,
+                data_parallel_degree: self.config.parallelism.data_parallel_degree,
             },
             params: self
                 .params()
@@ -488,9 +495,10 @@ impl Trainer {
         if group.ranks() == 1 {
             return save_training(&folder, keep, &checkpoint, self.tokenizer_json.as_deref());
         }
-        // Rank 0 stages the folder, every rank writes its shard, rank 0 completes it; each
-        // stage's outcome reaches every rank before the next.
-        let (rank, ranks, step) = (group.rank(), group.ranks(), self.step);
+        // Rank 0 stages the folder, every rank of the first replica writes its shard (every
+        // replica holds the same), rank 0 completes it; each stage's outcome reaches every
+        // rank before the next.
+        let (rank, shard, step) = (group.rank(), group.shard(), self.step);
         let staged = if rank == 0 {
             begin_training(&folder, step).map(drop)
         } else {
@@ -498,7 +506,11 @@ impl Trainer {
         };
         group.all_ok(staged)?;
         let tmp = staging_folder(&folder, step);
-        let written = group.all_ok(write_training_shard(&tmp, rank, ranks, &checkpoint));
+        let shard_written = match group.in_first_replica() {
+            true => write_training_shard(&tmp, shard.rank, shard.ranks, &checkpoint),
+            false => Ok(()),
+        };
+        let written = group.all_ok(shard_written);
         let finished = written.and_then(|()| {
             let finished = if rank == 0 {
                 let tokenizer = self.tokenizer_json.as_deref();
@@ -592,7 +604,7 @@ impl Trainer {
                 *layer_counts = sums.iter().map(|&c| f64::from(c)).collect();
             }
         }
-        let grad_norm = self.reduce_and_clip_gradients()?;
+        let (grad_norm, reduction) = self.reduce_and_clip_gradients()?;
         if !grad_norm.is_finite() {
             bail!("the gradient norm is not finite ({grad_norm}); stopping before the update");
         }
@@ -622,6 +634,7 @@ impl Trainer {
                 .experts
                 .take_exchange_time()
                 .map(|time| time.as_secs_f64() / elapsed),
+            reduction_share: reduction.map(|time| time.as_secs_f64() / elapsed),
             expert_load: moe_layers
                 .iter()
                 .zip(&counts)
@@ -643,7 +656,7 @@ impl Trainer {
 /// reports and writes. Losses, gradient norms and expert counts are the ranks' means or sums
 /// (the same on every rank); timings (`tokens_per_second`, `exchange_share`) are each rank's
 /// own.
-pub fn train(config: &JobConfig, comm: Option<Rc<dyn Communicator>>) -> Result<usize> {
+pub fn train(config: &JobConfig, comm: Option<Rc<MpiComm>>) -> Result<usize> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
         .with_context(|| format!("cannot create dump folder {}", folder.display()))?;
@@ -755,9 +768,13 @@ impl<'c> Report<'c> {
             self.metrics_file.flush()?;
             let elapsed = self.start.elapsed().as_secs_f64();
             let eta = elapsed / (step - resumed) as f64 * (total - step) as f64;
-            let exchange = metrics.exchange_share.map_or_else(String::new, |share| {
-                format!("  exchange {:.0}%", 100.0 * share)
-            });
+            let share = |name: &str, share: Option<f64>| {
+                share.map_or_else(String::new, |share| {
+                    format!("  {name} {:.0}%", 100.0 * share)
+                })
+            };
+            let exchange = share("exchange", metrics.exchange_share)
+                + &share("reduce", metrics.reduction_share);
             // A dense model has no router, so no aux loss.
             let aux = match config.model.name {
                 ModelName::Qwen3Moe => format!("  aux {:.4}", metrics.aux_loss),

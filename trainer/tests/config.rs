@@ -497,15 +497,34 @@ fn expert_parallelism_needs_divisible_experts_moekit_kernels_and_mpi() {
     let config = load(&[("parallelism.collective_timeout_s", "5")]).unwrap();
     assert_eq!(config.parallelism.collective_timeout_s, 5);
 
-    let config = load(&[("parallelism.expert_parallel_degree", "2")]).unwrap();
-    assert_eq!(config.parallelism.expert_parallel_degree, 2);
-    let err = moekit_trainer::train::Trainer::new(&config, None)
-        .err()
-        .expect("two ranks need MPI");
+    let err = load(&[("parallelism.data_parallel_degree", "0")]).unwrap_err();
     assert!(
-        format!("{err:#}").contains("needs MPI: launch with `mpirun -n 2 moekit-train ...`"),
+        format!("{err:#}").contains("parallelism.data_parallel_degree must be at least 1"),
         "{err:#}"
     );
+    let huge = usize::MAX / 2;
+    let err = load(&[
+        ("parallelism.data_parallel_degree", &huge.to_string()),
+        ("parallelism.expert_parallel_degree", "4"),
+    ])
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("overflows"), "{err:#}");
+
+    for (key, ranks) in [
+        ("parallelism.expert_parallel_degree", 2),
+        ("parallelism.data_parallel_degree", 2),
+    ] {
+        let config = load(&[(key, "2")]).unwrap();
+        assert_eq!(config.parallelism.ranks().unwrap(), ranks);
+        let err = moekit_trainer::train::Trainer::new(&config, None)
+            .err()
+            .expect("two ranks need MPI");
+        assert!(
+            format!("{err:#}")
+                .contains("2 ranks, which need MPI: launch with `mpirun -n 2 moekit-train ...`"),
+            "{err:#}"
+        );
+    }
 }
 
 /// Fuzzing the config parser: whatever the file or the overrides hold, `JobConfig::load`

@@ -1,11 +1,15 @@
-//! Expert-parallel training under `mpirun` (run by `scripts/test.sh` with `-n 2` and `-n 4`).
+//! Expert- and data-parallel training under `mpirun` (run by `scripts/test.sh` with `-n 2`
+//! and `-n 4`), in the layouts (R, D) of the rank count: (2, 1) and (1, 2) with 2 ranks, (4, 1)
+//! and (2, 2) with 4.
 //!
-//! - default: every rank trains the debug model with its experts sharded over the R ranks,
-//!   each on its slice of every batch; rank 0 then trains the same model in one process on
-//!   the whole batches (R × batch_size sequences) and compares. With the auxiliary loss off
-//!   (each rank's aux loss pools only its own tokens, so it differs from the single process's)
-//!   the runs optimise the same objective: their losses agree within 1e-5 relative at every
-//!   step, on the `reference` and on the `cpu` kernels.
+//! - default: every rank trains the debug model with its experts sharded over the R ranks of
+//!   its replica, each on its slice of every batch; rank 0 then trains the same model in one
+//!   process on the whole batches (R·D × batch_size sequences) and compares. With the auxiliary
+//!   loss off (each rank's aux loss pools only its own tokens, so it differs from the single
+//!   process's) the runs optimise the same objective: their losses agree within 1e-5 relative
+//!   at every step, on the `cpu` kernels (and the `reference` ones with D = 1). A run resumed
+//!   from its rank-sharded checkpoint repeats the uninterrupted run's steps exactly; the
+//!   checkpoint resumes on its layout only; its export equals the single process's.
 //! - `mismatch`: rank 1 loads a different seed; every rank must stop with the same message.
 
 use std::path::{Path, PathBuf};
@@ -80,26 +84,51 @@ fn metrics(dump: &Path) -> Result<Vec<StepLine>, String> {
         .collect()
 }
 
-/// Trains with R ranks, then (rank 0) in one process, and compares the losses.
-fn parity(comm: &Rc<dyn Communicator>) -> Result<(), String> {
-    let (rank, ranks) = (comm.rank(), comm.size());
+/// R ranks per replica and D replicas.
+#[derive(Clone, Copy)]
+struct Layout {
+    r: usize,
+    d: usize,
+}
+
+impl Layout {
+    fn name(self) -> String {
+        format!("R{}-D{}", self.r, self.d)
+    }
+
+    /// The config keys of the layout.
+    fn keys(self) -> [(&'static str, String); 2] {
+        [
+            ("parallelism.expert_parallel_degree", self.r.to_string()),
+            ("parallelism.data_parallel_degree", self.d.to_string()),
+        ]
+    }
+}
+
+/// Trains with the layout's ranks, then (rank 0) in one process, and compares the losses.
+fn parity(comm: &Rc<MpiComm>, layout: Layout) -> Result<(), String> {
+    let rank = comm.rank();
+    let ranks = layout.r * layout.d;
     let batch = 2;
-    for moe in ["reference", "cpu"] {
-        let sharded = config(
-            &scratch(&format!("ep-{moe}")),
-            &[
-                ("kernels.moe", moe.into()),
-                ("training.batch_size", batch.to_string()),
-                ("parallelism.expert_parallel_degree", ranks.to_string()),
-            ],
-        );
+    let impls: &[&str] = match layout.d {
+        1 => &["reference", "cpu"],
+        _ => &["cpu"],
+    };
+    let ranks_label = layout.name();
+    for &moe in impls {
+        let mut pairs = vec![
+            ("kernels.moe", moe.to_owned()),
+            ("training.batch_size", batch.to_string()),
+        ];
+        pairs.extend(layout.keys());
+        let sharded = config(&scratch(&format!("ep-{moe}-{ranks_label}")), &pairs);
         train(&sharded, Some(Rc::clone(comm)))
-            .map_err(|err| format!("R={ranks} {moe}: {err:#}"))?;
+            .map_err(|err| format!("{ranks_label} {moe}: {err:#}"))?;
         if rank != 0 {
             continue;
         }
         let single = config(
-            &scratch(&format!("single-{moe}")),
+            &scratch(&format!("single-{moe}-for-{ranks_label}")),
             &[
                 ("kernels.moe", moe.into()),
                 ("training.batch_size", (batch * ranks).to_string()),
@@ -110,7 +139,7 @@ fn parity(comm: &Rc<dyn Communicator>) -> Result<(), String> {
         let one = metrics(&single.job.dump_folder)?;
         if ep.len() != one.len() {
             return Err(format!(
-                "{moe}: {} steps with R={ranks}, {} with R=1",
+                "{moe}: {} steps with {ranks_label}, {} with R=1",
                 ep.len(),
                 one.len()
             ));
@@ -121,13 +150,13 @@ fn parity(comm: &Rc<dyn Communicator>) -> Result<(), String> {
             largest = largest.max(relative);
             if relative > 1e-5 || !a.loss.is_finite() {
                 return Err(format!(
-                    "{moe}, step {}: loss {} with R={ranks}, {} with R=1 (relative difference {relative:.2e})",
+                    "{moe}, step {}: loss {} with {ranks_label}, {} with R=1 (relative difference {relative:.2e})",
                     a.step, a.loss, b.loss
                 ));
             }
             if a.assignments != b.assignments {
                 return Err(format!(
-                    "{moe}, step {}: expert assignments per layer {:?} with R={ranks}, {:?} with R=1",
+                    "{moe}, step {}: expert assignments per layer {:?} with {ranks_label}, {:?} with R=1",
                     a.step, a.assignments, b.assignments
                 ));
             }
@@ -140,8 +169,8 @@ fn parity(comm: &Rc<dyn Communicator>) -> Result<(), String> {
             ));
         }
         report(format!(
-            "rank 0 of {ranks}: {moe}: {} steps, losses equal R=1's within {largest:.1e} \
-             relative (first {:.5}, last {:.5})",
+            "rank 0 of {ranks_label}: {moe}: {} steps, losses equal R=1's within \
+             {largest:.1e} relative (first {:.5}, last {:.5})",
             ep.len(),
             first.loss,
             last.loss
@@ -180,16 +209,19 @@ fn max_abs_difference(a: &Path, b: &Path) -> Result<(f64, usize), String> {
 /// uninterrupted run bit for bit; the export of the sharded checkpoint is a standard Hugging
 /// Face directory with every expert, matching the single process's export; and starting R
 /// ranks from that directory gives the single process's first loss.
-fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
-    let (rank, ranks) = (comm.rank(), comm.size());
+fn checkpoints(comm: &Rc<MpiComm>, layout: Layout) -> Result<(), String> {
+    let rank = comm.rank();
+    let (r, d) = (layout.r, layout.d);
+    let ranks = r * d;
+    let label = layout.name();
     let batch = 2;
     let sharded = |dump: &Path, extra: &[(&str, String)]| {
         let mut pairs = vec![
             ("training.batch_size", batch.to_string()),
-            ("parallelism.expert_parallel_degree", ranks.to_string()),
             ("checkpoint.enable", "true".into()),
             ("checkpoint.interval", "3".into()),
         ];
+        pairs.extend(layout.keys());
         pairs.extend(extra.iter().cloned());
         config(dump, &pairs)
     };
@@ -203,7 +235,7 @@ fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
         config(dump, &pairs)
     };
     let barrier = || comm.barrier().map_err(|err| err.to_string());
-    let dump = scratch(&format!("ckpt-R{ranks}"));
+    let dump = scratch(&format!("ckpt-{label}"));
     if rank == 0 {
         let _ = std::fs::remove_dir_all(&dump);
     }
@@ -219,8 +251,12 @@ fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
     };
     if rank == 0 {
         let step6 = checkpoints.join("step-00000006");
-        for file in ["state.json", "config.json", "model-rank0-of-2.safetensors"] {
-            let file = file.replace("of-2", &format!("of-{ranks}"));
+        // The first replica's R shards (one file without sharding).
+        let shard = match r {
+            1 => "model.safetensors".to_owned(),
+            _ => format!("model-rank{}-of-{r}.safetensors", r - 1),
+        };
+        for file in ["state.json", "config.json", &shard] {
             if !step6.join(&file).is_file() {
                 return Err(format!("{} has no {file}", step6.display()));
             }
@@ -241,9 +277,9 @@ fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
         }
     }
     barrier()?;
-    let exported = scratch(&format!("export-R{ranks}"));
-    let single_dump = scratch(&format!("ckpt-R1-for-{ranks}"));
-    let single_export = scratch(&format!("export-R1-for-{ranks}"));
+    let exported = scratch(&format!("export-{label}"));
+    let single_dump = scratch(&format!("ckpt-R1-for-{label}"));
+    let single_export = scratch(&format!("export-R1-for-{label}"));
     if rank == 0 {
         for dir in [&exported, &single_dump, &single_export] {
             let _ = std::fs::remove_dir_all(dir);
@@ -260,17 +296,18 @@ fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
         if largest > 1e-4 {
             return Err(format!("the exports differ by up to {largest:.2e}"));
         }
-        // A sharded checkpoint resumes on the same R only.
+        // A sharded checkpoint resumes on the same layout only.
         let err = train(&single(&dump, &[]), None).expect_err("R=1 cannot resume R ranks' shards");
         let expected = format!(
-            "was saved by {ranks} rank(s); resume it with parallelism.expert_parallel_degree = {ranks}"
+            "was saved by {d} replica(s) of {r} rank(s); resume it with \
+             parallelism.expert_parallel_degree = {r} and data_parallel_degree = {d}"
         );
         if !format!("{err:#}").contains(&expected) {
             return Err(format!("resuming on R=1: {err:#}"));
         }
         report(format!(
-            "rank 0 of {ranks}: resume repeats steps 4-6 exactly; the sharded export's {tensors} \
-             tensors equal the single process's within {largest:.1e}"
+            "rank 0 of {label}: resume repeats steps 4-6 exactly; the sharded export's \
+             {tensors} tensors equal the single process's within {largest:.1e}"
         ));
     }
     barrier()?;
@@ -284,29 +321,29 @@ fn checkpoints(comm: &Rc<dyn Communicator>) -> Result<(), String> {
         ("lr_scheduler.warmup_steps", "0".into()),
         ("checkpoint.enable", "false".into()),
     ];
-    let from_hf = scratch(&format!("from-hf-R{ranks}"));
+    let from_hf = scratch(&format!("from-hf-{label}"));
     train(&sharded(&from_hf, &start), Some(Rc::clone(comm)))
         .map_err(|e| format!("from HF: {e:#}"))?;
     if rank == 0 {
-        let one = scratch(&format!("from-hf-R1-for-{ranks}"));
+        let one = scratch(&format!("from-hf-R1-for-{label}"));
         train(&single(&one, &start), None).map_err(|e| format!("R=1 from HF: {e:#}"))?;
         let (from_hf, one) = (&metrics(&from_hf)?[0], &metrics(&one)?[0]);
         let relative = (from_hf.loss - one.loss).abs() / one.loss;
         if relative > 1e-5 {
             return Err(format!(
-                "from the export: first loss {} with R={ranks}, {} with R=1",
+                "from the export: first loss {} with {label}, {} with R=1",
                 from_hf.loss, one.loss
             ));
         }
         report(format!(
-            "rank 0 of {ranks}: started from a Hugging Face directory, the first loss equals R=1's within {relative:.1e}"
+            "rank 0 of {label}: started from a Hugging Face directory, the first loss equals R=1's within {relative:.1e}"
         ));
     }
     Ok(())
 }
 
 fn main() -> ExitCode {
-    let comm: Rc<dyn Communicator> = match MpiComm::init() {
+    let comm = match MpiComm::init() {
         Ok(comm) => Rc::new(comm),
         Err(err) => {
             report(format!("cannot initialise MPI: {err}"));
@@ -341,7 +378,12 @@ fn main() -> ExitCode {
         report("run under `mpirun -n R` with R ≥ 2 (see scripts/test.sh)".to_owned());
         return ExitCode::FAILURE;
     }
-    match parity(&comm).and_then(|()| checkpoints(&comm)) {
+    // Experts over every rank, then D = 2 replicas of R = ranks / 2.
+    let layouts = [Layout { r: ranks, d: 1 }, Layout { r: ranks / 2, d: 2 }];
+    let result = layouts
+        .into_iter()
+        .try_for_each(|layout| parity(&comm, layout).and_then(|()| checkpoints(&comm, layout)));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             report(format!("rank {rank}: {message}"));

@@ -233,7 +233,7 @@ fn one_process() -> Result<(), String> {
 
 /// Expert parallelism over `comm`'s ranks: `neuron` against `cpu`. Every rank runs the same
 /// config (dump folder and manifest included, as the ranks check); rank 0 writes the files.
-fn expert_parallel(comm: &Rc<dyn Communicator>) -> Result<(), String> {
+fn expert_parallel(comm: &Rc<MpiComm>) -> Result<(), String> {
     let (rank, ranks) = (comm.rank(), comm.size());
     let name = format!("expert_parallel_{ranks}");
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -269,7 +269,7 @@ fn main() -> ExitCode {
     let result = if std::env::args().any(|arg| arg == "ep") {
         match MpiComm::init() {
             Ok(comm) => {
-                let comm: Rc<dyn Communicator> = Rc::new(comm);
+                let comm = Rc::new(comm);
                 expert_parallel(&comm).map_err(|err| format!("rank {}: {err}", comm.rank()))
             }
             Err(err) => Err(format!("cannot initialise MPI: {err}")),

@@ -1,5 +1,6 @@
 //! moekit's MPI shim (`shim.c`): the MPI operations moekit's `MpiComm` uses, on
-//! `MPI_COMM_WORLD`, behind a C ABI of plain integers and opaque handles. The shim is compiled
+//! `MPI_COMM_WORLD` or communicators split from it, behind a C ABI of plain integers and
+//! opaque handles. The shim is compiled
 //! with `mpicc`, so MPI's own headers define its handle types; this crate declares the shim's
 //! functions by hand (`shim.h` is their C declaration) and needs no bindings generator.
 //!
@@ -24,6 +25,14 @@ pub const MOEKIT_MPI_ALREADY_INITIALISED: c_int = -1;
 /// A request or message handle could not be allocated.
 pub const MOEKIT_MPI_NO_MEMORY: c_int = -2;
 
+/// A communicator (an `MPI_Comm` the shim allocated): `MPI_COMM_WORLD`'s from
+/// [`moekit_mpi_comm_world`], or one from [`moekit_mpi_comm_split`]; freed by
+/// [`moekit_mpi_comm_free`].
+#[repr(C)]
+pub struct moekit_mpi_comm {
+    _opaque: [u8; 0],
+}
+
 /// A pending non-blocking operation (an `MPI_Request` the shim allocated).
 #[repr(C)]
 pub struct moekit_mpi_request {
@@ -41,14 +50,27 @@ unsafe extern "C" {
     pub fn moekit_mpi_init() -> c_int;
     /// `MPI_Finalize`.
     pub fn moekit_mpi_finalize() -> c_int;
-    /// This process's rank of `MPI_COMM_WORLD`.
-    pub fn moekit_mpi_rank(rank: *mut c_int) -> c_int;
-    /// The size of `MPI_COMM_WORLD`.
-    pub fn moekit_mpi_size(size: *mut c_int) -> c_int;
+    /// A handle on `MPI_COMM_WORLD`, in `out`.
+    pub fn moekit_mpi_comm_world(out: *mut *mut moekit_mpi_comm) -> c_int;
+    /// `MPI_Comm_split` of `parent` (collective over its ranks): the ranks of one `color`,
+    /// ordered by `key`, in `out`.
+    pub fn moekit_mpi_comm_split(
+        parent: *const moekit_mpi_comm,
+        color: c_int,
+        key: c_int,
+        out: *mut *mut moekit_mpi_comm,
+    ) -> c_int;
+    /// `MPI_Comm_free` (not of `MPI_COMM_WORLD`), and the handle freed.
+    pub fn moekit_mpi_comm_free(comm: *mut moekit_mpi_comm) -> c_int;
+    /// This process's rank of `comm`.
+    pub fn moekit_mpi_rank(comm: *const moekit_mpi_comm, rank: *mut c_int) -> c_int;
+    /// The size of `comm`.
+    pub fn moekit_mpi_size(comm: *const moekit_mpi_comm, size: *mut c_int) -> c_int;
     /// `MPI_Abort` of every process of `MPI_COMM_WORLD`; does not return.
     pub fn moekit_mpi_abort(code: c_int) -> !;
-    /// `MPI_Isend` of `count` elements of `kind` from `buffer`; the request in `out`.
+    /// `MPI_Isend` on `comm` of `count` elements of `kind` from `buffer`; the request in `out`.
     pub fn moekit_mpi_isend(
+        comm: *const moekit_mpi_comm,
         buffer: *const c_void,
         count: c_int,
         kind: c_int,
@@ -60,6 +82,7 @@ unsafe extern "C" {
     /// bytes after `source` (an `MPI_Type_create_hindexed_block` datatype): sent where they
     /// lie, without packing.
     pub fn moekit_mpi_isend_rows(
+        comm: *const moekit_mpi_comm,
         source: *const f32,
         rows: c_int,
         row_byte_offsets: *const i64,
@@ -70,6 +93,7 @@ unsafe extern "C" {
     ) -> c_int;
     /// `MPI_Irecv` of at most `count` elements of `kind` into `buffer`.
     pub fn moekit_mpi_irecv(
+        comm: *const moekit_mpi_comm,
         buffer: *mut c_void,
         count: c_int,
         kind: c_int,
@@ -88,6 +112,7 @@ unsafe extern "C" {
     /// `MPI_Improbe` from `src` with `tag`: `found` set when a message is there, with the
     /// message in `message` and its length in elements of `kind` in `count` (−1 if not whole).
     pub fn moekit_mpi_improbe(
+        comm: *const moekit_mpi_comm,
         src: c_int,
         tag: c_int,
         kind: c_int,
