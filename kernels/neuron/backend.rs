@@ -550,6 +550,18 @@ fn router_topk_call<'a>(call: &RouterTopk<'a>) -> Call<'a> {
     }
 }
 
+/// The size keys both blockwise kernels' entries share.
+fn size_keys(dims: &BlockwiseDims) -> [(&'static str, Value); 6] {
+    [
+        ("t", Value::Int(dims.t)),
+        ("h", Value::Int(dims.h)),
+        ("e", Value::Int(dims.e)),
+        ("i", Value::Int(dims.i)),
+        (Param::BlockSize.name(), Value::Int(dims.b)),
+        ("num_blocks", Value::Int(dims.n)),
+    ]
+}
+
 /// The manifest key of a `blockwise_mm` call of `dims` and `params`, with or without each bias
 /// (`gate_and_up_proj_bias`, `down_proj_bias`).
 fn blockwise_mm_key(
@@ -558,47 +570,42 @@ fn blockwise_mm_key(
     biases: [bool; 2],
 ) -> Vec<(&'static str, Value)> {
     let [gate_up_bias, down_bias] = biases;
-    [
-        ("t", Value::Int(dims.t)),
-        ("h", Value::Int(dims.h)),
-        ("e", Value::Int(dims.e)),
-        ("i", Value::Int(dims.i)),
-        (Param::BlockSize.name(), Value::Int(dims.b)),
-        ("num_blocks", Value::Int(dims.n)),
-        (
-            Param::ActivationFunction.name(),
-            Value::Str(params.activation_function.to_string()),
-        ),
-        (
-            Param::ExpertAffinitiesScalingMode.name(),
-            Value::Str(params.expert_affinities_scaling_mode.to_string()),
-        ),
-        (
-            Param::CheckpointActivation.name(),
-            Value::Bool(params.checkpoint_activation),
-        ),
-        (fwd::GATE_AND_UP_PROJ_BIAS.name, Value::Bool(gate_up_bias)),
-        (fwd::DOWN_PROJ_BIAS.name, Value::Bool(down_bias)),
-        (
-            Param::SkipToken.name(),
-            Value::Bool(params.skip_dma.skip_token),
-        ),
-        (
-            Param::IsTensorUpdateAccumulating.name(),
-            Value::Bool(params.is_tensor_update_accumulating),
-        ),
-    ]
-    .into_iter()
-    .chain(limit_keys(
-        [
-            Param::GateClampLowerLimit,
-            Param::GateClampUpperLimit,
-            Param::UpClampLowerLimit,
-            Param::UpClampUpperLimit,
-        ],
-        params.clamp,
-    ))
-    .collect()
+    size_keys(dims)
+        .into_iter()
+        .chain([
+            (
+                Param::ActivationFunction.name(),
+                Value::Str(params.activation_function.to_string()),
+            ),
+            (
+                Param::ExpertAffinitiesScalingMode.name(),
+                Value::Str(params.expert_affinities_scaling_mode.to_string()),
+            ),
+            (
+                Param::CheckpointActivation.name(),
+                Value::Bool(params.checkpoint_activation),
+            ),
+            (fwd::GATE_AND_UP_PROJ_BIAS.name, Value::Bool(gate_up_bias)),
+            (fwd::DOWN_PROJ_BIAS.name, Value::Bool(down_bias)),
+            (
+                Param::SkipToken.name(),
+                Value::Bool(params.skip_dma.skip_token),
+            ),
+            (
+                Param::IsTensorUpdateAccumulating.name(),
+                Value::Bool(params.is_tensor_update_accumulating),
+            ),
+        ])
+        .chain(limit_keys(
+            [
+                Param::GateClampLowerLimit,
+                Param::GateClampUpperLimit,
+                Param::UpClampLowerLimit,
+                Param::UpClampUpperLimit,
+            ],
+            params.clamp,
+        ))
+        .collect()
 }
 
 fn blockwise_mm_call<'a>(call: &BlockwiseMm<'a>) -> Call<'a> {
@@ -626,42 +633,37 @@ fn blockwise_mm_bwd_key(
     dims: &BlockwiseDims,
     params: &BlockwiseMmBwdParams,
 ) -> Vec<(&'static str, Value)> {
-    [
-        ("t", Value::Int(dims.t)),
-        ("h", Value::Int(dims.h)),
-        ("e", Value::Int(dims.e)),
-        ("i", Value::Int(dims.i)),
-        (Param::BlockSize.name(), Value::Int(dims.b)),
-        ("num_blocks", Value::Int(dims.n)),
-        (
-            Param::ActivationType.name(),
-            Value::Str(params.activation_type.to_string()),
-        ),
-        (
-            Param::ExpertAffinitiesScalingMode.name(),
-            Value::Str(params.expert_affinities_scaling_mode.to_string()),
-        ),
-        (Param::Bias.name(), Value::Bool(params.bias)),
-        (
-            Param::SkipToken.name(),
-            Value::Bool(params.skip_dma.skip_token),
-        ),
-        (
-            Param::IsTensorUpdateAccumulating.name(),
-            Value::Bool(params.is_tensor_update_accumulating),
-        ),
-    ]
-    .into_iter()
-    .chain(limit_keys(
-        [
-            Param::NonLinearClampLowerLimit,
-            Param::NonLinearClampUpperLimit,
-            Param::LinearClampLowerLimit,
-            Param::LinearClampUpperLimit,
-        ],
-        params.clamp,
-    ))
-    .collect()
+    size_keys(dims)
+        .into_iter()
+        .chain([
+            (
+                Param::ActivationType.name(),
+                Value::Str(params.activation_type.to_string()),
+            ),
+            (
+                Param::ExpertAffinitiesScalingMode.name(),
+                Value::Str(params.expert_affinities_scaling_mode.to_string()),
+            ),
+            (Param::Bias.name(), Value::Bool(params.bias)),
+            (
+                Param::SkipToken.name(),
+                Value::Bool(params.skip_dma.skip_token),
+            ),
+            (
+                Param::IsTensorUpdateAccumulating.name(),
+                Value::Bool(params.is_tensor_update_accumulating),
+            ),
+        ])
+        .chain(limit_keys(
+            [
+                Param::NonLinearClampLowerLimit,
+                Param::NonLinearClampUpperLimit,
+                Param::LinearClampLowerLimit,
+                Param::LinearClampUpperLimit,
+            ],
+            params.clamp,
+        ))
+        .collect()
 }
 
 fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
