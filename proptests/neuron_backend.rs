@@ -1266,8 +1266,8 @@ fn a_manifest_entry_reads_back_as_the_entry_its_call_finds() {
     assert_eq!(
         neffs,
         [
-            dir.join("blockwise_mm_t512_h2048_e128_i768_b128.neff"),
-            dir.join("blockwise_mm_bwd_t512_h2048_e128_i768_b128.neff"),
+            dir.join("blockwise_mm_t512_h2048_e128_i768_b128_n160.neff"),
+            dir.join("blockwise_mm_bwd_t512_h2048_e128_i768_b128_n160.neff"),
         ]
     );
     // Each entry is its call's: the limits, set or not, read back as the call's, and a call

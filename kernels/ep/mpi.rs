@@ -1,5 +1,6 @@
-//! R ranks as MPI processes (feature `mpi`, Open MPI through moekit's MPI shim,
-//! `moekit-mpi-sys`), launched with `mpirun -n R ...`.
+//! Ranks as MPI processes (feature `mpi`, Open MPI through moekit's MPI shim,
+//! `moekit-mpi-sys`), launched with `mpirun -n N ...`: the world, and communicators split from
+//! it.
 
 use std::borrow::Cow;
 use std::ffi::{c_int, c_void};
@@ -20,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::uninit::{assume_init, uninit, write_copy};
 
 /// This process's rank of `MPI_COMM_WORLD` ([`MpiComm::init`]), or of a communicator split
-/// from one ([`MpiComm::split`]). MPI is initialised once per process, by `init`, and
+/// from one ([`MpiComm::split`]; the messages that end the job name world ranks). MPI is initialised once per process, by `init`, and
 /// finalised when the last communicator is dropped. A communicator stays on the thread that
 /// made it (MPI runs single-threaded, `MPI_Init`).
 ///
@@ -39,6 +40,9 @@ pub struct MpiComm {
     comm: *mut sys::moekit_mpi_comm,
     rank: usize,
     size: usize,
+    /// The job's (`MPI_COMM_WORLD`'s) rank of each of this communicator's ranks, which the
+    /// messages that end the job name.
+    world_ranks: Vec<usize>,
     timeout: Duration,
     mpi: Rc<Initialised>,
 }
@@ -108,6 +112,7 @@ impl MpiComm {
             comm,
             rank: 0,
             size: 0,
+            world_ranks: Vec::new(),
             timeout,
             mpi,
         };
@@ -122,6 +127,8 @@ impl MpiComm {
         match (codes, usize::try_from(rank), usize::try_from(size)) {
             ([0, 0], Ok(rank), Ok(size)) if rank < size => {
                 (this.rank, this.size) = (rank, size);
+                // The world's own numbering until `split` learns the members'.
+                this.world_ranks = (0..size).collect();
                 Ok(this)
             }
             _ => Err(format!(
@@ -149,7 +156,16 @@ impl MpiComm {
         if code != 0 {
             return Err(failed(format!("MPI error {code}")));
         }
-        Self::of(comm, self.timeout, Rc::clone(&self.mpi)).map_err(failed)
+        let mut part = Self::of(comm, self.timeout, Rc::clone(&self.mpi)).map_err(failed)?;
+        // Every member tells the others its world rank.
+        let world_rank = (self.world_ranks[self.rank] as u64).to_le_bytes();
+        let (received, _) =
+            part.all_to_all_v(&world_rank.repeat(part.size), &vec![8; part.size])?;
+        part.world_ranks = received
+            .chunks_exact(8)
+            .map(|bytes| u64::from_le_bytes(bytes.try_into().unwrap_or_default()) as usize)
+            .collect();
+        Ok(part)
     }
 
     /// Whether an MPI launcher (`mpirun`, `srun`, `mpiexec`) started this process, so that it
@@ -284,11 +300,14 @@ impl MpiComm {
     /// Ends the job because the ranks `silent` did not answer by the deadline: see the type's
     /// docs for why the call cannot return.
     fn unanswered(&self, silent: &[usize]) -> ! {
-        let silent: Vec<String> = silent.iter().map(usize::to_string).collect();
+        let silent: Vec<String> = silent
+            .iter()
+            .map(|&rank| self.world_ranks[rank].to_string())
+            .collect();
         let line = format!(
             "rank {} stops: rank(s) {} did not answer within {} s (stopped, hung or lost); \
              aborting the job\n",
-            self.rank,
+            self.world_ranks[self.rank],
             silent.join(", "),
             self.timeout.as_secs_f64()
         );
@@ -301,7 +320,7 @@ impl MpiComm {
         if code != 0 {
             let line = format!(
                 "rank {} stops: {what} failed (MPI error {code}); aborting the job\n",
-                self.rank
+                self.world_ranks[self.rank]
             );
             self.end_job(line, FAILED_EXIT);
         }

@@ -221,7 +221,7 @@ fn planned_key(call: &PlannedCall) -> Vec<(&'static str, Value)> {
 }
 
 /// The `[[kernel]]` table of a manifest that registers a NEFF for `call`, naming the NEFF
-/// after its kernel and sizes (`blockwise_mm_t512_h2048_e128_i768_b128_checkpoint.neff`):
+/// after its kernel and sizes (`blockwise_mm_t512_h2048_e128_i768_b128_n159_checkpoint.neff`):
 /// what a user compiles, and lists, for the calls a job will make. Each nki-library limit the
 /// shape breaks precedes it as a `#` comment.
 pub fn manifest_entry(call: &PlannedCall) -> String {
@@ -230,13 +230,14 @@ pub fn manifest_entry(call: &PlannedCall) -> String {
         PlannedCall::BlockwiseMmBwd { dims, .. } => (dims, false),
     };
     let neff = format!(
-        "{}_t{}_h{}_e{}_i{}_b{}{}.neff",
+        "{}_t{}_h{}_e{}_i{}_b{}_n{}{}.neff",
         call.kernel().name(),
         dims.t,
         dims.h,
         dims.e,
         dims.i,
         dims.b,
+        dims.n,
         if checkpoint { "_checkpoint" } else { "" }
     );
     let key = planned_key(call);

@@ -217,8 +217,29 @@ impl RankGroup {
         let (experts, replicated): (Vec<_>, Vec<_>) = params
             .iter()
             .partition(|(name, _)| is_expert_parameter(name));
-        mean_gradients(self.copies.as_ref(), &experts, scale)?;
+        let experts = match self.copies.size() {
+            // One copy of each shard: nothing to sum.
+            1 => {
+                scale_gradients(&experts, scale);
+                Ok(())
+            }
+            _ => mean_gradients(self.copies.as_ref(), &experts, scale),
+        };
+        // A check that failed in one shard's copies stops every rank before the next sum.
+        self.all_ok(experts)?;
         mean_gradients(self.comm.as_ref(), &replicated, scale)
+    }
+}
+
+/// Every gradient of `params` multiplied by `scale`, in place.
+fn scale_gradients(params: &[&(String, Tensor)], scale: f32) {
+    for (_, p) in params {
+        let mut grad = p.grad();
+        if grad.defined() {
+            tch::no_grad(|| {
+                let _ = grad.g_mul_scalar_(f64::from(scale));
+            });
+        }
     }
 }
 

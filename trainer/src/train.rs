@@ -185,7 +185,7 @@ pub struct Trainer {
     config: JobConfig,
     /// Where the parameters, optimizer state and batches live.
     device: Device,
-    /// The ranks of the run (this process alone without expert parallelism).
+    /// The ranks of the run (this process alone without MPI).
     group: RankGroup,
     // Owns the parameters the model and optimizer hold handles to.
     _vars: nn::VarStore,
@@ -224,21 +224,23 @@ impl Trainer {
         tch::manual_seed(config.job.seed as i64);
         let shard = group.shard();
         // One rank holds every expert: no exchange.
-        let experts = match shard.ranks {
-            1 => MoeImpl::create_for(&config.kernels)?,
+        // A rank whose kernels cannot be made or readied (a neuron manifest or runtime missing
+        // on its host, say) stops every rank, with its message.
+        let experts = group.all_ok(match shard.ranks {
+            1 => MoeImpl::create_for(&config.kernels),
             _ => config.kernels.moe.create_expert_parallel(
                 &config.kernels,
                 group.replica(),
                 config.model.num_experts,
-            )?,
-        };
+            ),
+        })?;
         group.all_ok(prepare(experts.as_ref(), config))?;
         let mut vars = nn::VarStore::new(device);
         let model = Qwen3Model::new_sharded(&vars.root(), &config.model, shard);
         // Initialised in f32 (the same values whatever the dtype), then cast.
         vars.set_kind(config.training.dtype.kind());
         let optimizer = AdamW::new(vars.variables().into_iter().collect(), &config.optimizer);
-        // Every rank draws the same global batches of R × batch_size sequences and trains on
+        // Every rank draws the same global batches of R·D × batch_size sequences and trains on
         // its own slice of each. A rank that cannot read the data stops every rank.
         let data = load_data(config, group.ranks());
         let Data {
@@ -315,7 +317,7 @@ impl Trainer {
     }
 
     /// Whether this process reports progress and writes metrics and plots: the single
-    /// process, or rank 0 of an expert-parallel run.
+    /// process, or rank 0 of a parallel run.
     pub fn is_main_rank(&self) -> bool {
         self.group.rank() == 0
     }
@@ -652,10 +654,10 @@ impl Trainer {
 /// (fewer than `training.steps` after a resume). Memory does not grow with the steps: the
 /// expert load plotted at the end is summed as the run goes.
 ///
-/// With expert parallelism every rank calls this with the same config and `comm`; rank 0
-/// reports and writes. Losses, gradient norms and expert counts are the ranks' means or sums
-/// (the same on every rank); timings (`tokens_per_second`, `exchange_share`) are each rank's
-/// own.
+/// With several ranks every rank calls this with the same config and `comm`; rank 0 reports
+/// and writes. Losses, gradient norms and expert counts are the ranks' means or sums (the same
+/// on every rank); timings (`tokens_per_second`, `exchange_share`, `reduction_share`) are each
+/// rank's own.
 pub fn train(config: &JobConfig, comm: Option<Rc<MpiComm>>) -> Result<usize> {
     let folder = &config.job.dump_folder;
     std::fs::create_dir_all(folder)
@@ -727,7 +729,10 @@ impl<'c> Report<'c> {
                 trainer.checkpoint_folder().display()
             );
         }
-        let ranks = config.parallelism.expert_parallel_degree;
+        let (ranks, replicas) = (
+            config.parallelism.expert_parallel_degree,
+            config.parallelism.data_parallel_degree,
+        );
         let model = &config.model;
         let architecture = match model.name {
             ModelName::Qwen3 => "dense Qwen3".to_owned(),
@@ -743,10 +748,11 @@ impl<'c> Report<'c> {
             "training {} parameters ({architecture}) for {} steps{}",
             model.parameter_count(),
             config.training.steps,
-            if ranks > 1 {
-                format!(", experts sharded over {ranks} ranks")
-            } else {
-                String::new()
+            match (ranks, replicas) {
+                (1, 1) => String::new(),
+                (_, 1) => format!(", experts sharded over {ranks} ranks"),
+                _ =>
+                    format!(", {replicas} replicas of {ranks} rank(s) (experts sharded over them)"),
             },
         );
         Ok(Self {

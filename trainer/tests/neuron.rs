@@ -208,7 +208,7 @@ fn one_process() -> Result<(), String> {
     let manifest = write_manifest(&dir, &listed, Some("blockwise_mm_bwd"))?;
     fails_before_training(
         &on_neuron(&neuron, &manifest, fake),
-        &["blockwise_mm_bwd_t64_h64_e8_i32_b16.neff"],
+        &["blockwise_mm_bwd_t64_h64_e8_i32_b16_n15.neff"],
     )?;
     let manifest = write_manifest(&dir, &listed, None)?;
     let no_runtime = dir.join("libnrt-missing.so");
@@ -249,8 +249,14 @@ fn expert_parallel(comm: &Rc<MpiComm>) -> Result<(), String> {
         }
         _ => Ok(manifest.clone()),
     };
-    comm.barrier().map_err(|err| err.to_string())?;
+    // Every rank learns whether rank 0 wrote the files before any trains.
+    let mut failed = [f32::from(u8::from(written.is_err()))];
+    comm.all_reduce_sum(&mut failed)
+        .map_err(|err| err.to_string())?;
     written?;
+    if failed[0] > 0.0 {
+        return Err("rank 0 could not write the manifest and its NEFFs".to_owned());
+    }
     let cpu_dump = dir.join("cpu");
     let cpu = config(&overrides(&cpu_dump, "cpu", ranks));
     train(&cpu, Some(Rc::clone(comm))).map_err(|err| format!("cpu: {err:#}"))?;
