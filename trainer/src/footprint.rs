@@ -35,7 +35,7 @@ pub struct StepFootprint {
     /// The `[tokens, vocab_size]` logits in the training dtype and in f32, their log-softmax
     /// and its gradient.
     pub logits: u128,
-    /// moekit's kernels (`kernels.moe` reference or cpu) lay each expert's tokens out in
+    /// moekit's kernels (`kernels.moe` reference, cpu or neuron) lay each expert's tokens out in
     /// blocks of `kernels.block_size` slots: up to E blocks of padding per MoE layer, each
     /// slot kept like a token's copy.
     pub block_padding: u128,
