@@ -12,7 +12,7 @@ use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
 
-use common::{fail, run, scratch, succeed};
+use common::{fail, metrics_lines, run, scratch, succeed};
 
 fn debug_config() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -45,11 +45,7 @@ fn train_args<'a>(dump: &'a str, config: &'a str, extra: &[&'a str]) -> Vec<&'a 
 }
 
 fn metrics(dump: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dump.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    metrics_lines(dump).unwrap()
 }
 
 fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {

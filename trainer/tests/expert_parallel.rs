@@ -12,10 +12,13 @@
 //!   checkpoint resumes on its layout only; its export equals the single process's.
 //! - `mismatch`: rank 1 loads a different seed; every rank must stop with the same message.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
 
+use common::metrics_lines;
 use moekit::ep::{Communicator, MpiComm};
 use moekit_trainer::config::JobConfig;
 use moekit_trainer::train::train;
@@ -60,13 +63,9 @@ struct StepLine {
 
 /// The lines rank 0 wrote to `dump`'s metrics.jsonl.
 fn metrics(dump: &Path) -> Result<Vec<StepLine>, String> {
-    let path = dump.join("metrics.jsonl");
-    let text =
-        std::fs::read_to_string(&path).map_err(|err| format!("{}: {err}", path.display()))?;
-    text.lines()
-        .map(|line| {
-            let m: serde_json::Value =
-                serde_json::from_str(line).map_err(|err| format!("{line}: {err}"))?;
+    metrics_lines(dump)?
+        .into_iter()
+        .map(|m| {
             let parsed = || {
                 Some(StepLine {
                     step: m["step"].as_u64()?,
@@ -79,7 +78,7 @@ fn metrics(dump: &Path) -> Result<Vec<StepLine>, String> {
                         .collect::<Option<_>>()?,
                 })
             };
-            parsed().ok_or_else(|| format!("{}: malformed line {line}", path.display()))
+            parsed().ok_or_else(|| format!("{}: malformed line {m}", dump.display()))
         })
         .collect()
 }

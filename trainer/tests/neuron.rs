@@ -8,10 +8,13 @@
 //! Run plainly (one process), and with `ep` under `mpirun -n 2` (scripts/test.sh): expert
 //! parallelism over two ranks, `neuron` against `cpu`.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::rc::Rc;
 
+use common::metrics_lines;
 use moekit::ep::{Communicator, MpiComm};
 use moekit::neuron::manifest::{Manifest, Value};
 use moekit_nrt_fake::Blockwise;
@@ -132,13 +135,9 @@ fn write_manifest(dir: &Path, text: &str, skip: Option<&str>) -> Result<PathBuf,
 
 /// The (step, loss) lines of a run's metrics.jsonl.
 fn losses(dump: &Path) -> Result<Vec<(u64, f64)>, String> {
-    let path = dump.join("metrics.jsonl");
-    let text =
-        std::fs::read_to_string(&path).map_err(|err| format!("{}: {err}", path.display()))?;
-    text.lines()
-        .map(|line| {
-            let m: serde_json::Value =
-                serde_json::from_str(line).map_err(|err| format!("{line}: {err}"))?;
+    metrics_lines(dump)?
+        .into_iter()
+        .map(|m| {
             Ok((
                 m["step"].as_u64().ok_or("no step")?,
                 m["loss"].as_f64().ok_or("no loss")?,

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-use common::{fail, run as train, scratch, succeed, word_level_tokenizer};
+use common::{fail, metrics_lines, run as train, scratch, succeed, word_level_tokenizer};
 
 fn debug_config() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_moe_debug.toml")
@@ -25,11 +25,7 @@ fn train_debug(dump: &Path, args: &[&str]) -> Vec<Value> {
     ];
     all.extend_from_slice(args);
     succeed(&all);
-    std::fs::read_to_string(dump.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect()
+    metrics_lines(dump).unwrap()
 }
 
 fn field(metrics: &[Value], name: &str) -> Vec<f64> {

@@ -2,10 +2,23 @@
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
+
+/// The lines of a run's `metrics.jsonl` in `dump`, each parsed; an error names the file or
+/// the line.
+pub fn metrics_lines(dump: &Path) -> Result<Vec<Value>, String> {
+    let path = dump.join("metrics.jsonl");
+    let text =
+        std::fs::read_to_string(&path).map_err(|err| format!("{}: {err}", path.display()))?;
+    text.lines()
+        .map(|line| {
+            serde_json::from_str(line).map_err(|err| format!("{}: {line}: {err}", path.display()))
+        })
+        .collect()
+}
 
 /// An empty folder for `test` of this test binary under the system's temporary folder.
 pub fn scratch(test: &str) -> PathBuf {
