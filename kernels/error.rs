@@ -81,6 +81,13 @@ pub enum Error {
     /// out, or an error that another rank reported (`rank` is the rank at fault).
     #[error("rank {rank}: {message}")]
     Collective { rank: usize, message: String },
+    /// An environment variable moekit reads holds a value it cannot use.
+    #[error("environment variable {variable}={value}: {message}")]
+    Environment {
+        variable: String,
+        value: String,
+        message: String,
+    },
     /// The Neuron runtime library cannot be opened, or lacks a function moekit calls.
     #[error("Neuron runtime library: {0}")]
     NeuronLibrary(String),

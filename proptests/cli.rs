@@ -10,6 +10,7 @@ use std::process::{Command, Output};
 
 use common::*;
 use moekit::contracts::{RouterPipeline, RouterTopk, RouterTopkInputs, RouterTopkParams};
+use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
 use moekit::{Backend, Tensor};
@@ -566,6 +567,7 @@ fn bench_reports_every_kernel_as_json_rows() {
             "\"pct_of_peak\":",
             "\"libtorch_ms\":null",
             "\"vs_libtorch\":null",
+            &format!("\"cpu_isa\":\"{}\"", Isa::detected()),
         ] {
             assert!(row.contains(field), "{row} lacks {field}");
         }
@@ -578,6 +580,63 @@ fn bench_reports_every_kernel_as_json_rows() {
             "{row}"
         );
     }
+}
+
+/// `moekit` run with `MOEKIT_CPU_ISA=isa`.
+fn moekit_at(isa: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moekit"))
+        .env(ISA_VARIABLE, isa)
+        .args(args)
+        .output()
+        .expect("run moekit")
+}
+
+#[test]
+fn info_and_bench_report_the_instruction_set_level_in_use() {
+    let detected = Isa::detected();
+    let info = moekit_ok(&["info"]);
+    assert!(
+        info.contains(&format!("cpu kernels: {detected} (detected)")),
+        "{info}"
+    );
+    for isa in Isa::ALL {
+        if isa <= detected {
+            let out = moekit_at(isa.name(), &["info"]);
+            let info = String::from_utf8_lossy(&out.stdout);
+            let expected = if isa == detected {
+                format!("cpu kernels: {isa} (detected)")
+            } else {
+                format!("cpu kernels: {isa} (MOEKIT_CPU_ISA; detected: {detected})")
+            };
+            assert!(out.status.success() && info.contains(&expected), "{info}");
+            let bench = moekit_at(
+                isa.name(),
+                &[
+                    "bench", "--shape", "tiny", "--tokens", "8", "--kernel", "permute",
+                ],
+            );
+            let table = String::from_utf8_lossy(&bench.stdout);
+            assert!(
+                bench.status.success() && table.contains(&expected),
+                "{table}"
+            );
+        } else {
+            // A level this CPU lacks: every cpu kernel is an error naming the variable.
+            let out = moekit_at(isa.name(), &["check", "--backend", "cpu", "--cases", "1"]);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success()
+                    && stderr.contains(&format!("MOEKIT_CPU_ISA={isa}: this CPU supports")),
+                "{stderr}"
+            );
+        }
+    }
+    let out = moekit_at("sse9", &["bench", "--shape", "tiny", "--tokens", "8"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("MOEKIT_CPU_ISA=sse9: not a level"),
+        "{stderr}"
+    );
 }
 
 /// `moekit bench --json` on the tiny shape at T = 16, reporting the rows `kernels` names.

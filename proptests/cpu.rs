@@ -1,6 +1,8 @@
 //! The `cpu` backend against the `reference` oracle: every kernel, forward and backward, f32 and
 //! bf16 inputs, on random MoE layers including the contracts' edge cases; bit-identical results
-//! across thread counts; and the same input-validation errors as the reference.
+//! across thread counts; and the same input-validation errors as the reference. The suite runs
+//! at the widest instruction-set level the CPU has, and again at each lower one
+//! (`MOEKIT_CPU_ISA`), so every selectable path of the kernels is checked.
 //!
 //! Tolerance: the cpu backend accumulates in f32, the reference in f64, so values agree within
 //! `1e-4 · (|reference| + max |reference of that tensor|)`; indices and counts agree exactly.
@@ -12,6 +14,7 @@ use std::collections::BTreeMap;
 use common::*;
 use moekit::contracts::tensors::blockwise_mm_bwd::CHECKPOINTS;
 use moekit::contracts::{ActFnType, ExpertAffinityScaleMode, RouterActFnType};
+use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
 use proptest::prelude::*;
@@ -855,4 +858,34 @@ fn checkpoints_past_the_address_space_are_errors_naming_them() {
 fn the_backend_reports_its_name() {
     assert_eq!(BackendKind::Cpu.create().name(), "cpu");
     assert_eq!("cpu".parse::<BackendKind>().unwrap(), BackendKind::Cpu);
+}
+
+/// This whole suite again at every instruction-set level below the detected one, each in a
+/// process of its own with `MOEKIT_CPU_ISA` naming it: the kernels of CPUs without the wider
+/// instructions, forced here, against the reference and across thread counts.
+#[test]
+fn every_lower_instruction_set_level_passes_this_suite() {
+    if let Some(requested) = std::env::var_os(ISA_VARIABLE) {
+        // One of the runs started below: its kernels run at the level it was given.
+        let requested = requested.to_string_lossy();
+        assert_eq!(
+            Some(Isa::active()),
+            Isa::from_name(&requested),
+            "{requested}"
+        );
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    for isa in Isa::ALL.into_iter().filter(|&isa| isa < Isa::detected()) {
+        let run = std::process::Command::new(&exe)
+            .env(ISA_VARIABLE, isa.name())
+            .output()
+            .expect("running the test binary again");
+        assert!(
+            run.status.success(),
+            "the suite at {ISA_VARIABLE}={isa} failed:\n{}{}",
+            String::from_utf8_lossy(&run.stdout),
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
 }

@@ -15,18 +15,11 @@
 
 use half::bf16;
 
-/// Whether this CPU runs [`matmul_bf16`] (AVX-512 F, BW and BF16).
+use super::isa::Isa;
+
+/// Whether [`matmul_bf16`] runs here: the active level has AVX-512 F, BW and BF16.
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::Avx512Bf16.enabled()
 }
 
 /// `dst [m, n] = a [m, k] · b [k, n]`: `a` row-major with row stride `lda` (even, ≥ k, the

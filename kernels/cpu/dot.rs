@@ -10,6 +10,8 @@
 
 use half::bf16;
 
+use super::isa::Isa;
+
 /// `dst [m, n] = a [m, k] · b [n, k]ᵀ`, or `+=` when `accumulate`.
 ///
 /// # Panics
@@ -29,12 +31,12 @@ pub fn matmul_nt(
     );
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
-            // SAFETY: AVX-512F and FMA were detected on this CPU just above.
+        if Isa::Avx512.enabled() {
+            // SAFETY: the active level is at most the detected one: AVX-512 F and FMA are here.
             return unsafe { x86::nt_avx512(dst, a, b, (m, n, k), accumulate) };
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: AVX2 and FMA were detected on this CPU just above.
+        if Isa::Avx2.enabled() {
+            // SAFETY: the active level is at most the detected one: AVX2 and FMA are here.
             return unsafe { x86::nt_avx2(dst, a, b, (m, n, k), accumulate) };
         }
     }
@@ -445,7 +447,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_tiles_sum_exactly_as_one_dot_product_at_a_time() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        if Isa::detected() < Isa::Avx2 {
             return;
         }
         // Full 3 × 4 tiles with ragged right and bottom edges, k below, at and past 8 lanes

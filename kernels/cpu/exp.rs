@@ -6,6 +6,8 @@
 //! finite and results saturate (to +∞ above, to e^−100 ≈ 3.7·10⁻⁴⁴ below). Every element, tail
 //! included, goes through the same instructions, so results depend only on the values.
 
+use super::isa::Isa;
+
 /// `out = softmax(row)`: `e^(x − max) / Σ e^(x − max)`, for equal-length, non-empty slices.
 ///
 /// # Panics
@@ -13,8 +15,9 @@
 pub fn softmax(row: &[f32], out: &mut [f32]) {
     assert_eq!(row.len(), out.len(), "softmax: slices of different lengths");
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512 F is present; the slices have equal lengths (checked above).
+    if Isa::Avx512.enabled() {
+        // SAFETY: the active level is at most the detected one, so AVX-512 F is present; the
+        // slices have equal lengths (checked above).
         unsafe { x86::softmax(row, out) };
         return;
     }

@@ -9,16 +9,11 @@
 //! `a` passes it. Each output is the sum over k in ascending order, one fused multiply-add per
 //! term, starting from zero or from `dst`: the order depends only on k.
 
-/// Whether this CPU runs [`matmul`] (AVX-512 F).
+use super::isa::Isa;
+
+/// Whether [`matmul`] runs here: the active level has AVX-512 F.
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::Avx512.enabled()
 }
 
 /// The operands of one product: `a(r, p) = a[r · a_rows + p · a_cols]`, `b(p, c) =

@@ -1,6 +1,6 @@
 //! The `cpu` backend: the kernel contracts, forward and backward, tuned for multi-core x86 and
 //! ARM CPUs. f32 or bf16 storage, f32 arithmetic; packed-panel GEMMs (`matmul`) with run-time
-//! SIMD dispatch; rayon parallelism over experts and fixed row tiles. Every reduction has an
+//! SIMD dispatch by instruction-set level ([`isa`]); rayon parallelism over experts and fixed row tiles. Every reduction has an
 //! order fixed by the shapes and the plan alone, so outputs are bit-identical whatever the
 //! number of threads.
 
@@ -13,6 +13,7 @@ mod element;
 mod exp;
 mod f32_tiles;
 mod gated;
+pub mod isa;
 mod load_balancing;
 mod matmul;
 mod permute;
@@ -40,11 +41,16 @@ use crate::contracts::{
     RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
+use isa::Isa;
 
 /// Rows per parallel task in row-tiled products; fixed so results do not depend on threads.
 const ROW_TILE: usize = 64;
 
-/// The CPU backend. Uses the current rayon thread pool.
+/// The CPU backend. Uses the current rayon thread pool, and the SIMD kernels of the level
+/// [`Isa::selected`] names.
+///
+/// Every kernel fails with [`Error::Environment`](crate::Error::Environment) while
+/// [`isa::ISA_VARIABLE`] holds a value it cannot use.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
@@ -69,10 +75,12 @@ impl Backend for CpuBackend {
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
+        Isa::selected()?;
         call.cast_outputs(router::forward(call)?)
     }
 
     fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
+        Isa::selected()?;
         call.cast_outputs(router::backward(call)?)
     }
 
@@ -80,6 +88,7 @@ impl Backend for CpuBackend {
         &self,
         call: &LoadBalancingLoss<'_>,
     ) -> Result<LoadBalancingLossOutputs> {
+        Isa::selected()?;
         load_balancing::forward(call)
     }
 
@@ -87,26 +96,32 @@ impl Backend for CpuBackend {
         &self,
         call: &LoadBalancingLossBwd<'_>,
     ) -> Result<LoadBalancingLossGrads> {
+        Isa::selected()?;
         call.cast_outputs(load_balancing::backward(call)?)
     }
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
+        Isa::selected()?;
         call.cast_outputs(permute::forward(call)?)
     }
 
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
+        Isa::selected()?;
         call.cast_outputs(permute::backward(call)?)
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        Isa::selected()?;
         call.cast_outputs(blockwise::forward(call)?)
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        Isa::selected()?;
         call.cast_outputs(blockwise::backward(call)?)
     }
 
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
+        Isa::selected()?;
         a2av_routing::forward(call)
     }
 }

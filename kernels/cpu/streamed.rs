@@ -18,6 +18,8 @@
 
 use half::bf16;
 
+use super::isa::Isa;
+
 /// Rows of `b` in one packed panel: 512 rows of [`PANEL_COLS`] columns (128 KiB) stay in L2
 /// next to the 512-column blocks of `a`'s rows they meet.
 #[cfg(target_arch = "x86_64")]
@@ -27,30 +29,16 @@ const KC: usize = 512;
 #[cfg(target_arch = "x86_64")]
 const PANEL_COLS: usize = 64;
 
-/// Whether this CPU runs [`product`] on AVX-512 F, whose 64-column panels stream bf16 weights
+/// Whether [`product`] runs on AVX-512 F here, whose 64-column panels stream bf16 weights
 /// in faster than whole-row panels widened ahead of the product do (not so on AVX2: see
 /// `matmul::matmul_bf16_b`).
 pub fn avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        x86::avx512()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::Avx512.enabled()
 }
 
-/// Whether this CPU runs [`product`] (AVX-512 F, or AVX2 and FMA).
+/// Whether [`product`] runs here: the active level has AVX-512 F, or AVX2 and FMA.
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        x86::avx512() || x86::avx2()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::Avx2.enabled()
 }
 
 /// How `b` is stored: f32, or bf16 widened exactly as it is packed.
@@ -126,10 +114,11 @@ pub unsafe fn product<B: Element>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the instruction set of the chosen microkernels was detected, both operands hold
-    // their shapes (checked above), and the caller guarantees `dst`.
+    // SAFETY: the chosen microkernels' instruction set is at most the active level, which is at
+    // most the detected one; both operands hold their shapes (checked above), and the caller
+    // guarantees `dst`.
     unsafe {
-        if x86::avx512() {
+        if avx512() {
             x86::product::<x86::Avx512, B>(dst, ops, (m, n, k), accumulate);
         } else {
             x86::product::<x86::Avx2, B>(dst, ops, (m, n, k), accumulate);
@@ -148,14 +137,6 @@ mod x86 {
 
     /// Bytes per cache line.
     const LINE: usize = 64;
-
-    pub fn avx512() -> bool {
-        is_x86_feature_detected!("avx512f")
-    }
-
-    pub fn avx2() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
 
     /// One instruction set's microkernels: `MR × NR` register tiles of `dstᵀ`, `MR` a multiple
     /// of the f32 lanes of one register.

@@ -8,6 +8,8 @@
 //! element, tail included, goes through the same instructions, so the results depend only on
 //! the values.
 
+use super::isa::Isa;
+
 /// `act[c] = silu(gate[c]) · up[c]` for equal-length slices.
 ///
 /// # Panics
@@ -18,8 +20,9 @@ pub fn forward(gate: &[f32], up: &[f32], act: &mut [f32]) {
         "swiglu::forward: slices of different lengths"
     );
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512 F is present; the slices have equal lengths (checked above).
+    if Isa::Avx512.enabled() {
+        // SAFETY: the active level is at most the detected one, so AVX-512 F is present; the
+        // slices have equal lengths (checked above).
         unsafe { x86::forward(gate, up, act) };
         return;
     }
@@ -67,8 +70,9 @@ pub fn backward(row: Backward<'_>) {
     row.assert_equal_lengths();
     let len = row.gate.len();
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512 F is present; the slices have equal lengths (checked above).
+    if Isa::Avx512.enabled() {
+        // SAFETY: the active level is at most the detected one, so AVX-512 F is present; the
+        // slices have equal lengths (checked above).
         unsafe { x86::backward(row) };
         return;
     }

@@ -5,6 +5,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use moekit::backend::Device;
+use moekit::cpu::isa::Isa;
 use rayon::prelude::*;
 
 /// Limits of the device a benchmark runs on.
@@ -117,12 +118,12 @@ mod x86 {
 fn fma_one_thread(seed: f32) -> (f64, f32) {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F was detected on this CPU just above.
+        if Isa::detected() >= Isa::Avx512 {
+            // SAFETY: AVX-512 F was detected on this CPU.
             return (flop(16), unsafe { x86::fma_avx512(seed) });
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: AVX2 and FMA were detected on this CPU just above.
+        if Isa::detected() >= Isa::Avx2 {
+            // SAFETY: AVX2 and FMA were detected on this CPU.
             return (flop(8), unsafe { x86::fma_avx2(seed) });
         }
     }

@@ -15,12 +15,15 @@ use limits::MachineLimits;
 use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
 use moekit::contracts::OutputDType;
+use moekit::cpu::CpuBackend;
+use moekit::cpu::isa::Isa;
 use moekit::error::{Error, Result};
 use moekit::experts::{Experts, LocalExperts};
 use moekit::kernel::Kernel;
 use moekit::tensor::DType;
 
 use crate::layer::{Layer, LayerInputs, MoeShape};
+use crate::machine::Host;
 
 /// What to benchmark.
 #[derive(Clone, Debug)]
@@ -110,6 +113,8 @@ pub struct BenchRow {
     pub throughput: Throughput,
     /// The fastest libtorch path for the same work in the same run, when one was measured.
     pub libtorch_ms: Option<f64>,
+    /// The instruction-set level the cpu backend's kernels ran at, on its rows.
+    pub cpu_isa: Option<Isa>,
 }
 
 impl BenchRow {
@@ -128,7 +133,7 @@ impl BenchRow {
 
     /// One JSON object with the fields `kernel`, `backend`, `shape`, `tokens`, `dtype`, `ms`,
     /// `gflops` or `gbps`, `pct_of_peak`, `libtorch_ms` and `vs_libtorch` (`null` when no
-    /// libtorch peer was measured).
+    /// libtorch peer was measured), and `cpu_isa` (`null` on other backends' rows).
     pub fn to_json(&self, limits: &MachineLimits) -> String {
         let (key, value) = match self.throughput {
             Throughput::Gflops(v) => ("gflops", v),
@@ -136,7 +141,7 @@ impl BenchRow {
         };
         let optional = |v: Option<f64>| v.map_or_else(|| "null".to_owned(), |v| format!("{v:.4}"));
         format!(
-            "{{\"kernel\":\"{}\",\"backend\":\"{}\",\"shape\":\"{}\",\"tokens\":{},\"dtype\":\"{}\",\"ms\":{:.4},\"{key}\":{value:.2},\"pct_of_peak\":{:.1},\"libtorch_ms\":{},\"vs_libtorch\":{}}}",
+            "{{\"kernel\":\"{}\",\"backend\":\"{}\",\"shape\":\"{}\",\"tokens\":{},\"dtype\":\"{}\",\"ms\":{:.4},\"{key}\":{value:.2},\"pct_of_peak\":{:.1},\"libtorch_ms\":{},\"vs_libtorch\":{},\"cpu_isa\":{}}}",
             self.kernel,
             self.backend,
             self.shape,
@@ -146,6 +151,8 @@ impl BenchRow {
             self.pct_of_peak(limits),
             optional(self.libtorch_ms),
             optional(self.vs_libtorch()),
+            self.cpu_isa
+                .map_or_else(|| "null".to_owned(), |isa| format!("\"{isa}\"")),
         )
     }
 }
@@ -258,7 +265,9 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
     // Router forward and backward plus the best expert path: `_grouped_mm` sorts the tokens
     // itself and the loop needs no plan, so the separate argsort is not added again.
     let layer_peer = (|| Some(router_fwd? + router_bwd? + experts_fwd_bwd?))();
+    let cpu_isa = (backend.name() == CpuBackend::NAME).then(Isa::active);
     let row = |kernel: &str, ms: f64, throughput: Throughput| BenchRow {
+        cpu_isa,
         kernel: kernel.to_owned(),
         backend: backend.name(),
         shape: config.shape.name,
@@ -410,10 +419,17 @@ fn peers(_layer: &Layer, _min_time: Duration) -> Result<Vec<PeerPath>> {
 /// The results as the table `moekit bench` prints: moekit's rows, then the libtorch paths.
 pub fn table(results: &[BenchResult], limits: &MachineLimits) -> String {
     let mut out = match limits.device {
-        Device::Host => format!(
-            "machine: {} threads, f32 FMA peak {:.1} GFLOP/s, stream triad {:.1} GB/s\n",
-            limits.threads, limits.fma_gflops, limits.stream_gbps
-        ),
+        Device::Host => {
+            let host = Host::describe();
+            format!(
+                "machine: {}, {} threads, f32 FMA peak {:.1} GFLOP/s, stream triad {:.1} GB/s\n{}\n",
+                host.model,
+                limits.threads,
+                limits.fma_gflops,
+                limits.stream_gbps,
+                host.kernels_line()
+            )
+        }
         Device::Accelerator(device) => format!(
             "device: {}, {} peak {:.0} GFLOP/s, memory {:.0} GB/s (documented, not measured); \
              times are the device's means over repeated executions\n",

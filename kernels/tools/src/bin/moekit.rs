@@ -1,6 +1,7 @@
 //! `moekit`: the kernel-developer command line.
 //!
 //! - `moekit list`: every kernel with its tensor contract.
+//! - `moekit info`: the host's CPU, caches and the instruction-set level the cpu kernels use.
 //! - `moekit bench [--backend NAME] [--shape NAME] [--tokens T] [--dtype f32|bf16] [--json]`:
 //!   times every kernel of one MoE layer against the machine's measured limits.
 //! - `moekit run <kernel> --inputs in.safetensors --output out.safetensors [--backend NAME]
@@ -35,6 +36,7 @@ use moekit_tools::catalog::{catalog_markdown, catalog_table};
 use moekit_tools::check::{self, CheckRow};
 use moekit_tools::golden::TensorFile;
 use moekit_tools::layer::MoeShape;
+use moekit_tools::machine::Host;
 
 /// Metadata keys that are known not to be parameters: PyTorch's `format`, and the `kernel` and
 /// `backend` that moekit writes into its own outputs.
@@ -59,6 +61,9 @@ enum Command {
         #[arg(long)]
         markdown: bool,
     },
+    /// Print the host's CPU, its caches, and the instruction-set level the cpu backend's
+    /// kernels run at (the widest detected, or lower with MOEKIT_CPU_ISA).
+    Info,
     /// Run one kernel on tensors read by contract name from a safetensors file.
     Run {
         /// Kernel name, e.g. `router_topk` or `blockwise_mm_bwd` (see `moekit list`).
@@ -323,6 +328,7 @@ enum Outcome {
 fn execute(command: Command) -> Result<Outcome> {
     match command {
         Command::List { markdown: true } => print!("{}", catalog_markdown()),
+        Command::Info => print!("{}", Host::describe()),
         Command::List { markdown: false } => {
             print!("{}", catalog_table());
             let backends: Vec<&str> = BackendKind::ALL.iter().map(|b| b.name()).collect();
