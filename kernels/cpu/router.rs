@@ -58,6 +58,27 @@ fn selected_affinities(log_aff: &[f32], selected: &[i32], norm: bool, out: &mut 
     }
 }
 
+/// The ids of the `index.len()` highest `scores`, highest first; of equal scores the lower id
+/// comes first. One pass over the scores, each compared with the lowest kept so far (and
+/// inserted in order when above it); `kept` is scratch of `index`'s length.
+fn top_k(scores: &[f32], index: &mut [i32], kept: &mut [f32]) {
+    let k = index.len();
+    let mut len = 0;
+    for (expert, &score) in scores.iter().enumerate() {
+        if len == k && score <= kept[k - 1] {
+            continue;
+        }
+        // Past every kept score at least as high (lower ids win ties), then shift the rest.
+        let at = kept[..len].partition_point(|&s| s >= score);
+        let end = len.min(k - 1);
+        kept.copy_within(at..end, at + 1);
+        index.copy_within(at..end, at + 1);
+        kept[at] = score;
+        index[at] = expert as i32;
+        len = (len + 1).min(k);
+    }
+}
+
 /// `[T, E]` logits: `x [T, H] · w [H, E] (+ bias)`, in row tiles of [`ROW_TILE`]. With x and
 /// w both stored in bf16 (and H even, so token rows hold whole pairs) the products run on
 /// AVX-512 BF16 pair dot products: exact products, f32 sums, nothing widened.
@@ -132,8 +153,8 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
         .zip(scattered.par_chunks_mut(e))
         .zip(logits.par_chunks(e))
         .for_each_init(
-            || (vec![0.0f32; e], vec![0.0f32; e]),
-            |(log_aff, scores), (((index, aff), scattered), row)| {
+            || (vec![0.0f32; e], vec![0.0f32; e], vec![0.0f32; k]),
+            |(log_aff, scores, best), (((index, aff), scattered), row)| {
                 log_affinities(row, pipeline.act_fn, log_aff);
                 // ACT1 chooses by affinity, ACT2 by logit; selection_bias shifts either.
                 for (expert, s) in scores.iter_mut().enumerate() {
@@ -144,18 +165,7 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
                     };
                     *s = score + selection_bias.as_ref().map_or(0.0, |b| b[expert]);
                 }
-                // K passes of argmax; the strict `>` keeps the lower id on ties.
-                for slot in 0..k {
-                    let mut best = usize::MAX;
-                    for (expert, &s) in scores.iter().enumerate() {
-                        if !index[..slot].contains(&(expert as i32))
-                            && (best == usize::MAX || s > scores[best])
-                        {
-                            best = expert;
-                        }
-                    }
-                    index[slot] = best as i32;
-                }
+                top_k(scores, index, best);
                 selected_affinities(log_aff, index, pipeline.renormalises(), aff);
                 if pipeline.dense_affinities() {
                     for (a, la) in scattered.iter_mut().zip(log_aff.iter()) {
@@ -271,4 +281,40 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         d_w: finite_output(rtb::D_W.name, &[h, e], d_w)?,
         d_w_bias: finite_output(rtb::D_W_BIAS.name, &[e], d_w_bias)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// K passes of argmax over the experts not yet chosen: the first highest score each time.
+    fn k_passes(scores: &[f32], k: usize) -> Vec<i32> {
+        let mut chosen: Vec<i32> = Vec::new();
+        for _ in 0..k {
+            let best = (0..scores.len())
+                .filter(|&e| !chosen.contains(&(e as i32)))
+                .reduce(|best, e| if scores[e] > scores[best] { e } else { best })
+                .unwrap();
+            chosen.push(best as i32);
+        }
+        chosen
+    }
+
+    #[test]
+    fn one_pass_selection_equals_k_passes_of_argmax_with_ties() {
+        // Scores from a few values (many ties), every k from 1 to E, ascending and
+        // descending runs among them.
+        for e in [1, 2, 5, 8, 17, 64] {
+            for seed in 0..6 {
+                let scores: Vec<f32> = (0..e)
+                    .map(|i| ((i * 7 + seed * 5) % (seed + 2)) as f32 - 1.5)
+                    .collect();
+                for k in 1..=e {
+                    let (mut index, mut kept) = (vec![-1; k], vec![0.0; k]);
+                    top_k(&scores, &mut index, &mut kept);
+                    assert_eq!(index, k_passes(&scores, k), "{scores:?}, k = {k}");
+                }
+            }
+        }
+    }
 }
