@@ -1,7 +1,8 @@
 //! Which SIMD kernels the cpu backend runs: the instruction-set levels it has kernels for,
-//! the level this CPU supports (detected once per process), and the level the process uses —
-//! the detected one, or a lower one named by [`ISA_VARIABLE`], for reproducible runs and to
-//! test the paths of CPUs without the wider instructions on one that has them.
+//! the level this CPU supports (detected once per process), and the level the process uses:
+//! by default the fastest here (the detected one, unless a calibration shows its extra kernels
+//! slower: [`Isa::preferred`]), or the level named by [`ISA_VARIABLE`], for reproducible runs
+//! and to test the paths of CPUs without the wider instructions on one that has them.
 //!
 //! Every kernel that has SIMD variants asks [`Isa::active`] and runs the widest variant at or
 //! below it. Results are bit-identical across thread counts for any one level; different
@@ -11,6 +12,7 @@
 
 use std::sync::OnceLock;
 
+use super::calibrate::{self, PAIR_DOT_MIN_SPEEDUP};
 use crate::error::{Error, Result};
 
 /// The environment variable that caps the level the cpu backend uses: one of
@@ -57,7 +59,7 @@ impl Isa {
         *DETECTED.get_or_init(detect)
     }
 
-    /// The level this process uses: [`ISA_VARIABLE`]'s if set, else [`Isa::detected`].
+    /// The level this process uses: [`ISA_VARIABLE`]'s if set, else [`Isa::preferred`].
     ///
     /// # Errors
     /// If the variable names no level, or one above the detected level (whose instructions
@@ -71,6 +73,13 @@ impl Isa {
                 })
                 .as_deref(),
         )
+    }
+
+    /// The fastest level here: the detected one, except that `avx512bf16` falls back to
+    /// `avx512` (bf16 widened to f32) where the pair dot products measure below
+    /// [`PAIR_DOT_MIN_SPEEDUP`] times the f32 FMA rate ([`calibrate::pair_dot_speedup`]).
+    pub fn preferred() -> Isa {
+        preferred(Isa::detected(), calibrate::pair_dot_speedup())
     }
 
     /// The level the kernels run at: [`Isa::selected`], or the detected level where the
@@ -97,7 +106,7 @@ impl std::fmt::Display for Isa {
 fn select(requested: Option<&str>) -> Result<Isa> {
     let detected = Isa::detected();
     let Some(requested) = requested else {
-        return Ok(detected);
+        return Ok(Isa::preferred());
     };
     let invalid = |message: String| Error::Environment {
         variable: ISA_VARIABLE.into(),
@@ -111,6 +120,17 @@ fn select(requested: Option<&str>) -> Result<Isa> {
             "this CPU supports levels up to `{detected}`"
         ))),
         Some(isa) => Ok(isa),
+    }
+}
+
+/// [`Isa::preferred`] for a CPU of level `detected` whose pair dot products measured
+/// `pair_dot_speedup` times the f32 FMA rate.
+fn preferred(detected: Isa, pair_dot_speedup: Option<f64>) -> Isa {
+    match pair_dot_speedup {
+        Some(speedup) if detected == Isa::Avx512Bf16 && speedup < PAIR_DOT_MIN_SPEEDUP => {
+            Isa::Avx512
+        }
+        _ => detected,
     }
 }
 
@@ -156,6 +176,20 @@ mod tests {
     }
 
     #[test]
+    fn slow_pair_dot_products_fall_back_to_widening() {
+        use Isa::*;
+        assert_eq!(preferred(Avx512Bf16, Some(2.0)), Avx512Bf16);
+        assert_eq!(
+            preferred(Avx512Bf16, Some(PAIR_DOT_MIN_SPEEDUP)),
+            Avx512Bf16
+        );
+        assert_eq!(preferred(Avx512Bf16, Some(0.5)), Avx512);
+        for isa in [Portable, Avx2, Avx512] {
+            assert_eq!(preferred(isa, None), isa);
+        }
+    }
+
+    #[test]
     fn detection_agrees_with_the_cpu_features() {
         #[cfg(target_arch = "x86_64")]
         {
@@ -173,7 +207,7 @@ mod tests {
     #[test]
     fn a_request_selects_a_level_up_to_the_detected_one() {
         let detected = Isa::detected();
-        assert_eq!(select(None).unwrap(), detected);
+        assert_eq!(select(None).unwrap(), Isa::preferred());
         for isa in Isa::ALL {
             let got = select(Some(isa.name()));
             if isa <= detected {

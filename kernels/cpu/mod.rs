@@ -8,6 +8,7 @@ mod a2av_routing;
 mod alloc;
 mod bf16_matmul;
 mod blockwise;
+pub mod calibrate;
 mod dot;
 mod element;
 mod exp;

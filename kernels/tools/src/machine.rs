@@ -5,6 +5,7 @@ use std::fmt;
 use std::fs;
 use std::path::Path;
 
+use moekit::cpu::calibrate::{self, PAIR_DOT_MIN_SPEEDUP};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 
 /// One cache of the first CPU, as Linux reports it.
@@ -33,6 +34,10 @@ pub struct Host {
     pub detected: Isa,
     /// The level the cpu backend's kernels run at, or why [`ISA_VARIABLE`] is unusable.
     pub selected: Result<Isa, String>,
+    /// Whether [`ISA_VARIABLE`] chose the level.
+    pub requested: bool,
+    /// bf16 pair dot products' multiply-adds per second over f32 FMAs', where measured.
+    pub pair_dot_speedup: Option<f64>,
 }
 
 impl Host {
@@ -45,18 +50,24 @@ impl Host {
             caches: caches(Path::new("/sys/devices/system/cpu/cpu0/cache")),
             detected: Isa::detected(),
             selected: Isa::selected().map_err(|e| e.to_string()),
+            requested: std::env::var_os(ISA_VARIABLE).is_some(),
+            pair_dot_speedup: calibrate::pair_dot_speedup(),
         }
     }
 
     /// One line for a benchmark's header: which cpu kernels ran.
     pub fn kernels_line(&self) -> String {
+        let detected = self.detected;
         match &self.selected {
-            Ok(isa) if *isa == self.detected => format!("cpu kernels: {isa} (detected)"),
-            Ok(isa) => format!(
-                "cpu kernels: {isa} ({ISA_VARIABLE}; detected: {})",
-                self.detected
-            ),
             Err(message) => format!("cpu kernels: unusable: {message}"),
+            Ok(isa) if self.requested => {
+                format!("cpu kernels: {isa} ({ISA_VARIABLE}; detected: {detected})")
+            }
+            Ok(isa) if *isa == detected => format!("cpu kernels: {isa} (detected)"),
+            Ok(isa) => format!(
+                "cpu kernels: {isa} (calibrated: bf16 pair dot products below \
+                 {PAIR_DOT_MIN_SPEEDUP}× the f32 FMA rate; detected: {detected})"
+            ),
         }
     }
 }
@@ -81,6 +92,13 @@ impl fmt::Display for Host {
             .map(|isa| isa.name())
             .collect();
         writeln!(f, "instruction-set levels: {}", levels.join(", "))?;
+        if let Some(speedup) = self.pair_dot_speedup {
+            writeln!(
+                f,
+                "bf16 pair dot products: {speedup:.2}× the f32 FMA's multiply-adds per second \
+                 (used from {PAIR_DOT_MIN_SPEEDUP}×)"
+            )?;
+        }
         writeln!(f, "{}", self.kernels_line())
     }
 }
