@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, ensure};
 use moekit_tools::bench::limits::MachineLimits;
 use moekit_tools::bench::median;
+use moekit_tools::machine::Host;
 use serde::Serialize;
 
 use crate::config::JobConfig;
@@ -133,12 +134,15 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
 /// The table `moekit-train bench` prints.
 pub fn table(limits: &MachineLimits, rows: &[BenchRow]) -> String {
     let ratio = |r: Option<f64>| r.map_or("-".to_owned(), |r| format!("{r:.2}x"));
+    let host = Host::describe();
     let mut out = format!(
-        "machine: {} threads, f32 FMA peak {:.0} GFLOP/s, stream {:.1} GB/s\n\
+        "machine: {}, {} threads, f32 FMA peak {:.0} GFLOP/s, stream {:.1} GB/s\n{}\n\
          {:<12} {:>10} {:>10} {:>9} {:>9} {:>12} {:>10}\n",
+        host.model,
         limits.threads,
         limits.fma_gflops,
         limits.stream_gbps,
+        host.kernels_line(),
         "moe",
         "ms/step",
         "tok/s",
