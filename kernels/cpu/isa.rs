@@ -15,8 +15,8 @@ use std::sync::OnceLock;
 use super::calibrate::{self, PAIR_DOT_MIN_SPEEDUP};
 use crate::error::{Error, Result};
 
-/// The environment variable that caps the level the cpu backend uses: one of
-/// [`Isa::name`]'s values, at most the detected level.
+/// The environment variable that sets the level the cpu backend uses: one of [`Isa::name`]'s
+/// values, at most the detected level.
 pub const ISA_VARIABLE: &str = "MOEKIT_CPU_ISA";
 
 /// An instruction-set level the cpu backend has kernels for. Each level includes the ones

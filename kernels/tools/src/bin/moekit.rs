@@ -62,7 +62,7 @@ enum Command {
         markdown: bool,
     },
     /// Print the host's CPU, its caches, and the instruction-set level the cpu backend's
-    /// kernels run at (the widest detected, or lower with MOEKIT_CPU_ISA).
+    /// kernels run at (the fastest detected, or the one MOEKIT_CPU_ISA names).
     Info,
     /// Run one kernel on tensors read by contract name from a safetensors file.
     Run {
