@@ -865,7 +865,7 @@ fn the_backend_reports_its_name() {
 /// instructions, forced here (and the pair dot products where the calibration passed them
 /// over), against the reference and across thread counts.
 #[test]
-fn every_lower_instruction_set_level_passes_this_suite() {
+fn every_other_instruction_set_level_passes_this_suite() {
     if let Some(requested) = std::env::var_os(ISA_VARIABLE) {
         // One of the runs started below: its kernels run at the level it was given.
         let requested = requested.to_string_lossy();
