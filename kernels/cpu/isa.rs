@@ -65,14 +65,17 @@ impl Isa {
     /// If the variable names no level, or one above the detected level (whose instructions
     /// this CPU lacks).
     pub fn selected() -> Result<Isa> {
+        select(Isa::requested())
+    }
+
+    /// [`ISA_VARIABLE`]'s value, read once per process; `None` when unset.
+    pub fn requested() -> Option<&'static str> {
         static REQUESTED: OnceLock<Option<String>> = OnceLock::new();
-        select(
-            REQUESTED
-                .get_or_init(|| {
-                    std::env::var_os(ISA_VARIABLE).map(|v| v.to_string_lossy().into_owned())
-                })
-                .as_deref(),
-        )
+        REQUESTED
+            .get_or_init(|| {
+                std::env::var_os(ISA_VARIABLE).map(|v| v.to_string_lossy().into_owned())
+            })
+            .as_deref()
     }
 
     /// The fastest level here: the detected one, except that `avx512bf16` falls back to

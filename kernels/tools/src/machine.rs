@@ -50,7 +50,7 @@ impl Host {
             caches: caches(Path::new("/sys/devices/system/cpu/cpu0/cache")),
             detected: Isa::detected(),
             selected: Isa::selected().map_err(|e| e.to_string()),
-            requested: std::env::var_os(ISA_VARIABLE).is_some(),
+            requested: Isa::requested().is_some(),
             pair_dot_speedup: calibrate::pair_dot_speedup(),
         }
     }
