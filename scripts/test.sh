@@ -2,8 +2,9 @@
 # The whole test suite, from a fresh clone: installs what it needs, then runs formatting,
 # lint and every test (unit, property, CLI and documentation tests, the libtorch peer tests
 # against torch 2.11 from the project's venv, the trainer's tests, including parity with
-# Hugging Face transformers, the expert-parallel tests under mpirun, and the committed Neuron
-# bindings against what bindgen generates from ffi/nrt.h and from SDK-layout headers).
+# Hugging Face transformers, the expert-parallel tests under mpirun, the Python package's pytest
+# suite, and the committed Neuron bindings against what bindgen generates from ffi/nrt.h and
+# from SDK-layout headers).
 #
 #   bash scripts/test.sh
 #
@@ -26,6 +27,7 @@ cargo clippy --locked -p moekit-tools --all-targets --features mpi -- -D warning
 cargo clippy --locked -p moekit-trainer --all-targets --test expert_parallel -- -D warnings
 cargo clippy --locked --all-targets --features mpi -- -D warnings
 cargo clippy --locked -p moekit-nrt-sys -p moekit-nrt-fake -p moekit-mpi-sys --all-targets -- -D warnings
+PYO3_PYTHON="$(pwd)/.venv/bin/python" cargo clippy --locked -p moekit-python --all-targets -- -D warnings
 # Building the library (with `mpi`) or the trainer needs no libclang: no bindings generator in
 # their build graph (the Neuron bindings are committed; MPI goes through moekit's shim).
 build_graph=$(cargo tree --locked -p moekit-trainer -p moekit-tools --features moekit-tools/mpi \
@@ -47,6 +49,11 @@ cargo test --locked -p moekit-tools --features libtorch --test libtorch
 cargo test --locked
 cargo test --locked -p moekit-tools
 cargo test --locked -p moekit-trainer
+
+# The Python package, installed as a user installs it, against the `moekit` command built above
+# (bit for bit) and the reference.
+bash scripts/python.sh
+MOEKIT_CLI=target/debug/moekit .venv/bin/python -m pytest -q bindings/python/tests
 
 # Expert parallelism over MPI: the test binaries run as 2 and 4 ranks (4 oversubscribed on
 # small machines). With `fault` (kernels) or `mismatch` (trainer), every rank must stop with

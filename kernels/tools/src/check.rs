@@ -346,6 +346,59 @@ pub fn check(
     Ok(rows)
 }
 
+/// Compares outputs computed elsewhere (an NKI kernel on the simulator or on Trainium, given
+/// `inputs`) with the reference's on the same inputs, computed in f32 whatever the inputs'
+/// dtype: one row per output in `outputs`, in contract order. Outputs the caller does not give
+/// are not compared; one that is not an output of `kernel` is an error.
+pub fn check_outputs(
+    kernel: Kernel,
+    inputs: &BTreeMap<String, Tensor>,
+    params: &Params,
+    outputs: &BTreeMap<String, Tensor>,
+    tolerance: Tolerance,
+) -> Result<Vec<CheckRow>> {
+    let spec = kernel.spec();
+    let names = || {
+        spec.outputs
+            .iter()
+            .map(|output| output.name)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(unknown) = outputs
+        .keys()
+        .find(|name| !spec.outputs.iter().any(|output| output.name == *name))
+    {
+        return Err(Error::invalid(
+            unknown,
+            format!(
+                "is not an output of `{}`; its outputs: {}",
+                spec.name,
+                names()
+            ),
+        ));
+    }
+    if outputs.is_empty() {
+        return Err(Error::param(
+            "outputs",
+            format!("none given; `{}`'s outputs: {}", spec.name, names()),
+        ));
+    }
+    let params = Params {
+        output_dtype: Some(OutputDType::Float32),
+        ..params.clone()
+    };
+    let reference = BackendKind::Reference.create();
+    let want = kernel.run(reference.as_ref(), inputs, &params)?;
+    let mut rows = Vec::new();
+    for (name, want) in &want {
+        if let Some(got) = outputs.get(*name) {
+            rows.push(compare(0, "given", kernel, name, got, want, tolerance)?);
+        }
+    }
+    Ok(rows)
+}
+
 fn compare(
     case: usize,
     label: &str,
