@@ -89,6 +89,51 @@ pub struct ExpertsInputs<'a> {
 }
 
 impl<'a> ExpertsInputs<'a> {
+    /// The call's sizes, or the error naming the first tensor whose shape disagrees with the
+    /// others': T and H read off `hidden_states [T, H]`, K off `expert_index [T, K]`, E and I
+    /// off `gate_up_proj_weight [E, H, 2, I]`. (Dtypes and values are the kernels' to check.)
+    pub fn sizes(&self) -> Result<ExpertsSizes> {
+        let (t, h) = match self.hidden_states.shape() {
+            &[t, h] => (t, h),
+            shape => return Err(Error::shape("hidden_states", "[T, H]", shape)),
+        };
+        let k = match self.expert_index.shape() {
+            &[rows, k] if rows == t => k,
+            shape => {
+                return Err(Error::shape(
+                    "expert_index",
+                    format!("[T, K] = [{t}, _]"),
+                    shape,
+                ));
+            }
+        };
+        if self.topk_affinities.shape() != [t, k] {
+            return Err(Error::shape(
+                "topk_affinities",
+                format!("[T, K] = [{t}, {k}]"),
+                self.topk_affinities.shape(),
+            ));
+        }
+        let (e, i) = match self.gate_up_proj_weight.shape() {
+            &[e, rows, 2, i] if rows == h => (e, i),
+            shape => {
+                return Err(Error::shape(
+                    "gate_up_proj_weight",
+                    format!("[E, H, 2, I] = [_, {h}, 2, _]"),
+                    shape,
+                ));
+            }
+        };
+        if self.down_proj_weight.shape() != [e, i, h] {
+            return Err(Error::shape(
+                "down_proj_weight",
+                format!("[E, I, H] = [{e}, {i}, {h}]"),
+                self.down_proj_weight.shape(),
+            ));
+        }
+        Ok(ExpertsSizes { t, h, e, k, i })
+    }
+
     /// Each input with its contract name.
     fn named(self) -> [(&'static str, &'a Tensor); 5] {
         [
@@ -146,6 +191,10 @@ const SKIP_TOKEN: SkipMode = SkipMode { skip_token: true };
 const BIAS_GRADIENTS: bool = false;
 
 impl LocalExperts {
+    /// The block size B callers take when they set none (moekit's own choice: whole register
+    /// tiles of rows, few padding slots per expert at training batch sizes).
+    pub const DEFAULT_BLOCK_SIZE: usize = 64;
+
     /// The block plan's parameters for `experts` experts.
     fn permute_params(&self, experts: usize) -> PermuteParams {
         PermuteParams {
@@ -172,10 +221,7 @@ impl Experts for LocalExperts {
         inputs: ExpertsInputs<'_>,
         record: bool,
     ) -> Result<(Tensor, Option<LocalSaved>)> {
-        let experts = match inputs.gate_up_proj_weight.shape() {
-            &[e, _, 2, _] => e,
-            shape => return Err(Error::shape("gate_up_proj_weight", "[E, H, 2, I]", shape)),
-        };
+        let experts = inputs.sizes()?.e;
         let plan = self.backend.permute(
             &Permute::new(
                 PermuteInputs {

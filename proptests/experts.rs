@@ -390,3 +390,68 @@ fn the_backward_still_checks_what_it_adds_and_refuses_other_inputs() {
         "{err}"
     );
 }
+
+#[test]
+fn the_forward_names_the_tensor_whose_shape_disagrees_with_the_others() {
+    let mut rng = SeededRng::new(6);
+    let (t, h, e, k, i) = (3, 4, 4, 2, 2);
+    let x = Case {
+        t,
+        h,
+        e,
+        k,
+        i,
+        b: 2,
+        x: rng.values(t * h, 1.0),
+        index: vec![0, 1, 2, 3, 1, 0],
+        affinities: vec![0.5; t * k],
+        gate_up: rng.values(e * h * 2 * i, 0.5),
+        down: rng.values(e * i * h, 0.5),
+        d_output: rng.values(t * h, 1.0),
+    }
+    .tensors();
+    let inputs = x.experts_inputs();
+    assert_eq!(
+        inputs.sizes().unwrap(),
+        moekit::experts::ExpertsSizes { t, h, e, k, i }
+    );
+    let experts = local_experts(BackendKind::Cpu, 2);
+    let fewer_rows = f32_tensor(&[t - 1, h], &rng.values((t - 1) * h, 1.0));
+    let wrong_i = f32_tensor(&[e, i + 1, h], &rng.values(e * (i + 1) * h, 1.0));
+    let narrow_k = f32_tensor(&[t, 1], &[0.5; 3]);
+    let flat = f32_tensor(&[t * h], &rng.values(t * h, 1.0));
+    let cases = [
+        (
+            ExpertsInputs {
+                hidden_states: &fewer_rows,
+                ..inputs
+            },
+            "tensor `expert_index`: expected shape [T, K] = [2, _], got [3, 2]",
+        ),
+        (
+            ExpertsInputs {
+                down_proj_weight: &wrong_i,
+                ..inputs
+            },
+            "tensor `down_proj_weight`: expected shape [E, I, H] = [4, 2, 4], got [4, 3, 4]",
+        ),
+        (
+            ExpertsInputs {
+                topk_affinities: &narrow_k,
+                ..inputs
+            },
+            "tensor `topk_affinities`: expected shape [T, K] = [3, 2], got [3, 1]",
+        ),
+        (
+            ExpertsInputs {
+                hidden_states: &flat,
+                ..inputs
+            },
+            "tensor `hidden_states`: expected shape [T, H], got [12]",
+        ),
+    ];
+    for (inputs, want) in cases {
+        let err = experts.forward(inputs, false).unwrap_err().to_string();
+        assert_eq!(err, want);
+    }
+}

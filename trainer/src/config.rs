@@ -91,7 +91,7 @@ impl Kernels {
 }
 
 fn default_block_size() -> usize {
-    64
+    moekit::experts::LocalExperts::DEFAULT_BLOCK_SIZE
 }
 
 /// `[training]`.

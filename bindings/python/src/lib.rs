@@ -7,6 +7,7 @@
 mod catalog;
 mod dlpack;
 mod errors;
+mod experts;
 
 use std::collections::BTreeMap;
 
@@ -162,5 +163,7 @@ fn _moekit(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(neuron_tolerance, module)?)?;
     module.add_function(wrap_pyfunction!(input_address, module)?)?;
     module.add_class::<Output>()?;
+    module.add_class::<experts::PyExperts>()?;
+    module.add_class::<experts::SavedExperts>()?;
     Ok(())
 }
