@@ -12,6 +12,7 @@ mod experts;
 use std::collections::BTreeMap;
 
 use moekit::backend::Tolerance;
+use moekit::experts::LocalExperts;
 use moekit::kernel::{Kernel, Params, SCHEDULE_ONLY_PARAMS};
 use moekit::neuron::NeuronBackend;
 use moekit::{BackendKind, Storage, Tensor};
@@ -156,6 +157,7 @@ fn backends() -> Vec<&'static str> {
 fn _moekit(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("BUILD", moekit::BUILD)?;
     module.add("SCHEDULE_ONLY_PARAMS", SCHEDULE_ONLY_PARAMS.to_vec())?;
+    module.add("DEFAULT_BLOCK_SIZE", LocalExperts::DEFAULT_BLOCK_SIZE)?;
     module.add_function(wrap_pyfunction!(run, module)?)?;
     module.add_function(wrap_pyfunction!(compare, module)?)?;
     module.add_function(wrap_pyfunction!(catalog::kernels, module)?)?;

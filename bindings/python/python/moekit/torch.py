@@ -27,6 +27,9 @@ from . import _moekit
 from ._arrays import _capsule
 from .errors import ContractError
 
+# The block plan's B where a caller gives none.
+DEFAULT_BLOCK_SIZE = _moekit.DEFAULT_BLOCK_SIZE
+
 # One `Experts` per (backend, block size): they hold no state between calls.
 _EXPERTS = {}
 
@@ -91,7 +94,7 @@ def experts(
     down_proj_weight,
     *,
     backend="cpu",
-    block_size=_moekit.Experts().block_size,
+    block_size=DEFAULT_BLOCK_SIZE,
 ):
     """`output [T, H]`: `hidden_states [T, H]` through the experts `expert_index [T, K]` names,
     weighted by `topk_affinities [T, K]` and summed; weights `gate_up_proj_weight [E, H, 2, I]`
