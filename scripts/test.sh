@@ -51,9 +51,11 @@ cargo test --locked -p moekit-tools
 cargo test --locked -p moekit-trainer
 
 # The Python package, installed as a user installs it, against the `moekit` command built above
-# (bit for bit) and the reference.
+# (bit for bit) and the reference; its `neuron` backend on the fake runtime the tests above built.
 bash scripts/python.sh
-MOEKIT_CLI=target/debug/moekit .venv/bin/python -m pytest -q bindings/python/tests
+fake_nrt=$(find target/debug/build -name libnrt_fake.so -print -quit)
+MOEKIT_CLI=target/debug/moekit MOEKIT_FAKE_NRT="${fake_nrt}" \
+    .venv/bin/python -m pytest -q bindings/python/tests
 
 # Expert parallelism over MPI: the test binaries run as 2 and 4 ranks (4 oversubscribed on
 # small machines). With `fault` (kernels) or `mismatch` (trainer), every rank must stop with
