@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use moekit::contracts::{BlockwiseMmBwd, OutputDType};
+use moekit::contracts::{BlockwiseMmBwd, OutputDType, WeightLayout};
 use moekit::experts::{Experts, LocalExperts};
 use moekit::{Backend, BackendKind, DType};
 use moekit_tools::layer::{Layer, LayerInputs, MoeShape};
@@ -88,6 +88,7 @@ fn validation(c: &mut Criterion) {
         backend: Arc::clone(&backend),
         block_size: 128,
         output_dtype: OutputDType::Input,
+        weight_layout: WeightLayout::Nki,
     };
     let inputs = layer.experts_inputs();
     let (_, saved) = experts.forward(inputs, true).expect("forward");

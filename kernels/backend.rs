@@ -20,7 +20,7 @@ use crate::contracts::{
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
     Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads,
-    RouterTopkOutputs,
+    RouterTopkOutputs, WeightLayout,
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
@@ -189,6 +189,14 @@ impl PlannedCall {
         match self {
             PlannedCall::BlockwiseMm { .. } => Kernel::BlockwiseMm,
             PlannedCall::BlockwiseMmBwd { .. } => Kernel::BlockwiseMmBwd,
+        }
+    }
+
+    /// The layout of the weights the call reads.
+    pub fn weight_layout(&self) -> WeightLayout {
+        match self {
+            PlannedCall::BlockwiseMm { params, .. } => params.weight_layout,
+            PlannedCall::BlockwiseMmBwd { params, .. } => params.weight_layout,
         }
     }
 }

@@ -98,6 +98,7 @@ impl Kernel {
                     is_tensor_update_accumulating: params
                         .is_tensor_update_accumulating
                         .unwrap_or(default.is_tensor_update_accumulating),
+                    weight_layout: params.weight_layout.unwrap_or(default.weight_layout),
                 };
                 let call = BlockwiseMm::new(BlockwiseMmInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
@@ -117,6 +118,7 @@ impl Kernel {
                     is_tensor_update_accumulating: params
                         .is_tensor_update_accumulating
                         .unwrap_or(default.is_tensor_update_accumulating),
+                    weight_layout: params.weight_layout.unwrap_or(default.weight_layout),
                 };
                 let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);

@@ -24,7 +24,7 @@ use crate::backend::{Backend, PlannedCall};
 use crate::contracts::{
     BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdAdded, BlockwiseMmInputs,
     BlockwiseMmParams, OutputDType, Permute, PermuteInputs, PermuteOutputs, PermuteParams,
-    SkipMode,
+    SkipMode, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};
@@ -82,17 +82,20 @@ pub struct ExpertsInputs<'a> {
     pub expert_index: &'a Tensor,
     /// `[T, K]`: each slot's weight (0 in skipped slots).
     pub topk_affinities: &'a Tensor,
-    /// `[E, H, 2, I]` (this rank's `E/R` experts when sharded).
+    /// `[E, H, 2, I]` (this rank's `E/R` experts when sharded), or `[E, 2, I, H]` in the
+    /// experts' [`WeightLayout::Linear`].
     pub gate_up_proj_weight: &'a Tensor,
-    /// `[E, I, H]` (this rank's `E/R` experts when sharded).
+    /// `[E, I, H]` (this rank's `E/R` experts when sharded), or `[E, H, I]` in the experts'
+    /// [`WeightLayout::Linear`].
     pub down_proj_weight: &'a Tensor,
 }
 
 impl<'a> ExpertsInputs<'a> {
-    /// The call's sizes, or the error naming the first tensor whose shape disagrees with the
-    /// others': T and H read off `hidden_states [T, H]`, K off `expert_index [T, K]`, E and I
-    /// off `gate_up_proj_weight [E, H, 2, I]`. (Dtypes and values are the kernels' to check.)
-    pub fn sizes(&self) -> Result<ExpertsSizes> {
+    /// The call's sizes with weights in `layout`, or the error naming the first tensor whose
+    /// shape disagrees with the others': T and H read off `hidden_states [T, H]`, K off
+    /// `expert_index [T, K]`, E and I off `gate_up_proj_weight` (`[E, H, 2, I]`, or
+    /// `[E, 2, I, H]`). (Dtypes and values are the kernels' to check.)
+    pub fn sizes(&self, layout: WeightLayout) -> Result<ExpertsSizes> {
         let (t, h) = match self.hidden_states.shape() {
             &[t, h] => (t, h),
             shape => return Err(Error::shape("hidden_states", "[T, H]", shape)),
@@ -114,20 +117,26 @@ impl<'a> ExpertsInputs<'a> {
                 self.topk_affinities.shape(),
             ));
         }
-        let (e, i) = match self.gate_up_proj_weight.shape() {
-            &[e, rows, 2, i] if rows == h => (e, i),
-            shape => {
+        let (e, i) = match (layout, self.gate_up_proj_weight.shape()) {
+            (WeightLayout::Nki, &[e, rows, 2, i]) if rows == h => (e, i),
+            (WeightLayout::Linear, &[e, 2, i, cols]) if cols == h => (e, i),
+            (_, shape) => {
+                let known = match layout {
+                    WeightLayout::Nki => format!("[_, {h}, 2, _]"),
+                    WeightLayout::Linear => format!("[_, 2, _, {h}]"),
+                };
                 return Err(Error::shape(
                     "gate_up_proj_weight",
-                    format!("[E, H, 2, I] = [_, {h}, 2, _]"),
+                    format!("{} = {known}", layout.gate_up_shape()),
                     shape,
                 ));
             }
         };
-        if self.down_proj_weight.shape() != [e, i, h] {
+        let down = layout.down_dims(e, h, i);
+        if self.down_proj_weight.shape() != down {
             return Err(Error::shape(
                 "down_proj_weight",
-                format!("[E, I, H] = [{e}, {i}, {h}]"),
+                format!("{} = {down:?}", layout.down_shape()),
                 self.down_proj_weight.shape(),
             ));
         }
@@ -153,9 +162,9 @@ pub struct ExpertsGrads {
     pub d_hidden_states: Tensor,
     /// `[T, K]` (0 in skipped slots).
     pub d_topk_affinities: Tensor,
-    /// `[E, H, 2, I]`.
+    /// Shaped and laid out as `gate_up_proj_weight`.
     pub d_gate_up_proj_weight: Tensor,
-    /// `[E, I, H]`.
+    /// Shaped and laid out as `down_proj_weight`.
     pub d_down_proj_weight: Tensor,
 }
 
@@ -167,6 +176,8 @@ pub struct LocalExperts {
     pub block_size: usize,
     /// The dtype of the plan's affinities, the output and the gradients ([`OutputDType`]).
     pub output_dtype: OutputDType,
+    /// The layout of the weights and of their gradients.
+    pub weight_layout: WeightLayout,
 }
 
 /// What [`LocalExperts::backward`] needs from its forward: the plan, the checkpoints, and what
@@ -204,10 +215,11 @@ impl LocalExperts {
     }
 
     /// The forward's `blockwise_mm` parameters (checkpointing when a backward follows).
-    fn forward_params(record: bool) -> BlockwiseMmParams {
+    fn forward_params(&self, record: bool) -> BlockwiseMmParams {
         BlockwiseMmParams {
             checkpoint_activation: record,
             skip_dma: SKIP_TOKEN,
+            weight_layout: self.weight_layout,
             ..BlockwiseMmParams::default()
         }
     }
@@ -221,7 +233,7 @@ impl Experts for LocalExperts {
         inputs: ExpertsInputs<'_>,
         record: bool,
     ) -> Result<(Tensor, Option<LocalSaved>)> {
-        let experts = inputs.sizes()?.e;
+        let experts = inputs.sizes(self.weight_layout)?.e;
         let plan = self.backend.permute(
             &Permute::new(
                 PermuteInputs {
@@ -232,7 +244,7 @@ impl Experts for LocalExperts {
             )?
             .with_output_dtype(self.output_dtype),
         )?;
-        let params = Self::forward_params(record);
+        let params = self.forward_params(record);
         let call = BlockwiseMm::new(blockwise_inputs(inputs, &plan), params)?
             .with_output_dtype(self.output_dtype);
         let dims = call.dims();
@@ -320,7 +332,7 @@ impl Experts for LocalExperts {
             b: self.block_size,
             n: self.permute_params(e).block_count(t, k)?,
         };
-        let params = Self::forward_params(record);
+        let params = self.forward_params(record);
         let mut calls = vec![PlannedCall::BlockwiseMm { dims, params }];
         if record {
             calls.push(PlannedCall::BlockwiseMmBwd {

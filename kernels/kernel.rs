@@ -6,8 +6,8 @@ use std::str::FromStr;
 
 use crate::contracts::{
     ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
-    OutputDType, PermuteParams, RouterActFnType, RouterPipeline, SkipMode, TensorSpec, XHbmLayout,
-    tensors,
+    OutputDType, PermuteParams, RouterActFnType, RouterPipeline, SkipMode, TensorSpec,
+    WeightLayout, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
 
@@ -114,6 +114,7 @@ pub enum Param {
     Bias,
     SkipToken,
     IsTensorUpdateAccumulating,
+    WeightLayout,
     ExpertParallelDegree,
     OutputDType,
 }
@@ -154,6 +155,7 @@ impl Param {
             Param::Bias => backward.bias.to_string(),
             Param::SkipToken => forward.skip_dma.skip_token.to_string(),
             Param::IsTensorUpdateAccumulating => forward.is_tensor_update_accumulating.to_string(),
+            Param::WeightLayout => forward.weight_layout.to_string(),
             Param::OutputDType => OutputDType::default().to_string(),
         }
     }
@@ -182,6 +184,7 @@ impl Param {
         Param::Bias,
         Param::SkipToken,
         Param::IsTensorUpdateAccumulating,
+        Param::WeightLayout,
         Param::ExpertParallelDegree,
         Param::OutputDType,
     ];
@@ -211,6 +214,7 @@ impl Param {
             Param::Bias => "bias",
             Param::SkipToken => "skip_token",
             Param::IsTensorUpdateAccumulating => "is_tensor_update_accumulating",
+            Param::WeightLayout => WeightLayout::PARAM,
             Param::ExpertParallelDegree => "expert_parallel_degree",
             Param::OutputDType => OutputDType::PARAM,
         }
@@ -240,6 +244,7 @@ impl Param {
             | Param::LinearClampUpperLimit => "number",
             Param::Bias => "true|false",
             Param::OutputDType => "input|float32",
+            Param::WeightLayout => "nki|linear",
             Param::RouterPreNorm
             | Param::NormTopkProb
             | Param::CheckpointActivation
@@ -275,6 +280,8 @@ pub struct Params {
     pub skip_token: Option<bool>,
     /// The blockwise kernels' `is_tensor_update_accumulating`.
     pub is_tensor_update_accumulating: Option<bool>,
+    /// The blockwise kernels' `weight_layout` (moekit's own).
+    pub weight_layout: Option<WeightLayout>,
     pub expert_parallel_degree: Option<usize>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
@@ -403,6 +410,7 @@ impl Params {
             Param::IsTensorUpdateAccumulating => {
                 self.is_tensor_update_accumulating = Some(parse_bool(param, value)?)
             }
+            Param::WeightLayout => self.weight_layout = Some(WeightLayout::parse(value.trim())?),
             Param::ExpertParallelDegree => {
                 self.expert_parallel_degree = Some(parse_count(param, value)?)
             }
@@ -518,6 +526,7 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         (Param::UpClampUpperLimit, ParamUse::Defaulted),
         (Param::SkipToken, ParamUse::Defaulted),
         (Param::IsTensorUpdateAccumulating, ParamUse::Defaulted),
+        (Param::WeightLayout, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
@@ -538,6 +547,7 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         (Param::LinearClampUpperLimit, ParamUse::Defaulted),
         (Param::SkipToken, ParamUse::Defaulted),
         (Param::IsTensorUpdateAccumulating, ParamUse::Defaulted),
+        (Param::WeightLayout, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };

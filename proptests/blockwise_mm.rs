@@ -14,6 +14,7 @@ use moekit::contracts::{
     ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
     BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams, Clamp,
     ClampLimits, ExpertAffinityScaleMode, OutputDType, Permute, PermuteInputs, PermuteParams,
+    WeightLayout,
 };
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
@@ -205,6 +206,7 @@ struct Tensors {
     act_fn: ActFnType,
     scaling: ExpertAffinityScaleMode,
     clamp: ClampLimits,
+    weight_layout: WeightLayout,
 }
 
 impl Tensors {
@@ -226,6 +228,7 @@ impl Tensors {
             act_fn: c.act_fn,
             scaling: c.scaling,
             clamp: c.clamp,
+            weight_layout: WeightLayout::Nki,
         }
     }
 
@@ -244,7 +247,11 @@ impl Tensors {
 
     /// Validates the inputs as a forward call would.
     fn check(&self) -> moekit::Result<()> {
-        BlockwiseMm::new(self.inputs(), BlockwiseMmParams::default()).map(|_| ())
+        let params = BlockwiseMmParams {
+            weight_layout: self.weight_layout,
+            ..BlockwiseMmParams::default()
+        };
+        BlockwiseMm::new(self.inputs(), params).map(|_| ())
     }
 
     /// The forward's outputs, all f32 (`output_dtype=float32`), for comparing with f64
@@ -265,6 +272,7 @@ impl Tensors {
                 activation_function: self.act_fn,
                 expert_affinities_scaling_mode: self.scaling,
                 clamp: self.clamp,
+                weight_layout: self.weight_layout,
                 ..BlockwiseMmParams::default()
             },
         )?;
@@ -353,6 +361,7 @@ fn operands(c: &Case) -> BlockwiseOperands<'_> {
         expert_affinities_masked: &c.masked,
         gate_up_proj_weight: &c.gate_up,
         down_proj_weight: &c.down,
+        weight_layout: WeightLayout::Nki,
         token_position_to_id: &c.positions,
         block_to_expert: &c.blocks,
         gate_and_up_proj_bias: c.gate_up_bias.as_deref(),
@@ -382,6 +391,89 @@ proptest! {
     fn kernel_backward_from_its_own_checkpoints(c in case(), seed in any::<u64>()) {
         check_kernel_backward(&c, seed)?;
     }
+
+    #[test]
+    fn linear_weights_give_the_nki_layouts_results(c in case(), seed in any::<u64>()) {
+        check_linear_layout(&c, seed)?;
+    }
+}
+
+/// `weight_layout=linear` (moekit's own): the same weights stored `[E, 2, I, H]` and
+/// `[E, H, I]` give bit-identical outputs and checkpoints, and the same weight gradients in
+/// that layout.
+fn check_linear_layout(c: &Case, seed: u64) -> Result<(), TestCaseError> {
+    let BlockwiseDims { t, h, e, i, .. } = c.dims;
+    let sizes = (e, h, i);
+    let nki = Tensors::new(c);
+    let linear = Tensors {
+        gate_up: relayout_gate_up(&nki.gate_up, sizes, WeightLayout::Nki, WeightLayout::Linear),
+        down: relayout_down(&nki.down, sizes, WeightLayout::Nki, WeightLayout::Linear),
+        weight_layout: WeightLayout::Linear,
+        ..Tensors::new(c)
+    };
+    let forward = nki.forward(true).unwrap();
+    prop_assert_eq!(&linear.forward(true).unwrap(), &forward);
+    let d_out = f32_tensor(&[t + 1, h], &output_gradient(t, h, seed));
+    let index = i32_tensor(&[t, c.k], &c.index);
+    let backward = |tensors: &Tensors| {
+        let call = BlockwiseMmBwd::new(
+            BlockwiseMmBwdInputs {
+                forward: tensors.inputs(),
+                gate_up_proj_act_checkpoint_t: forward.gate_up_activations_t.as_ref().unwrap(),
+                down_proj_act_checkpoint: forward.down_activations.as_ref().unwrap(),
+                output_hidden_states_grad: &d_out,
+                expert_index: Some(&index),
+            },
+            BlockwiseMmBwdParams {
+                activation_type: c.act_fn,
+                expert_affinities_scaling_mode: c.scaling,
+                clamp: c.clamp,
+                bias: c.gate_up_bias.is_some(),
+                weight_layout: tensors.weight_layout,
+                ..BlockwiseMmBwdParams::default()
+            },
+        )
+        .unwrap();
+        ReferenceBackend.blockwise_mm_bwd(&call).unwrap()
+    };
+    let want = backward(&nki);
+    let mut got = backward(&linear);
+    prop_assert_eq!(
+        got.gate_up_proj_weight_grad.shape(),
+        &WeightLayout::Linear.gate_up_dims(e, h, i)
+    );
+    prop_assert_eq!(
+        got.down_proj_weight_grad.shape(),
+        &WeightLayout::Linear.down_dims(e, h, i)
+    );
+    got.gate_up_proj_weight_grad = relayout_gate_up(
+        &got.gate_up_proj_weight_grad,
+        sizes,
+        WeightLayout::Linear,
+        WeightLayout::Nki,
+    );
+    got.down_proj_weight_grad = relayout_down(
+        &got.down_proj_weight_grad,
+        sizes,
+        WeightLayout::Linear,
+        WeightLayout::Nki,
+    );
+    prop_assert_eq!(got, want);
+    // Weights in the other layout's shape are an error naming the tensor and the layout.
+    let swapped = Tensors {
+        weight_layout: WeightLayout::Linear,
+        ..Tensors::new(c)
+    };
+    // (`[E, H, 2, I]` reads as `[E, 2, I, H]` only when H = I = 2.)
+    if (h, i) != (2, 2) {
+        let message = swapped.forward(false).unwrap_err().to_string();
+        prop_assert!(
+            message.contains("gate_up_proj_weight") && message.contains("[E, 2, I, H]"),
+            "{}",
+            message
+        );
+    }
+    Ok(())
 }
 
 fn check_forward(c: &Case) -> Result<(), TestCaseError> {
@@ -1024,6 +1116,7 @@ fn valid() -> Tensors {
         act_fn: ActFnType::Silu,
         scaling: ExpertAffinityScaleMode::PostScale,
         clamp: ClampLimits::default(),
+        weight_layout: WeightLayout::Nki,
     }
 }
 
@@ -1105,6 +1198,31 @@ fn plan_violations_are_clear_errors() {
     expect_err(
         with(&|v| v.blocks = f32_tensor(&[4, 1], &[0.0, 1.0, 2.0, 2.0])),
         &["block_to_expert", "i32"],
+    );
+    // weight_layout=linear reads `[E, 2, I, H]` and `[E, H, I]`.
+    let linear = |f: &dyn Fn(&mut Tensors)| {
+        with(&|v| {
+            v.weight_layout = WeightLayout::Linear;
+            f(v);
+        })
+    };
+    linear(&|_| ()).unwrap();
+    expect_err(
+        linear(&|v| v.gate_up = f32_tensor(&[3, 2, 2, 3], &[0.1; 36])),
+        &["gate_up_proj_weight", "[E, 2, I, H]", "[3, 2, 2, 3]"],
+    );
+    // I = 3: down_proj_weight must be [E, H, I] = [3, 2, 3], not nki's [3, 3, 2].
+    let wider = |down: &[usize]| {
+        let down = f32_tensor(down, &[0.2; 18]);
+        linear(&move |v| {
+            v.gate_up = f32_tensor(&[3, 2, 3, 2], &[0.1; 36]);
+            v.down = down.clone();
+        })
+    };
+    wider(&[3, 2, 3]).unwrap();
+    expect_err(
+        wider(&[3, 3, 2]),
+        &["down_proj_weight", "[E, H, I]", "[3, 3, 2]"],
     );
     // nki-library's test generator makes block_to_expert [N]: accepted as well.
     with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, 2, 2])).unwrap();

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use common::*;
-use moekit::contracts::{RouterPipeline, RouterTopk, RouterTopkInputs, RouterTopkParams};
+use moekit::contracts::{
+    RouterPipeline, RouterTopk, RouterTopkInputs, RouterTopkParams, WeightLayout,
+};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
@@ -320,6 +322,42 @@ fn forward_and_backward_pipeline_through_files() {
         assert_eq!(bwd[name], tensor, "{name}");
     }
     assert_eq!(bwd["d_topk_affinities"].shape(), &[t, k]);
+
+    // `--param weight_layout=linear` (moekit's own): the same weights stored `[E, 2, I, H]`
+    // and `[E, H, I]` give the same output and the weight gradients in that layout.
+    let (nki, linear) = (WeightLayout::Nki, WeightLayout::Linear);
+    let linear_gate_up = relayout_gate_up(&gate_up, (e, h, i), nki, linear);
+    let linear_down = relayout_down(&down, (e, h, i), nki, linear);
+    let linear_inputs: Vec<(&str, &Tensor)> = bwd_inputs
+        .iter()
+        .map(|&(name, tensor)| match name {
+            "gate_up_proj_weight" => (name, &linear_gate_up),
+            "down_proj_weight" => (name, &linear_down),
+            _ => (name, tensor),
+        })
+        .collect();
+    let inputs = dir.join("linear.in.safetensors");
+    write(&inputs, &linear_inputs, &[("weight_layout", "linear")]);
+    let linear_fwd = run_ok(
+        "blockwise_mm",
+        &inputs,
+        &dir.join("linear_fwd.out.safetensors"),
+        &[],
+    );
+    assert_eq!(linear_fwd["output"], fwd["output"]);
+    let mut linear_bwd = run_ok(
+        "blockwise_mm_bwd",
+        &inputs,
+        &dir.join("linear_bwd.out.safetensors"),
+        &[],
+    );
+    let grad = linear_bwd.remove("gate_up_proj_weight_grad").unwrap();
+    let grad = relayout_gate_up(&grad, (e, h, i), linear, nki);
+    linear_bwd.insert("gate_up_proj_weight_grad".to_owned(), grad);
+    let grad = linear_bwd.remove("down_proj_weight_grad").unwrap();
+    let grad = relayout_down(&grad, (e, h, i), linear, nki);
+    linear_bwd.insert("down_proj_weight_grad".to_owned(), grad);
+    assert_eq!(linear_bwd, bwd);
 
     let router_bwd = step(
         "router_topk_bwd",

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use common::*;
 use moekit::contracts::tensors::blockwise_mm_bwd::CHECKPOINTS;
-use moekit::contracts::{ActFnType, ExpertAffinityScaleMode, RouterActFnType};
+use moekit::contracts::{ActFnType, ExpertAffinityScaleMode, RouterActFnType, WeightLayout};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
@@ -403,6 +403,15 @@ proptest! {
     }
 
     #[test]
+    fn linear_weights_match_the_reference(s in shape(40), seed in any::<u64>()) {
+        let layer = with_linear_weights(layer(s, seed), s);
+        for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
+            compare(kernel, &layer)?;
+        }
+        bit_identical_across_thread_counts(&layer).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
     fn outputs_take_nki_library_dtypes(s in shape(40), seed in any::<u64>()) {
         let layer = layer(s, seed);
         for backend in [BackendKind::Reference, BackendKind::Cpu] {
@@ -414,6 +423,23 @@ proptest! {
     fn results_are_bit_identical_across_thread_counts(s in shape(300), seed in any::<u64>()) {
         bit_identical_across_thread_counts(&layer(s, seed)).map_err(TestCaseError::fail)?;
     }
+}
+
+/// `layer` with its experts' weights in moekit's `weight_layout=linear`: `[E, 2, I, H]` and
+/// `[E, H, I]`.
+fn with_linear_weights(mut layer: Layer, s: Shape) -> Layer {
+    let sizes = (s.e, s.h, s.i);
+    let (nki, linear) = (WeightLayout::Nki, WeightLayout::Linear);
+    let tensors = &mut layer.tensors;
+    let gate_up = relayout_gate_up(&tensors["gate_up_proj_weight"], sizes, nki, linear);
+    let down = relayout_down(&tensors["down_proj_weight"], sizes, nki, linear);
+    tensors.insert("gate_up_proj_weight".to_owned(), gate_up);
+    tensors.insert("down_proj_weight".to_owned(), down);
+    layer
+        .params
+        .set(WeightLayout::PARAM, linear.name())
+        .unwrap();
+    layer
 }
 
 /// nki-library's `SkipMode(skip_token=True)` layout of `layer`'s blockwise inputs:
@@ -595,15 +621,23 @@ fn crowded_experts() -> Vec<(&'static str, Shape)> {
 #[test]
 fn crowded_experts_match_the_reference_and_ignore_thread_counts() {
     for (name, s) in crowded_experts() {
-        for bf16 in [false, true] {
-            let layer = layer(Shape { bf16, ..s }, 5);
+        for (bf16, layout) in [false, true]
+            .into_iter()
+            .flat_map(|b| WeightLayout::ALL.map(|l| (b, l)))
+        {
+            let s = Shape { bf16, ..s };
+            let layer = match layout {
+                WeightLayout::Nki => layer(s, 5),
+                WeightLayout::Linear => with_linear_weights(layer(s, 5), s),
+            };
+            let what = format!("{name} (bf16: {bf16}, weight_layout={layout})");
             for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
                 if let Err(e) = compare(kernel, &layer) {
-                    panic!("{name} (bf16: {bf16}): {e}");
+                    panic!("{what}: {e}");
                 }
             }
             if let Err(e) = bit_identical_across_thread_counts(&layer) {
-                panic!("{name} (bf16: {bf16}): {e}");
+                panic!("{what}: {e}");
             }
         }
     }
@@ -629,9 +663,14 @@ fn products_on_streamed_panels_ignore_thread_counts() {
         bf16: false,
     };
     for bf16 in [false, true] {
-        let layer = layer(Shape { bf16, ..s }, 7);
-        if let Err(e) = bit_identical_across_thread_counts(&layer) {
-            panic!("bf16: {bf16}: {e}");
+        let s = Shape { bf16, ..s };
+        for layer in [layer(s, 7), with_linear_weights(layer(s, 7), s)] {
+            if let Err(e) = bit_identical_across_thread_counts(&layer) {
+                panic!(
+                    "bf16: {bf16}, weight_layout={:?}: {e}",
+                    layer.params.weight_layout
+                );
+            }
         }
     }
 }

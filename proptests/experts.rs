@@ -209,6 +209,7 @@ fn local_experts(backend: BackendKind, block_size: usize) -> LocalExperts {
         backend: Arc::from(backend.create()),
         block_size,
         output_dtype: OutputDType::Input,
+        weight_layout: WeightLayout::Nki,
     }
 }
 
@@ -412,7 +413,7 @@ fn the_forward_names_the_tensor_whose_shape_disagrees_with_the_others() {
     .tensors();
     let inputs = x.experts_inputs();
     assert_eq!(
-        inputs.sizes().unwrap(),
+        inputs.sizes(WeightLayout::Nki).unwrap(),
         moekit::experts::ExpertsSizes { t, h, e, k, i }
     );
     let experts = local_experts(BackendKind::Cpu, 2);

@@ -273,6 +273,7 @@ proptest! {
             clamp,
             skip_dma,
             is_tensor_update_accumulating: accumulating,
+            weight_layout: WeightLayout::Nki,
         };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
@@ -385,6 +386,7 @@ proptest! {
                 bias: extras,
                 skip_dma,
                 is_tensor_update_accumulating: accumulating,
+                weight_layout: WeightLayout::Nki,
             },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
@@ -767,6 +769,26 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         format!("{entry}skip_token = true\nis_tensor_update_accumulating = false\n"),
     );
     assert!(err.contains("clamped.neff"), "{err}");
+
+    // nki-library's kernels take their own weight layout only: moekit's `linear` is refused
+    // before any manifest lookup, naming the parameter and the layout they take.
+    let linear_gate_up = f32_tensor(&[2, 2, 1, 1], &[0.1; 4]);
+    let linear = BlockwiseMm::new(
+        BlockwiseMmInputs {
+            gate_up_proj_weight: &linear_gate_up,
+            ..inputs
+        },
+        BlockwiseMmParams {
+            weight_layout: WeightLayout::Linear,
+            ..BlockwiseMmParams::default()
+        },
+    )
+    .unwrap();
+    let err = run_call(&linear, "linear.toml", entry.to_owned());
+    assert!(
+        err.contains("weight_layout") && err.contains("`linear`") && err.contains("[E, H, 2, I]"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -1016,6 +1038,7 @@ fn neuron_experts(manifest: &Path, block_size: usize) -> LocalExperts {
         backend: Arc::new(backend),
         block_size,
         output_dtype: OutputDType::Input,
+        weight_layout: WeightLayout::Nki,
     }
 }
 
@@ -1060,6 +1083,7 @@ fn experts_prepare_the_neffs_their_planned_calls_name_and_run_on_them() {
         backend: Arc::from(BackendKind::Cpu.create()),
         block_size,
         output_dtype: OutputDType::Input,
+        weight_layout: WeightLayout::Nki,
     };
     let mut calls = cpu.planned_calls(sizes, true).unwrap();
     calls.extend(cpu.planned_calls(sizes, false).unwrap());
@@ -1159,6 +1183,7 @@ fn sharded_experts_plan_the_calls_of_dispatchs_layout() {
         backend: Arc::from(BackendKind::Cpu.create()),
         block_size,
         output_dtype: OutputDType::Float32,
+        weight_layout: WeightLayout::Nki,
     };
     let manifest = manifest_for(&dir, &planner.planned_calls(local, true).unwrap());
     let backend = neuron_experts(&manifest, block_size).backend;
@@ -1213,6 +1238,7 @@ fn sharded_experts_plan_the_calls_of_dispatchs_layout() {
         backend: Arc::from(BackendKind::Cpu.create()),
         block_size,
         output_dtype: OutputDType::Input,
+        weight_layout: WeightLayout::Nki,
     };
     let (want, _) = cpu.forward(inputs_of(&global), false).unwrap();
     for output in outputs {

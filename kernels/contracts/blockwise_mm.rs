@@ -204,6 +204,121 @@ impl SkipMode {
     }
 }
 
+/// moekit's own: how each expert's two weight matrices lie in memory. The gradients come back
+/// in their weights' layout; the biases and everything else are the same in both.
+///
+/// `nki` (the default) is nki-library's: `gate_up_proj_weight [E, H, 2, I]` and
+/// `down_proj_weight [E, I, H]`, each matrix `[in, out]`. `linear` is `torch.nn.Linear`'s
+/// `[out, in]`: `gate_up_proj_weight [E, 2, I, H]` and `down_proj_weight [E, H, I]`, the layout
+/// Hugging Face transformers keeps its experts in (`gate_up_proj [E, 2·I, H]`, gate rows first,
+/// and `down_proj [E, H, I]`) and torchtitan its `w2 [E, D, F]`, so such weights are read where
+/// they lie rather than rearranged for every call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `nki`: `[E, H, 2, I]` and `[E, I, H]`.
+    #[default]
+    Nki,
+    /// `linear`: `[E, 2, I, H]` and `[E, H, I]`.
+    Linear,
+}
+
+impl WeightLayout {
+    /// Every member.
+    pub const ALL: [WeightLayout; 2] = [Self::Nki, Self::Linear];
+
+    /// The parameter's name.
+    pub const PARAM: &'static str = "weight_layout";
+
+    /// The member's name, as the parameter takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nki => "nki",
+            Self::Linear => "linear",
+        }
+    }
+
+    /// Parses a member name.
+    pub fn parse(name: &str) -> Result<Self> {
+        find_named(&Self::ALL, Self::name, name).map_err(|known| {
+            Error::param(
+                Self::PARAM,
+                format!("expected one of {known}, got `{name}`"),
+            )
+        })
+    }
+
+    /// The layout of `gate_up_proj_weight` (and of its gradient).
+    pub fn gate_up_shape(self) -> &'static str {
+        match self {
+            Self::Nki => "[E, H, 2, I]",
+            Self::Linear => "[E, 2, I, H]",
+        }
+    }
+
+    /// The layout of `down_proj_weight` (and of its gradient).
+    pub fn down_shape(self) -> &'static str {
+        match self {
+            Self::Nki => "[E, I, H]",
+            Self::Linear => "[E, H, I]",
+        }
+    }
+
+    /// `gate_up_proj_weight`'s extents for E experts of hidden size H and intermediate size I.
+    pub fn gate_up_dims(self, e: usize, h: usize, i: usize) -> [usize; 4] {
+        match self {
+            Self::Nki => [e, h, 2, i],
+            Self::Linear => [e, 2, i, h],
+        }
+    }
+
+    /// `down_proj_weight`'s extents for E experts of hidden size H and intermediate size I.
+    pub fn down_dims(self, e: usize, h: usize, i: usize) -> [usize; 3] {
+        match self {
+            Self::Nki => [e, i, h],
+            Self::Linear => [e, h, i],
+        }
+    }
+
+    /// `(E, I)` of a `gate_up_proj_weight` of extents `dims` in this layout.
+    fn experts_and_intermediate(self, dims: &[usize]) -> (usize, usize) {
+        match self {
+            Self::Nki => (dims[0], dims[3]),
+            Self::Linear => (dims[0], dims[2]),
+        }
+    }
+
+    /// The offset in `gate_up_proj_weight` of expert `expert`'s weight from hidden unit `j` to
+    /// column `col` of projection `which` (0 gate, 1 up), for H = `h` and I = `i`.
+    pub fn gate_up_offset(
+        self,
+        (h, i): (usize, usize),
+        expert: usize,
+        j: usize,
+        which: usize,
+        col: usize,
+    ) -> usize {
+        match self {
+            Self::Nki => ((expert * h + j) * 2 + which) * i + col,
+            Self::Linear => ((expert * 2 + which) * i + col) * h + j,
+        }
+    }
+
+    /// The offset in `down_proj_weight` of expert `expert`'s weight from intermediate unit
+    /// `row` to hidden unit `j`, for H = `h` and I = `i`.
+    pub fn down_offset(self, (h, i): (usize, usize), expert: usize, row: usize, j: usize) -> usize {
+        match self {
+            Self::Nki => (expert * i + row) * h + j,
+            Self::Linear => (expert * h + j) * i + row,
+        }
+    }
+}
+
+impl fmt::Display for WeightLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Parameters of [`BlockwiseMm`], named as nki-library's `moe_cte` names them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockwiseMmParams {
@@ -221,6 +336,8 @@ pub struct BlockwiseMmParams {
     /// gives the sum only when no token has two slots (top-k = 1): without it, a token with
     /// two slots is an error.
     pub is_tensor_update_accumulating: bool,
+    /// moekit's own: the weights' layout (default `nki`).
+    pub weight_layout: WeightLayout,
 }
 
 impl Default for BlockwiseMmParams {
@@ -232,6 +349,7 @@ impl Default for BlockwiseMmParams {
             clamp: ClampLimits::default(),
             skip_dma: SkipMode::default(),
             is_tensor_update_accumulating: true,
+            weight_layout: WeightLayout::default(),
         }
     }
 }
@@ -247,6 +365,7 @@ impl BlockwiseMmParams {
             bias,
             skip_dma: self.skip_dma,
             is_tensor_update_accumulating: self.is_tensor_update_accumulating,
+            weight_layout: self.weight_layout,
         }
     }
 }
@@ -267,6 +386,9 @@ pub struct BlockwiseMmBwdParams {
     pub skip_dma: SkipMode,
     /// As the forward's, for `hidden_states_grad` (default true).
     pub is_tensor_update_accumulating: bool,
+    /// moekit's own: the forward's weight layout, which the weight gradients take too
+    /// (default `nki`).
+    pub weight_layout: WeightLayout,
 }
 
 impl Default for BlockwiseMmBwdParams {
@@ -278,6 +400,7 @@ impl Default for BlockwiseMmBwdParams {
             bias: false,
             skip_dma: SkipMode::default(),
             is_tensor_update_accumulating: true,
+            weight_layout: WeightLayout::default(),
         }
     }
 }
@@ -289,9 +412,10 @@ pub struct BlockwiseMmInputs<'a> {
     pub hidden_states: &'a Tensor,
     /// `[(T+1)·E]` or `[(T+1)·E, 1]`, from `permute` (T·E with `skip_token`).
     pub expert_affinities_masked: &'a Tensor,
-    /// `[E, H, 2, I]`; index 0 of the third axis is the gate projection, 1 the up projection.
+    /// `[E, H, 2, I]`; index 0 of the third axis is the gate projection, 1 the up projection
+    /// (`[E, 2, I, H]` with [`WeightLayout::Linear`]).
     pub gate_up_proj_weight: &'a Tensor,
-    /// `[E, I, H]`.
+    /// `[E, I, H]` (`[E, H, I]` with [`WeightLayout::Linear`]).
     pub down_proj_weight: &'a Tensor,
     /// `[N·B]` i32, T in padding slots (−1 with `skip_token`), from `permute` (see
     /// [`super::plan`]).
@@ -459,7 +583,7 @@ impl<'a> BlockwiseMm<'a> {
     pub fn new(inputs: BlockwiseMmInputs<'a>, params: BlockwiseMmParams) -> Result<Self> {
         let (dims, plan, _) = check(
             &inputs,
-            params.skip_dma,
+            (params.skip_dma, params.weight_layout),
             params.is_tensor_update_accumulating,
         )?;
         params.clamp.check()?;
@@ -527,9 +651,9 @@ pub struct BlockwiseFloats<'a> {
     pub hidden_states: Floats<'a>,
     /// `[(T+1)·E]` (`[T·E]` with `skip_token`).
     pub expert_affinities_masked: Floats<'a>,
-    /// `[E, H, 2, I]`.
+    /// `[E, H, 2, I]` (`[E, 2, I, H]` with [`WeightLayout::Linear`]).
     pub gate_up_proj_weight: Floats<'a>,
-    /// `[E, I, H]`.
+    /// `[E, I, H]` (`[E, H, I]` with [`WeightLayout::Linear`]).
     pub down_proj_weight: Floats<'a>,
     /// `[E, 2, I]`.
     pub gate_and_up_proj_bias: Option<Floats<'a>>,
@@ -560,12 +684,12 @@ impl<'a> BlockwiseFloats<'a> {
     }
 }
 
-/// Validates the forward inputs for `skip_dma`, and with `accumulating` false that no token has
-/// two slots; returns the dimensions, the plan and which (token, expert) pairs the plan covers
-/// (`[T·E]`, token-major).
+/// Validates the forward inputs for `skip_dma` and the weights' `layout`, and with
+/// `accumulating` false that no token has two slots; returns the dimensions, the plan and which
+/// (token, expert) pairs the plan covers (`[T·E]`, token-major).
 fn check<'a>(
     inputs: &BlockwiseMmInputs<'a>,
-    skip_dma: SkipMode,
+    (skip_dma, layout): (SkipMode, WeightLayout),
     accumulating: bool,
 ) -> Result<(BlockwiseDims, BlockPlan<'a>, Vec<bool>)> {
     let hs = validate::float_input(&fwd::HIDDEN_STATES, inputs.hidden_states, &[None, None])?;
@@ -584,18 +708,24 @@ fn check<'a>(
     }
     validate::non_empty(fwd::HIDDEN_STATES.name, "H (hidden size)", h)?;
     let t = if skip_dma.skip_token { rows } else { rows - 1 };
-    let gu = validate::float_input(
-        &fwd::GATE_UP_PROJ_WEIGHT,
+    let gate_up_extents = match layout {
+        WeightLayout::Nki => [None, Some(h), Some(2), None],
+        WeightLayout::Linear => [None, Some(2), None, Some(h)],
+    };
+    let gu = validate::float_tensor(
+        fwd::GATE_UP_PROJ_WEIGHT.name,
         inputs.gate_up_proj_weight,
-        &[None, Some(h), Some(2), None],
+        layout.gate_up_shape(),
+        &gate_up_extents,
     )?;
-    let (e, i) = (gu[0], gu[3]);
+    let (e, i) = layout.experts_and_intermediate(&gu);
     validate::non_empty(fwd::GATE_UP_PROJ_WEIGHT.name, "E (experts)", e)?;
     validate::non_empty(fwd::GATE_UP_PROJ_WEIGHT.name, "I (intermediate size)", i)?;
-    validate::float_input(
-        &fwd::DOWN_PROJ_WEIGHT,
+    validate::float_tensor(
+        fwd::DOWN_PROJ_WEIGHT.name,
         inputs.down_proj_weight,
-        &[Some(e), Some(i), Some(h)],
+        layout.down_shape(),
+        &layout.down_dims(e, h, i).map(Some),
     )?;
     validate::masked_affinities(
         fwd::EXPERT_AFFINITIES_MASKED.name,
@@ -836,7 +966,7 @@ impl<'a> BlockwiseMmBwd<'a> {
     pub fn new(inputs: BlockwiseMmBwdInputs<'a>, params: BlockwiseMmBwdParams) -> Result<Self> {
         let (dims, plan, covered) = check(
             &inputs.forward,
-            params.skip_dma,
+            (params.skip_dma, params.weight_layout),
             params.is_tensor_update_accumulating,
         )?;
         params.clamp.check()?;

@@ -133,9 +133,12 @@ pub mod blockwise_mm {
     /// `[(T+1)·E]` is accepted too.
     pub const EXPERT_AFFINITIES_MASKED: TensorSpec =
         float("expert_affinities_masked", "[(T+1)·E, 1]");
-    /// Index 0 of the third axis is the gate projection, 1 the up projection.
-    pub const GATE_UP_PROJ_WEIGHT: TensorSpec = float("gate_up_proj_weight", "[E, H, 2, I]");
-    pub const DOWN_PROJ_WEIGHT: TensorSpec = float("down_proj_weight", "[E, I, H]");
+    /// `[E, H, 2, I]` (`weight_layout` nki) or `[E, 2, I, H]` (linear); the axis of extent 2
+    /// holds the gate projection at 0 and the up projection at 1.
+    pub const GATE_UP_PROJ_WEIGHT: TensorSpec =
+        float("gate_up_proj_weight", "[E, H, 2, I]|[E, 2, I, H]");
+    /// `[E, I, H]` (`weight_layout` nki) or `[E, H, I]` (linear).
+    pub const DOWN_PROJ_WEIGHT: TensorSpec = float("down_proj_weight", "[E, I, H]|[E, H, I]");
     /// T in padding slots.
     pub const TOKEN_POSITION_TO_ID: TensorSpec = index("token_position_to_id", "[N·B]");
     /// `[N]` is accepted too.
@@ -208,13 +211,18 @@ pub mod blockwise_mm_bwd {
         "[(T+1)·E, 1]",
         &EXPERT_AFFINITIES_MASKED,
     );
+    /// In the weights' layout.
     pub const GATE_UP_PROJ_WEIGHT_GRAD: TensorSpec = like(
         "gate_up_proj_weight_grad",
-        "[E, H, 2, I]",
+        "[E, H, 2, I]|[E, 2, I, H]",
         &GATE_UP_PROJ_WEIGHT,
     );
-    pub const DOWN_PROJ_WEIGHT_GRAD: TensorSpec =
-        like("down_proj_weight_grad", "[E, I, H]", &DOWN_PROJ_WEIGHT);
+    /// In the weights' layout.
+    pub const DOWN_PROJ_WEIGHT_GRAD: TensorSpec = like(
+        "down_proj_weight_grad",
+        "[E, I, H]|[E, H, I]",
+        &DOWN_PROJ_WEIGHT,
+    );
     /// moekit's own, with `expert_index`: the gradient of `permute`'s `topk_affinities`.
     pub const D_TOPK_AFFINITIES: TensorSpec =
         like("d_topk_affinities", "[T, K]", &EXPERT_AFFINITIES_MASKED).optional();

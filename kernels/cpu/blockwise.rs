@@ -15,13 +15,15 @@
 //! depends on the thread count.
 //!
 //! The affinity scaling and scatter-add are fused into a per-token combine that sums a token's
-//! expert outputs in ascending expert order. The backward's products against transposed weights
-//! run in dot-product form ([`matmul_nt`]) on the weights as stored, and weight gradients are
-//! written straight into their final place, uncleared beforehand.
+//! expert outputs in ascending expert order. Every product with a weight reads it as stored, in
+//! either `weight_layout` ([`ExpertMatrix`]: packed panels against the matrix as laid out,
+//! dot-product form against its transpose), and weight gradients are written straight into
+//! their final place, in their weights' layout, uncleared beforehand.
 //!
 //! bf16 weights are never widened whole: `[m, H] · [H, 2I]` with bf16 tokens runs on AVX-512
-//! BF16 pair dot products ([`matmul_bf16`], exact products, f32 sums), and every other product
-//! widens a cache-sized panel of the weights at a time (as it packs them, on AVX-512).
+//! BF16 pair dot products ([`matmul_bf16`], exact products, f32 sums) in nki's layout, and
+//! every other product widens a cache-sized panel of the weights at a time (as it packs them,
+//! on AVX-512).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -31,17 +33,17 @@ use rayon::prelude::*;
 
 use super::alloc::output_buffer;
 use super::bf16_matmul::{self, matmul_bf16};
-use super::dot::{matmul_nt, matmul_nt_bf16};
 use super::element::{
     Element, all_fit, finite_output, screened_output, write_rounded, write_zeros,
 };
+use super::expert_matrix::ExpertMatrix;
 use super::gated;
-use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
+use super::matmul::{MatRef, matmul};
 use super::permute::topk_gradient;
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmOutputs, Clamp, ClampLimits,
+    BlockwiseMmOutputs, Clamp, ClampLimits, WeightLayout,
 };
 use crate::error::Result;
 use crate::tensor::{DType, Floats, Tensor};
@@ -195,67 +197,6 @@ impl TokenRows {
     }
 }
 
-/// `dst [m, n] = a · w` for `a [m, k]` and expert `expert`'s weight `w [k, n]` (its `k · n`
-/// contiguous elements of `weights`), read as stored: f32 directly, bf16 widened a cache-sized
-/// panel at a time into `panel`.
-fn weight_product(
-    dst: &mut [f32],
-    a: MatRef<'_>,
-    weights: Floats<'_>,
-    expert: usize,
-    (k, n): (usize, usize),
-    panel: &mut Vec<f32>,
-) {
-    let range = expert * k * n..(expert + 1) * k * n;
-    match weights {
-        Floats::F32(w) => matmul(dst, a, MatRef::row_major(&w[range], k, n), false),
-        Floats::BF16(w) => matmul_bf16_b(dst, a, &w[range], panel),
-    }
-}
-
-/// [`weight_product`] into memory not yet written; returns `dst` as the values it now holds.
-fn weight_product_into<'d>(
-    dst: &'d mut [MaybeUninit<f32>],
-    a: MatRef<'_>,
-    weights: Floats<'_>,
-    expert: usize,
-    (k, n): (usize, usize),
-    panel: &mut Vec<f32>,
-) -> &'d mut [f32] {
-    match weights {
-        Floats::F32(w) => matmul_into(
-            dst,
-            a,
-            MatRef::row_major(&w[expert * k * n..(expert + 1) * k * n], k, n),
-        ),
-        _ => {
-            let dst = zero(dst);
-            weight_product(dst, a, weights, expert, (k, n), panel);
-            dst
-        }
-    }
-}
-
-/// `dst [m, n] = a [m, k] · wᵀ` for expert `expert`'s weight `w [n, k]` (its `n · k` contiguous
-/// elements of `weights`), read as stored: f32 directly, bf16 widened a cache-sized panel at a
-/// time (`scratch`: the panel and a tile of results).
-fn weight_nt(
-    dst: &mut [f32],
-    a: &[f32],
-    weights: Floats<'_>,
-    expert: usize,
-    (m, n, k): (usize, usize, usize),
-    scratch: (&mut Vec<f32>, &mut Vec<f32>),
-) {
-    let range = expert * n * k..(expert + 1) * n * k;
-    match weights {
-        Floats::F32(w) => matmul_nt(dst, a, &w[range], (m, n, k), false),
-        Floats::BF16(w) => matmul_nt_bf16(dst, a, &w[range], (m, n, k), scratch),
-    }
-}
-
-/// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
-/// matrix `[rows.len(), width]`.
 /// What every padding slot of each expert holds when the zero row has outputs (a bias, or a
 /// clamp that moves 0): its clamped gate/up values `[E, 2I]` and its down projection `[E, H]`,
 /// computed once per expert.
@@ -276,7 +217,8 @@ impl PaddingOutputs {
             down: Vec::with_capacity(e * h),
             widths: (2 * i, h),
         };
-        let (mut act, mut y, mut panel) = (vec![0.0; i], vec![0.0; h], Vec::new());
+        let (mut act, mut y) = (vec![0.0; i], vec![0.0; h]);
+        let (mut panel, mut tile) = (Vec::new(), Vec::new());
         for expert in 0..e {
             let mut gate_up = match inputs.gate_and_up_proj_bias {
                 Some(bias) => bias_row(bias, expert, 2 * i),
@@ -285,15 +227,13 @@ impl PaddingOutputs {
             clamp_rows(&mut gate_up, i, params.clamp);
             let (gate, up) = gate_up.split_at(i);
             gated::forward(params.activation_function, gate, up, &mut act);
-            let act = MatRef::row_major(&act, 1, i);
-            weight_product(
-                &mut y,
-                act,
+            ExpertMatrix::of(
                 inputs.down_proj_weight,
+                params.weight_layout,
                 expert,
                 (i, h),
-                &mut panel,
-            );
+            )
+            .product(&mut y, &act, (&mut panel, &mut tile));
             if let Some(bias) = inputs.down_proj_bias {
                 add_bias_rows(&mut y, &bias_row(bias, expert, h));
             }
@@ -403,6 +343,8 @@ fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
     }
 }
 
+/// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
+/// matrix `[rows.len(), width]`.
 fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst: &mut [f32]) {
     for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
         values.slice(row * width..(row + 1) * width).write_f32(dst);
@@ -479,10 +421,10 @@ struct RunOutputs<'a, G, D> {
     gate_up_t: Option<&'a mut [MaybeUninit<G>]>,
 }
 
-/// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored, each row
-/// multiplied first by its entry of `row_scales` when given (PRE_SCALE).
+/// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored in `layout`,
+/// each row multiplied first by its entry of `row_scales` when given (PRE_SCALE).
 fn gate_up_product(
-    inputs: &BlockwiseFloats<'_>,
+    (inputs, layout): (&BlockwiseFloats<'_>, WeightLayout),
     dims: BlockwiseDims,
     (expert, tokens): (usize, &[usize]),
     row_scales: Option<&[f32]>,
@@ -494,14 +436,18 @@ fn gate_up_product(
         x,
         x_bf16: rows,
         panel,
+        tile,
         gate_up,
         ..
     } = scratch;
     let gate_up = resized(gate_up, m * 2 * i);
     match (inputs.hidden_states, inputs.gate_up_proj_weight) {
-        // Both operands stored in bf16: their products are exact in f32, so the pairwise bf16
-        // dot product gives the f32 sums at twice the f32 rate, without widening the weights.
-        (Floats::BF16(x), Floats::BF16(w)) if bf16_matmul::available() && row_scales.is_none() => {
+        // Both operands stored in bf16 and the weights `[H, 2I]`: their products are exact in
+        // f32, so the pairwise bf16 dot product gives the f32 sums at twice the f32 rate,
+        // without widening the weights.
+        (Floats::BF16(x), Floats::BF16(w))
+            if layout == WeightLayout::Nki && bf16_matmul::available() && row_scales.is_none() =>
+        {
             let lda = h.next_multiple_of(2);
             rows.clear();
             for &token in tokens {
@@ -517,13 +463,10 @@ fn gate_up_product(
             if let Some(scales) = row_scales {
                 scale_rows(x, h, scales);
             }
-            weight_product(
+            ExpertMatrix::of(inputs.gate_up_proj_weight, layout, expert, (h, 2 * i)).product(
                 gate_up,
-                MatRef::row_major(x, m, h),
-                inputs.gate_up_proj_weight,
-                expert,
-                (h, 2 * i),
-                panel,
+                x,
+                (panel, tile),
             );
         }
     }
@@ -604,8 +547,9 @@ fn run_products<G: Element, D: Element>(
             .map(|&token| affinities.get(token * dims.e + expert).unwrap_or(0.0))
             .collect()
     });
+    let weight_layout = call.params().weight_layout;
     gate_up_product(
-        inputs,
+        (inputs, weight_layout),
         dims,
         (expert, &run.tokens),
         row_scales.as_deref(),
@@ -621,8 +565,7 @@ fn run_products<G: Element, D: Element>(
         let (gate, up) = gu.split_at(i);
         gated::forward(act_fn, gate, up, act);
     }
-    let act = MatRef::row_major(&scratch.act, m, i);
-    let weights = inputs.down_proj_weight;
+    let down_proj = ExpertMatrix::of(inputs.down_proj_weight, weight_layout, expert, (i, h));
 
     // The run's slots relative to its first block's first slot.
     let first = run.blocks.start * b;
@@ -640,14 +583,15 @@ fn run_products<G: Element, D: Element>(
         for row in before.chunks_exact_mut(h).chain(after.chunks_exact_mut(h)) {
             fill(row, padding_down);
         }
-        let rows = weight_product_into(rows, act, weights, expert, (i, h), &mut scratch.panel);
+        let panels = (&mut scratch.panel, &mut scratch.tile);
+        let rows = down_proj.product_into(rows, &scratch.act, panels);
         if let Some(bias) = inputs.down_proj_bias {
             add_bias_rows(rows, &bias_row(bias, expert, h));
         }
         finite &= all_fit::<D>(rows);
     } else {
         let y = resized(&mut scratch.y, m * h);
-        weight_product(y, act, weights, expert, (i, h), &mut scratch.panel);
+        down_proj.product(y, &scratch.act, (&mut scratch.panel, &mut scratch.tile));
         if let Some(bias) = inputs.down_proj_bias {
             add_bias_rows(y, &bias_row(bias, expert, h));
         }
@@ -976,14 +920,12 @@ fn rows_backward(
             Floats::BF16(c) => strided_into(row, &c[start..], b, bf16::to_f32),
         }
     }
+    let layout = call.params().weight_layout;
     // d act [m, I] = d y · Dᵀ.
     let d_act = resized(&mut s.d_act, m * i);
-    weight_nt(
+    ExpertMatrix::of(forward.down_proj_weight, layout, expert, (i, h)).transposed_product(
         d_act,
         piece.d_y,
-        forward.down_proj_weight,
-        expert,
-        (m, i, h),
         (&mut s.panel, &mut s.tile),
     );
     // act and d gate_up [m, 2I] through SwiGLU.
@@ -1015,12 +957,9 @@ fn rows_backward(
         }
     }
     // d x [m, H] = d gate_up · Wᵀ.
-    weight_nt(
+    ExpertMatrix::of(forward.gate_up_proj_weight, layout, expert, (h, 2 * i)).transposed_product(
         piece.d_x,
         piece.d_gate_up,
-        forward.gate_up_proj_weight,
-        expert,
-        (m, h, 2 * i),
         (&mut s.panel, &mut s.tile),
     );
     gather_rows(forward.hidden_states, piece.tokens, h, piece.x);
@@ -1078,9 +1017,25 @@ fn transposed_product<E: Element>(
         .reduce(|| true, |a, b| a && b)
 }
 
-/// One expert's backward. Writes `d_gate_up_weight [H, 2I]` and `d_down_weight [I, H]` in the
-/// weights' output dtypes `G` and `D`; the row-wise stage runs in pieces of [`TASK_ROWS`] rows and the
-/// weight gradients in bands, in parallel.
+/// The gradient of one expert's `W [k, n]` from the rows it multiplied, `inputs [m, k]`, and
+/// their products' gradients, `grads [m, n]`: `dW = inputsᵀ · grads`, written in `layout`
+/// (`[k, n]`, or `[n, k]` as `gradsᵀ · inputs`) by [`transposed_product`].
+fn weight_gradient<E: Element>(
+    dst: &mut [MaybeUninit<E>],
+    layout: WeightLayout,
+    inputs: MatRef<'_>,
+    grads: MatRef<'_>,
+) -> bool {
+    match layout {
+        WeightLayout::Nki => transposed_product(dst, inputs, grads),
+        WeightLayout::Linear => transposed_product(dst, grads, inputs),
+    }
+}
+
+/// One expert's backward. Writes `d_gate_up_weight` (`[H, 2I]`, or `[2I, H]` in the linear
+/// layout) and `d_down_weight` (`[I, H]`, or `[H, I]`) in the weights' output dtypes `G` and
+/// `D`; the row-wise stage runs in pieces of [`TASK_ROWS`] rows and the weight gradients in
+/// bands, in parallel.
 fn expert_backward<G: Element, D: Element>(
     call: &BlockwiseMmBwd<'_>,
     shared: (&[f32], Floats<'_>),
@@ -1127,13 +1082,16 @@ fn expert_backward<G: Element, D: Element>(
                 rows_backward(call, shared, group.expert, piece, scratch);
             });
     }
-    // d D [I, H] = actᵀ · d y;  d W [H, 2I] = xᵀ · d gate_up.
-    let weights_fit = transposed_product(
+    // d D = actᵀ · d y;  d W = xᵀ · d gate_up.
+    let layout = call.params().weight_layout;
+    let weights_fit = weight_gradient(
         d_down_weight,
+        layout,
         MatRef::row_major(&grads.act, m, i),
         MatRef::row_major(&grads.d_y, m, h),
-    ) & transposed_product(
+    ) & weight_gradient(
         d_gate_up_weight,
+        layout,
         MatRef::row_major(&grads.x, m, h),
         MatRef::row_major(&grads.d_gate_up, m, 2 * i),
     );
@@ -1164,6 +1122,7 @@ fn column_sums(rows: &[f32], width: usize) -> Vec<f32> {
 
 /// Every expert's backward, in parallel over experts: the weight gradients
 /// `gate_up_proj_weight_grad [E, H, 2, I]` in `G` and `down_proj_weight_grad [E, I, H]` in `D`
+/// (in the linear layout `[E, 2, I, H]` and `[E, H, I]`)
 /// (each expert writes its own slices whole: its products, or zeros when it has no tokens;
 /// nothing clears them first), and each group's other results, in group order.
 fn experts_backward<G: Element, D: Element>(
@@ -1176,7 +1135,8 @@ fn experts_backward<G: Element, D: Element>(
     for (g, group) in groups.iter().enumerate() {
         group_of[group.expert] = Some(g);
     }
-    let (gate_up_shape, down_shape) = ([e, h, 2, i], [e, i, h]);
+    let layout = call.params().weight_layout;
+    let (gate_up_shape, down_shape) = (layout.gate_up_dims(e, h, i), layout.down_dims(e, h, i));
     let mut d_gate_up_weight =
         output_buffer::<G>(bwd::GATE_UP_PROJ_WEIGHT_GRAD.name, &gate_up_shape)?;
     let mut d_down_weight = output_buffer::<D>(bwd::DOWN_PROJ_WEIGHT_GRAD.name, &down_shape)?;

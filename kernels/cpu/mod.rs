@@ -12,6 +12,7 @@ pub mod calibrate;
 mod dot;
 mod element;
 mod exp;
+mod expert_matrix;
 mod f32_tiles;
 mod gated;
 pub mod isa;

@@ -28,7 +28,8 @@ use super::exchange::{
 use crate::backend::{Backend, PlannedCall};
 use crate::contracts::{
     OutputDType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, XHbmLayout,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkOutputs, RouterTopkParams, WeightLayout,
+    XHbmLayout,
 };
 use crate::error::{Error, Result};
 use crate::experts::{
@@ -242,6 +243,7 @@ impl ShardedExperts {
             backend: Arc::clone(&self.backend),
             block_size: self.block_size,
             output_dtype: OutputDType::Float32,
+            weight_layout: WeightLayout::Nki,
         }
     }
 

@@ -42,7 +42,7 @@ use crate::contracts::{
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams, ClampLimits,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
     Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads,
-    RouterTopkOutputs,
+    RouterTopkOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
@@ -754,6 +754,24 @@ fn limit_keys(
         .map(|(name, limit)| (name.name(), Value::limit(limit)))
 }
 
+/// nki-library's blockwise kernels, which the NEFFs are compiled from, take their weights in
+/// nki's layout only.
+fn nki_weights(layout: WeightLayout) -> Result<()> {
+    match layout {
+        WeightLayout::Nki => Ok(()),
+        other => Err(Error::param(
+            WeightLayout::PARAM,
+            format!(
+                "is `{other}`, but the neuron backend runs nki-library's kernels, which take \
+                 gate_up_proj_weight {} and down_proj_weight {} (`{}`)",
+                WeightLayout::Nki.gate_up_shape(),
+                WeightLayout::Nki.down_shape(),
+                WeightLayout::Nki,
+            ),
+        )),
+    }
+}
+
 fn unsupported(kernel: Kernel) -> Error {
     Error::Unsupported {
         backend: "neuron",
@@ -786,8 +804,14 @@ impl Backend for NeuronBackend {
     fn time_repeated(&self, call: KernelCall<'_, '_>, repeats: u32) -> Result<Option<Duration>> {
         let call = match call {
             KernelCall::RouterTopk(call) => router_topk_call(call),
-            KernelCall::BlockwiseMm(call) => blockwise_mm_call(call),
-            KernelCall::BlockwiseMmBwd(call) => blockwise_mm_bwd_call(call),
+            KernelCall::BlockwiseMm(call) => {
+                nki_weights(call.params().weight_layout)?;
+                blockwise_mm_call(call)
+            }
+            KernelCall::BlockwiseMmBwd(call) => {
+                nki_weights(call.params().weight_layout)?;
+                blockwise_mm_bwd_call(call)
+            }
             other => return Err(unsupported(other.kernel())),
         };
         let repeats = i32::try_from(repeats)
@@ -805,6 +829,7 @@ impl Backend for NeuronBackend {
     fn prepare(&self, calls: &[PlannedCall]) -> Result<()> {
         self.with_session(|session| {
             for call in calls {
+                nki_weights(call.weight_layout())?;
                 session.load(call.kernel(), &planned_key(call))?;
             }
             Ok(())
@@ -872,6 +897,7 @@ impl Backend for NeuronBackend {
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
+        nki_weights(call.params().weight_layout)?;
         let mut out = self.run(&blockwise_mm_call(call), Execution::Once)?.outputs;
         let checkpoint = call.params().checkpoint_activation;
         call.cast_outputs(BlockwiseMmOutputs {
@@ -886,6 +912,7 @@ impl Backend for NeuronBackend {
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
+        nki_weights(call.params().weight_layout)?;
         let bias = call.params().bias;
         let mut out = self
             .run(&blockwise_mm_bwd_call(call), Execution::Once)?

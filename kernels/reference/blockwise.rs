@@ -3,7 +3,9 @@
 
 use crate::contracts::spec::output_named;
 use crate::contracts::tensors::blockwise_mm as bm;
-use crate::contracts::{ActFnType, BlockwiseDims, ClampLimits, ExpertAffinityScaleMode};
+use crate::contracts::{
+    ActFnType, BlockwiseDims, ClampLimits, ExpertAffinityScaleMode, WeightLayout,
+};
 use crate::error::Result;
 use crate::tensor::try_filled;
 
@@ -20,10 +22,12 @@ pub struct BlockwiseOperands<'a> {
     pub hidden_states: &'a [f64],
     /// `[(T+1)·E]`.
     pub expert_affinities_masked: &'a [f64],
-    /// `[E, H, 2, I]`.
+    /// `[E, H, 2, I]` (`[E, 2, I, H]` with [`WeightLayout::Linear`]).
     pub gate_up_proj_weight: &'a [f64],
-    /// `[E, I, H]`.
+    /// `[E, I, H]` (`[E, H, I]` with [`WeightLayout::Linear`]).
     pub down_proj_weight: &'a [f64],
+    /// The weights' layout, which their gradients take too.
+    pub weight_layout: WeightLayout,
     /// `[N·B]`, T for padding.
     pub token_position_to_id: &'a [i32],
     /// `[N]`, ids in `[0, E)`.
@@ -65,14 +69,27 @@ impl BlockwiseOperands<'_> {
             .map_or(0.0, |bias| bias[(expert * 2 + which) * i + col])
     }
 
-    fn gate_up(&self, expert: usize, j: usize, which: usize, col: usize) -> f64 {
+    /// The offset of expert `expert`'s gate/up weight from hidden unit `j` to column `col` of
+    /// projection `which` (0 gate, 1 up), in the weight and in its gradient.
+    fn gate_up_at(&self, expert: usize, j: usize, which: usize, col: usize) -> usize {
         let BlockwiseDims { h, i, .. } = self.dims;
-        self.gate_up_proj_weight[((expert * h + j) * 2 + which) * i + col]
+        self.weight_layout
+            .gate_up_offset((h, i), expert, j, which, col)
+    }
+
+    /// The offset of expert `expert`'s down weight from intermediate unit `row` to hidden unit
+    /// `j`, in the weight and in its gradient.
+    fn down_at(&self, expert: usize, row: usize, j: usize) -> usize {
+        let BlockwiseDims { h, i, .. } = self.dims;
+        self.weight_layout.down_offset((h, i), expert, row, j)
+    }
+
+    fn gate_up(&self, expert: usize, j: usize, which: usize, col: usize) -> f64 {
+        self.gate_up_proj_weight[self.gate_up_at(expert, j, which, col)]
     }
 
     fn down(&self, expert: usize, row: usize, j: usize) -> f64 {
-        let BlockwiseDims { h, i, .. } = self.dims;
-        self.down_proj_weight[(expert * i + row) * h + j]
+        self.down_proj_weight[self.down_at(expert, row, j)]
     }
 }
 
@@ -226,9 +243,9 @@ pub struct BlockwiseGrads {
     pub hidden_states_grad: Vec<f64>,
     /// `[(T+1)·E]`.
     pub expert_affinities_masked_grad: Vec<f64>,
-    /// `[E, H, 2, I]`.
+    /// `[E, H, 2, I]`, or as the weights' layout says.
     pub gate_up_proj_weight_grad: Vec<f64>,
-    /// `[E, I, H]`.
+    /// `[E, I, H]`, or as the weights' layout says.
     pub down_proj_weight_grad: Vec<f64>,
     /// `[E, 2, I]`.
     pub gate_and_up_proj_bias_grad: Vec<f64>,
@@ -250,8 +267,14 @@ pub fn blockwise_backward(
     let mut grads = BlockwiseGrads {
         hidden_states_grad: zeros("hidden_states_grad", &[t + 1, h])?,
         expert_affinities_masked_grad: zeros("expert_affinities_masked_grad", &[(t + 1) * e])?,
-        gate_up_proj_weight_grad: zeros("gate_up_proj_weight_grad", &[e, h, 2, i])?,
-        down_proj_weight_grad: zeros("down_proj_weight_grad", &[e, i, h])?,
+        gate_up_proj_weight_grad: zeros(
+            "gate_up_proj_weight_grad",
+            &ops.weight_layout.gate_up_dims(e, h, i),
+        )?,
+        down_proj_weight_grad: zeros(
+            "down_proj_weight_grad",
+            &ops.weight_layout.down_dims(e, h, i),
+        )?,
         gate_and_up_proj_bias_grad: zeros("gate_and_up_proj_bias_grad", &[e, 2, i])?,
         down_proj_bias_grad: zeros("down_proj_bias_grad", &[e, h])?,
     };
@@ -281,7 +304,7 @@ pub fn blockwise_backward(
             let mut d_act = 0.0;
             for j in 0..h {
                 let d_y = output_scale * d_out[j];
-                grads.down_proj_weight_grad[(expert * i + row) * h + j] += act * d_y;
+                grads.down_proj_weight_grad[ops.down_at(expert, row, j)] += act * d_y;
                 d_act += ops.down(expert, row, j) * d_y;
             }
             // Through the clamps (nothing passes where a value sits at a limit) to the
@@ -301,9 +324,8 @@ pub fn blockwise_backward(
             grads.gate_and_up_proj_bias_grad[(expert * 2) * i + row] += d_gate;
             grads.gate_and_up_proj_bias_grad[(expert * 2 + 1) * i + row] += d_up;
             for j in 0..h {
-                let base = ((expert * h + j) * 2) * i + row;
-                grads.gate_up_proj_weight_grad[base] += x[j] * d_gate;
-                grads.gate_up_proj_weight_grad[base + i] += x[j] * d_up;
+                grads.gate_up_proj_weight_grad[ops.gate_up_at(expert, j, 0, row)] += x[j] * d_gate;
+                grads.gate_up_proj_weight_grad[ops.gate_up_at(expert, j, 1, row)] += x[j] * d_up;
                 // d x[j] (the scaled row's gradient): into the token's row, scaled back, and
                 // into the affinity when it scaled the row.
                 let d_x =

@@ -27,7 +27,7 @@ use crate::contracts::{
     BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss,
     LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
     PermuteDims, PermuteGrads, PermuteOutputs, RouterDims, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs, SKIP,
+    RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, try_filled};
@@ -82,13 +82,18 @@ struct OwnedOperands {
     affinities: Vec<f64>,
     gate_up: Vec<f64>,
     down: Vec<f64>,
+    weight_layout: WeightLayout,
     gate_up_bias: Option<Vec<f64>>,
     down_bias: Option<Vec<f64>>,
     token_position_to_id: Vec<i32>,
 }
 
 impl OwnedOperands {
-    fn new(inputs: &BlockwiseMmInputs<'_>, plan: BlockPlan<'_>, dims: BlockwiseDims) -> Self {
+    fn new(
+        inputs: &BlockwiseMmInputs<'_>,
+        (plan, weight_layout): (BlockPlan<'_>, WeightLayout),
+        dims: BlockwiseDims,
+    ) -> Self {
         let BlockwiseDims { t, h, e, .. } = dims;
         let (mut hidden_states, mut affinities) = (
             inputs.hidden_states.to_f64_vec(),
@@ -108,6 +113,7 @@ impl OwnedOperands {
             affinities,
             gate_up: inputs.gate_up_proj_weight.to_f64_vec(),
             down: inputs.down_proj_weight.to_f64_vec(),
+            weight_layout,
             gate_up_bias: inputs.gate_and_up_proj_bias.map(Tensor::to_f64_vec),
             down_bias: inputs.down_proj_bias.map(Tensor::to_f64_vec),
             token_position_to_id,
@@ -121,6 +127,7 @@ impl OwnedOperands {
             expert_affinities_masked: &self.affinities,
             gate_up_proj_weight: &self.gate_up,
             down_proj_weight: &self.down,
+            weight_layout: self.weight_layout,
             token_position_to_id: &self.token_position_to_id,
             block_to_expert: plan.block_to_expert(),
             gate_and_up_proj_bias: self.gate_up_bias.as_deref(),
@@ -267,8 +274,8 @@ impl Backend for ReferenceBackend {
         let BlockwiseDims {
             rows, h, i, b, n, ..
         } = dims;
-        let owned = OwnedOperands::new(&inputs, call.plan(), dims);
         let params = call.params();
+        let owned = OwnedOperands::new(&inputs, (call.plan(), params.weight_layout), dims);
         let fwd = blockwise::blockwise_forward(
             &owned.borrow(call.plan()),
             blockwise::ExpertOptions {
@@ -328,7 +335,8 @@ impl Backend for ReferenceBackend {
         let BlockwiseDims {
             t, rows, h, e, i, ..
         } = dims;
-        let owned = OwnedOperands::new(&inputs.forward, call.plan(), dims);
+        let layout = call.params().weight_layout;
+        let owned = OwnedOperands::new(&inputs.forward, (call.plan(), layout), dims);
         let mut output_grad = inputs.output_hidden_states_grad.to_f64_vec();
         output_grad.resize((t + 1) * h, 0.0);
         let grads = blockwise::blockwise_backward(
@@ -364,12 +372,12 @@ impl Backend for ReferenceBackend {
             )?,
             gate_up_proj_weight_grad: f32_output(
                 bmb::GATE_UP_PROJ_WEIGHT_GRAD.name,
-                &[e, h, 2, i],
+                &layout.gate_up_dims(e, h, i),
                 &grads.gate_up_proj_weight_grad,
             )?,
             down_proj_weight_grad: f32_output(
                 bmb::DOWN_PROJ_WEIGHT_GRAD.name,
-                &[e, i, h],
+                &layout.down_dims(e, h, i),
                 &grads.down_proj_weight_grad,
             )?,
             d_topk_affinities,

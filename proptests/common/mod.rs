@@ -7,6 +7,7 @@ pub mod ep_layer;
 pub mod rows_exchange;
 
 use moekit::Tensor;
+use moekit::contracts::WeightLayout;
 use moekit::random::SplitMix64;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -188,3 +189,56 @@ pub fn dot(a: &[f64], b: &[f64]) -> f64 {
 /// function's scale; 1e-6 leaves a wide margin while still catching any wrong term.
 pub const FD_STEP: f64 = 1e-5;
 pub const FD_TOL: f64 = 1e-6;
+
+/// `gate_up_proj_weight` (or its gradient) of E experts, hidden size H and intermediate size I
+/// moved from layout `from` to layout `to`, in the same dtype.
+pub fn relayout_gate_up(
+    weights: &Tensor,
+    (e, h, i): (usize, usize, usize),
+    from: WeightLayout,
+    to: WeightLayout,
+) -> Tensor {
+    let values = weights.to_f64_vec();
+    let mut moved = vec![0.0; values.len()];
+    for expert in 0..e {
+        for j in 0..h {
+            for which in 0..2 {
+                for col in 0..i {
+                    moved[to.gate_up_offset((h, i), expert, j, which, col)] =
+                        values[from.gate_up_offset((h, i), expert, j, which, col)];
+                }
+            }
+        }
+    }
+    same_dtype(weights, &to.gate_up_dims(e, h, i), &moved)
+}
+
+/// `down_proj_weight` (or its gradient) moved from layout `from` to layout `to`, as
+/// [`relayout_gate_up`].
+pub fn relayout_down(
+    weights: &Tensor,
+    (e, h, i): (usize, usize, usize),
+    from: WeightLayout,
+    to: WeightLayout,
+) -> Tensor {
+    let values = weights.to_f64_vec();
+    let mut moved = vec![0.0; values.len()];
+    for expert in 0..e {
+        for row in 0..i {
+            for j in 0..h {
+                moved[to.down_offset((h, i), expert, row, j)] =
+                    values[from.down_offset((h, i), expert, row, j)];
+            }
+        }
+    }
+    same_dtype(weights, &to.down_dims(e, h, i), &moved)
+}
+
+/// `values` as a tensor of `shape` in `like`'s float dtype (exact: they came from such a tensor).
+fn same_dtype(like: &Tensor, shape: &[usize], values: &[f64]) -> Tensor {
+    let tensor = f32_tensor(shape, values);
+    match like.dtype() {
+        moekit::DType::BF16 => tensor.to_bf16(),
+        _ => tensor,
+    }
+}

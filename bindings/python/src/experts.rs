@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use moekit::contracts::OutputDType;
+use moekit::contracts::{OutputDType, WeightLayout};
 use moekit::experts::{Experts as _, ExpertsInputs, LocalExperts, LocalSaved};
 use moekit::{BackendKind, Tensor};
 use pyo3::prelude::*;
@@ -14,7 +14,8 @@ use pyo3::types::PyCapsule;
 use crate::dlpack::{self, Bits, Output};
 use crate::errors::IntoPyResult;
 
-/// The experts on one backend: `Experts(backend="cpu", block_size=64, output_dtype="input")`.
+/// The experts on one backend: `Experts(backend="cpu", block_size=64, output_dtype="input",
+/// weight_layout="nki")`.
 #[pyclass(module = "moekit._moekit", name = "Experts", frozen)]
 pub struct PyExperts {
     experts: LocalExperts,
@@ -55,10 +56,17 @@ fn import(capsule: &Bound<'_, PyCapsule>, name: &str) -> PyResult<Tensor> {
 #[pymethods]
 impl PyExperts {
     #[new]
-    #[pyo3(signature = (backend = "cpu", block_size = LocalExperts::DEFAULT_BLOCK_SIZE, output_dtype = "input"))]
-    fn new(py: Python<'_>, backend: &str, block_size: usize, output_dtype: &str) -> PyResult<Self> {
+    #[pyo3(signature = (backend = "cpu", block_size = LocalExperts::DEFAULT_BLOCK_SIZE, output_dtype = "input", weight_layout = "nki"))]
+    fn new(
+        py: Python<'_>,
+        backend: &str,
+        block_size: usize,
+        output_dtype: &str,
+        weight_layout: &str,
+    ) -> PyResult<Self> {
         let kind: BackendKind = backend.parse().into_py_result(py)?;
         let output_dtype: OutputDType = output_dtype.parse().into_py_result(py)?;
+        let weight_layout = WeightLayout::parse(weight_layout).into_py_result(py)?;
         if block_size == 0 {
             return Err(moekit::Error::param(
                 "block_size",
@@ -71,14 +79,15 @@ impl PyExperts {
                 backend: Arc::from(kind.create()),
                 block_size,
                 output_dtype,
+                weight_layout,
             },
         })
     }
 
     /// `output [T, H]` of `hidden_states [T, H]` routed by `expert_index [T, K]` with
     /// `topk_affinities [T, K]` through `gate_up_proj_weight [E, H, 2, I]` and
-    /// `down_proj_weight [E, I, H]` (DLPack capsules, bf16 as DLPack bfloat16); with `record`,
-    /// also what the backward needs.
+    /// `down_proj_weight [E, I, H]` (`[E, 2, I, H]` and `[E, H, I]` in the linear layout;
+    /// DLPack capsules, bf16 as DLPack bfloat16); with `record`, also what the backward needs.
     #[pyo3(signature = (hidden_states, expert_index, topk_affinities, gate_up_proj_weight, down_proj_weight, record))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -106,8 +115,8 @@ impl PyExperts {
     }
 
     /// The gradients for `d_output [T, H]` of the forward that left `saved`: `d_hidden_states
-    /// [T, H]`, `d_topk_affinities [T, K]`, `d_gate_up_proj_weight [E, H, 2, I]`,
-    /// `d_down_proj_weight [E, I, H]`.
+    /// [T, H]`, `d_topk_affinities [T, K]`, and `d_gate_up_proj_weight`, `d_down_proj_weight`
+    /// shaped as their weights.
     fn backward(
         &self,
         py: Python<'_>,
@@ -141,5 +150,10 @@ impl PyExperts {
     #[getter]
     fn backend(&self) -> &'static str {
         self.experts.backend.name()
+    }
+
+    #[getter]
+    fn weight_layout(&self) -> &'static str {
+        self.experts.weight_layout.name()
     }
 }

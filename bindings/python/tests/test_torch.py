@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import moekit.torch as mt
+from moekit import _moekit
+from moekit._arrays import export
 
 T, H, E, K, I = 37, 32, 8, 2, 16
 
@@ -57,25 +59,64 @@ def test_transformers_layout_matches_the_loop_forward_and_backward(backend, bloc
         torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-5)
 
 
-def test_torchtitan_and_moekit_layouts_give_the_same_results():
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_torchtitan_and_moekit_layouts_give_the_same_results(backend):
     x, index, weights, gate_up, down = routed(2)
-    want = mt.transformers_experts(x, index, weights, gate_up, down)
+    want = mt.transformers_experts(x, index, weights, gate_up, down, backend=backend)
     # torchtitan: w1 (gate) and w3 (up) [E, F, D], w2 [E, D, F].
     w1 = gate_up[:, :I].detach().clone().requires_grad_()
     w3 = gate_up[:, I:].detach().clone().requires_grad_()
     w2 = down.detach().clone().requires_grad_()
-    titan = mt.torchtitan_experts(x, index, weights, w1, w2, w3)
+    titan = mt.torchtitan_experts(x, index, weights, w1, w2, w3, backend=backend)
     assert torch.equal(titan, want)
-    # moekit's own: [E, H, 2, I] and [E, I, H].
-    gate_up_kernel = gate_up.detach().view(E, 2, I, H).permute(0, 3, 1, 2).contiguous()
-    down_kernel = down.detach().transpose(1, 2).contiguous()
-    own = mt.experts(x, index, weights, gate_up_kernel, down_kernel)
-    assert torch.equal(own, want)
     d_output = torch.randn(T, H)
     d_gate_up, d_down = grads(want, (gate_up, down), d_output)
     d_w1, d_w2, d_w3 = grads(titan, (w1, w2, w3), d_output)
     assert torch.equal(d_w1, d_gate_up[:, :I]) and torch.equal(d_w3, d_gate_up[:, I:])
     assert torch.equal(d_w2, d_down)
+    # nki-library's layout: [E, H, 2, I] and [E, I, H]. The reference computes the same sums in
+    # either layout; the cpu backend's products run in another order, within f32 rounding.
+    gate_up_nki = gate_up.detach().view(E, 2, I, H).permute(0, 3, 1, 2).contiguous()
+    gate_up_nki.requires_grad_()
+    down_nki = down.detach().transpose(1, 2).contiguous().requires_grad_()
+    own = mt.experts(x, index, weights, gate_up_nki, down_nki, backend=backend)
+    d_gate_up_nki, d_down_nki = grads(own, (gate_up_nki, down_nki), d_output)
+    pairs = [
+        (own, want),
+        (d_gate_up_nki, d_gate_up.view(E, 2, I, H).permute(0, 3, 1, 2)),
+        (d_down_nki, d_down.transpose(1, 2)),
+    ]
+    for got, expected in pairs:
+        if backend == "reference":
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_transformers_weights_are_read_where_they_lie(monkeypatch):
+    """No copy and no transpose: the kernels read transformers' tensors at their addresses."""
+    x, index, weights, gate_up, down = routed(6)
+    seen = {}
+    apply = mt.RoutedExperts.apply
+
+    def spy(experts, *tensors):
+        seen["experts"], seen["weights"] = experts, tensors[3:]
+        return apply(experts, *tensors)
+
+    monkeypatch.setattr(mt.RoutedExperts, "apply", spy)
+    mt.transformers_experts(x, index, weights, gate_up, down)
+    assert seen["experts"].weight_layout == "linear"
+    for name, passed, weight in zip(
+        ("gate_up_proj_weight", "down_proj_weight"), seen["weights"], (gate_up, down)
+    ):
+        capsule, bf16_bits, _ = export(name, passed.detach())
+        assert _moekit.input_address(name, capsule, bf16_bits) == (weight.data_ptr(), True)
+    # torchtitan's w2 too (w1 and w3, two tensors, are stacked).
+    w1, w3 = gate_up[:, :I].detach(), gate_up[:, I:].detach()
+    w2 = down.detach()
+    mt.torchtitan_experts(x, index, weights, w1, w2, w3)
+    capsule, bf16_bits, _ = export("down_proj_weight", seen["weights"][1])
+    assert _moekit.input_address("down_proj_weight", capsule, bf16_bits) == (w2.data_ptr(), True)
 
 
 def test_bf16_is_computed_in_f32_and_rounded_once():
@@ -100,8 +141,12 @@ def test_no_gradient_no_checkpoints_and_errors_name_the_tensor():
         mt.transformers_experts(x, index + E, weights, gate_up, down)
     with pytest.raises(ValueError, match=r"tensor `expert_index`: expected shape \[T, K\] = \[36, _\]"):
         mt.transformers_experts(x[:-1], index, weights, gate_up, down)
-    with pytest.raises(ValueError, match=r"tensor `gate_up_proj_weight`: expected shape \[E, H, 2, I\] = \[_, 31, 2, _\]"):
+    with pytest.raises(ValueError, match=r"tensor `gate_up_proj_weight`: expected shape \[E, 2, I, H\] = \[_, 2, _, 31\]"):
         mt.transformers_experts(x[:, :-1], index, weights, gate_up, down)
+    with pytest.raises(ValueError, match=r"tensor `down_proj_weight`: expected shape \[E, I, H\] = \[8, 16, 32\]"):
+        mt.experts(x, index, weights, gate_up.view(E, 2, I, H).permute(0, 3, 1, 2), down)
+    with pytest.raises(ValueError, match=r"weight_layout.*expected one of nki, linear, got `transposed`"):
+        mt.experts(x, index, weights, gate_up, down, weight_layout="transposed")
     with pytest.raises(ValueError, match=r"tensor `hidden_states`: on meta"):
         mt.transformers_experts(x.to("meta"), index, weights, gate_up, down)
 

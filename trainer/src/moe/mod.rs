@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use moekit::backend::PlannedCall;
-use moekit::contracts::OutputDType;
+use moekit::contracts::{OutputDType, WeightLayout};
 use moekit::cpu::CpuBackend;
 use moekit::ep::{Communicator, ShardedExperts};
 use moekit::experts::{Experts as _, ExpertsSizes, LocalExperts};
@@ -169,6 +169,7 @@ impl MoeImpl {
                 block_size,
                 // The layer's dtype.
                 output_dtype: OutputDType::Input,
+                weight_layout: WeightLayout::Nki,
             };
             return Ok(Box::new(KernelExperts::new(experts, None)));
         }
@@ -241,6 +242,7 @@ pub fn planned_calls(config: &JobConfig) -> Result<Vec<PlannedCall>> {
         backend: Arc::new(CpuBackend),
         block_size: config.kernels.block_size,
         output_dtype: OutputDType::Input,
+        weight_layout: WeightLayout::Nki,
     };
     let mut calls = Vec::new();
     for (sizes, record) in training_calls(config) {

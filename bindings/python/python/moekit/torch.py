@@ -8,14 +8,15 @@ hidden states, the routing weights and both expert weights.
 The expert weights come in three layouts, one function each:
 
 - `experts`: moekit's (nki-library's) `gate_up_proj_weight [E, H, 2, I]`,
-  `down_proj_weight [E, I, H]`, read in place.
+  `down_proj_weight [E, I, H]`, or with `weight_layout="linear"` `torch.nn.Linear`'s
+  `[E, 2, I, H]` and `[E, H, I]`, read in place.
 - `transformers_experts`: Hugging Face transformers v5's `gate_up_proj [E, 2·I, H]` (gate rows
-  first) and `down_proj [E, H, I]`.
+  first) and `down_proj [E, H, I]`: the linear layout, read in place (no copy, no transpose).
 - `torchtitan_experts`: torchtitan's `w1 [E, F, D]` (gate), `w3 [E, F, D]` (up) and
-  `w2 [E, D, F]` (down).
+  `w2 [E, D, F]` (down): `w2` read in place; `w1` and `w3`, two tensors, are stacked into one
+  `[E, 2, F, D]` per call (a contiguous copy of the gate/up weights, differentiable).
 
-The last two are rearranged into moekit's layout by PyTorch (a copy of the weights per call,
-differentiable, so their gradients come back in the caller's layout).
+The weight gradients come back in the caller's layout.
 
 Tensors are CPU tensors, float32 or bfloat16 (the weights in the hidden states' dtype); expert
 ids int32 or int64 `[T, K]`. Results are bit-identical whatever the number of threads.
@@ -30,14 +31,16 @@ from .errors import ContractError
 # The block plan's B where a caller gives none.
 DEFAULT_BLOCK_SIZE = _moekit.DEFAULT_BLOCK_SIZE
 
-# One `Experts` per (backend, block size): they hold no state between calls.
+# One `Experts` per (backend, block size, weight layout): they hold no state between calls.
 _EXPERTS = {}
 
 
-def _experts(backend, block_size):
-    key = (backend, block_size)
+def _experts(backend, block_size, weight_layout):
+    key = (backend, block_size, weight_layout)
     if key not in _EXPERTS:
-        _EXPERTS[key] = _moekit.Experts(backend=backend, block_size=block_size)
+        _EXPERTS[key] = _moekit.Experts(
+            backend=backend, block_size=block_size, weight_layout=weight_layout
+        )
     return _EXPERTS[key]
 
 
@@ -51,8 +54,8 @@ def _cpu_capsule(name, tensor):
 
 class RoutedExperts(torch.autograd.Function):
     """`output [T, H]` of `hidden_states [T, H]` through each token's K experts, weights in
-    moekit's layout. `apply(experts, hidden_states, expert_index, topk_affinities,
-    gate_up_proj_weight, down_proj_weight)`, `experts` a `moekit._moekit.Experts`."""
+    the layout of `experts`, a `moekit._moekit.Experts`. `apply(experts, hidden_states,
+    expert_index, topk_affinities, gate_up_proj_weight, down_proj_weight)`."""
 
     @staticmethod
     def forward(ctx, experts, hidden_states, expert_index, topk_affinities, gate_up, down):
@@ -95,13 +98,15 @@ def experts(
     *,
     backend="cpu",
     block_size=DEFAULT_BLOCK_SIZE,
+    weight_layout="nki",
 ):
     """`output [T, H]`: `hidden_states [T, H]` through the experts `expert_index [T, K]` names,
     weighted by `topk_affinities [T, K]` and summed; weights `gate_up_proj_weight [E, H, 2, I]`
-    and `down_proj_weight [E, I, H]`, read in place. Differentiable in everything but the ids.
+    and `down_proj_weight [E, I, H]` (`weight_layout="nki"`) or `[E, 2, I, H]` and
+    `[E, H, I]` (`"linear"`), read in place. Differentiable in everything but the ids.
     `block_size` is the block plan's B."""
     return RoutedExperts.apply(
-        _experts(backend, block_size),
+        _experts(backend, block_size, weight_layout),
         hidden_states,
         expert_index,
         topk_affinities,
@@ -113,17 +118,23 @@ def experts(
 def transformers_experts(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, **options
 ):
-    """`experts` with transformers v5's weights: `gate_up_proj [E, 2·I, H]` (gate rows first),
-    `down_proj [E, H, I]`."""
+    """`experts` with transformers v5's weights, read in place: `gate_up_proj [E, 2·I, H]`
+    (gate rows first), `down_proj [E, H, I]`."""
     e, two_i, h = gate_up_proj.shape
-    gate_up = gate_up_proj.view(e, 2, two_i // 2, h).permute(0, 3, 1, 2).contiguous()
-    down = down_proj.transpose(1, 2).contiguous()
-    return experts(hidden_states, top_k_index, top_k_weights, gate_up, down, **options)
+    gate_up = gate_up_proj.reshape(e, 2, two_i // 2, h)
+    return experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down_proj,
+        weight_layout="linear",
+        **options,
+    )
 
 
 def torchtitan_experts(x, top_k_index, top_k_weights, w1, w2, w3, **options):
     """`experts` with torchtitan's weights: `w1 [E, F, D]` (gate), `w3 [E, F, D]` (up),
-    `w2 [E, D, F]` (down)."""
-    gate_up = torch.stack([w1.transpose(1, 2), w3.transpose(1, 2)], dim=2)
-    down = w2.transpose(1, 2).contiguous()
-    return experts(x, top_k_index, top_k_weights, gate_up, down, **options)
+    stacked into `[E, 2, F, D]`, and `w2 [E, D, F]` (down), read in place."""
+    gate_up = torch.stack([w1, w3], dim=1)
+    return experts(x, top_k_index, top_k_weights, gate_up, w2, weight_layout="linear", **options)

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use limits::MachineLimits;
 use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
-use moekit::contracts::OutputDType;
+use moekit::contracts::{OutputDType, WeightLayout};
 use moekit::cpu::CpuBackend;
 use moekit::cpu::isa::Isa;
 use moekit::error::{Error, Result};
@@ -359,6 +359,7 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
             backend: Arc::clone(shared),
             block_size: b,
             output_dtype: OutputDType::Input,
+            weight_layout: WeightLayout::Nki,
         };
         let inputs = layer.experts_inputs();
         let d_output = layer.experts_output_grad()?;
