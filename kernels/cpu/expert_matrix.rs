@@ -8,7 +8,9 @@
 //! ([`matmul`], or [`matmul_bf16_b`] widening bf16 a panel at a time); a product against its
 //! transpose runs in dot-product form ([`matmul_nt`], [`matmul_nt_bf16`]), whose operands both
 //! stream along the inner dimension. The layout decides which of `x · W` (the forward) and
-//! `d y · Wᵀ` (the backward) takes which form.
+//! `d y · Wᵀ` (the backward) takes which form, except that the f32 forward on `linear` weights
+//! packs the transposed view into panels too ([`matmul`] on [`MatRef::t`]): on the trainer's
+//! small shapes the dot-product form ran that forward about a third slower.
 
 use std::mem::MaybeUninit;
 
@@ -63,7 +65,12 @@ impl<'a> ExpertMatrix<'a> {
             (WeightLayout::Nki, Floats::BF16(w)) => {
                 matmul_bf16_b(dst, MatRef::row_major(a, m, k), w, panel)
             }
-            (WeightLayout::Linear, Floats::F32(w)) => matmul_nt(dst, a, w, (m, n, k), false),
+            (WeightLayout::Linear, Floats::F32(w)) => matmul(
+                dst,
+                MatRef::row_major(a, m, k),
+                MatRef::row_major(w, n, k).t(),
+                false,
+            ),
             (WeightLayout::Linear, Floats::BF16(w)) => {
                 matmul_nt_bf16(dst, a, w, (m, n, k), (panel, tile))
             }
@@ -77,11 +84,14 @@ impl<'a> ExpertMatrix<'a> {
         a: &[f32],
         panels: Panels<'_>,
     ) -> &'d mut [f32] {
+        let (k, n) = (self.k, self.n);
+        let m = dst.len() / n.max(1);
         match (self.layout, self.stored) {
             (WeightLayout::Nki, Floats::F32(w)) => {
-                let (k, n) = (self.k, self.n);
-                let m = dst.len() / n.max(1);
                 matmul_into(dst, MatRef::row_major(a, m, k), MatRef::row_major(w, k, n))
+            }
+            (WeightLayout::Linear, Floats::F32(w)) => {
+                matmul_into(dst, MatRef::row_major(a, m, k), MatRef::row_major(w, n, k).t())
             }
             _ => {
                 let dst = zero(dst);
