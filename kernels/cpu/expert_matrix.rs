@@ -90,9 +90,11 @@ impl<'a> ExpertMatrix<'a> {
             (WeightLayout::Nki, Floats::F32(w)) => {
                 matmul_into(dst, MatRef::row_major(a, m, k), MatRef::row_major(w, k, n))
             }
-            (WeightLayout::Linear, Floats::F32(w)) => {
-                matmul_into(dst, MatRef::row_major(a, m, k), MatRef::row_major(w, n, k).t())
-            }
+            (WeightLayout::Linear, Floats::F32(w)) => matmul_into(
+                dst,
+                MatRef::row_major(a, m, k),
+                MatRef::row_major(w, n, k).t(),
+            ),
             _ => {
                 let dst = zero(dst);
                 self.product(dst, a, panels);
