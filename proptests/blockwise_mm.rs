@@ -245,6 +245,19 @@ impl Tensors {
         }
     }
 
+    /// The backward's parameters for these tensors' activation, scaling, clamps, biases and
+    /// weight layout.
+    fn backward_params(&self) -> BlockwiseMmBwdParams {
+        BlockwiseMmBwdParams {
+            activation_type: self.act_fn,
+            expert_affinities_scaling_mode: self.scaling,
+            clamp: self.clamp,
+            bias: self.gate_up_bias.is_some(),
+            weight_layout: self.weight_layout,
+            ..BlockwiseMmBwdParams::default()
+        }
+    }
+
     /// Validates the inputs as a forward call would.
     fn check(&self) -> moekit::Result<()> {
         let params = BlockwiseMmParams {
@@ -424,14 +437,7 @@ fn check_linear_layout(c: &Case, seed: u64) -> Result<(), TestCaseError> {
                 output_hidden_states_grad: &d_out,
                 expert_index: Some(&index),
             },
-            BlockwiseMmBwdParams {
-                activation_type: c.act_fn,
-                expert_affinities_scaling_mode: c.scaling,
-                clamp: c.clamp,
-                bias: c.gate_up_bias.is_some(),
-                weight_layout: tensors.weight_layout,
-                ..BlockwiseMmBwdParams::default()
-            },
+            tensors.backward_params(),
         )
         .unwrap();
         ReferenceBackend.blockwise_mm_bwd(&call).unwrap()
@@ -776,13 +782,7 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
             output_hidden_states_grad: &d_out,
             expert_index: Some(&index),
         },
-        BlockwiseMmBwdParams {
-            activation_type: c.act_fn,
-            expert_affinities_scaling_mode: c.scaling,
-            clamp: c.clamp,
-            bias: c.gate_up_bias.is_some(),
-            ..BlockwiseMmBwdParams::default()
-        },
+        tensors.backward_params(),
     )
     .unwrap();
     let g = ReferenceBackend
