@@ -19,8 +19,8 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
-    Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads,
-    RouterTopkOutputs, WeightLayout,
+    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, WeightLayout,
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
@@ -79,6 +79,7 @@ pub trait Backend: Send + Sync {
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs>;
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads>;
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs>;
+    fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs>;
 }
 
 /// The agreement with the f64 reference a backend documents: an element passes when
@@ -132,6 +133,7 @@ pub enum KernelCall<'c, 'a> {
     BlockwiseMm(&'c BlockwiseMm<'a>),
     BlockwiseMmBwd(&'c BlockwiseMmBwd<'a>),
     A2avRouting(&'c A2avRouting<'a>),
+    MoeTkg(&'c MoeTkg<'a>),
 }
 
 impl KernelCall<'_, '_> {
@@ -147,6 +149,7 @@ impl KernelCall<'_, '_> {
             KernelCall::BlockwiseMm(_) => Kernel::BlockwiseMm,
             KernelCall::BlockwiseMmBwd(_) => Kernel::BlockwiseMmBwd,
             KernelCall::A2avRouting(_) => Kernel::A2avRouting,
+            KernelCall::MoeTkg(_) => Kernel::MoeTkg,
         }
     }
 
@@ -164,6 +167,7 @@ impl KernelCall<'_, '_> {
             KernelCall::BlockwiseMm(call) => backend.blockwise_mm(call).map(drop),
             KernelCall::BlockwiseMmBwd(call) => backend.blockwise_mm_bwd(call).map(drop),
             KernelCall::A2avRouting(call) => backend.a2av_routing(call).map(drop),
+            KernelCall::MoeTkg(call) => backend.moe_tkg(call).map(drop),
         }
     }
 }

@@ -9,9 +9,9 @@ use crate::contracts::{
     A2avRouting, A2avRoutingInputs, A2avRoutingParams, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
-    Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams,
-    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
-    RouterTopkParams, TensorSpec,
+    MoeTkg, MoeTkgInputs, MoeTkgParams, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
+    PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param, Params};
@@ -135,6 +135,24 @@ impl Kernel {
                 };
                 let call = A2avRouting::new(A2avRoutingInputs::from_named(get)?, params)?;
                 backend.a2av_routing(&call)?.into_named()
+            }
+            Kernel::MoeTkg => {
+                let default =
+                    MoeTkgParams::new(required_param(Param::IsAllExpert, params.is_all_expert)?);
+                let params = MoeTkgParams {
+                    expert_affinities_scaling_mode: params
+                        .scaling_mode
+                        .unwrap_or(default.expert_affinities_scaling_mode),
+                    activation_fn: params.activation_fn.unwrap_or(default.activation_fn),
+                    clamp: params.clamp,
+                    mask_unselected_experts: params
+                        .mask_unselected_experts
+                        .unwrap_or(default.mask_unselected_experts),
+                    ..default
+                };
+                let call = MoeTkg::new(MoeTkgInputs::from_named(get)?, params)?
+                    .with_output_dtype(output_dtype);
+                backend.moe_tkg(&call)?.into_named()
             }
         };
         Ok(outputs

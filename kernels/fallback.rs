@@ -8,8 +8,8 @@ use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tole
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    LoadBalancingLossOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
+    PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use crate::kernel::Kernel;
@@ -133,5 +133,9 @@ impl Backend for FallbackBackend {
 
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
         self.runner(Kernel::A2avRouting).a2av_routing(call)
+    }
+
+    fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
+        self.runner(Kernel::MoeTkg).moe_tkg(call)
     }
 }

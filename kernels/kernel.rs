@@ -6,8 +6,8 @@ use std::str::FromStr;
 
 use crate::contracts::{
     ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
-    OutputDType, PermuteParams, RouterActFnType, RouterPipeline, SkipMode, TensorSpec,
-    WeightLayout, XHbmLayout, tensors,
+    MoeTkgParams, OutputDType, PermuteParams, RouterActFnType, RouterPipeline, SkipMode,
+    TensorSpec, WeightLayout, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
 
@@ -41,6 +41,7 @@ pub enum Kernel {
     BlockwiseMm,
     BlockwiseMmBwd,
     A2avRouting,
+    MoeTkg,
 }
 
 impl Kernel {
@@ -55,6 +56,7 @@ impl Kernel {
         Kernel::BlockwiseMm,
         Kernel::BlockwiseMmBwd,
         Kernel::A2avRouting,
+        Kernel::MoeTkg,
     ];
 
     pub fn name(self) -> &'static str {
@@ -73,6 +75,7 @@ impl Kernel {
             Kernel::BlockwiseMm => &BLOCKWISE_MM,
             Kernel::BlockwiseMmBwd => &BLOCKWISE_MM_BWD,
             Kernel::A2avRouting => &A2AV_ROUTING,
+            Kernel::MoeTkg => &MOE_TKG,
         }
     }
 }
@@ -116,21 +119,27 @@ pub enum Param {
     IsTensorUpdateAccumulating,
     WeightLayout,
     ExpertParallelDegree,
+    IsAllExpert,
+    ActivationFn,
+    MaskUnselectedExperts,
     OutputDType,
 }
 
 impl Param {
-    /// The value a kernel that does not require this parameter takes when it is not given, as
-    /// `moekit list` prints it: read off the contracts' typed defaults (nki-library's), so it
-    /// is declared once. Counts that have no default (`k`, `num_experts`,
-    /// `expert_parallel_degree`) print as `none`, which no catalog entry shows.
-    pub fn default_value(self) -> String {
+    /// The value `kernel` takes for this parameter when it is not given, as `moekit list`
+    /// prints it: read off the contracts' typed defaults (nki-library's), so it is declared
+    /// once. What has no default (`k`, `num_experts`, `expert_parallel_degree`,
+    /// `is_all_expert`) prints as `none`, which no catalog entry shows.
+    pub fn default_value(self, kernel: Kernel) -> String {
         let router = RouterPipeline::default();
         let forward = BlockwiseMmParams::default();
         let backward = BlockwiseMmBwdParams::default();
+        let decode = MoeTkgParams::new(false);
         let limit = |limit: Option<f32>| limit.map_or_else(|| "none".to_owned(), |v| v.to_string());
         match self {
-            Param::K | Param::NumExperts | Param::ExpertParallelDegree => "none".to_owned(),
+            Param::K | Param::NumExperts | Param::ExpertParallelDegree | Param::IsAllExpert => {
+                "none".to_owned()
+            }
             Param::ActFn => router.act_fn.to_string(),
             Param::RouterPreNorm => router.router_pre_norm.to_string(),
             Param::NormTopkProb => router.norm_topk_prob.to_string(),
@@ -141,9 +150,14 @@ impl Param {
             Param::CheckpointActivation => forward.checkpoint_activation.to_string(),
             Param::ActivationFunction => forward.activation_function.to_string(),
             Param::ActivationType => backward.activation_type.to_string(),
+            Param::ExpertAffinitiesScalingMode if kernel == Kernel::MoeTkg => {
+                decode.expert_affinities_scaling_mode.to_string()
+            }
             Param::ExpertAffinitiesScalingMode => {
                 forward.expert_affinities_scaling_mode.to_string()
             }
+            Param::ActivationFn => decode.activation_fn.to_string(),
+            Param::MaskUnselectedExperts => decode.mask_unselected_experts.to_string(),
             Param::GateClampLowerLimit => limit(forward.clamp.gate.lower),
             Param::GateClampUpperLimit => limit(forward.clamp.gate.upper),
             Param::UpClampLowerLimit => limit(forward.clamp.up.lower),
@@ -186,6 +200,9 @@ impl Param {
         Param::IsTensorUpdateAccumulating,
         Param::WeightLayout,
         Param::ExpertParallelDegree,
+        Param::IsAllExpert,
+        Param::ActivationFn,
+        Param::MaskUnselectedExperts,
         Param::OutputDType,
     ];
 
@@ -216,6 +233,9 @@ impl Param {
             Param::IsTensorUpdateAccumulating => "is_tensor_update_accumulating",
             Param::WeightLayout => WeightLayout::PARAM,
             Param::ExpertParallelDegree => "expert_parallel_degree",
+            Param::IsAllExpert => "is_all_expert",
+            Param::ActivationFn => "activation_fn",
+            Param::MaskUnselectedExperts => "mask_unselected_experts",
             Param::OutputDType => OutputDType::PARAM,
         }
     }
@@ -230,7 +250,7 @@ impl Param {
             | Param::ExpertParallelDegree => "integer",
             Param::ActFn => "SOFTMAX|SIGMOID",
             Param::XHbmLayout => "0 [H,T]|1 [T,H]",
-            Param::ActivationFunction | Param::ActivationType => {
+            Param::ActivationFunction | Param::ActivationType | Param::ActivationFn => {
                 "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU"
             }
             Param::ExpertAffinitiesScalingMode => "NO_SCALE|POST_SCALE|PRE_SCALE|PRE_SCALE_DELAYED",
@@ -249,7 +269,9 @@ impl Param {
             | Param::NormTopkProb
             | Param::CheckpointActivation
             | Param::SkipToken
-            | Param::IsTensorUpdateAccumulating => "true|false",
+            | Param::IsTensorUpdateAccumulating
+            | Param::IsAllExpert
+            | Param::MaskUnselectedExperts => "true|false",
         }
     }
 }
@@ -283,6 +305,11 @@ pub struct Params {
     /// The blockwise kernels' `weight_layout` (moekit's own).
     pub weight_layout: Option<WeightLayout>,
     pub expert_parallel_degree: Option<usize>,
+    /// `moe_tkg`'s mode.
+    pub is_all_expert: Option<bool>,
+    /// `moe_tkg`'s gate activation.
+    pub activation_fn: Option<ActFnType>,
+    pub mask_unselected_experts: Option<bool>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
 }
@@ -342,6 +369,10 @@ pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     "block_tile_size",
     // `skip_dma`'s other field: skips reloading weights already on chip
     "skip_weight",
+    // moe_tkg: where the output lies (SBUF or HBM), and the MX all-expert kernel's skipping of
+    // token blocks without routed tokens (whose outputs are zero anyway)
+    "output_in_sbuf",
+    "is_all_expert_dynamic",
 ];
 
 impl Params {
@@ -413,6 +444,11 @@ impl Params {
             Param::WeightLayout => self.weight_layout = Some(WeightLayout::parse(value.trim())?),
             Param::ExpertParallelDegree => {
                 self.expert_parallel_degree = Some(parse_count(param, value)?)
+            }
+            Param::IsAllExpert => self.is_all_expert = Some(parse_bool(param, value)?),
+            Param::ActivationFn => self.activation_fn = Some(ActFnType::parse(name, value.trim())?),
+            Param::MaskUnselectedExperts => {
+                self.mask_unselected_experts = Some(parse_bool(param, value)?)
             }
             Param::OutputDType => self.output_dtype = Some(value.trim().parse()?),
         }
@@ -563,6 +599,24 @@ const A2AV_ROUTING: KernelSpec = KernelSpec {
     ],
 };
 
+const MOE_TKG: KernelSpec = KernelSpec {
+    name: "moe_tkg",
+    summary: "nki-library's moe_tkg (decode experts): selective (each token's K experts, ids into the E_L held here) or all-expert (every held expert for every token; POST_SCALE reads columns rank_id·E_L.. of expert_affinities, with mask_unselected_experts times how often the token chose it); gate/up (+bias, clamped), act(gate)⊙up, down (+bias), NO_SCALE or POST_SCALE, summed into [T, H]",
+    inputs: tensors::moe_tkg::INPUTS,
+    outputs: tensors::moe_tkg::OUTPUTS,
+    params: &[
+        (Param::IsAllExpert, ParamUse::Required),
+        (Param::ExpertAffinitiesScalingMode, ParamUse::Defaulted),
+        (Param::ActivationFn, ParamUse::Defaulted),
+        (Param::GateClampLowerLimit, ParamUse::Defaulted),
+        (Param::GateClampUpperLimit, ParamUse::Defaulted),
+        (Param::UpClampLowerLimit, ParamUse::Defaulted),
+        (Param::UpClampUpperLimit, ParamUse::Defaulted),
+        (Param::MaskUnselectedExperts, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
+    ],
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -571,14 +625,17 @@ mod tests {
     fn printed_defaults_are_values_the_kernels_take_when_the_parameter_is_absent() {
         for kernel in Kernel::ALL {
             for &(param, usage) in kernel.spec().params {
-                let value = param.default_value();
+                let value = param.default_value(*kernel);
                 if usage == ParamUse::Required {
                     continue;
                 }
                 assert!(
                     !matches!(
                         param,
-                        Param::K | Param::NumExperts | Param::ExpertParallelDegree
+                        Param::K
+                            | Param::NumExperts
+                            | Param::ExpertParallelDegree
+                            | Param::IsAllExpert
                     ),
                     "{}: `{}` has no default",
                     kernel.name(),
@@ -607,6 +664,18 @@ mod tests {
             ExpertAffinityScaleMode::PostScale
         );
         assert!(!forward.checkpoint_activation && !backward.bias);
+        // moe_tkg's own defaults differ from moe_cte's: NO_SCALE.
+        let decode = MoeTkgParams::new(true);
+        assert_eq!(
+            decode.expert_affinities_scaling_mode,
+            ExpertAffinityScaleMode::NoScale
+        );
+        assert_eq!(
+            Param::ExpertAffinitiesScalingMode.default_value(Kernel::MoeTkg),
+            "NO_SCALE"
+        );
+        assert_eq!(decode.activation_fn, ActFnType::Silu);
+        assert!(!decode.mask_unselected_experts);
         assert_eq!(forward.clamp, ClampLimits::default());
     }
 }

@@ -531,7 +531,9 @@ pub struct ClampLimits {
 }
 
 impl ClampLimits {
-    fn check(self) -> Result<()> {
+    /// Checks the four limits (finite, each lower not above its upper), naming them as
+    /// `moe_cte` and `moe_tkg` do.
+    pub(crate) fn check(self) -> Result<()> {
         self.gate
             .check("gate_clamp_lower_limit", "gate_clamp_upper_limit")?;
         self.up

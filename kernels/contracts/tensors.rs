@@ -258,6 +258,40 @@ pub mod blockwise_mm_bwd {
     ];
 }
 
+/// `moe_tkg` (nki-library's decode-time experts, `core/moe/moe_tkg`).
+pub mod moe_tkg {
+    use super::*;
+
+    pub const HIDDEN_INPUT: TensorSpec = float("hidden_input", "[T, H]");
+    /// 0 gate, 1 up.
+    pub const EXPERT_GATE_UP_WEIGHTS: TensorSpec =
+        float("expert_gate_up_weights", "[E_L, H, 2, I]");
+    pub const EXPERT_DOWN_WEIGHTS: TensorSpec = float("expert_down_weights", "[E_L, I, H]");
+    pub const EXPERT_AFFINITIES: TensorSpec = float("expert_affinities", "[T, E]");
+    pub const EXPERT_INDEX: TensorSpec = index("expert_index", "[T, K]");
+    /// uint32 in nki-library; i32 here like every index.
+    pub const RANK_ID: TensorSpec = index("rank_id", "[1, 1]").optional();
+    pub const EXPERT_GATE_UP_BIAS: TensorSpec =
+        float("expert_gate_up_bias", "[E_L, 2, I]").optional();
+    pub const EXPERT_DOWN_BIAS: TensorSpec = float("expert_down_bias", "[E_L, H]").optional();
+    pub const EXPERT_AFFINITIES_EAGER: TensorSpec =
+        float("expert_affinities_eager", "[T, K]").optional();
+    pub const INPUTS: &[TensorSpec] = &[
+        HIDDEN_INPUT,
+        EXPERT_GATE_UP_WEIGHTS,
+        EXPERT_DOWN_WEIGHTS,
+        EXPERT_AFFINITIES,
+        EXPERT_INDEX,
+        RANK_ID,
+        EXPERT_GATE_UP_BIAS,
+        EXPERT_DOWN_BIAS,
+        EXPERT_AFFINITIES_EAGER,
+    ];
+
+    pub const OUTPUT: TensorSpec = like("output", "[T, H]", &HIDDEN_INPUT);
+    pub const OUTPUTS: &[TensorSpec] = &[OUTPUT];
+}
+
 /// `a2av_routing` (moekit's own: the routing table of nki-library's `permute_a2av`).
 pub mod a2av_routing {
     use super::*;

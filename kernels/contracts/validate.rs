@@ -184,6 +184,28 @@ pub(crate) fn expert_ids_or_skip(
     check_ids(name, ids, shape, experts, true)
 }
 
+/// Checks that every id of an `expert_index [rows, K]` buffer lies in `[0, E)`, where a row may
+/// name an expert twice (`moe_tkg` sums a repeated expert each time); `experts_are` says what
+/// the E experts are, for the message.
+pub(crate) fn repeatable_expert_ids(
+    name: &str,
+    ids: &[i32],
+    shape: &[usize],
+    (experts, experts_are): (usize, &str),
+) -> Result<()> {
+    match ids.iter().position(|&id| id < 0 || id as usize >= experts) {
+        None => Ok(()),
+        Some(index) => Err(Error::invalid(
+            name,
+            format!(
+                "expert id {} at {} is outside [0, {experts}) ({experts_are})",
+                ids[index],
+                position(shape, index)
+            ),
+        )),
+    }
+}
+
 fn check_ids(name: &str, ids: &[i32], shape: &[usize], experts: usize, skip: bool) -> Result<()> {
     let k = *shape.last().unwrap_or(&1);
     for (row, chunk) in ids.chunks(k.max(1)).enumerate() {

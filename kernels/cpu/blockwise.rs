@@ -40,10 +40,11 @@ use super::expert_matrix::ExpertMatrix;
 use super::gated;
 use super::matmul::{MatRef, matmul};
 use super::permute::topk_gradient;
+use super::rows::{add_bias_rows, bias_row, clamp_rows, gather_rows, resized, scale_rows};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmOutputs, Clamp, ClampLimits, WeightLayout,
+    BlockwiseMmOutputs, Clamp, WeightLayout,
 };
 use crate::error::Result;
 use crate::tensor::{DType, Floats, Tensor};
@@ -300,61 +301,6 @@ fn fill(row: &mut [MaybeUninit<f32>], values: Option<&[f32]>) {
             zero(row);
         }
     }
-}
-
-/// Expert `expert`'s `len` values of a bias stored `[E, len]` (f32 or bf16), as f32.
-fn bias_row(bias: Floats<'_>, expert: usize, len: usize) -> Vec<f32> {
-    bias.slice(expert * len..(expert + 1) * len)
-        .to_f32()
-        .into_owned()
-}
-
-/// Adds `bias` to every `bias.len()`-long row of `rows`.
-fn add_bias_rows(rows: &mut [f32], bias: &[f32]) {
-    for row in rows.chunks_mut(bias.len()) {
-        for (v, b) in row.iter_mut().zip(bias) {
-            *v += b;
-        }
-    }
-}
-
-/// Clamps the gate half and the up half of every `[2I]` row (I = `i`) of `rows`.
-fn clamp_rows(rows: &mut [f32], i: usize, clamp: ClampLimits) {
-    if clamp == ClampLimits::default() {
-        return;
-    }
-    let limit = |v: f32, c: Clamp| {
-        let v = c.lower.map_or(v, |lo| v.max(lo));
-        c.upper.map_or(v, |hi| v.min(hi))
-    };
-    for row in rows.chunks_mut(2 * i) {
-        let (gate, up) = row.split_at_mut(i);
-        gate.iter_mut().for_each(|v| *v = limit(*v, clamp.gate));
-        up.iter_mut().for_each(|v| *v = limit(*v, clamp.up));
-    }
-}
-
-/// Multiplies each `width`-long row of `rows` by its entry of `scales`.
-fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
-    for (row, &scale) in rows.chunks_mut(width).zip(scales) {
-        for v in row {
-            *v *= scale;
-        }
-    }
-}
-
-/// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
-/// matrix `[rows.len(), width]`.
-fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst: &mut [f32]) {
-    for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
-        values.slice(row * width..(row + 1) * width).write_f32(dst);
-    }
-}
-
-/// `buffer` resized to `len` elements, as a slice to overwrite.
-fn resized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buffer.resize(len, 0.0);
-    buffer
 }
 
 /// Per-task buffers, reused from one task to the next.

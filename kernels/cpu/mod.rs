@@ -18,8 +18,10 @@ mod gated;
 pub mod isa;
 mod load_balancing;
 mod matmul;
+mod moe_tkg;
 mod permute;
 mod router;
+mod rows;
 mod streamed;
 mod swiglu;
 mod tile_walk;
@@ -39,8 +41,8 @@ use crate::backend::{Backend, Tolerance};
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    LoadBalancingLossOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
+    PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use isa::Isa;
@@ -125,5 +127,10 @@ impl Backend for CpuBackend {
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
         Isa::selected()?;
         a2av_routing::forward(call)
+    }
+
+    fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
+        Isa::selected()?;
+        call.cast_outputs(moe_tkg::forward(call)?)
     }
 }

@@ -41,8 +41,8 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams, ClampLimits,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
-    Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads,
-    RouterTopkOutputs, WeightLayout,
+    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
@@ -890,6 +890,10 @@ impl Backend for NeuronBackend {
 
     fn a2av_routing(&self, _call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
         Err(unsupported(Kernel::A2avRouting))
+    }
+
+    fn moe_tkg(&self, _call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
+        Err(unsupported(Kernel::MoeTkg))
     }
 
     fn permute_bwd(&self, _call: &PermuteBwd<'_>) -> Result<PermuteGrads> {

@@ -12,6 +12,7 @@
 #[allow(clippy::needless_range_loop)]
 pub mod blockwise;
 pub mod load_balancing;
+pub mod moe_tkg;
 pub mod permute;
 pub mod router;
 
@@ -19,19 +20,20 @@ use crate::backend::{Backend, Tolerance};
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{
     a2av_routing as a2, blockwise_mm as bm, blockwise_mm_bwd as bmb, load_balancing_loss as lb,
-    load_balancing_loss_bwd as lbb, permute as pm, permute_bwd as pmb, router_topk as rt,
-    router_topk_bwd as rtb,
+    load_balancing_loss_bwd as lbb, moe_tkg as tkg, permute as pm, permute_bwd as pmb,
+    router_topk as rt, router_topk_bwd as rtb,
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, Permute, PermuteBwd,
-    PermuteDims, PermuteGrads, PermuteOutputs, RouterDims, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
+    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, MoeTkg, MoeTkgDims,
+    MoeTkgOutputs, Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs, RouterDims,
+    RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, try_filled};
 use blockwise::BlockwiseOperands;
+use moe_tkg::TkgOperands;
 
 /// The oracle backend. Stateless.
 #[derive(Clone, Copy, Debug, Default)]
@@ -399,6 +401,27 @@ impl Backend for ReferenceBackend {
                     )
                 })
                 .transpose()?,
+        })
+    }
+
+    fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
+        let (inputs, params) = (call.inputs(), call.params());
+        let MoeTkgDims { t, h, .. } = call.dims();
+        let gate_up_bias = inputs.expert_gate_up_bias.map(Tensor::to_f64_vec);
+        let down_bias = inputs.expert_down_bias.map(Tensor::to_f64_vec);
+        let ops = TkgOperands {
+            dims: call.dims(),
+            hidden_input: &inputs.hidden_input.to_f64_vec(),
+            expert_gate_up_weights: &inputs.expert_gate_up_weights.to_f64_vec(),
+            expert_down_weights: &inputs.expert_down_weights.to_f64_vec(),
+            expert_gate_up_bias: gate_up_bias.as_deref(),
+            expert_down_bias: down_bias.as_deref(),
+            activation_fn: params.activation_fn,
+            clamp: params.clamp,
+        };
+        let output = moe_tkg::moe_tkg_forward(&ops, call.routing());
+        call.cast_outputs(MoeTkgOutputs {
+            output: f32_output(tkg::OUTPUT.name, &[t, h], &output)?,
         })
     }
 }

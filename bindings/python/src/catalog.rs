@@ -41,7 +41,7 @@ pub fn kernels(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
                     let dict = PyDict::new(py);
                     dict.set_item("name", param.name())?;
                     dict.set_item("required", usage == ParamUse::Required)?;
-                    dict.set_item("default", param.default_value())?;
+                    dict.set_item("default", param.default_value(*kernel))?;
                     dict.set_item("values", param.values())?;
                     Ok(dict)
                 })

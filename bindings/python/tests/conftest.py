@@ -29,6 +29,7 @@ PARAMS = {
     "blockwise_mm": {"checkpoint_activation": True},
     "blockwise_mm_bwd": {},
     "a2av_routing": {"num_experts": E, "expert_parallel_degree": R},
+    "moe_tkg": {"is_all_expert": False, "expert_affinities_scaling_mode": "POST_SCALE"},
 }
 
 
@@ -48,6 +49,8 @@ def make_layer(dtype, seed=0):
         backend="reference",
     )
     hidden_states = np.concatenate([x, np.zeros((1, H), dtype)])
+    gate_up = floats(E, H, 2, I, scale=0.3)
+    down = floats(E, I, H, scale=0.3)
     layer = {
         "x": x,
         "w": w,
@@ -57,8 +60,13 @@ def make_layer(dtype, seed=0):
         "d_topk_affinities": floats(T, K),
         "d_aux_loss": floats(1),
         "hidden_states": hidden_states,
-        "gate_up_proj_weight": floats(E, H, 2, I, scale=0.3),
-        "down_proj_weight": floats(E, I, H, scale=0.3),
+        "gate_up_proj_weight": gate_up,
+        "down_proj_weight": down,
+        # moe_tkg decodes the same tokens through the same experts.
+        "hidden_input": x,
+        "expert_gate_up_weights": gate_up,
+        "expert_down_weights": down,
+        "expert_affinities": routed["expert_affinities"],
         "token_position_to_id": plan["token_position_to_id"],
         "block_to_expert": plan["block_to_expert"],
         "expert_affinities_masked": plan["expert_affinities_masked"],

@@ -33,7 +33,9 @@ def test_kernel_equals_moekit_run(kernel, backend, layer, cli, tmp_path):
     args = [cli, "run", kernel, "--backend", backend, "--inputs", tmp_path / "in.safetensors",
             "--output", tmp_path / "out.safetensors"]
     for name, value in params.items():
-        args += ["--param", f"{name}={str(value).lower()}"]
+        # Python's True and False as the command line spells them; other values as they are.
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        args += ["--param", f"{name}={text}"]
     subprocess.run([str(a) for a in args], check=True, capture_output=True)
     want = load_safetensors(tmp_path / "out.safetensors")
 

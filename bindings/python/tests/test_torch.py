@@ -69,13 +69,15 @@ def test_torchtitan_and_moekit_layouts_give_the_same_results(backend):
     w2 = down.detach().clone().requires_grad_()
     titan = mt.torchtitan_experts(x, index, weights, w1, w2, w3, backend=backend)
     assert torch.equal(titan, want)
-    d_output = torch.randn(T, H)
+    d_output = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
     d_gate_up, d_down = grads(want, (gate_up, down), d_output)
     d_w1, d_w2, d_w3 = grads(titan, (w1, w2, w3), d_output)
     assert torch.equal(d_w1, d_gate_up[:, :I]) and torch.equal(d_w3, d_gate_up[:, I:])
     assert torch.equal(d_w2, d_down)
     # nki-library's layout: [E, H, 2, I] and [E, I, H]. The reference computes the same sums in
-    # either layout; the cpu backend's products run in another order, within f32 rounding.
+    # either layout; the cpu backend's products run in another order: a weight gradient sums up
+    # to T * K products in f32, so the layouts agree within that sum's rounding (as in the loop
+    # test above), not bit for bit.
     gate_up_nki = gate_up.detach().view(E, 2, I, H).permute(0, 3, 1, 2).contiguous()
     gate_up_nki.requires_grad_()
     down_nki = down.detach().transpose(1, 2).contiguous().requires_grad_()
@@ -90,7 +92,7 @@ def test_torchtitan_and_moekit_layouts_give_the_same_results(backend):
         if backend == "reference":
             assert torch.equal(got, expected)
         else:
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_transformers_weights_are_read_where_they_lie(monkeypatch):

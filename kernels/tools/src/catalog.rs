@@ -24,7 +24,7 @@ pub fn catalog_table() -> String {
             for &(param, usage) in spec.params {
                 let default = match usage {
                     ParamUse::Required => "required".to_owned(),
-                    ParamUse::Defaulted => format!("default {}", param.default_value()),
+                    ParamUse::Defaulted => format!("default {}", param.default_value(*kernel)),
                 };
                 let _ = writeln!(
                     out,
@@ -79,7 +79,9 @@ pub fn catalog_markdown() -> String {
             .params
             .iter()
             .map(|&(param, usage)| match usage {
-                ParamUse::Defaulted => format!("`{}` ({})", param.name(), param.default_value()),
+                ParamUse::Defaulted => {
+                    format!("`{}` ({})", param.name(), param.default_value(*kernel))
+                }
                 ParamUse::Required => format!("`{}`", param.name()),
             })
             .collect();

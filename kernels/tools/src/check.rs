@@ -76,6 +76,22 @@ impl CheckCase {
     }
 }
 
+impl CheckCase {
+    /// The parameters `kernel` runs with: the case's, except that `moe_tkg`, which takes
+    /// NO_SCALE and POST_SCALE only, runs post-scaled where the case draws a pre-scale mode
+    /// for the blockwise kernels.
+    pub fn params_for(&self, kernel: Kernel) -> Params {
+        let pre_scale = self.params.scaling_mode.is_some_and(|s| s.scales_rows());
+        if kernel == Kernel::MoeTkg && pre_scale {
+            return Params {
+                scaling_mode: Some(ExpertAffinityScaleMode::PostScale),
+                ..self.params.clone()
+            };
+        }
+        self.params.clone()
+    }
+}
+
 /// Every tensor a kernel of the layer may read, by contract name.
 fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
     let Layer {
@@ -85,8 +101,23 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
         checkpoints,
     } = layer;
     use tensors::{
-        blockwise_mm_bwd as bwd, load_balancing_loss_bwd as aux, permute_bwd, router_topk,
+        blockwise_mm_bwd as bwd, load_balancing_loss_bwd as aux, moe_tkg, permute_bwd, router_topk,
     };
+    // moe_tkg (decode) on the same tokens, weights and routing, every expert held here: rank 0.
+    let rank_id = Tensor::from_i32([1, 1], vec![0]).expect("one element for [1, 1]");
+    let decode = [
+        (moe_tkg::HIDDEN_INPUT, inputs.x.clone()),
+        (
+            moe_tkg::EXPERT_GATE_UP_WEIGHTS,
+            inputs.gate_up_proj_weight.clone(),
+        ),
+        (
+            moe_tkg::EXPERT_DOWN_WEIGHTS,
+            inputs.down_proj_weight.clone(),
+        ),
+        (moe_tkg::EXPERT_AFFINITIES, routed.expert_affinities),
+        (moe_tkg::RANK_ID, rank_id),
+    ];
     let mut named: BTreeMap<String, Tensor> = [
         (router_topk::X, inputs.x),
         (router_topk::W, inputs.w),
@@ -114,6 +145,7 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
         (bwd::EXPERT_AFFINITIES_MASKED, plan.expert_affinities_masked),
     ]
     .into_iter()
+    .chain(decode)
     .map(|(spec, tensor)| (spec.name.to_owned(), tensor))
     .collect();
     // The forward's checkpoints, under the names the backward takes them by.
@@ -273,6 +305,9 @@ fn random_cases(
                 activation_type: Some(activation),
                 scaling_mode: Some(scaling),
                 expert_parallel_degree: Some(ranks),
+                is_all_expert: Some(draw(0, 1) == 1),
+                activation_fn: Some(activation),
+                mask_unselected_experts: Some(draw(0, 1) == 1),
                 ..Params::default()
             };
             CheckCase::new(
@@ -324,8 +359,9 @@ pub fn check(
     let mut rows = Vec::new();
     for (index, case) in cases.iter().enumerate() {
         for &kernel in &case.kernels {
-            let want = kernel.run(reference.as_ref(), &case.tensors, &case.params)?;
-            let got = kernel.run(backend, &case.tensors, &case.params)?;
+            let params = case.params_for(kernel);
+            let want = kernel.run(reference.as_ref(), &case.tensors, &params)?;
+            let got = kernel.run(backend, &case.tensors, &params)?;
             for (name, want) in &want {
                 let got = got
                     .iter()

@@ -306,6 +306,28 @@ impl Layer {
         )
     }
 
+    /// The same tokens decoded by nki-library's `moe_tkg`: selective (each token's K experts),
+    /// POST_SCALE by the router's affinities, every expert held here.
+    pub fn moe_tkg(&self) -> Result<MoeTkg<'_>> {
+        MoeTkg::new(
+            MoeTkgInputs {
+                hidden_input: &self.inputs.x,
+                expert_gate_up_weights: &self.inputs.gate_up_proj_weight,
+                expert_down_weights: &self.inputs.down_proj_weight,
+                expert_affinities: &self.routed.expert_affinities,
+                expert_index: &self.routed.expert_index,
+                rank_id: None,
+                expert_gate_up_bias: None,
+                expert_down_bias: None,
+                expert_affinities_eager: None,
+            },
+            MoeTkgParams {
+                expert_affinities_scaling_mode: ExpertAffinityScaleMode::PostScale,
+                ..MoeTkgParams::new(false)
+            },
+        )
+    }
+
     pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {
         let added = self.blockwise_mm_bwd_added()?;
         BlockwiseMmBwd::new(

@@ -279,7 +279,8 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
             "router_topk" => router_fwd,
             "router_topk_bwd" => router_bwd,
             "permute" => permute_fwd,
-            "blockwise_mm" => experts_fwd,
+            // HF's decode-time experts are its prefill ones on fewer tokens.
+            "blockwise_mm" | "moe_tkg" => experts_fwd,
             "blockwise_mm_bwd" => experts_bwd,
             LAYER_ROW => layer_peer,
             EXPERTS_ROW => experts_fwd_bwd,
@@ -381,6 +382,19 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         let ms = measure(backend, KernelCall::A2avRouting(&call), min)?;
         let bytes = tf * (kf + ranks as f64) * 4.0;
         rows.push(row("a2av_routing", ms, gbps(bytes, ms)));
+    }
+    // The same tokens decoded (nki-library's `moe_tkg`, not part of the training layer): a
+    // decoding step reads each selected expert's weights once, so its limit is the memory
+    // bandwidth, and its compulsory bytes are those weights, the tokens and the output.
+    if supported(Kernel::MoeTkg)? && config.rows.times(Kernel::MoeTkg.name()) {
+        let call = layer.moe_tkg()?;
+        let ms = measure(backend, KernelCall::MoeTkg(&call), min)?;
+        let mut selected = call.routing().experts.clone();
+        selected.sort_unstable();
+        selected.dedup();
+        let element = config.dtype.size_in_bytes() as f64;
+        let bytes = (selected.len() as f64 * 3.0 * hf * if_ + 2.0 * tf * hf) * element;
+        rows.push(row(Kernel::MoeTkg.name(), ms, gbps(bytes, ms)));
     }
     rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })

@@ -1,0 +1,61 @@
+//! Row-wise stages the expert kernels share: gathering token rows, adding a bias row, clamping
+//! gate/up rows, scaling rows; each a plain loop over f32 rows whose result depends only on the
+//! values.
+
+use crate::contracts::{Clamp, ClampLimits};
+use crate::tensor::Floats;
+
+/// Expert `expert`'s `len` values of a bias stored `[E, len]` (f32 or bf16), as f32.
+pub(super) fn bias_row(bias: Floats<'_>, expert: usize, len: usize) -> Vec<f32> {
+    bias.slice(expert * len..(expert + 1) * len)
+        .to_f32()
+        .into_owned()
+}
+
+/// Adds `bias` to every `bias.len()`-long row of `rows`.
+pub(super) fn add_bias_rows(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+/// Clamps the gate half and the up half of every `[2I]` row (I = `i`) of `rows`.
+pub(super) fn clamp_rows(rows: &mut [f32], i: usize, clamp: ClampLimits) {
+    if clamp == ClampLimits::default() {
+        return;
+    }
+    let limit = |v: f32, c: Clamp| {
+        let v = c.lower.map_or(v, |lo| v.max(lo));
+        c.upper.map_or(v, |hi| v.min(hi))
+    };
+    for row in rows.chunks_mut(2 * i) {
+        let (gate, up) = row.split_at_mut(i);
+        gate.iter_mut().for_each(|v| *v = limit(*v, clamp.gate));
+        up.iter_mut().for_each(|v| *v = limit(*v, clamp.up));
+    }
+}
+
+/// Multiplies each `width`-long row of `rows` by its entry of `scales`.
+pub(super) fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
+    for (row, &scale) in rows.chunks_mut(width).zip(scales) {
+        for v in row {
+            *v *= scale;
+        }
+    }
+}
+
+/// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
+/// matrix `[rows.len(), width]`.
+pub(super) fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst: &mut [f32]) {
+    for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
+        values.slice(row * width..(row + 1) * width).write_f32(dst);
+    }
+}
+
+/// `buffer` resized to `len` elements, as a slice to overwrite.
+pub(super) fn resized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buffer.resize(len, 0.0);
+    buffer
+}
