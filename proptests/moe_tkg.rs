@@ -412,7 +412,7 @@ fn crowded_experts_and_several_waves_match_the_oracle() {
 }
 
 /// Decode's edge cases: one token, one expert per token, one expert held (all-expert with a
-/// single local shard), E not a multiple of 8.
+/// single local shard), E not a multiple of 8; and widths past the cpu kernels' strips.
 #[test]
 fn edge_sizes_match_the_oracle() {
     let cases = [
@@ -426,6 +426,23 @@ fn edge_sizes_match_the_oracle() {
             },
         ),
         ("E = 13", plain(4, 8, 4, 13, 3, 4)),
+        // The cpu backend's register strips (64 columns) over panels of rows, and the
+        // columns past the last strip.
+        ("H = 96, I = 40", plain(6, 96, 40, 3, 2, 5)),
+        (
+            "H = 96, I = 40, bf16",
+            Case {
+                bf16: true,
+                ..plain(6, 96, 40, 3, 2, 6)
+            },
+        ),
+        (
+            "H = 130, I = 70, all-expert",
+            Case {
+                all_expert: true,
+                ..plain(3, 130, 70, 2, 1, 7)
+            },
+        ),
     ];
     for (name, c) in cases {
         let want = oracle(&c);
@@ -433,6 +450,7 @@ fn edge_sizes_match_the_oracle() {
             let got = run(backend, &c).unwrap();
             assert_close(name, &got.to_f64_vec(), &want, 1e-4, 1e-4 * scale(&want)).unwrap();
         }
+        bit_identical_across_thread_counts(&c);
     }
 }
 

@@ -22,6 +22,7 @@ mod moe_tkg;
 mod permute;
 mod router;
 mod rows;
+mod skinny;
 mod streamed;
 mod swiglu;
 mod tile_walk;

@@ -14,14 +14,15 @@
 use rayon::prelude::*;
 
 use super::element::finite_output;
-use super::expert_matrix::ExpertMatrix;
+use super::expert_matrix::{ExpertMatrix, Panels};
 use super::gated;
 use super::rows::{add_bias_rows, bias_row, clamp_rows, gather_rows, resized};
+use super::skinny;
 use crate::contracts::spec::output;
 use crate::contracts::tensors::moe_tkg as tkg;
 use crate::contracts::{MoeTkg, MoeTkgDims, MoeTkgOutputs, WeightLayout};
 use crate::error::Result;
-use crate::tensor::try_filled;
+use crate::tensor::{Floats, try_filled};
 
 /// Most routes of one expert that one task computes.
 const TASK_ROWS: usize = 64;
@@ -90,13 +91,14 @@ fn expert_outputs(call: &MoeTkg<'_>, piece: &Piece, y: &mut [f32], scratch: &mut
     let x = resized(x, m * h);
     gather_rows(floats.hidden_input, &piece.tokens, h, x);
     let gate_up = resized(gate_up, m * 2 * i);
-    ExpertMatrix::of(
+    let expert = piece.expert;
+    expert_product(
+        gate_up,
+        x,
         floats.expert_gate_up_weights,
-        WeightLayout::Nki,
-        piece.expert,
-        (h, 2 * i),
-    )
-    .product(gate_up, x, (panel, tile));
+        (expert, h, 2 * i),
+        (panel, tile),
+    );
     if let Some(bias) = floats.expert_gate_up_bias {
         add_bias_rows(gate_up, &bias_row(bias, piece.expert, 2 * i));
     }
@@ -106,15 +108,33 @@ fn expert_outputs(call: &MoeTkg<'_>, piece: &Piece, y: &mut [f32], scratch: &mut
         let (gate, up) = row.split_at(i);
         gated::forward(params.activation_fn, gate, up, act);
     }
-    ExpertMatrix::of(
+    expert_product(
+        y,
+        act,
         floats.expert_down_weights,
-        WeightLayout::Nki,
-        piece.expert,
-        (i, h),
-    )
-    .product(y, act, (panel, tile));
+        (expert, i, h),
+        (panel, tile),
+    );
     if let Some(bias) = floats.expert_down_bias {
         add_bias_rows(y, &bias_row(bias, piece.expert, h));
+    }
+}
+
+/// `dst [m, n] = a [m, k] · W` for expert `expert`'s `W [k, n]` of `weights` (`[E_L, k, n]`):
+/// few rows stream the matrix once ([`skinny`]), more run on packed panels.
+fn expert_product(
+    dst: &mut [f32],
+    a: &[f32],
+    weights: Floats<'_>,
+    (expert, k, n): (usize, usize, usize),
+    panels: Panels<'_>,
+) {
+    let m = dst.len() / n.max(1);
+    if m <= skinny::MAX_ROWS {
+        let matrix = weights.slice(expert * k * n..(expert + 1) * k * n);
+        skinny::product(dst, a, matrix, (m, k, n));
+    } else {
+        ExpertMatrix::of(weights, WeightLayout::Nki, expert, (k, n)).product(dst, a, panels);
     }
 }
 
