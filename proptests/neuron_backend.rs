@@ -1,5 +1,5 @@
 //! The `neuron` backend end to end on the fake runtime (`ffi/fake/fake_nrt.c`): manifest lookup,
-//! NEFF loading, binding by contract name, execution and read-back for `router_topk`,
+//! NEFF loading, binding by contract name, execution and read-back for `router_topk`, `moe_tkg`,
 //! `blockwise_mm` and `blockwise_mm_bwd`, compared with the reference backend; and every mismatch between a call and a
 //! NEFF reported as a clear error before anything runs.
 //!
@@ -1316,4 +1316,279 @@ fn a_manifest_entry_reads_back_as_the_entry_its_call_finds() {
     std::fs::write(&other_manifest, manifest_entry(&other)).unwrap();
     let other = Manifest::read(&other_manifest).unwrap();
     assert_ne!(other.entries[0].params, fwd.params);
+}
+
+/// One `moe_tkg` call's tensors and options, for a stand-in NEFF and the manifest entry of it.
+struct TkgCase {
+    /// T, H, E (all ranks), E_L (held here), K, I.
+    sizes: [usize; 6],
+    all_expert: bool,
+    post_scale: bool,
+    mask: bool,
+    biases: bool,
+    eager: bool,
+    clamp: bool,
+    bf16: bool,
+    rank: i32,
+}
+
+impl TkgCase {
+    /// The call's inputs by contract name, and its parameters.
+    fn tensors(&self, seed: u64) -> (Vec<(&'static str, Tensor)>, MoeTkgParams) {
+        let [t, h, e, local, k, i] = self.sizes;
+        let mut rng = SeededRng::new(seed);
+        let float =
+            |shape: &[usize], values: Vec<f64>| maybe_bf16(f32_tensor(shape, &values), self.bf16);
+        let pool = if self.all_expert { e } else { local };
+        let index: Vec<i32> = (0..t * k).map(|_| rng.below(pool) as i32).collect();
+        let mut tensors = vec![
+            ("hidden_input", float(&[t, h], rng.values(t * h, 1.0))),
+            (
+                "expert_gate_up_weights",
+                float(&[local, h, 2, i], rng.values(local * h * 2 * i, 0.5)),
+            ),
+            (
+                "expert_down_weights",
+                float(&[local, i, h], rng.values(local * i * h, 0.5)),
+            ),
+            ("expert_affinities", float(&[t, e], rng.values(t * e, 1.0))),
+            ("expert_index", i32_tensor(&[t, k], &index)),
+            ("rank_id", i32_tensor(&[1, 1], &[self.rank])),
+        ];
+        if self.biases {
+            tensors.push((
+                "expert_gate_up_bias",
+                float(&[local, 2, i], rng.values(local * 2 * i, 0.5)),
+            ));
+            tensors.push((
+                "expert_down_bias",
+                float(&[local, h], rng.values(local * h, 0.5)),
+            ));
+        }
+        if self.eager {
+            tensors.push((
+                "expert_affinities_eager",
+                float(&[t, k], rng.values(t * k, 1.0)),
+            ));
+        }
+        let clamp = Clamp {
+            lower: Some(-0.5),
+            upper: Some(0.75),
+        };
+        let params = MoeTkgParams {
+            expert_affinities_scaling_mode: if self.post_scale {
+                ExpertAffinityScaleMode::PostScale
+            } else {
+                ExpertAffinityScaleMode::NoScale
+            },
+            activation_fn: ActFnType::Gelu,
+            clamp: if self.clamp {
+                ClampLimits {
+                    gate: clamp,
+                    up: clamp,
+                }
+            } else {
+                ClampLimits::default()
+            },
+            mask_unselected_experts: self.mask,
+            ..MoeTkgParams::new(self.all_expert)
+        };
+        (tensors, params)
+    }
+
+    /// The stand-in NEFF: the inputs the backend binds (`rank_id` for all-expert POST_SCALE
+    /// only), `output [T, H]`.
+    fn neff(&self, tensors: &[(&'static str, Tensor)], params: &MoeTkgParams) -> String {
+        let [t, h, ..] = self.sizes;
+        let mut neff = format!(
+            "moekit-fake-neff 1\nkernel moe_tkg\nparam is_all_expert {}\nparam activation_fn {}\n\
+             param expert_affinities_scaling_mode {}\nparam mask_unselected_experts {}\n",
+            u8::from(self.all_expert),
+            params.activation_fn,
+            params.expert_affinities_scaling_mode,
+            u8::from(self.mask)
+        );
+        if self.clamp {
+            for name in [
+                "gate_clamp_lower_limit",
+                "gate_clamp_upper_limit",
+                "up_clamp_lower_limit",
+                "up_clamp_upper_limit",
+            ] {
+                let limit = if name.contains("lower") {
+                    "-0.5"
+                } else {
+                    "0.75"
+                };
+                neff += &format!("param {name} {limit}\n");
+            }
+        }
+        let takes_rank = self.all_expert && self.post_scale;
+        for (name, tensor) in tensors {
+            if *name != "rank_id" || takes_rank {
+                neff += &decl("input", name, &tensor.dtype().to_string(), tensor.shape());
+            }
+        }
+        neff + &decl("output", "output", "f32", &[t, h])
+    }
+
+    /// The manifest entry's keys.
+    fn entry(&self, params: &MoeTkgParams) -> String {
+        let [t, h, e, local, k, i] = self.sizes;
+        let mut entry = format!(
+            "name = \"moe_tkg\"\nt = {t}\nh = {h}\ne = {e}\ne_local = {local}\nk = {k}\ni = {i}\n\
+             is_all_expert = {}\nexpert_affinities_scaling_mode = \"{}\"\nactivation_fn = \"{}\"\n\
+             mask_unselected_experts = {}\nexpert_gate_up_bias = {}\nexpert_down_bias = {}\n\
+             expert_affinities_eager = {}\n",
+            self.all_expert,
+            params.expert_affinities_scaling_mode,
+            params.activation_fn,
+            self.mask,
+            self.biases,
+            self.biases,
+            self.eager
+        );
+        if self.clamp {
+            entry += "gate_clamp_lower_limit = -0.5\ngate_clamp_upper_limit = 0.75\n\
+                      up_clamp_lower_limit = -0.5\nup_clamp_upper_limit = 0.75\n";
+        }
+        entry
+    }
+}
+
+/// `moe_tkg` runs the NEFF its manifest entry registers for the call's sizes and options, in
+/// either mode: the same output as the reference; `moekit check`'s shapes read the entry back.
+#[test]
+fn moe_tkg_runs_its_neff_and_matches_the_reference() {
+    let _guard = exclusive();
+    let cases = [
+        TkgCase {
+            sizes: [3, 16, 6, 6, 2, 8],
+            all_expert: false,
+            post_scale: true,
+            mask: false,
+            biases: true,
+            eager: false,
+            clamp: true,
+            bf16: false,
+            rank: 0,
+        },
+        TkgCase {
+            sizes: [2, 8, 6, 3, 2, 4],
+            all_expert: true,
+            post_scale: true,
+            mask: true,
+            biases: false,
+            eager: false,
+            clamp: false,
+            bf16: true,
+            rank: 1,
+        },
+        TkgCase {
+            sizes: [4, 8, 5, 5, 3, 4],
+            all_expert: false,
+            post_scale: true,
+            mask: false,
+            biases: false,
+            eager: true,
+            clamp: false,
+            bf16: false,
+            rank: 0,
+        },
+        TkgCase {
+            sizes: [1, 8, 2, 2, 1, 4],
+            all_expert: true,
+            post_scale: false,
+            mask: false,
+            biases: true,
+            eager: false,
+            clamp: true,
+            bf16: false,
+            rank: 0,
+        },
+    ];
+    let reference = BackendKind::Reference.create();
+    for (n, case) in cases.iter().enumerate() {
+        let (tensors, params) = case.tensors(n as u64);
+        let dir = workdir(&format!("moe_tkg_{n}"));
+        let neuron = backend_with(
+            &dir,
+            &[(
+                "moe_tkg.neff",
+                case.neff(&tensors, &params),
+                case.entry(&params),
+            )],
+        );
+        assert!(neuron.supports(Kernel::MoeTkg).unwrap());
+        let get = |spec: &TensorSpec| {
+            tensors
+                .iter()
+                .find(|(name, _)| *name == spec.name)
+                .map(|(_, tensor)| tensor)
+        };
+        let call = MoeTkg::new(MoeTkgInputs::from_named(get).unwrap(), params)
+            .unwrap()
+            .with_output_dtype(OutputDType::Float32);
+        let got = neuron.moe_tkg(&call).unwrap().output;
+        let want = reference.moe_tkg(&call).unwrap().output;
+        let expected = f32s(&want);
+        assert_close(
+            "output",
+            &f32s(&got),
+            &expected,
+            1e-5,
+            1e-5 * scale(&expected),
+        )
+        .unwrap();
+        let timed = neuron.time_repeated(KernelCall::MoeTkg(&call), 2).unwrap();
+        assert!(timed.is_some());
+
+        let [t, h, e, local, k, i] = case.sizes;
+        if local < e {
+            // `moekit check` feeds NEFFs whole layers: a shard of the experts it cannot.
+            let err = neuron.fixed_shapes().unwrap_err().to_string();
+            assert!(err.contains("e_local is not e = 6"), "{err}");
+            continue;
+        }
+        let shapes = neuron.fixed_shapes().unwrap().unwrap().shapes;
+        assert_eq!(shapes[0].kernel, Kernel::MoeTkg);
+        assert_eq!((shapes[0].sizes.t, shapes[0].sizes.h), (t, h));
+        assert_eq!(
+            (shapes[0].sizes.e, shapes[0].sizes.k, shapes[0].sizes.i),
+            (e, k, i)
+        );
+        assert_eq!(shapes[0].params.is_all_expert, Some(case.all_expert));
+        assert_eq!(
+            shapes[0].params.scaling_mode,
+            Some(params.expert_affinities_scaling_mode)
+        );
+    }
+    // A call whose options the entry does not register is an error naming the manifest.
+    let case = &cases[0];
+    let (tensors, params) = case.tensors(9);
+    let dir = workdir("moe_tkg_no_entry");
+    let neuron = backend_with(
+        &dir,
+        &[(
+            "moe_tkg.neff",
+            case.neff(&tensors, &params),
+            case.entry(&params),
+        )],
+    );
+    let get = |spec: &TensorSpec| {
+        tensors
+            .iter()
+            .find(|(name, _)| *name == spec.name)
+            .map(|(_, tensor)| tensor)
+    };
+    let other = MoeTkgParams {
+        activation_fn: ActFnType::Silu,
+        ..params
+    };
+    let call = MoeTkg::new(MoeTkgInputs::from_named(get).unwrap(), other).unwrap();
+    let err = neuron.moe_tkg(&call).unwrap_err().to_string();
+    assert!(
+        err.contains("kernels.toml") && err.contains("activation_fn"),
+        "{err}"
+    );
 }

@@ -10,8 +10,8 @@
  * computation to run:
  *
  *     moekit-fake-neff 1
- *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, or copy: each output = the
- *                                    same-index input)
+ *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, moe_tkg, or copy: each
+ *                                    output = the same-index input)
  *     param act_fn SOFTMAX          (router_topk: SOFTMAX | SIGMOID)
  *     param router_pre_norm 1       (router_topk: 1 = ACT1, the default | 0 = ACT2)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
@@ -27,11 +27,21 @@
  *                                    and −1 in padding slots | 0, the default: [T+1, H], T)
  *     param is_tensor_update_accumulating 0  (blockwise_mm: 0 stores each slot's row of output
  *                                    instead of adding it | 1, the default)
+ *     param is_all_expert 1         (moe_tkg: 1 = every expert held for every token | 0 = each
+ *                                    token's K, the default; with it, also activation_fn (the
+ *                                    ActFnType members), expert_affinities_scaling_mode (NO_SCALE
+ *                                    or POST_SCALE: moe_tkg's stand-ins name it), the gate_ / up_
+ *                                    clamp limits and mask_unselected_experts 0 | 1)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
  *     output router_logits f32 4 4
  *
+ * moe_tkg takes hidden_input [T, H], expert_gate_up_weights [E_L, H, 2, I], expert_down_weights
+ * [E_L, I, H], expert_affinities [T, E] and expert_index [T, K] (i32), optionally rank_id [1, 1]
+ * (i32; all-expert POST_SCALE reads columns rank_id·E_L.. of the affinities), expert_gate_up_bias
+ * [E_L, 2, I], expert_down_bias [E_L, H] and expert_affinities_eager [T, K], and returns output
+ * [T, H]; an expert id or rank_id out of range is NRT_EXEC_OOB.
  * blockwise_mm takes the optional inputs gate_and_up_proj_bias and down_proj_bias, and
  * blockwise_mm_bwd the optional outputs gate_and_up_proj_bias_grad and down_proj_bias_grad.
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
@@ -73,7 +83,7 @@ struct nrt_tensor_set {
     binding_t *head;
 };
 
-typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM, KERNEL_BLOCKWISE_MM_BWD } kernel_t;
+typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM, KERNEL_BLOCKWISE_MM_BWD, KERNEL_MOE_TKG } kernel_t;
 
 /* nki-library's ActFnType members, in its order. */
 static const char *const ACT_FN_NAMES[] = {"SiLU", "GELU", "GELU_Tanh_Approx", "Swish", "ReLU", "SquaredReLU"};
@@ -135,6 +145,8 @@ struct nrt_model {
     int scaling; /* an index into SCALE_MODE_NAMES; 0 is POST_SCALE */
     int skip_token;   /* hidden_states [T, H], −1 in padding slots */
     int store_blocks; /* is_tensor_update_accumulating = 0 */
+    int all_expert;   /* moe_tkg: is_all_expert */
+    int mask_unselected; /* moe_tkg: mask_unselected_experts */
     /* The blockwise clamp limits: [0 gate | 1 up][0 lower | 1 upper], where has_clamp is set. */
     double clamp[2][2];
     int has_clamp[2][2];
@@ -291,6 +303,22 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                 has_shape(m, "gate_and_up_proj_bias_grad", out, 3, gub)) &&
                (find_decl(m, "down_proj_bias_grad", out) == NULL || has_shape(m, "down_proj_bias_grad", out, 2, db));
     }
+    if (m->kernel == KERNEL_MOE_TKG) {
+        uint32_t t = dim(m, "hidden_input", in, 0), h = dim(m, "hidden_input", in, 1);
+        uint32_t el = dim(m, "expert_gate_up_weights", in, 0), i = dim(m, "expert_gate_up_weights", in, 3);
+        uint32_t e = dim(m, "expert_affinities", in, 1), k = dim(m, "expert_index", in, 1);
+        uint32_t gu[4] = {el, h, 2, i}, dn[3] = {el, i, h}, te[2] = {t, e}, tk[2] = {t, k}, th[2] = {t, h};
+        uint32_t one[2] = {1, 1}, gub[3] = {el, 2, i}, db[2] = {el, h};
+        return t > 0 && h > 0 && el > 0 && i > 0 && e >= el && k > 0 &&
+               has_shape(m, "expert_gate_up_weights", in, 4, gu) && has_shape(m, "expert_down_weights", in, 3, dn) &&
+               has_shape(m, "expert_affinities", in, 2, te) && has_shape(m, "expert_index", in, 2, tk) &&
+               has_shape(m, "output", out, 2, th) &&
+               (find_decl(m, "rank_id", in) == NULL || has_shape(m, "rank_id", in, 2, one)) &&
+               (find_decl(m, "expert_gate_up_bias", in) == NULL || has_shape(m, "expert_gate_up_bias", in, 3, gub)) &&
+               (find_decl(m, "expert_down_bias", in) == NULL || has_shape(m, "expert_down_bias", in, 2, db)) &&
+               (find_decl(m, "expert_affinities_eager", in) == NULL ||
+                has_shape(m, "expert_affinities_eager", in, 2, tk));
+    }
     if (m->kernel == KERNEL_BLOCKWISE_MM) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
@@ -395,6 +423,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(value, "router_topk") == 0) m->kernel = KERNEL_ROUTER_TOPK;
             else if (strcmp(value, "blockwise_mm") == 0) m->kernel = KERNEL_BLOCKWISE_MM;
             else if (strcmp(value, "blockwise_mm_bwd") == 0) m->kernel = KERNEL_BLOCKWISE_MM_BWD;
+            else if (strcmp(value, "moe_tkg") == 0) m->kernel = KERNEL_MOE_TKG;
             else status = NRT_INVALID;
         } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
             int flag = strcmp(value, "0") == 0 || strcmp(value, "1") == 0;
@@ -405,7 +434,10 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(name, "x_hbm_layout") == 0 && flag) m->x_h_t = value[0] == '0';
             else if (strcmp(name, "skip_token") == 0 && flag) m->skip_token = value[0] == '1';
             else if (strcmp(name, "is_tensor_update_accumulating") == 0 && flag) m->store_blocks = value[0] == '0';
-            else if (strcmp(name, "activation_function") == 0 || strcmp(name, "activation_type") == 0) {
+            else if (strcmp(name, "is_all_expert") == 0 && flag) m->all_expert = value[0] == '1';
+            else if (strcmp(name, "mask_unselected_experts") == 0 && flag) m->mask_unselected = value[0] == '1';
+            else if (strcmp(name, "activation_function") == 0 || strcmp(name, "activation_type") == 0 ||
+                     strcmp(name, "activation_fn") == 0) {
                 m->act_fn = -1;
                 for (int f = 0; f < ACT_FN_COUNT; f++)
                     if (strcmp(value, ACT_FN_NAMES[f]) == 0) m->act_fn = f;
@@ -958,6 +990,81 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
     return status;
 }
 
+/* moe_tkg: each token through its routes' experts (its K, or every expert held), each output
+ * weighted (NO_SCALE: 1; POST_SCALE: the affinity, eager or gathered, masked by the selection
+ * count in all-expert mode) and summed in f64. */
+static NRT_STATUS run_moe_tkg(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t t = dim(m, "hidden_input", in, 0), h = dim(m, "hidden_input", in, 1);
+    size_t el = dim(m, "expert_gate_up_weights", in, 0), inter = dim(m, "expert_gate_up_weights", in, 3);
+    size_t e = dim(m, "expert_affinities", in, 1), k = dim(m, "expert_index", in, 1);
+    nrt_dtype_t dx, dg, dd, da, di, dout, dr = NRT_DTYPE_INT32, dgb = NRT_DTYPE_FLOAT32, ddb = NRT_DTYPE_FLOAT32;
+    nrt_dtype_t dea = NRT_DTYPE_FLOAT32;
+    nrt_tensor_t *x = bound(b, "hidden_input", in, &dx), *gu = bound(b, "expert_gate_up_weights", in, &dg);
+    nrt_tensor_t *down = bound(b, "expert_down_weights", in, &dd), *aff = bound(b, "expert_affinities", in, &da);
+    nrt_tensor_t *index = bound(b, "expert_index", in, &di), *output = bound(b, "output", out, &dout);
+    nrt_tensor_t *rank_id = bound(b, "rank_id", in, &dr), *gu_bias = bound(b, "expert_gate_up_bias", in, &dgb);
+    nrt_tensor_t *down_bias = bound(b, "expert_down_bias", in, &ddb);
+    nrt_tensor_t *eager = bound(b, "expert_affinities_eager", in, &dea);
+    int post_scale = m->scaling == 0;
+    size_t first = 0, routes = m->all_expert ? el : k;
+    if (m->all_expert && post_scale) {
+        double rank = rank_id != NULL ? load(rank_id, dr, 0) : -1.0;
+        if (!(rank >= 0 && (rank + 1.0) * (double)el <= (double)e)) return NRT_EXEC_OOB;
+        first = (size_t)rank * el;
+    }
+    for (size_t i = 0; i < t * k; i++) {
+        double id = load(index, di, i);
+        if (!(id >= 0 && id < (double)(m->all_expert ? e : el))) return NRT_EXEC_OOB;
+    }
+    double *acc = calloc(t * h, sizeof *acc), *act = malloc(inter * sizeof *act);
+    if (acc == NULL || act == NULL) {
+        free(acc), free(act);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    for (size_t tok = 0; tok < t; tok++) {
+        for (size_t route = 0; route < routes; route++) {
+            size_t ex = m->all_expert ? route : (size_t)load(index, di, tok * k + route);
+            double weight = 1.0;
+            if (post_scale && m->all_expert) {
+                weight = load(aff, da, tok * e + first + ex);
+                if (m->mask_unselected) {
+                    double count = 0.0;
+                    for (size_t slot = 0; slot < k; slot++) count += load(index, di, tok * k + slot) == (double)(first + ex);
+                    weight *= count;
+                }
+            } else if (post_scale) {
+                weight = eager != NULL ? load(eager, dea, tok * k + route) : load(aff, da, tok * e + ex);
+            }
+            if (weight == 0.0) continue;
+            for (size_t j = 0; j < inter; j++) {
+                double gate = 0.0, up = 0.0;
+                for (size_t c = 0; c < h; c++) {
+                    double xv = load(x, dx, tok * h + c);
+                    gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
+                    up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
+                }
+                if (gu_bias != NULL) {
+                    gate += load(gu_bias, dgb, (ex * 2 + 0) * inter + j);
+                    up += load(gu_bias, dgb, (ex * 2 + 1) * inter + j);
+                }
+                double unused;
+                act[j] = gate_act(m->act_fn, clamp_apply(m, 0, gate), &unused) * clamp_apply(m, 1, up);
+            }
+            for (size_t c = 0; c < h; c++) {
+                double y = 0.0;
+                for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
+                if (down_bias != NULL) y += load(down_bias, ddb, ex * h + c);
+                acc[tok * h + c] += weight * y;
+            }
+        }
+    }
+    for (size_t i = 0; i < t * h; i++) store(output, dout, i, acc[i]);
+    free(acc), free(act);
+    return NRT_SUCCESS;
+}
+
 static NRT_STATUS run_copy(const bound_t *b) {
     const nrt_model_t *m = b->model;
     int next_input = 0;
@@ -998,6 +1105,7 @@ static NRT_STATUS execute(nrt_model_t *model, const nrt_tensor_set_t *input_set,
         case KERNEL_ROUTER_TOPK: s = run_router_topk(&b); break;
         case KERNEL_BLOCKWISE_MM: s = run_blockwise_mm(&b); break;
         case KERNEL_BLOCKWISE_MM_BWD: s = run_blockwise_mm_bwd(&b); break;
+        case KERNEL_MOE_TKG: s = run_moe_tkg(&b); break;
         default: s = run_copy(&b); break;
         }
     }

@@ -35,7 +35,7 @@ use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, U
 use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
 use crate::contracts::tensors::{
-    blockwise_mm as fwd, blockwise_mm_bwd as bwd, router_topk as router,
+    blockwise_mm as fwd, blockwise_mm_bwd as bwd, moe_tkg as tkg, router_topk as router,
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
@@ -704,6 +704,72 @@ fn blockwise_mm_bwd_call<'a>(call: &BlockwiseMmBwd<'a>) -> Call<'a> {
     }
 }
 
+/// The manifest key of a `moe_tkg` call.
+fn moe_tkg_key(call: &MoeTkg<'_>) -> Vec<(&'static str, Value)> {
+    let (inputs, dims, params) = (call.inputs(), call.dims(), call.params());
+    [
+        ("t", Value::Int(dims.t)),
+        ("h", Value::Int(dims.h)),
+        ("e", Value::Int(dims.e)),
+        ("e_local", Value::Int(dims.e_local)),
+        (Param::K.name(), Value::Int(dims.k)),
+        ("i", Value::Int(dims.i)),
+        (Param::IsAllExpert.name(), Value::Bool(params.is_all_expert)),
+        (
+            Param::ExpertAffinitiesScalingMode.name(),
+            Value::Str(params.expert_affinities_scaling_mode.to_string()),
+        ),
+        (
+            Param::ActivationFn.name(),
+            Value::Str(params.activation_fn.to_string()),
+        ),
+        (
+            Param::MaskUnselectedExperts.name(),
+            Value::Bool(params.mask_unselected_experts),
+        ),
+        (
+            tkg::EXPERT_GATE_UP_BIAS.name,
+            Value::Bool(inputs.expert_gate_up_bias.is_some()),
+        ),
+        (
+            tkg::EXPERT_DOWN_BIAS.name,
+            Value::Bool(inputs.expert_down_bias.is_some()),
+        ),
+        (
+            tkg::EXPERT_AFFINITIES_EAGER.name,
+            Value::Bool(inputs.expert_affinities_eager.is_some()),
+        ),
+    ]
+    .into_iter()
+    .chain(limit_keys(
+        [
+            Param::GateClampLowerLimit,
+            Param::GateClampUpperLimit,
+            Param::UpClampLowerLimit,
+            Param::UpClampUpperLimit,
+        ],
+        params.clamp,
+    ))
+    .collect()
+}
+
+fn moe_tkg_call<'a>(call: &MoeTkg<'a>) -> Call<'a> {
+    let (dims, params) = (call.dims(), call.params());
+    // nki-library's kernel reads `rank_id` in all-expert POST_SCALE only (and requires it there).
+    let takes_rank = params.is_all_expert && params.scales();
+    Call {
+        kernel: Kernel::MoeTkg,
+        key: moe_tkg_key(call),
+        inputs: call
+            .inputs()
+            .named()
+            .into_iter()
+            .filter(|(spec, _)| takes_rank || spec.name != tkg::RANK_ID.name)
+            .collect(),
+        outputs: vec![OutputSpec::new(&tkg::OUTPUT, &[dims.t, dims.h], true)],
+    }
+}
+
 /// `expert_index` as produced by a NEFF, checked to hold expert ids in `[0, E)`.
 fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Result<Vec<usize>> {
     let k = index.shape()[1];
@@ -812,6 +878,7 @@ impl Backend for NeuronBackend {
                 nki_weights(call.params().weight_layout)?;
                 blockwise_mm_bwd_call(call)
             }
+            KernelCall::MoeTkg(call) => moe_tkg_call(call),
             other => return Err(unsupported(other.kernel())),
         };
         let repeats = i32::try_from(repeats)
@@ -892,8 +959,11 @@ impl Backend for NeuronBackend {
         Err(unsupported(Kernel::A2avRouting))
     }
 
-    fn moe_tkg(&self, _call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
-        Err(unsupported(Kernel::MoeTkg))
+    fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
+        let mut out = self.run(&moe_tkg_call(call), Execution::Once)?.outputs;
+        call.cast_outputs(MoeTkgOutputs {
+            output: take(&mut out, &tkg::OUTPUT)?,
+        })
     }
 
     fn permute_bwd(&self, _call: &PermuteBwd<'_>) -> Result<PermuteGrads> {

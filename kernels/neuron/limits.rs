@@ -66,6 +66,19 @@ const BLOCKWISE_MM_BWD: &[Limit] = &[Limit {
     needs: "block_size 128, 256, 512 or 1024",
 }];
 
+const MOE_TKG: &[Limit] = &[
+    Limit {
+        key: "k",
+        passes: |k| k <= 16,
+        needs: "k ≤ 16",
+    },
+    Limit {
+        key: "h",
+        passes: |h| h % 256 == 0,
+        needs: "H a multiple of 256 (H/128 shared by two cores)",
+    },
+];
+
 /// The limits `entry`'s shape breaks, each as a sentence naming the key, its value and what
 /// nki-library's kernel needs. Keys the entry leaves out are not checked.
 pub fn broken_limits(entry: &Entry) -> Vec<String> {
@@ -73,6 +86,7 @@ pub fn broken_limits(entry: &Entry) -> Vec<String> {
         Kernel::RouterTopk => ROUTER_TOPK,
         Kernel::BlockwiseMm => MOE_CTE,
         Kernel::BlockwiseMmBwd => BLOCKWISE_MM_BWD,
+        Kernel::MoeTkg => MOE_TKG,
         _ => &[],
     };
     limits

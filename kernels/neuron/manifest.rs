@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::contracts::tensors::{blockwise_mm, router_topk};
+use crate::contracts::tensors::{blockwise_mm, moe_tkg, router_topk};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
 
@@ -133,13 +133,41 @@ const BLOCKWISE_MM_BWD_KEYS: &[(&str, ValueKind)] = &[
     (Param::IsTensorUpdateAccumulating.name(), ValueKind::Bool),
 ];
 
+/// `moe_tkg`'s keys.
+const MOE_TKG_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    // E, the experts over all ranks (`expert_affinities`' columns), and E_L, those held here.
+    ("e", ValueKind::Int),
+    ("e_local", ValueKind::Int),
+    (Param::K.name(), ValueKind::Int),
+    ("i", ValueKind::Int),
+    (Param::IsAllExpert.name(), ValueKind::Bool),
+    // NO_SCALE or POST_SCALE.
+    (Param::ExpertAffinitiesScalingMode.name(), ValueKind::Str),
+    (Param::ActivationFn.name(), ValueKind::Str),
+    (Param::MaskUnselectedExperts.name(), ValueKind::Bool),
+    // Whether the NEFF takes the optional inputs (`rank_id` goes to all-expert POST_SCALE
+    // NEFFs, which require it, and to no other).
+    (moe_tkg::EXPERT_GATE_UP_BIAS.name, ValueKind::Bool),
+    (moe_tkg::EXPERT_DOWN_BIAS.name, ValueKind::Bool),
+    (moe_tkg::EXPERT_AFFINITIES_EAGER.name, ValueKind::Bool),
+    (Param::GateClampLowerLimit.name(), ValueKind::Limit),
+    (Param::GateClampUpperLimit.name(), ValueKind::Limit),
+    (Param::UpClampLowerLimit.name(), ValueKind::Limit),
+    (Param::UpClampUpperLimit.name(), ValueKind::Limit),
+];
+
 /// What a call must have for a key an entry leaves out where leaving it out means the NEFF was
 /// compiled with nki-library's default: no clamp limit, `skip_token` false,
-/// `is_tensor_update_accumulating` true. Other keys an entry leaves out match any value.
+/// `is_tensor_update_accumulating` true, `mask_unselected_experts` false. Other keys an entry
+/// leaves out match any value.
 fn implied_default(name: &str, kind: ValueKind) -> Option<Value> {
     match kind {
         ValueKind::Limit => Some(Value::limit(None)),
-        _ if name == Param::SkipToken.name() => Some(Value::Bool(false)),
+        _ if name == Param::SkipToken.name() || name == Param::MaskUnselectedExperts.name() => {
+            Some(Value::Bool(false))
+        }
         _ if name == Param::IsTensorUpdateAccumulating.name() => Some(Value::Bool(true)),
         _ => None,
     }
@@ -152,6 +180,7 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
         Kernel::RouterTopk => Some(ROUTER_TOPK_KEYS),
         Kernel::BlockwiseMm => Some(BLOCKWISE_MM_KEYS),
         Kernel::BlockwiseMmBwd => Some(BLOCKWISE_MM_BWD_KEYS),
+        Kernel::MoeTkg => Some(MOE_TKG_KEYS),
         _ => None,
     }
 }

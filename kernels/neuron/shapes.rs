@@ -2,9 +2,10 @@
 //! entry's calls come from and the kernel parameters it was compiled with, so a tool can feed
 //! every NEFF a call it runs (what `moekit check` does on the `neuron` backend).
 //!
-//! Entries must name every size: `t`, `h`, `e`, `k` (`router_topk`) or `t`, `h`, `e`, `i`,
+//! Entries must name every size: `t`, `h`, `e`, `k` (`router_topk`), `t`, `h`, `e`, `i`,
 //! `block_size`, `num_blocks` (the blockwise kernels; K is the smallest top-k whose static block
-//! count is `num_blocks`).
+//! count is `num_blocks`) or `t`, `h`, `e`, `k`, `i` (`moe_tkg`, whose checks hold every expert:
+//! `e_local`, where given, must be `e`).
 
 use super::limits::broken_limits;
 use super::manifest::{Entry, Manifest, Value};
@@ -73,6 +74,42 @@ impl Manifest {
                     )),
                     norm_topk_prob: Some(flag("norm_topk_prob")),
                     x_hbm_layout: Some(x_hbm_layout),
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+            Kernel::MoeTkg => {
+                let (e, k) = (int("e")?, int("k")?);
+                if matches!(entry.params.get("e_local"), Some(&Value::Int(held)) if held != e) {
+                    return Err(error(format!(
+                        "`check` runs moe_tkg with every expert held, but e_local is not e = {e}"
+                    )));
+                }
+                let sizes = LayerSizes {
+                    t: int("t")?,
+                    h: int("h")?,
+                    e,
+                    k,
+                    i: int("i")?,
+                    b: 1,
+                };
+                let scaling = match entry.params.get("expert_affinities_scaling_mode") {
+                    Some(Value::Str(name)) => Some(ExpertAffinityScaleMode::parse(
+                        "expert_affinities_scaling_mode",
+                        name,
+                    )?),
+                    _ => None,
+                };
+                let activation_fn = match entry.params.get("activation_fn") {
+                    Some(Value::Str(name)) => Some(ActFnType::parse("activation_fn", name)?),
+                    _ => None,
+                };
+                let params = Params {
+                    k: Some(k),
+                    is_all_expert: Some(flag("is_all_expert")),
+                    scaling_mode: scaling,
+                    activation_fn,
+                    mask_unselected_experts: Some(flag("mask_unselected_experts")),
                     ..Params::default()
                 };
                 (sizes, params)
