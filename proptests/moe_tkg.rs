@@ -10,6 +10,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use common::*;
 use moekit::contracts::{ActFnType, ExpertAffinityScaleMode};
@@ -118,8 +119,17 @@ impl Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
+    case_with(1..10, 1..20, 1..10)
+}
+
+/// Cases of `tokens` T, H in `hidden`, I in `intermediate`, every option drawn.
+fn case_with(
+    tokens: Range<usize>,
+    hidden: Range<usize>,
+    intermediate: Range<usize>,
+) -> impl Strategy<Value = Case> {
     (
-        (1usize..10, 1usize..20, 1usize..10, 1usize..6, 1usize..4),
+        (tokens, hidden, intermediate, 1usize..6, 1usize..4),
         (any::<[bool; 8]>(), 0..ActFnType::ALL.len()),
         any::<u64>(),
     )
@@ -350,6 +360,16 @@ proptest! {
 
     #[test]
     fn cpu_results_do_not_depend_on_the_thread_count(c in case()) {
+        bit_identical_across_thread_counts(&c);
+    }
+
+    /// Widths past the cpu backend's 64-column register strips, over several panels of 8 rows,
+    /// with odd row counts and a partial last strip.
+    #[test]
+    fn wide_experts_match_the_dense_oracle(c in case_with(1..6, 60..140, 30..70)) {
+        let want = oracle(&c);
+        let cpu = run(BackendKind::Cpu, &c).unwrap();
+        assert_close("cpu", &cpu.to_f64_vec(), &want, 1e-4, 1e-4 * scale(&want))?;
         bit_identical_across_thread_counts(&c);
     }
 }

@@ -29,8 +29,8 @@
  *                                    instead of adding it | 1, the default)
  *     param is_all_expert 1         (moe_tkg: 1 = every expert held for every token | 0 = each
  *                                    token's K, the default; with it, also activation_fn (the
- *                                    ActFnType members), expert_affinities_scaling_mode (NO_SCALE
- *                                    or POST_SCALE: moe_tkg's stand-ins name it), the gate_ / up_
+ *                                    ActFnType members), expert_affinities_scaling_mode (NO_SCALE,
+ *                                    moe_tkg's default, or POST_SCALE), the gate_ / up_
  *                                    clamp limits and mask_unselected_experts 0 | 1)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
@@ -41,7 +41,8 @@
  * [E_L, I, H], expert_affinities [T, E] and expert_index [T, K] (i32), optionally rank_id [1, 1]
  * (i32; all-expert POST_SCALE reads columns rank_id·E_L.. of the affinities), expert_gate_up_bias
  * [E_L, 2, I], expert_down_bias [E_L, H] and expert_affinities_eager [T, K], and returns output
- * [T, H]; an expert id or rank_id out of range is NRT_EXEC_OOB.
+ * [T, H]; an expert id out of range, or a rank_id out of range where it is read (all-expert
+ * POST_SCALE), is NRT_EXEC_OOB. Its scaling mode defaults to NO_SCALE, as moe_tkg's does.
  * blockwise_mm takes the optional inputs gate_and_up_proj_bias and down_proj_bias, and
  * blockwise_mm_bwd the optional outputs gate_and_up_proj_bias_grad and down_proj_bias_grad.
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
@@ -395,7 +396,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
     memcpy(text, bytes, size);
     text[size] = '\0';
     NRT_STATUS status = NRT_SUCCESS;
-    int line_no = 0, have_kernel = 0;
+    int line_no = 0, have_kernel = 0, have_scaling = 0;
     char *save = NULL;
     memset(m, 0, sizeof *m);
     for (char *line = strtok_r(text, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save), line_no++) {
@@ -449,6 +450,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
                 m->clamp[which][bound_index] = limit;
                 m->has_clamp[which][bound_index] = 1;
             } else if (strcmp(name, "expert_affinities_scaling_mode") == 0) {
+                have_scaling = 1;
                 m->scaling = -1;
                 for (int s = 0; s < SCALE_MODE_COUNT; s++)
                     if (strcmp(value, SCALE_MODE_NAMES[s]) == 0) m->scaling = s;
@@ -483,6 +485,8 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
         if (status != NRT_SUCCESS) break;
     }
     free(text);
+    /* moe_tkg's default is NO_SCALE (the blockwise kernels': POST_SCALE, index 0). */
+    if (m->kernel == KERNEL_MOE_TKG && !have_scaling) m->scaling = 1;
     if (status == NRT_SUCCESS && line_no == 0) status = NRT_INVALID;
     if (status == NRT_SUCCESS && (!have_kernel || !kernel_tensors_consistent(m))) status = NRT_INVALID;
     return status;

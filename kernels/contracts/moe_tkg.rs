@@ -24,12 +24,14 @@
 //!   an expert the token did not select). `expert_affinities_eager` is refused in this mode.
 //!
 //! PRE_SCALE and PRE_SCALE_DELAYED are refused, with nki-library's reasons. nki-library's
-//! device limits (T ≤ 128 in selective mode, K ≤ 16, H a multiple of 128 or 256, I per core)
-//! bound its compiled kernels, not the host backends, which run any size.
+//! device limits (T ≤ 128 but for its MX all-expert kernel, K ≤ 16 in selective mode, H a
+//! multiple of 128, of 256 where its two cores split H) bound its compiled kernels, not the
+//! host backends, which run any size.
 //!
 //! Checked on every call: shapes and dtypes, finite floats, expert ids in `[0, E_L)`
-//! (selective) or `[0, E)` (all-expert), `rank_id` within `E / E_L` ranks, and the clamp
-//! limits.
+//! (selective) or `[0, E)` (all-expert), the clamp limits, and, where it is read (all-expert
+//! POST_SCALE), `rank_id` within the `E / E_L` ranks (other modes ignore its value, as
+//! nki-library's kernel does).
 //!
 //! Error bound (reference backend): computed in f64 from the inputs (bf16 widened exactly),
 //! rounded once to f32. nki-library's kernel rounds `act(gate) ⊙ up`, each expert's output and

@@ -70,6 +70,10 @@ pub fn product(dst: &mut [f32], a: &[f32], w: Floats<'_>, (m, k, n): (usize, usi
         dst.len() == m * n && a.len() == m * k && w.len() == k * n,
         "skinny::product: operands not [m, k] · [k, n] → [m, n]"
     );
+    if k == 0 {
+        dst.fill(0.0);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx2.enabled() {
         // SAFETY (both arms): the active level is at most the detected one, so AVX2 and FMA
@@ -240,8 +244,11 @@ mod x86 {
                 let wp = w.add(p * n + first);
                 // The same columns of the next panel's row: read a panel ahead of their use.
                 let ahead = wp.wrapping_add(PANEL_ROWS * n).cast::<i8>();
-                for line in (0..8 * L * size_of::<W>()).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                // Every line the strip's bytes touch: the first at each 64 bytes from the start,
+                // and the line of the last byte (a strip need not start on a line).
+                let bytes = 8 * L * size_of::<W>();
+                for offset in (0..bytes).step_by(64).chain([bytes - 1]) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(offset));
                 }
                 let mut lanes = [_mm256_setzero_ps(); L];
                 for (j, lane) in lanes.iter_mut().enumerate() {
@@ -278,6 +285,7 @@ mod tests {
             (1, 1, 1),
             (1, 37, 300),
             (3, 64, 256),
+            (2, 0, 64),
             (2, 5, 64),
             (MAX_ROWS, 19, 513),
         ] {

@@ -68,14 +68,19 @@ const BLOCKWISE_MM_BWD: &[Limit] = &[Limit {
 
 const MOE_TKG: &[Limit] = &[
     Limit {
+        key: "t",
+        passes: |t| t <= 128,
+        needs: "T ≤ 128 (more only in its MX all-expert kernel)",
+    },
+    Limit {
         key: "k",
         passes: |k| k <= 16,
         needs: "k ≤ 16",
     },
     Limit {
         key: "h",
-        passes: |h| h % 256 == 0,
-        needs: "H a multiple of 256 (H/128 shared by two cores)",
+        passes: |h| h % 128 == 0,
+        needs: "H a multiple of 128 (of 256 where its two cores split H)",
     },
 ];
 

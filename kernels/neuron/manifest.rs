@@ -16,8 +16,10 @@
 //! ```
 //!
 //! A call runs the first entry of its kernel whose every key equals the call's value (a key an
-//! entry leaves out matches any value, except a clamp limit: an entry without it was compiled
-//! without that clamp, and matches only calls without it). Keys per kernel are listed by [`keys`]; an unknown key,
+//! entry leaves out matches any value, except those whose absence means nki-library's default:
+//! an entry without a clamp limit was compiled without that clamp, one without `skip_token`,
+//! `is_tensor_update_accumulating` or `mask_unselected_experts` with false, true and false,
+//! and each matches only calls with that default). Keys per kernel are listed by [`keys`]; an unknown key,
 //! kernel or value type is an error when the manifest is read.
 
 use std::collections::BTreeMap;
