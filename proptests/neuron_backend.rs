@@ -1432,6 +1432,21 @@ impl TkgCase {
         neff + &decl("output", "output", "f32", &[t, h])
     }
 
+    /// A backend on the fake whose manifest registers this case's stand-in NEFF, in a fresh
+    /// folder `name`.
+    fn backend(
+        &self,
+        name: &str,
+        tensors: &[(&'static str, Tensor)],
+        params: &MoeTkgParams,
+    ) -> NeuronBackend {
+        let neff = self.neff(tensors, params);
+        backend_with(
+            &workdir(name),
+            &[("moe_tkg.neff", neff, self.entry(params))],
+        )
+    }
+
     /// The manifest entry's keys.
     fn entry(&self, params: &MoeTkgParams) -> String {
         let [t, h, e, local, k, i] = self.sizes;
@@ -1453,6 +1468,16 @@ impl TkgCase {
                       up_clamp_lower_limit = -0.5\nup_clamp_upper_limit = 0.75\n";
         }
         entry
+    }
+}
+
+/// A lookup of `tensors` by contract name.
+fn named<'a>(tensors: &'a [(&'static str, Tensor)]) -> impl Fn(&TensorSpec) -> Option<&'a Tensor> {
+    move |spec| {
+        tensors
+            .iter()
+            .find(|(name, _)| *name == spec.name)
+            .map(|(_, tensor)| tensor)
     }
 }
 
@@ -1510,23 +1535,9 @@ fn moe_tkg_runs_its_neff_and_matches_the_reference() {
     let reference = BackendKind::Reference.create();
     for (n, case) in cases.iter().enumerate() {
         let (tensors, params) = case.tensors(n as u64);
-        let dir = workdir(&format!("moe_tkg_{n}"));
-        let neuron = backend_with(
-            &dir,
-            &[(
-                "moe_tkg.neff",
-                case.neff(&tensors, &params),
-                case.entry(&params),
-            )],
-        );
+        let neuron = case.backend(&format!("moe_tkg_{n}"), &tensors, &params);
         assert!(neuron.supports(Kernel::MoeTkg).unwrap());
-        let get = |spec: &TensorSpec| {
-            tensors
-                .iter()
-                .find(|(name, _)| *name == spec.name)
-                .map(|(_, tensor)| tensor)
-        };
-        let call = MoeTkg::new(MoeTkgInputs::from_named(get).unwrap(), params)
+        let call = MoeTkg::new(MoeTkgInputs::from_named(named(&tensors)).unwrap(), params)
             .unwrap()
             .with_output_dtype(OutputDType::Float32);
         let got = neuron.moe_tkg(&call).unwrap().output;
@@ -1566,26 +1577,12 @@ fn moe_tkg_runs_its_neff_and_matches_the_reference() {
     // A call whose options the entry does not register is an error naming the manifest.
     let case = &cases[0];
     let (tensors, params) = case.tensors(9);
-    let dir = workdir("moe_tkg_no_entry");
-    let neuron = backend_with(
-        &dir,
-        &[(
-            "moe_tkg.neff",
-            case.neff(&tensors, &params),
-            case.entry(&params),
-        )],
-    );
-    let get = |spec: &TensorSpec| {
-        tensors
-            .iter()
-            .find(|(name, _)| *name == spec.name)
-            .map(|(_, tensor)| tensor)
-    };
+    let neuron = case.backend("moe_tkg_no_entry", &tensors, &params);
     let other = MoeTkgParams {
         activation_fn: ActFnType::Silu,
         ..params
     };
-    let call = MoeTkg::new(MoeTkgInputs::from_named(get).unwrap(), other).unwrap();
+    let call = MoeTkg::new(MoeTkgInputs::from_named(named(&tensors)).unwrap(), other).unwrap();
     let err = neuron.moe_tkg(&call).unwrap_err().to_string();
     assert!(
         err.contains("kernels.toml") && err.contains("activation_fn"),

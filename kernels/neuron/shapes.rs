@@ -45,6 +45,18 @@ impl Manifest {
             ))),
         };
         let flag = |key: &str| matches!(entry.params.get(key), Some(Value::Bool(true)));
+        // An `ActFnType` or `ExpertAffinityScaleMode` member, where the entry names one.
+        let activation = |key: &str| match entry.params.get(key) {
+            Some(Value::Str(name)) => ActFnType::parse(key, name).map(Some),
+            _ => Ok(None),
+        };
+        let scaling = || {
+            const KEY: &str = "expert_affinities_scaling_mode";
+            match entry.params.get(KEY) {
+                Some(Value::Str(name)) => ExpertAffinityScaleMode::parse(KEY, name).map(Some),
+                _ => Ok(None),
+            }
+        };
         let (sizes, params) = match entry.kernel {
             Kernel::RouterTopk => {
                 let act_fn = match entry.params.get("act_fn") {
@@ -93,22 +105,11 @@ impl Manifest {
                     i: int("i")?,
                     b: 1,
                 };
-                let scaling = match entry.params.get("expert_affinities_scaling_mode") {
-                    Some(Value::Str(name)) => Some(ExpertAffinityScaleMode::parse(
-                        "expert_affinities_scaling_mode",
-                        name,
-                    )?),
-                    _ => None,
-                };
-                let activation_fn = match entry.params.get("activation_fn") {
-                    Some(Value::Str(name)) => Some(ActFnType::parse("activation_fn", name)?),
-                    _ => None,
-                };
                 let params = Params {
                     k: Some(k),
                     is_all_expert: Some(flag("is_all_expert")),
-                    scaling_mode: scaling,
-                    activation_fn,
+                    scaling_mode: scaling()?,
+                    activation_fn: activation("activation_fn")?,
                     mask_unselected_experts: Some(flag("mask_unselected_experts")),
                     ..Params::default()
                 };
@@ -140,22 +141,11 @@ impl Manifest {
                     i: int("i")?,
                     b,
                 };
-                let activation = |key: &str| match entry.params.get(key) {
-                    Some(Value::Str(name)) => ActFnType::parse(key, name).map(Some),
-                    _ => Ok(None),
-                };
-                let scaling = match entry.params.get("expert_affinities_scaling_mode") {
-                    Some(Value::Str(name)) => Some(ExpertAffinityScaleMode::parse(
-                        "expert_affinities_scaling_mode",
-                        name,
-                    )?),
-                    _ => None,
-                };
                 let params = Params {
                     checkpoint_activation: Some(flag("checkpoint_activation")),
                     activation_function: activation("activation_function")?,
                     activation_type: activation("activation_type")?,
-                    scaling_mode: scaling,
+                    scaling_mode: scaling()?,
                     skip_token: Some(flag("skip_token")),
                     is_tensor_update_accumulating: Some(accumulating),
                     ..Params::default()
