@@ -206,25 +206,6 @@ fn case_with(
         })
 }
 
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// nki-library's activations, from their definitions.
-fn activate(act: ActFnType, g: f64) -> f64 {
-    match act {
-        ActFnType::Silu => g * sigmoid(g),
-        ActFnType::Gelu => 0.5 * g * (1.0 + libm::erf(g / 2f64.sqrt())),
-        ActFnType::GeluTanhApprox => {
-            let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
-            0.5 * g * (1.0 + inner.tanh())
-        }
-        ActFnType::Swish => g * sigmoid(1.702 * g),
-        ActFnType::Relu => g.max(0.0),
-        ActFnType::SquaredRelu => g.max(0.0).powi(2),
-    }
-}
-
 /// `[T, E_L]`: how much of expert j's output token t receives, from the mode's definition.
 fn coefficients(c: &Case) -> Vec<Vec<f64>> {
     let (e, k) = (c.e(), c.k);

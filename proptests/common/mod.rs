@@ -7,7 +7,7 @@ pub mod ep_layer;
 pub mod rows_exchange;
 
 use moekit::Tensor;
-use moekit::contracts::WeightLayout;
+use moekit::contracts::{ActFnType, WeightLayout};
 use moekit::random::SplitMix64;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -240,5 +240,21 @@ fn same_dtype(like: &Tensor, shape: &[usize], values: &[f64]) -> Tensor {
     match like.dtype() {
         moekit::DType::BF16 => tensor.to_bf16(),
         _ => tensor,
+    }
+}
+
+/// The gate activations by their definitions (erf for GELU through libm's f64).
+pub fn activate(act_fn: ActFnType, g: f64) -> f64 {
+    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+    match act_fn {
+        ActFnType::Silu => g * sigmoid(g),
+        ActFnType::Gelu => 0.5 * g * (1.0 + libm::erf(g / 2f64.sqrt())),
+        ActFnType::GeluTanhApprox => {
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
+            0.5 * g * (1.0 + inner.tanh())
+        }
+        ActFnType::Swish => g * sigmoid(1.702 * g),
+        ActFnType::Relu => g.max(0.0),
+        ActFnType::SquaredRelu => g.max(0.0).powi(2),
     }
 }
