@@ -19,7 +19,8 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
-    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg,
+    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk,
     RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, WeightLayout,
 };
 use crate::error::Result;
@@ -80,6 +81,14 @@ pub trait Backend: Send + Sync {
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads>;
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs>;
     fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs>;
+    fn rmsnorm_router_topk_tkg(
+        &self,
+        call: &RmsNormRouterTopkTkg<'_>,
+    ) -> Result<RmsNormRouterTopkTkgOutputs>;
+    fn rmsnorm_router_topk_tkg_bwd(
+        &self,
+        call: &RmsNormRouterTopkTkgBwd<'_>,
+    ) -> Result<RmsNormRouterTopkTkgGrads>;
 }
 
 /// The agreement with the f64 reference a backend documents: an element passes when
@@ -134,6 +143,8 @@ pub enum KernelCall<'c, 'a> {
     BlockwiseMmBwd(&'c BlockwiseMmBwd<'a>),
     A2avRouting(&'c A2avRouting<'a>),
     MoeTkg(&'c MoeTkg<'a>),
+    RmsNormRouterTopkTkg(&'c RmsNormRouterTopkTkg<'a>),
+    RmsNormRouterTopkTkgBwd(&'c RmsNormRouterTopkTkgBwd<'a>),
 }
 
 impl KernelCall<'_, '_> {
@@ -150,6 +161,8 @@ impl KernelCall<'_, '_> {
             KernelCall::BlockwiseMmBwd(_) => Kernel::BlockwiseMmBwd,
             KernelCall::A2avRouting(_) => Kernel::A2avRouting,
             KernelCall::MoeTkg(_) => Kernel::MoeTkg,
+            KernelCall::RmsNormRouterTopkTkg(_) => Kernel::RmsNormRouterTopkTkg,
+            KernelCall::RmsNormRouterTopkTkgBwd(_) => Kernel::RmsNormRouterTopkTkgBwd,
         }
     }
 
@@ -168,6 +181,12 @@ impl KernelCall<'_, '_> {
             KernelCall::BlockwiseMmBwd(call) => backend.blockwise_mm_bwd(call).map(drop),
             KernelCall::A2avRouting(call) => backend.a2av_routing(call).map(drop),
             KernelCall::MoeTkg(call) => backend.moe_tkg(call).map(drop),
+            KernelCall::RmsNormRouterTopkTkg(call) => {
+                backend.rmsnorm_router_topk_tkg(call).map(drop)
+            }
+            KernelCall::RmsNormRouterTopkTkgBwd(call) => {
+                backend.rmsnorm_router_topk_tkg_bwd(call).map(drop)
+            }
         }
     }
 }

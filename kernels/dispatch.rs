@@ -10,8 +10,10 @@ use crate::contracts::{
     BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
     MoeTkg, MoeTkgInputs, MoeTkgParams, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
-    PermuteInputs, PermuteParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec,
+    PermuteInputs, PermuteParams, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgBwdInputs, RmsNormRouterTopkTkgInputs, RmsNormRouterTopkTkgParams,
+    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
+    RouterTopkParams, TensorSpec,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param, Params};
@@ -153,6 +155,26 @@ impl Kernel {
                 let call = MoeTkg::new(MoeTkgInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
                 backend.moe_tkg(&call)?.into_named()
+            }
+            Kernel::RmsNormRouterTopkTkg => {
+                let default = RmsNormRouterTopkTkgParams::default();
+                let params = RmsNormRouterTopkTkgParams {
+                    top_k: params.top_k.unwrap_or(default.top_k),
+                    quantization_type: params
+                        .quantization_type
+                        .unwrap_or(default.quantization_type),
+                    shared: params.rmsnorm_router(),
+                };
+                let inputs = RmsNormRouterTopkTkgInputs::from_named(get)?;
+                let call =
+                    RmsNormRouterTopkTkg::new(inputs, params)?.with_output_dtype(output_dtype);
+                backend.rmsnorm_router_topk_tkg(&call)?.into_named()
+            }
+            Kernel::RmsNormRouterTopkTkgBwd => {
+                let inputs = RmsNormRouterTopkTkgBwdInputs::from_named(get)?;
+                let call = RmsNormRouterTopkTkgBwd::new(inputs, params.rmsnorm_router())?
+                    .with_output_dtype(output_dtype);
+                backend.rmsnorm_router_topk_tkg_bwd(&call)?.into_named()
             }
         };
         Ok(outputs

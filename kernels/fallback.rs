@@ -9,7 +9,8 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
     LoadBalancingLossOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
-    PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
+    RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use crate::kernel::Kernel;
@@ -137,5 +138,21 @@ impl Backend for FallbackBackend {
 
     fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
         self.runner(Kernel::MoeTkg).moe_tkg(call)
+    }
+
+    fn rmsnorm_router_topk_tkg(
+        &self,
+        call: &RmsNormRouterTopkTkg<'_>,
+    ) -> Result<RmsNormRouterTopkTkgOutputs> {
+        self.runner(Kernel::RmsNormRouterTopkTkg)
+            .rmsnorm_router_topk_tkg(call)
+    }
+
+    fn rmsnorm_router_topk_tkg_bwd(
+        &self,
+        call: &RmsNormRouterTopkTkgBwd<'_>,
+    ) -> Result<RmsNormRouterTopkTkgGrads> {
+        self.runner(Kernel::RmsNormRouterTopkTkgBwd)
+            .rmsnorm_router_topk_tkg_bwd(call)
     }
 }

@@ -6,7 +6,8 @@ use std::str::FromStr;
 
 use crate::contracts::{
     ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
-    MoeTkgParams, OutputDType, PermuteParams, RouterActFnType, RouterPipeline, SkipMode,
+    MoeTkgParams, OutputDType, PermuteParams, QuantizationType, RmsNormRouterParams,
+    RmsNormRouterTopkTkgParams, RouterActFnType, RouterMmDType, RouterPipeline, SkipMode,
     TensorSpec, WeightLayout, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
@@ -42,6 +43,8 @@ pub enum Kernel {
     BlockwiseMmBwd,
     A2avRouting,
     MoeTkg,
+    RmsNormRouterTopkTkg,
+    RmsNormRouterTopkTkgBwd,
 }
 
 impl Kernel {
@@ -57,6 +60,8 @@ impl Kernel {
         Kernel::BlockwiseMmBwd,
         Kernel::A2avRouting,
         Kernel::MoeTkg,
+        Kernel::RmsNormRouterTopkTkg,
+        Kernel::RmsNormRouterTopkTkgBwd,
     ];
 
     pub fn name(self) -> &'static str {
@@ -76,6 +81,8 @@ impl Kernel {
             Kernel::BlockwiseMmBwd => &BLOCKWISE_MM_BWD,
             Kernel::A2avRouting => &A2AV_ROUTING,
             Kernel::MoeTkg => &MOE_TKG,
+            Kernel::RmsNormRouterTopkTkg => &RMSNORM_ROUTER_TOPK_TKG,
+            Kernel::RmsNormRouterTopkTkgBwd => &RMSNORM_ROUTER_TOPK_TKG_BWD,
         }
     }
 }
@@ -122,6 +129,13 @@ pub enum Param {
     IsAllExpert,
     ActivationFn,
     MaskUnselectedExperts,
+    TopK,
+    Eps,
+    HiddenActual,
+    QuantizationType,
+    RouterMmDType,
+    RouterActFn,
+    StoreEagerAffiOnly,
     OutputDType,
 }
 
@@ -135,6 +149,7 @@ impl Param {
         let forward = BlockwiseMmParams::default();
         let backward = BlockwiseMmBwdParams::default();
         let decode = MoeTkgParams::new(false);
+        let fused = RmsNormRouterTopkTkgParams::default();
         let limit = |limit: Option<f32>| limit.map_or_else(|| "none".to_owned(), |v| v.to_string());
         match self {
             Param::K | Param::NumExperts | Param::ExpertParallelDegree | Param::IsAllExpert => {
@@ -158,6 +173,14 @@ impl Param {
             }
             Param::ActivationFn => decode.activation_fn.to_string(),
             Param::MaskUnselectedExperts => decode.mask_unselected_experts.to_string(),
+            Param::TopK => fused.top_k.to_string(),
+            Param::Eps => fused.shared.eps.to_string(),
+            // The divisor of the mean of squares is H unless given.
+            Param::HiddenActual => "H".to_owned(),
+            Param::QuantizationType => fused.quantization_type.to_string(),
+            Param::RouterMmDType => fused.shared.router_mm_dtype.to_string(),
+            Param::RouterActFn => fused.shared.router_act_fn.to_string(),
+            Param::StoreEagerAffiOnly => fused.shared.store_eager_affi_only.to_string(),
             Param::GateClampLowerLimit => limit(forward.clamp.gate.lower),
             Param::GateClampUpperLimit => limit(forward.clamp.gate.upper),
             Param::UpClampLowerLimit => limit(forward.clamp.up.lower),
@@ -203,6 +226,13 @@ impl Param {
         Param::IsAllExpert,
         Param::ActivationFn,
         Param::MaskUnselectedExperts,
+        Param::TopK,
+        Param::Eps,
+        Param::HiddenActual,
+        Param::QuantizationType,
+        Param::RouterMmDType,
+        Param::RouterActFn,
+        Param::StoreEagerAffiOnly,
         Param::OutputDType,
     ];
 
@@ -236,6 +266,13 @@ impl Param {
             Param::IsAllExpert => "is_all_expert",
             Param::ActivationFn => "activation_fn",
             Param::MaskUnselectedExperts => "mask_unselected_experts",
+            Param::TopK => "top_k",
+            Param::Eps => "eps",
+            Param::HiddenActual => "hidden_actual",
+            Param::QuantizationType => QuantizationType::PARAM,
+            Param::RouterMmDType => RouterMmDType::PARAM,
+            Param::RouterActFn => "router_act_fn",
+            Param::StoreEagerAffiOnly => "store_eager_affi_only",
             Param::OutputDType => OutputDType::PARAM,
         }
     }
@@ -247,8 +284,13 @@ impl Param {
             | Param::NumExperts
             | Param::BlockSize
             | Param::NBlockPerIter
-            | Param::ExpertParallelDegree => "integer",
-            Param::ActFn => "SOFTMAX|SIGMOID",
+            | Param::ExpertParallelDegree
+            | Param::TopK
+            | Param::HiddenActual => "integer",
+            Param::ActFn | Param::RouterActFn => "SOFTMAX|SIGMOID",
+            Param::Eps => "number",
+            Param::QuantizationType => "NONE|MX",
+            Param::RouterMmDType => "bfloat16|float32",
             Param::XHbmLayout => "0 [H,T]|1 [T,H]",
             Param::ActivationFunction | Param::ActivationType | Param::ActivationFn => {
                 "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU"
@@ -271,7 +313,8 @@ impl Param {
             | Param::SkipToken
             | Param::IsTensorUpdateAccumulating
             | Param::IsAllExpert
-            | Param::MaskUnselectedExperts => "true|false",
+            | Param::MaskUnselectedExperts
+            | Param::StoreEagerAffiOnly => "true|false",
         }
     }
 }
@@ -310,6 +353,17 @@ pub struct Params {
     /// `moe_tkg`'s gate activation.
     pub activation_fn: Option<ActFnType>,
     pub mask_unselected_experts: Option<bool>,
+    /// `rmsnorm_router_topk_tkg`'s K.
+    pub top_k: Option<usize>,
+    /// The RMSNorm's epsilon.
+    pub eps: Option<f32>,
+    /// The RMSNorm's divisor where H is padded.
+    pub hidden_actual: Option<usize>,
+    pub quantization_type: Option<QuantizationType>,
+    pub router_mm_dtype: Option<RouterMmDType>,
+    /// `rmsnorm_router_topk_tkg`'s router activation (`router_topk`'s is `act_fn`).
+    pub router_act_fn: Option<RouterActFnType>,
+    pub store_eager_affi_only: Option<bool>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
 }
@@ -321,7 +375,7 @@ fn parse_count(param: Param, value: &str) -> Result<usize> {
         .map_err(|_| Error::param(param.name(), format!("expected an integer, got `{value}`")))
 }
 
-fn parse_limit(param: Param, value: &str) -> Result<f32> {
+fn parse_finite(param: Param, value: &str) -> Result<f32> {
     value
         .trim()
         .parse::<f32>()
@@ -388,6 +442,21 @@ impl Params {
         }
     }
 
+    /// The parameters `rmsnorm_router_topk_tkg` and its backward share, nki-library's defaults
+    /// where not given.
+    pub fn rmsnorm_router(&self) -> RmsNormRouterParams {
+        let default = RmsNormRouterParams::default();
+        RmsNormRouterParams {
+            eps: self.eps.unwrap_or(default.eps),
+            hidden_actual: self.hidden_actual,
+            router_mm_dtype: self.router_mm_dtype.unwrap_or(default.router_mm_dtype),
+            router_act_fn: self.router_act_fn.unwrap_or(default.router_act_fn),
+            store_eager_affi_only: self
+                .store_eager_affi_only
+                .unwrap_or(default.store_eager_affi_only),
+        }
+    }
+
     /// The `skip_dma` these parameters choose (`skip_token` false when not given).
     pub fn skip_dma(&self) -> SkipMode {
         SkipMode {
@@ -425,16 +494,16 @@ impl Params {
                 self.scaling_mode = Some(ExpertAffinityScaleMode::parse(name, value.trim())?)
             }
             Param::GateClampLowerLimit | Param::NonLinearClampLowerLimit => {
-                self.clamp.gate.lower = Some(parse_limit(param, value)?)
+                self.clamp.gate.lower = Some(parse_finite(param, value)?)
             }
             Param::GateClampUpperLimit | Param::NonLinearClampUpperLimit => {
-                self.clamp.gate.upper = Some(parse_limit(param, value)?)
+                self.clamp.gate.upper = Some(parse_finite(param, value)?)
             }
             Param::UpClampLowerLimit | Param::LinearClampLowerLimit => {
-                self.clamp.up.lower = Some(parse_limit(param, value)?)
+                self.clamp.up.lower = Some(parse_finite(param, value)?)
             }
             Param::UpClampUpperLimit | Param::LinearClampUpperLimit => {
-                self.clamp.up.upper = Some(parse_limit(param, value)?)
+                self.clamp.up.upper = Some(parse_finite(param, value)?)
             }
             Param::Bias => self.bias = Some(parse_bool(param, value)?),
             Param::SkipToken => self.skip_token = Some(parse_bool(param, value)?),
@@ -449,6 +518,22 @@ impl Params {
             Param::ActivationFn => self.activation_fn = Some(ActFnType::parse(name, value.trim())?),
             Param::MaskUnselectedExperts => {
                 self.mask_unselected_experts = Some(parse_bool(param, value)?)
+            }
+            Param::TopK => self.top_k = Some(parse_count(param, value)?),
+            Param::Eps => self.eps = Some(parse_finite(param, value)?),
+            Param::HiddenActual => self.hidden_actual = Some(parse_count(param, value)?),
+            Param::QuantizationType => self.quantization_type = Some(value.trim().parse()?),
+            Param::RouterMmDType => self.router_mm_dtype = Some(value.trim().parse()?),
+            Param::RouterActFn => {
+                self.router_act_fn = Some(value.trim().parse().map_err(|_| {
+                    Error::param(
+                        name,
+                        format!("expected SOFTMAX or SIGMOID (RouterActFnType), got `{value}`"),
+                    )
+                })?)
+            }
+            Param::StoreEagerAffiOnly => {
+                self.store_eager_affi_only = Some(parse_bool(param, value)?)
             }
             Param::OutputDType => self.output_dtype = Some(value.trim().parse()?),
         }
@@ -617,6 +702,38 @@ const MOE_TKG: KernelSpec = KernelSpec {
     ],
 };
 
+const RMSNORM_ROUTER_TOPK_TKG: KernelSpec = KernelSpec {
+    name: "rmsnorm_router_topk_tkg",
+    summary: "nki-library's fused decode RMSNorm + router: norm = x / sqrt(Σx²/hidden_actual + eps) ⊙ gamma (norm_output, router_mm_dtype), logits = norm · router_weights + router_bias, the top-K logits (ties to the lower id), router_act_fn over the K; bf16 affinities scattered [T, E], or [T, K] with store_eager_affi_only",
+    inputs: tensors::rmsnorm_router_topk_tkg::INPUTS,
+    outputs: tensors::rmsnorm_router_topk_tkg::OUTPUTS,
+    params: &[
+        (Param::TopK, ParamUse::Defaulted),
+        (Param::Eps, ParamUse::Defaulted),
+        (Param::HiddenActual, ParamUse::Defaulted),
+        (Param::QuantizationType, ParamUse::Defaulted),
+        (Param::RouterMmDType, ParamUse::Defaulted),
+        (Param::RouterActFn, ParamUse::Defaulted),
+        (Param::StoreEagerAffiOnly, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
+    ],
+};
+
+const RMSNORM_ROUTER_TOPK_TKG_BWD: KernelSpec = KernelSpec {
+    name: "rmsnorm_router_topk_tkg_bwd",
+    summary: "moekit's own: gradients of rmsnorm_router_topk_tkg w.r.t. hidden_states, gamma, router_weights and router_bias from d_expert_affinities (+ d_norm_output); the rounding to router_mm_dtype passed straight through",
+    inputs: tensors::rmsnorm_router_topk_tkg_bwd::INPUTS,
+    outputs: tensors::rmsnorm_router_topk_tkg_bwd::OUTPUTS,
+    params: &[
+        (Param::Eps, ParamUse::Defaulted),
+        (Param::HiddenActual, ParamUse::Defaulted),
+        (Param::RouterMmDType, ParamUse::Defaulted),
+        (Param::RouterActFn, ParamUse::Defaulted),
+        (Param::StoreEagerAffiOnly, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
+    ],
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -641,8 +758,9 @@ mod tests {
                     kernel.name(),
                     param.name()
                 );
-                // Limits print `none` (no clamp), B "the plan's B": not values to pass.
-                if value == "none" || param == Param::BlockSize {
+                // Limits print `none` (no clamp), B "the plan's B", `hidden_actual` "H": not
+                // values to pass.
+                if value == "none" || matches!(param, Param::BlockSize | Param::HiddenActual) {
                     continue;
                 }
                 let mut given = Params::default();
@@ -650,6 +768,7 @@ mod tests {
                     .set(param.name(), &value)
                     .unwrap_or_else(|e| panic!("`{}` = {value}: {e}", param.name()));
                 assert_eq!(given.router_pipeline(), Params::default().router_pipeline());
+                assert_eq!(given.rmsnorm_router(), Params::default().rmsnorm_router());
             }
         }
         // The typed defaults that the run path and the catalog both read.
@@ -677,5 +796,13 @@ mod tests {
         assert_eq!(decode.activation_fn, ActFnType::Silu);
         assert!(!decode.mask_unselected_experts);
         assert_eq!(forward.clamp, ClampLimits::default());
+        // rmsnorm_router_topk_tkg's: K = 1, eps 1e-6, bf16 router operands, SIGMOID, sparse.
+        let fused = RmsNormRouterTopkTkgParams::default();
+        assert_eq!(fused.top_k, 1);
+        assert_eq!(fused.quantization_type, QuantizationType::None);
+        assert_eq!(fused.shared.eps, 1e-6);
+        assert_eq!(fused.shared.router_mm_dtype, RouterMmDType::BFLOAT16);
+        assert_eq!(fused.shared.router_act_fn, RouterActFnType::Sigmoid);
+        assert!(!fused.shared.store_eager_affi_only && fused.shared.hidden_actual.is_none());
     }
 }

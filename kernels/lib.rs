@@ -89,6 +89,7 @@
 pub mod backend;
 pub mod backends;
 pub mod buffer;
+mod composed;
 pub mod contracts;
 pub mod cpu;
 mod dispatch;

@@ -319,6 +319,11 @@ impl Tensor {
         })
     }
 
+    /// The same elements under `shape`, which must hold as many, without copying.
+    pub fn reshaped(self, shape: impl Into<Vec<usize>>) -> Result<Tensor> {
+        Self::new(shape, self.storage)
+    }
+
     /// The first `rows` rows of tensor `name` (rank ≥ 1), without copying: e.g. the `[T, H]`
     /// of an `[T+1, H]` kernel output, its padding row T dropped. An error naming the tensor if
     /// it has fewer rows.

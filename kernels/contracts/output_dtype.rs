@@ -48,8 +48,8 @@ impl OutputDType {
     }
 
     /// The dtype this choice gives output `spec` in a call with `inputs`: an output
-    /// [`DTypeSpec::Like`] an input takes that input's dtype (or f32), an [`DTypeSpec::F32`]
-    /// one f32; `None` for outputs whose dtype is not chosen (indices, and floats in the dtype
+    /// [`DTypeSpec::Like`] an input takes that input's dtype (or f32), a [`DTypeSpec::BF16`]
+    /// one bf16 (or f32), an [`DTypeSpec::F32`] one f32; `None` for outputs whose dtype is not chosen (indices, and floats in the dtype
     /// the kernel computes them in).
     pub fn dtype_of(self, spec: &TensorSpec, inputs: &Named<'_>) -> Option<DType> {
         match spec.dtype {
@@ -57,6 +57,7 @@ impl OutputDType {
                 Some(self.resolve(spec::find(inputs, input).map_or(DType::F32, Tensor::dtype)))
             }
             DTypeSpec::F32 => Some(DType::F32),
+            DTypeSpec::BF16 => Some(self.resolve(DType::BF16)),
             DTypeSpec::Float | DTypeSpec::Index => None,
         }
     }

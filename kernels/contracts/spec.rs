@@ -20,6 +20,9 @@ pub enum DTypeSpec {
     Like(&'static TensorSpec),
     /// An output that is f32 whatever the inputs.
     F32,
+    /// An output nki-library writes in bf16 whatever the inputs (f32 with
+    /// [`super::OutputDType::Float32`]).
+    BF16,
 }
 
 impl fmt::Display for DTypeSpec {
@@ -29,6 +32,7 @@ impl fmt::Display for DTypeSpec {
             Self::Index => f.pad("i32"),
             Self::Like(input) => f.pad(&format!("like {}", input.name)),
             Self::F32 => f.pad("f32"),
+            Self::BF16 => f.pad("bf16"),
         }
     }
 }

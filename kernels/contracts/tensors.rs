@@ -292,6 +292,55 @@ pub mod moe_tkg {
     pub const OUTPUTS: &[TensorSpec] = &[OUTPUT];
 }
 
+/// `rmsnorm_router_topk_tkg` (nki-library's `experimental/moe_block` kernel).
+pub mod rmsnorm_router_topk_tkg {
+    use super::*;
+
+    /// T = B·S tokens.
+    pub const HIDDEN_STATES: TensorSpec = float("hidden_states", "[B, S, H]|[T, H]");
+    pub const GAMMA: TensorSpec = float("gamma", "[1, H]|[H]");
+    /// In `router_mm_dtype`.
+    pub const ROUTER_WEIGHTS: TensorSpec = float("router_weights", "[H, E]");
+    pub const ROUTER_BIAS: TensorSpec = float("router_bias", "[1, E]|[E]").optional();
+    pub const INPUTS: &[TensorSpec] = &[HIDDEN_STATES, GAMMA, ROUTER_WEIGHTS, ROUTER_BIAS];
+
+    /// In `router_mm_dtype`, which is `router_weights`' dtype.
+    pub const NORM_OUTPUT: TensorSpec = like("norm_output", "[T, H]", &ROUTER_WEIGHTS);
+    pub const EXPERT_INDEX: TensorSpec = index("expert_index", "[T, K]");
+    /// `[T, K]` with `store_eager_affi_only`.
+    pub const EXPERT_AFFINITIES: TensorSpec =
+        TensorSpec::new("expert_affinities", "[T, E]|[T, K]", DTypeSpec::BF16);
+    pub const OUTPUTS: &[TensorSpec] = &[NORM_OUTPUT, EXPERT_INDEX, EXPERT_AFFINITIES];
+}
+
+/// `rmsnorm_router_topk_tkg_bwd` (moekit's own).
+pub mod rmsnorm_router_topk_tkg_bwd {
+    pub use super::rmsnorm_router_topk_tkg::{
+        EXPERT_INDEX, GAMMA, HIDDEN_STATES, ROUTER_BIAS, ROUTER_WEIGHTS,
+    };
+    use super::*;
+
+    /// `[T, K]` with `store_eager_affi_only`.
+    pub const D_EXPERT_AFFINITIES: TensorSpec = float("d_expert_affinities", "[T, E]|[T, K]");
+    pub const D_NORM_OUTPUT: TensorSpec = float("d_norm_output", "[T, H]").optional();
+    pub const INPUTS: &[TensorSpec] = &[
+        HIDDEN_STATES,
+        GAMMA,
+        ROUTER_WEIGHTS,
+        ROUTER_BIAS,
+        EXPERT_INDEX,
+        D_EXPERT_AFFINITIES,
+        D_NORM_OUTPUT,
+    ];
+
+    pub const D_HIDDEN_STATES: TensorSpec =
+        like("d_hidden_states", "[B, S, H]|[T, H]", &HIDDEN_STATES);
+    pub const D_GAMMA: TensorSpec = like("d_gamma", "[1, H]|[H]", &GAMMA);
+    pub const D_ROUTER_WEIGHTS: TensorSpec = like("d_router_weights", "[H, E]", &ROUTER_WEIGHTS);
+    pub const D_ROUTER_BIAS: TensorSpec = like("d_router_bias", "[1, E]|[E]", &ROUTER_WEIGHTS);
+    pub const OUTPUTS: &[TensorSpec] = &[D_HIDDEN_STATES, D_GAMMA, D_ROUTER_WEIGHTS, D_ROUTER_BIAS];
+}
+
 /// `a2av_routing` (moekit's own: the routing table of nki-library's `permute_a2av`).
 pub mod a2av_routing {
     use super::*;

@@ -20,6 +20,7 @@ mod load_balancing;
 mod matmul;
 mod moe_tkg;
 mod permute;
+mod rmsnorm;
 mod router;
 mod rows;
 mod skinny;
@@ -39,11 +40,13 @@ mod test_values {
 }
 
 use crate::backend::{Backend, Tolerance};
+use crate::composed;
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
     LoadBalancingLossOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
-    PermuteOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
+    RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use isa::Isa;
@@ -133,5 +136,21 @@ impl Backend for CpuBackend {
     fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
         Isa::selected()?;
         call.cast_outputs(moe_tkg::forward(call)?)
+    }
+
+    fn rmsnorm_router_topk_tkg(
+        &self,
+        call: &RmsNormRouterTopkTkg<'_>,
+    ) -> Result<RmsNormRouterTopkTkgOutputs> {
+        Isa::selected()?;
+        composed::rmsnorm_router_topk_tkg(self, self, call)
+    }
+
+    fn rmsnorm_router_topk_tkg_bwd(
+        &self,
+        call: &RmsNormRouterTopkTkgBwd<'_>,
+    ) -> Result<RmsNormRouterTopkTkgGrads> {
+        Isa::selected()?;
+        composed::rmsnorm_router_topk_tkg_bwd(self, self, call)
     }
 }

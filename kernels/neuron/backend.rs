@@ -41,7 +41,8 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams, ClampLimits,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
-    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RouterTopk,
+    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg,
+    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk,
     RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
@@ -968,6 +969,21 @@ impl Backend for NeuronBackend {
 
     fn permute_bwd(&self, _call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
         Err(unsupported(Kernel::PermuteBwd))
+    }
+
+    fn rmsnorm_router_topk_tkg(
+        &self,
+        _call: &RmsNormRouterTopkTkg<'_>,
+    ) -> Result<RmsNormRouterTopkTkgOutputs> {
+        Err(unsupported(Kernel::RmsNormRouterTopkTkg))
+    }
+
+    /// moekit's own kernel: nki-library has no NEFF of it.
+    fn rmsnorm_router_topk_tkg_bwd(
+        &self,
+        _call: &RmsNormRouterTopkTkgBwd<'_>,
+    ) -> Result<RmsNormRouterTopkTkgGrads> {
+        Err(unsupported(Kernel::RmsNormRouterTopkTkgBwd))
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {

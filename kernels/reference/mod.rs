@@ -2,7 +2,7 @@
 //! f64 and accumulated in f64, outputs rounded once to f32 at the end. It is the oracle for the
 //! other backends and for the trainer.
 //!
-//! The f64 cores ([`router`], [`load_balancing`], [`permute`], [`blockwise`]) are public so that
+//! The f64 cores ([`router`], [`rmsnorm`], [`load_balancing`], [`permute`], [`blockwise`]) are public so that
 //! tests can differentiate them with finite differences without f32 rounding noise.
 
 #![forbid(unsafe_code)]
@@ -14,9 +14,11 @@ pub mod blockwise;
 pub mod load_balancing;
 pub mod moe_tkg;
 pub mod permute;
+pub mod rmsnorm;
 pub mod router;
 
 use crate::backend::{Backend, Tolerance};
+use crate::composed::{self, RmsNorm};
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{
     a2av_routing as a2, blockwise_mm as bm, blockwise_mm_bwd as bmb, load_balancing_loss as lb,
@@ -27,11 +29,13 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss,
     LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, MoeTkg, MoeTkgDims,
-    MoeTkgOutputs, Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs, RouterDims,
-    RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
+    MoeTkgOutputs, Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs,
+    RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
+    RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterDims, RouterTopk, RouterTopkBwd,
+    RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{Tensor, try_filled};
+use crate::tensor::{Floats, Tensor, try_filled};
 use blockwise::BlockwiseOperands;
 use moe_tkg::TkgOperands;
 
@@ -423,5 +427,48 @@ impl Backend for ReferenceBackend {
         call.cast_outputs(MoeTkgOutputs {
             output: f32_output(tkg::OUTPUT.name, &[t, h], &output)?,
         })
+    }
+
+    fn rmsnorm_router_topk_tkg(
+        &self,
+        call: &RmsNormRouterTopkTkg<'_>,
+    ) -> Result<RmsNormRouterTopkTkgOutputs> {
+        composed::rmsnorm_router_topk_tkg(self, self, call)
+    }
+
+    fn rmsnorm_router_topk_tkg_bwd(
+        &self,
+        call: &RmsNormRouterTopkTkgBwd<'_>,
+    ) -> Result<RmsNormRouterTopkTkgGrads> {
+        composed::rmsnorm_router_topk_tkg_bwd(self, self, call)
+    }
+}
+
+fn widened(values: Floats<'_>) -> Vec<f64> {
+    values.to_f32().iter().map(|&x| f64::from(x)).collect()
+}
+
+/// f64 results rounded once to f32.
+fn rounded(values: Vec<f64>) -> Vec<f32> {
+    values.into_iter().map(|x| x as f32).collect()
+}
+
+/// The f64 RMSNorm of [`rmsnorm`].
+impl RmsNorm for ReferenceBackend {
+    fn forward(&self, spec: RmsNormSpec, x: Floats<'_>, gamma: Floats<'_>) -> Result<Vec<f32>> {
+        let y = rmsnorm::rmsnorm_forward(&widened(x), &widened(gamma), spec)?;
+        Ok(rounded(y))
+    }
+
+    fn backward(
+        &self,
+        spec: RmsNormSpec,
+        x: Floats<'_>,
+        gamma: Floats<'_>,
+        d_y: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let d_y: Vec<f64> = d_y.iter().map(|&d| f64::from(d)).collect();
+        let (d_x, d_gamma) = rmsnorm::rmsnorm_backward(&widened(x), &widened(gamma), &d_y, spec)?;
+        Ok((rounded(d_x), rounded(d_gamma)))
     }
 }

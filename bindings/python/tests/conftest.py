@@ -30,6 +30,15 @@ PARAMS = {
     "blockwise_mm_bwd": {},
     "a2av_routing": {"num_experts": E, "expert_parallel_degree": R},
     "moe_tkg": {"is_all_expert": False, "expert_affinities_scaling_mode": "POST_SCALE"},
+    "rmsnorm_router_topk_tkg": {"top_k": K, "router_act_fn": "SOFTMAX"},
+    "rmsnorm_router_topk_tkg_bwd": {"router_act_fn": "SOFTMAX"},
+}
+
+# Inputs a kernel takes under a name that another kernel's tensor has in the layer: the
+# decode-time router's `hidden_states` are the tokens `x` (blockwise_mm's are `[T+1, H]`).
+RENAMED = {
+    "rmsnorm_router_topk_tkg": {"hidden_states": "x"},
+    "rmsnorm_router_topk_tkg_bwd": {"hidden_states": "x"},
 }
 
 
@@ -67,6 +76,10 @@ def make_layer(dtype, seed=0):
         "expert_gate_up_weights": gate_up,
         "expert_down_weights": down,
         "expert_affinities": routed["expert_affinities"],
+        # The decode-time RMSNorm and router, its operands in bf16 (router_mm_dtype's default).
+        "gamma": floats(1, H),
+        "router_weights": w.astype(ml_dtypes.bfloat16),
+        "d_expert_affinities": floats(T, E),
         "token_position_to_id": plan["token_position_to_id"],
         "block_to_expert": plan["block_to_expert"],
         "expert_affinities_masked": plan["expert_affinities_masked"],
@@ -88,13 +101,17 @@ def make_layer(dtype, seed=0):
 
 def _inputs_of(kernel, layer):
     names = moekit.Kernel.named(kernel).input_names
-    return {name: layer[name] for name in names if name in layer}
+    source = RENAMED.get(kernel, {})
+    return {name: layer[source.get(name, name)] for name in names if source.get(name, name) in layer}
 
 
 def inputs_of(kernel, layer):
     """The inputs of `kernel` in `layer`, every required one present."""
     spec = moekit.Kernel.named(kernel)
-    missing = [t.name for t in spec.inputs if t.required and t.name not in layer]
+    source = RENAMED.get(kernel, {})
+    missing = [
+        t.name for t in spec.inputs if t.required and source.get(t.name, t.name) not in layer
+    ]
     assert not missing, f"the test layer lacks {missing} for {kernel}"
     return _inputs_of(kernel, layer)
 

@@ -13,13 +13,15 @@
 //! outputs, indices and counts, only when equal). The default tolerance is the backend's
 //! documented error bound ([`Backend::tolerance`]).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use moekit::backend::{Backend, LayerSizes, Tolerance};
 use moekit::backends::BackendKind;
 use moekit::contracts::{
-    ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, XHbmLayout, tensors,
+    ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, RouterMmDType, XHbmLayout,
+    tensors,
 };
 use moekit::error::{Error, Result};
 use moekit::kernel::{Kernel, Params};
@@ -33,8 +35,10 @@ pub struct CheckCase {
     /// The layer's sizes, e.g. `t=17 h=9 e=5 k=2 i=4 b=3 f32`.
     pub label: String,
     pub kernels: Vec<Kernel>,
-    /// Every kernel input, by contract name.
+    /// Every kernel input, by contract name (`hidden_states` blockwise_mm's `[T+1, H]`).
     pub tensors: BTreeMap<String, Tensor>,
+    /// `rmsnorm_router_topk_tkg`'s `hidden_states [T, H]`: the layer's tokens.
+    pub decode_hidden_states: Tensor,
     pub params: Params,
 }
 
@@ -59,6 +63,7 @@ impl CheckCase {
             reference.as_ref(),
             LayerInputs::seeded(shape, t, dtype, b, seed)?,
         )?;
+        let decode_hidden_states = layer.inputs.x.clone();
         let mut tensors = layer_tensors(layer);
         if params.skip_dma().skip_token {
             without_padding_row(&mut tensors, t, e)?;
@@ -67,6 +72,7 @@ impl CheckCase {
             label: format!("t={t} h={h} e={e} k={k} i={i} b={b} {dtype}"),
             kernels,
             tensors,
+            decode_hidden_states,
             // Compared at the precision the backends compute in, whatever the inputs' dtype.
             params: Params {
                 output_dtype: Some(OutputDType::Float32),
@@ -82,13 +88,45 @@ impl CheckCase {
     /// for the blockwise kernels.
     pub fn params_for(&self, kernel: Kernel) -> Params {
         let pre_scale = self.params.scaling_mode.is_some_and(|s| s.scales_rows());
-        if kernel == Kernel::MoeTkg && pre_scale {
-            return Params {
+        match kernel {
+            Kernel::MoeTkg if pre_scale => Params {
                 scaling_mode: Some(ExpertAffinityScaleMode::PostScale),
                 ..self.params.clone()
-            };
+            },
+            // The decode-time router's K and activation are the layer router's, its operands
+            // in the router weights' dtype (which it requires them to have).
+            Kernel::RmsNormRouterTopkTkg | Kernel::RmsNormRouterTopkTkgBwd => {
+                let w = &self.tensors[tensors::router_topk::W.name];
+                Params {
+                    top_k: self.params.top_k.or(self.params.k),
+                    router_act_fn: self.params.router_act_fn.or(self.params.act_fn),
+                    router_mm_dtype: self
+                        .params
+                        .router_mm_dtype
+                        .or(Some(RouterMmDType::of(w.dtype()))),
+                    ..self.params.clone()
+                }
+            }
+            _ => self.params.clone(),
         }
-        self.params.clone()
+    }
+
+    /// The tensors `kernel` runs on: the layer's, with `rmsnorm_router_topk_tkg`'s
+    /// `hidden_states` for the decode-time router.
+    pub fn tensors_for(&self, kernel: Kernel) -> Cow<'_, BTreeMap<String, Tensor>> {
+        match kernel {
+            Kernel::RmsNormRouterTopkTkg | Kernel::RmsNormRouterTopkTkgBwd => {
+                let mut tensors = self.tensors.clone();
+                tensors.insert(
+                    tensors::rmsnorm_router_topk_tkg::HIDDEN_STATES
+                        .name
+                        .to_owned(),
+                    self.decode_hidden_states.clone(),
+                );
+                Cow::Owned(tensors)
+            }
+            _ => Cow::Borrowed(&self.tensors),
+        }
     }
 }
 
@@ -101,7 +139,8 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
         checkpoints,
     } = layer;
     use tensors::{
-        blockwise_mm_bwd as bwd, load_balancing_loss_bwd as aux, moe_tkg, permute_bwd, router_topk,
+        blockwise_mm_bwd as bwd, load_balancing_loss_bwd as aux, moe_tkg, permute_bwd,
+        rmsnorm_router_topk_tkg_bwd as fused, router_topk,
     };
     // moe_tkg (decode) on the same tokens, weights and routing, every expert held here: rank 0.
     let rank_id = Tensor::from_i32([1, 1], vec![0]).expect("one element for [1, 1]");
@@ -117,6 +156,10 @@ fn layer_tensors(layer: Layer) -> BTreeMap<String, Tensor> {
         ),
         (moe_tkg::EXPERT_AFFINITIES, routed.expert_affinities),
         (moe_tkg::RANK_ID, rank_id),
+        // The decode-time RMSNorm and router (hidden_states: `CheckCase::tensors_for`).
+        (fused::GAMMA, inputs.gamma),
+        (fused::ROUTER_WEIGHTS, inputs.w.clone()),
+        (fused::D_EXPERT_AFFINITIES, inputs.d_expert_affinities),
     ];
     let mut named: BTreeMap<String, Tensor> = [
         (router_topk::X, inputs.x),
@@ -359,9 +402,9 @@ pub fn check(
     let mut rows = Vec::new();
     for (index, case) in cases.iter().enumerate() {
         for &kernel in &case.kernels {
-            let params = case.params_for(kernel);
-            let want = kernel.run(reference.as_ref(), &case.tensors, &params)?;
-            let got = kernel.run(backend, &case.tensors, &params)?;
+            let (params, tensors) = (case.params_for(kernel), case.tensors_for(kernel));
+            let want = kernel.run(reference.as_ref(), &tensors, &params)?;
+            let got = kernel.run(backend, &tensors, &params)?;
             for (name, want) in &want {
                 let got = got
                     .iter()

@@ -98,6 +98,10 @@ pub struct LayerInputs {
     pub d_topk_affinities: Tensor,
     pub d_aux_loss: Tensor,
     pub output_hidden_states_grad: Tensor,
+    /// `[1, H]`, the decode-time RMSNorm's weight (`rmsnorm_router_topk_tkg`).
+    pub gamma: Tensor,
+    /// `[T, E]` f32, the gradient of `rmsnorm_router_topk_tkg`'s scattered affinities.
+    pub d_expert_affinities: Tensor,
 }
 
 impl LayerInputs {
@@ -152,6 +156,11 @@ impl LayerInputs {
                 &[t + 1, h],
                 with_padding_row("output_hidden_states_grad", &output_grad, [t, h])?,
                 dtype,
+            )?,
+            gamma: float_tensor(&[1, h], uniform("gamma", &[1, h], 1.0, 7)?, dtype)?,
+            d_expert_affinities: Tensor::from_f32(
+                [t, e],
+                uniform("d_expert_affinities", &[t, e], 1.0, 8)?,
             )?,
         })
     }
@@ -326,6 +335,50 @@ impl Layer {
                 ..MoeTkgParams::new(false)
             },
         )
+    }
+
+    /// The same tokens' decode-time RMSNorm and router (nki-library's
+    /// `rmsnorm_router_topk_tkg`): K experts by SOFTMAX over them, the router's operands in the
+    /// layer's dtype.
+    pub fn rmsnorm_router_topk_tkg(&self) -> Result<RmsNormRouterTopkTkg<'_>> {
+        RmsNormRouterTopkTkg::new(
+            RmsNormRouterTopkTkgInputs {
+                hidden_states: &self.inputs.x,
+                gamma: &self.inputs.gamma,
+                router_weights: &self.inputs.w,
+                router_bias: None,
+            },
+            self.rmsnorm_router_params(),
+        )
+    }
+
+    /// [`Layer::rmsnorm_router_topk_tkg`]'s backward, at the layer's routing.
+    pub fn rmsnorm_router_topk_tkg_bwd(&self) -> Result<RmsNormRouterTopkTkgBwd<'_>> {
+        RmsNormRouterTopkTkgBwd::new(
+            RmsNormRouterTopkTkgBwdInputs {
+                hidden_states: &self.inputs.x,
+                gamma: &self.inputs.gamma,
+                router_weights: &self.inputs.w,
+                router_bias: None,
+                expert_index: &self.routed.expert_index,
+                d_expert_affinities: &self.inputs.d_expert_affinities,
+                d_norm_output: None,
+            },
+            self.rmsnorm_router_params().shared,
+        )
+    }
+
+    fn rmsnorm_router_params(&self) -> RmsNormRouterTopkTkgParams {
+        let default = RmsNormRouterTopkTkgParams::default();
+        RmsNormRouterTopkTkgParams {
+            top_k: self.inputs.shape.k,
+            shared: RmsNormRouterParams {
+                router_mm_dtype: RouterMmDType::of(self.inputs.w.dtype()),
+                router_act_fn: RouterActFnType::Softmax,
+                ..default.shared
+            },
+            ..default
+        }
     }
 
     pub fn blockwise_mm_bwd(&self) -> Result<BlockwiseMmBwd<'_>> {

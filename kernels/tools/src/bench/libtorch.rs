@@ -2,6 +2,9 @@
 //! timed in the same process as moekit's kernels.
 //!
 //! - router: Hugging Face's ([`crate::torch_moe::hf_router`] on `x @ w`).
+//! - decode router: Qwen3-MoE's RMSNorm (in f32, the weight applied in the input dtype), then
+//!   its router, as `rmsnorm_router_topk_tkg` with SOFTMAX computes them (a softmax over all
+//!   experts renormalised over the top K is a softmax over the K).
 //! - permute: `argsort(stable)` of the flattened expert ids, `bincount`, `cumsum`.
 //! - experts, `loop`: Hugging Face's eager path ([`crate::torch_moe::experts_loop`]), with one
 //!   parameter per expert as Hugging Face's per-expert modules hold them.
@@ -56,6 +59,8 @@ struct Operands {
     k: i64,
     x: Th,
     w: Th,
+    /// `[1, H]`, the RMSNorm's weight.
+    gamma: Th,
     /// `[E, H, 2, I]`.
     gate_up: Th,
     /// Per-expert `[H, I]`, `[H, I]`, `[I, H]` leaf tensors, as Hugging Face's per-expert
@@ -81,6 +86,7 @@ impl Operands {
             k: inputs.shape.k as i64,
             x: grad(to_tch(&inputs.x)),
             w: grad(to_tch(&inputs.w)),
+            gamma: grad(to_tch(&inputs.gamma)),
             experts: (0..e)
                 .map(|expert| {
                     [
@@ -107,6 +113,16 @@ impl Operands {
     /// Hugging Face's router: normalised top-k affinities `[T, K]`.
     fn router(&self) -> Result<Th> {
         let logits = self.x.f_matmul(&self.w).map_err(tch_error)?;
+        Ok(hf_router(&logits, self.k, true, None).0)
+    }
+
+    /// Qwen3-MoE's decoder-layer RMSNorm (`Qwen3MoeRMSNorm`, eps 1e-6) and router: the
+    /// normalised top-k affinities `[T, K]`.
+    fn decode_router(&self) -> Result<Th> {
+        let x = self.x.to_kind(Kind::Float);
+        let mean_square = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = (x * (mean_square + 1e-6).rsqrt()).to_kind(self.x.kind()) * &self.gamma;
+        let logits = normed.f_matmul(&self.w).map_err(tch_error)?;
         Ok(hf_router(&logits, self.k, true, None).0)
     }
 
@@ -186,6 +202,16 @@ pub fn measure(
             backward_ms: Some(time_backward(min_time, &[&ops.x, &ops.w], || {
                 Ok((ops.router()? * &ops.d_topk).sum(Kind::Float))
             })?),
+        },
+        PeerPath {
+            name: "decode router: RMSNorm + softmax + topk",
+            stage: Stage::DecodeRouter,
+            forward_ms: time(min_time, || ops.decode_router())?,
+            backward_ms: Some(time_backward(
+                min_time,
+                &[&ops.x, &ops.gamma, &ops.w],
+                || Ok((ops.decode_router()? * &ops.d_topk).sum(Kind::Float)),
+            )?),
         },
         PeerPath {
             name: "permute: argsort + bincount",

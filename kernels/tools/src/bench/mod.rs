@@ -161,6 +161,8 @@ impl BenchRow {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
     Router,
+    /// The decode-time RMSNorm and router.
+    DecodeRouter,
     Permute,
     Experts,
 }
@@ -255,6 +257,7 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         Vec::new()
     };
     let (router_fwd, router_bwd) = best(&peers, Stage::Router);
+    let (decode_router_fwd, decode_router_bwd) = best(&peers, Stage::DecodeRouter);
     let (permute_fwd, _) = best(&peers, Stage::Permute);
     let (experts_fwd, experts_bwd) = best(&peers, Stage::Experts);
     let experts_fwd_bwd = peers
@@ -278,6 +281,8 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         libtorch_ms: match kernel {
             "router_topk" => router_fwd,
             "router_topk_bwd" => router_bwd,
+            "rmsnorm_router_topk_tkg" => decode_router_fwd,
+            "rmsnorm_router_topk_tkg_bwd" => decode_router_bwd,
             "permute" => permute_fwd,
             // HF's decode-time experts are its prefill ones on fewer tokens.
             "blockwise_mm" | "moe_tkg" => experts_fwd,
@@ -386,15 +391,45 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
     // The same tokens decoded (nki-library's `moe_tkg`, not part of the training layer): a
     // decoding step reads each selected expert's weights once, so its limit is the memory
     // bandwidth, and its compulsory bytes are those weights, the tokens and the output.
+    let element = config.dtype.size_in_bytes() as f64;
     if supported(Kernel::MoeTkg)? && config.rows.times(Kernel::MoeTkg.name()) {
         let call = layer.moe_tkg()?;
         let ms = measure(backend, KernelCall::MoeTkg(&call), min)?;
         let mut selected = call.routing().experts.clone();
         selected.sort_unstable();
         selected.dedup();
-        let element = config.dtype.size_in_bytes() as f64;
         let bytes = (selected.len() as f64 * 3.0 * hf * if_ + 2.0 * tf * hf) * element;
         rows.push(row(Kernel::MoeTkg.name(), ms, gbps(bytes, ms)));
+    }
+    // The same tokens' decode-time RMSNorm and router (nki-library's
+    // `rmsnorm_router_topk_tkg`), and moekit's backward of it: a step reads the router weights
+    // once, so memory bounds them; the compulsory bytes are the tensors read and written.
+    if supported(Kernel::RmsNormRouterTopkTkg)?
+        && config.rows.times(Kernel::RmsNormRouterTopkTkg.name())
+    {
+        let call = layer.rmsnorm_router_topk_tkg()?;
+        let ms = measure(backend, KernelCall::RmsNormRouterTopkTkg(&call), min)?;
+        // x, gamma, the weights and norm_output; bf16 affinities and i32 ids.
+        let bytes = element * (2.0 * tf * hf + hf + hf * ef) + 2.0 * tf * ef + 4.0 * tf * kf;
+        rows.push(row(
+            Kernel::RmsNormRouterTopkTkg.name(),
+            ms,
+            gbps(bytes, ms),
+        ));
+    }
+    if supported(Kernel::RmsNormRouterTopkTkgBwd)?
+        && config.rows.times(Kernel::RmsNormRouterTopkTkgBwd.name())
+    {
+        let call = layer.rmsnorm_router_topk_tkg_bwd()?;
+        let ms = measure(backend, KernelCall::RmsNormRouterTopkTkgBwd(&call), min)?;
+        // x, gamma and the weights read, their gradients written (and the bias's); the f32
+        // affinity gradient and the ids read.
+        let bytes = element * 2.0 * (tf * hf + hf + hf * ef + ef) + 4.0 * tf * (ef + kf);
+        rows.push(row(
+            Kernel::RmsNormRouterTopkTkgBwd.name(),
+            ms,
+            gbps(bytes, ms),
+        ));
     }
     rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })

@@ -1,0 +1,146 @@
+//! Kernels that nki-library fuses on the device and the host backends compose from their own
+//! pieces (moekit's own arrangement; the contracts are nki-library's):
+//! `rmsnorm_router_topk_tkg` is a backend's RMSNorm ([`RmsNorm`]) followed by its
+//! `router_topk` (ACT2), and its backward the router's backward followed by the RMSNorm's.
+//! What is composed here is only the plumbing between the pieces, so each backend's results
+//! keep that backend's error bound.
+
+use half::bf16;
+
+use crate::backend::Backend;
+use crate::contracts::tensors::rmsnorm_router_topk_tkg as fwd;
+use crate::contracts::{
+    OutputDType, RmsNormRouterDims, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterTopk, RouterTopkBwd,
+    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+};
+use crate::error::Result;
+use crate::tensor::{DType, Floats, Tensor};
+
+/// `[T, H]` f32 rows as a tensor of float `dtype`, each value rounded once.
+fn rows_tensor(rows: &[f32], (t, h): (usize, usize), dtype: DType) -> Result<Tensor> {
+    match dtype {
+        DType::BF16 => Tensor::from_bf16([t, h], rows.iter().map(|&x| bf16::from_f32(x)).collect()),
+        _ => Tensor::from_f32([t, h], rows.to_vec()),
+    }
+}
+
+/// A host backend's RMSNorm, `y = x / sqrt(Σ_h x² / divisor + eps) ⊙ gamma` per row of
+/// `x [T, H]`, and its backward.
+pub(crate) trait RmsNorm {
+    /// `y [T, H]`.
+    fn forward(&self, spec: RmsNormSpec, x: Floats<'_>, gamma: Floats<'_>) -> Result<Vec<f32>>;
+
+    /// `(d_x [T, H], d_gamma [H])` from `d_y [T, H]`.
+    fn backward(
+        &self,
+        spec: RmsNormSpec,
+        x: Floats<'_>,
+        gamma: Floats<'_>,
+        d_y: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)>;
+}
+
+/// The router call that reads `router_input` (the norm in `router_mm_dtype`), with f32 outputs
+/// so each output is rounded once, by the caller.
+fn router_call<'a>(
+    router_input: &'a Tensor,
+    router_weights: &'a Tensor,
+    router_bias: Option<&'a Tensor>,
+    k: usize,
+    pipeline: crate::contracts::RouterPipeline,
+) -> Result<RouterTopk<'a>> {
+    let inputs = RouterTopkInputs {
+        x: router_input,
+        w: router_weights,
+        w_bias: router_bias,
+        selection_bias: None,
+    };
+    Ok(RouterTopk::new(inputs, RouterTopkParams { k, pipeline })?
+        .with_output_dtype(OutputDType::Float32))
+}
+
+/// `rmsnorm_router_topk_tkg` on `backend`, whose RMSNorm is `norm`.
+pub(crate) fn rmsnorm_router_topk_tkg(
+    backend: &dyn Backend,
+    norm: &impl RmsNorm,
+    call: &RmsNormRouterTopkTkg<'_>,
+) -> Result<RmsNormRouterTopkTkgOutputs> {
+    let (inputs, floats, params) = (call.inputs(), call.floats(), call.params());
+    let RmsNormRouterDims { t, h, k, .. } = call.dims();
+    let rows = norm.forward(call.rmsnorm(), floats.hidden_states, floats.gamma)?;
+    let router_input = rows_tensor(&rows, (t, h), params.shared.router_mm_dtype.dtype())?;
+    let router = router_call(
+        &router_input,
+        inputs.router_weights,
+        inputs.router_bias,
+        k,
+        params.shared.router_pipeline(),
+    )?;
+    let routed = backend.router_topk(&router)?;
+    let norm_output = rows_tensor(&rows, (t, h), call.output_dtype_of(&fwd::NORM_OUTPUT))?;
+    let expert_affinities = if params.shared.store_eager_affi_only {
+        routed.topk_affinities
+    } else {
+        routed.expert_affinities
+    };
+    call.cast_outputs(RmsNormRouterTopkTkgOutputs {
+        norm_output,
+        expert_index: routed.expert_index,
+        expert_affinities,
+    })
+}
+
+/// `rmsnorm_router_topk_tkg_bwd` on `backend`, whose RMSNorm is `norm`: the forward's norm and
+/// logits recomputed, the router's backward (ACT2) from the selected affinities' gradient, then
+/// the RMSNorm's from the norm's.
+pub(crate) fn rmsnorm_router_topk_tkg_bwd(
+    backend: &dyn Backend,
+    norm: &impl RmsNorm,
+    call: &RmsNormRouterTopkTkgBwd<'_>,
+) -> Result<RmsNormRouterTopkTkgGrads> {
+    let (inputs, floats, params) = (call.inputs(), call.floats(), call.params());
+    let RmsNormRouterDims { t, h, e, k } = call.dims();
+    let spec = call.rmsnorm();
+    let rows = norm.forward(spec, floats.hidden_states, floats.gamma)?;
+    let router_input = rows_tensor(&rows, (t, h), params.router_mm_dtype.dtype())?;
+    let pipeline = params.router_pipeline();
+    let forward = router_call(
+        &router_input,
+        inputs.router_weights,
+        inputs.router_bias,
+        k,
+        pipeline,
+    )?;
+    let router_logits = backend.router_topk(&forward)?.router_logits;
+    let d_topk_affinities = call.d_topk_affinities()?;
+    let router_bwd = RouterTopkBwd::new(
+        RouterTopkBwdInputs {
+            x: &router_input,
+            w: inputs.router_weights,
+            router_logits: &router_logits,
+            expert_index: inputs.expert_index,
+            d_topk_affinities: &d_topk_affinities,
+            d_router_logits: None,
+        },
+        RouterTopkBwdParams { pipeline },
+    )?
+    .with_output_dtype(OutputDType::Float32);
+    let router_grads = backend.router_topk_bwd(&router_bwd)?;
+    let mut d_norm = router_grads.d_x.f32_values().into_owned();
+    if let Some(d) = inputs.d_norm_output {
+        for (acc, d) in d_norm.iter_mut().zip(d.f32_values().iter()) {
+            *acc += d;
+        }
+    }
+    let (d_x, d_gamma) = norm.backward(spec, floats.hidden_states, floats.gamma, &d_norm)?;
+    let bias_shape = inputs
+        .router_bias
+        .map_or_else(|| vec![1, e], |bias| bias.shape().to_vec());
+    call.cast_outputs(RmsNormRouterTopkTkgGrads {
+        d_hidden_states: Tensor::from_f32(inputs.hidden_states.shape(), d_x)?,
+        d_gamma: Tensor::from_f32(inputs.gamma.shape(), d_gamma)?,
+        d_router_weights: router_grads.d_w,
+        d_router_bias: router_grads.d_w_bias.reshaped(bias_shape)?,
+    })
+}

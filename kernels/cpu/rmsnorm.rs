@@ -1,0 +1,127 @@
+//! RMSNorm forward and backward on the CPU, the norm of `rmsnorm_router_topk_tkg`: per row of
+//! `x [T, H]`, `y = x · r ⊙ gamma` with `r = 1 / sqrt(Σ_h x² / divisor + eps)`, in f32. Rows
+//! run in parallel tiles of [`ROW_TILE`]; each row's sums run over [`LANES`] interleaved lanes
+//! added in order, and `d_gamma` adds the tiles' partial sums in tile order, so results do not
+//! depend on the thread count.
+
+use rayon::prelude::*;
+
+use super::ROW_TILE;
+use crate::composed::RmsNorm;
+use crate::contracts::RmsNormSpec;
+use crate::contracts::spec::output_named;
+use crate::contracts::tensors::{
+    rmsnorm_router_topk_tkg as fwd, rmsnorm_router_topk_tkg_bwd as bwd,
+};
+use crate::error::Result;
+use crate::tensor::{Floats, try_filled};
+
+use super::CpuBackend;
+
+/// Accumulators of a row sum: enough independent chains to keep the adders busy.
+const LANES: usize = 16;
+
+/// `Σ_j a[j]·b[j]`, over [`LANES`] interleaved partial sums added in lane order, then the tail.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let whole = a.len() / LANES * LANES;
+    let mut lanes = [0.0f32; LANES];
+    for (a, b) in a[..whole]
+        .chunks_exact(LANES)
+        .zip(b[..whole].chunks_exact(LANES))
+    {
+        for lane in 0..LANES {
+            lanes[lane] = a[lane].mul_add(b[lane], lanes[lane]);
+        }
+    }
+    let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `r` of one row.
+fn inverse_rms(row: &[f32], spec: RmsNormSpec) -> f32 {
+    1.0 / (dot(row, row) / spec.divisor as f32 + spec.eps).sqrt()
+}
+
+impl RmsNorm for CpuBackend {
+    fn forward(&self, spec: RmsNormSpec, x: Floats<'_>, gamma: Floats<'_>) -> Result<Vec<f32>> {
+        let h = spec.h;
+        let gamma = gamma.to_f32();
+        let mut y = try_filled(&output_named(fwd::NORM_OUTPUT.name), &[spec.t, h], 0.0f32)?;
+        y.par_chunks_mut(ROW_TILE * h)
+            .enumerate()
+            .for_each(|(tile, y)| {
+                let first = tile * ROW_TILE;
+                let x = x.slice(first * h..first * h + y.len()).to_f32();
+                for (y, x) in y.chunks_mut(h).zip(x.chunks(h)) {
+                    let r = inverse_rms(x, spec);
+                    for ((y, x), g) in y.iter_mut().zip(x).zip(gamma.iter()) {
+                        *y = x * r * g;
+                    }
+                }
+            });
+        Ok(y)
+    }
+
+    fn backward(
+        &self,
+        spec: RmsNormSpec,
+        x: Floats<'_>,
+        gamma: Floats<'_>,
+        d_y: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let h = spec.h;
+        let gamma = gamma.to_f32();
+        let mut d_x = try_filled(
+            &output_named(bwd::D_HIDDEN_STATES.name),
+            &[spec.t, h],
+            0.0f32,
+        )?;
+        // Each tile's `Σ_t d_y ⊙ x·r`, added in tile order below.
+        let partial_d_gamma: Vec<Vec<f32>> = d_x
+            .par_chunks_mut(ROW_TILE * h)
+            .zip(d_y.par_chunks(ROW_TILE * h))
+            .enumerate()
+            .map(|(tile, (d_x, d_y))| {
+                let first = tile * ROW_TILE;
+                let x = x.slice(first * h..first * h + d_x.len()).to_f32();
+                let mut d_gamma = vec![0.0f32; h];
+                let mut g = vec![0.0f32; h];
+                for ((d_x, x), d_y) in d_x.chunks_mut(h).zip(x.chunks(h)).zip(d_y.chunks(h)) {
+                    let r = inverse_rms(x, spec);
+                    for ((g, d), w) in g.iter_mut().zip(d_y).zip(gamma.iter()) {
+                        *g = d * w;
+                    }
+                    let along_x = r * r * r * dot(&g, x) / spec.divisor as f32;
+                    for j in 0..h {
+                        d_x[j] = r * g[j] - x[j] * along_x;
+                        d_gamma[j] += d_y[j] * x[j] * r;
+                    }
+                }
+                d_gamma
+            })
+            .collect();
+        let mut d_gamma = vec![0.0f32; h];
+        for partial in &partial_d_gamma {
+            for (acc, p) in d_gamma.iter_mut().zip(partial) {
+                *acc += p;
+            }
+        }
+        Ok((d_x, d_gamma))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_dot_equals_the_sum_of_products_for_every_tail_length() {
+        for n in [0, 1, LANES - 1, LANES, LANES + 3, 5 * LANES + 7] {
+            let a: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i % 5) as f32 * 0.5).collect();
+            // Small integers and halves: every partial sum is exact in f32.
+            let want: f32 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
+            assert_eq!(dot(&a, &b), want, "n = {n}");
+        }
+    }
+}
