@@ -1589,3 +1589,213 @@ fn moe_tkg_runs_its_neff_and_matches_the_reference() {
         "{err}"
     );
 }
+
+/// One `rmsnorm_router_topk_tkg` call for the fake runtime.
+struct FusedRouterCase {
+    /// T, H, E, K.
+    sizes: [usize; 4],
+    /// `hidden_states [B, S, H]` with this B, else `[T, H]`.
+    batch: Option<usize>,
+    /// `router_mm_dtype = bfloat16` (bf16 weights and inputs).
+    bf16: bool,
+    softmax: bool,
+    eager: bool,
+    bias: bool,
+    /// `eps` and `hidden_actual` other than their defaults.
+    custom_norm: bool,
+}
+
+impl FusedRouterCase {
+    fn tensors(&self, seed: u64) -> (Vec<(&'static str, Tensor)>, RmsNormRouterTopkTkgParams) {
+        let [t, h, e, k] = self.sizes;
+        let mut rng = SeededRng::new(seed);
+        let float =
+            |shape: &[usize], values: Vec<f64>| maybe_bf16(f32_tensor(shape, &values), self.bf16);
+        let hidden_shape = match self.batch {
+            Some(b) => vec![b, t / b, h],
+            None => vec![t, h],
+        };
+        let mut tensors = vec![
+            (
+                "hidden_states",
+                float(&hidden_shape, rng.values(t * h, 2.0)),
+            ),
+            ("gamma", float(&[1, h], rng.values(h, 1.5))),
+            ("router_weights", float(&[h, e], rng.values(h * e, 1.0))),
+        ];
+        if self.bias {
+            tensors.push(("router_bias", float(&[1, e], rng.values(e, 1.0))));
+        }
+        let default = RmsNormRouterTopkTkgParams::default();
+        let params = RmsNormRouterTopkTkgParams {
+            top_k: k,
+            shared: RmsNormRouterParams {
+                eps: if self.custom_norm {
+                    0.25
+                } else {
+                    default.shared.eps
+                },
+                hidden_actual: self.custom_norm.then_some(h - 3),
+                router_mm_dtype: if self.bf16 {
+                    RouterMmDType::BFLOAT16
+                } else {
+                    RouterMmDType::FLOAT32
+                },
+                router_act_fn: if self.softmax {
+                    RouterActFnType::Softmax
+                } else {
+                    RouterActFnType::Sigmoid
+                },
+                store_eager_affi_only: self.eager,
+            },
+            ..default
+        };
+        (tensors, params)
+    }
+
+    /// The stand-in NEFF and its manifest entry; the entry leaves out what it leaves at
+    /// nki-library's defaults.
+    fn neff_and_entry(
+        &self,
+        tensors: &[(&'static str, Tensor)],
+        params: &RmsNormRouterTopkTkgParams,
+    ) -> (String, String) {
+        let [t, h, e, k] = self.sizes;
+        let shared = params.shared;
+        let mut neff = format!(
+            "moekit-fake-neff 1\nkernel rmsnorm_router_topk_tkg\nparam router_act_fn {}\n\
+             param store_eager_affi_only {}\n",
+            shared.router_act_fn,
+            u8::from(self.eager)
+        );
+        let mut entry = format!(
+            "name = \"rmsnorm_router_topk_tkg\"\nt = {t}\nh = {h}\ne = {e}\ntop_k = {k}\n\
+             router_bias = {}\n",
+            self.bias
+        );
+        if self.softmax {
+            entry += "router_act_fn = \"SOFTMAX\"\n";
+        }
+        if self.eager {
+            entry += "store_eager_affi_only = true\n";
+        }
+        if !self.bf16 {
+            entry += "router_mm_dtype = \"float32\"\n";
+        }
+        if let Some(actual) = shared.hidden_actual {
+            neff += &format!("param eps {}\nparam hidden_actual {actual}\n", shared.eps);
+            entry += &format!("eps = {}\nhidden_actual = {actual}\n", shared.eps);
+        }
+        for (name, tensor) in tensors {
+            neff += &decl("input", name, &tensor.dtype().to_string(), tensor.shape());
+        }
+        let dtype = if self.bf16 { "bf16" } else { "f32" };
+        neff += &decl("output", "norm_output", dtype, &[t, h]);
+        neff += &decl("output", "expert_index", "i32", &[t, k]);
+        let width = if self.eager { k } else { e };
+        neff += &decl("output", "expert_affinities", "bf16", &[t, width]);
+        (neff, entry)
+    }
+}
+
+/// `rmsnorm_router_topk_tkg` runs the NEFF its manifest entry registers for the call's sizes
+/// and options: the reference's outputs; `moekit check`'s shapes read the entry back, and an
+/// entry that leaves a parameter out runs only calls with nki-library's default.
+#[test]
+fn rmsnorm_router_topk_tkg_runs_its_neff_and_matches_the_reference() {
+    let _guard = exclusive();
+    let cases = [
+        FusedRouterCase {
+            sizes: [4, 16, 6, 2],
+            batch: None,
+            bf16: false,
+            softmax: true,
+            eager: false,
+            bias: true,
+            custom_norm: false,
+        },
+        FusedRouterCase {
+            sizes: [6, 24, 13, 4],
+            batch: Some(2),
+            bf16: true,
+            softmax: false,
+            eager: true,
+            bias: false,
+            custom_norm: true,
+        },
+        FusedRouterCase {
+            sizes: [1, 8, 3, 3],
+            batch: None,
+            bf16: false,
+            softmax: false,
+            eager: false,
+            bias: false,
+            custom_norm: true,
+        },
+    ];
+    let reference = BackendKind::Reference.create();
+    for (n, case) in cases.iter().enumerate() {
+        let (tensors, params) = case.tensors(n as u64);
+        let (neff, entry) = case.neff_and_entry(&tensors, &params);
+        let name = format!("rmsnorm_router_topk_tkg_{n}");
+        let neuron = backend_with(&workdir(&name), &[("fused.neff", neff, entry)]);
+        assert!(neuron.supports(Kernel::RmsNormRouterTopkTkg).unwrap());
+        let inputs = RmsNormRouterTopkTkgInputs::from_named(named(&tensors)).unwrap();
+        let call = RmsNormRouterTopkTkg::new(inputs, params)
+            .unwrap()
+            .with_output_dtype(OutputDType::Float32);
+        let got = neuron.rmsnorm_router_topk_tkg(&call).unwrap();
+        let want = reference.rmsnorm_router_topk_tkg(&call).unwrap();
+        assert_eq!(got.expert_index, want.expert_index, "case {n}");
+        // The fake writes norm_output in router_mm_dtype, as nki-library's kernel does.
+        let norm = f32s(&want.norm_output);
+        let tol = if case.bf16 { 4e-3 } else { 1e-6 };
+        assert_close("norm_output", &f32s(&got.norm_output), &norm, tol, tol).unwrap();
+        // The fake writes bf16 affinities, as nki-library's kernel does.
+        let affinities = f32s(&want.expert_affinities);
+        assert_close(
+            "expert_affinities",
+            &f32s(&got.expert_affinities),
+            &affinities,
+            1e-2,
+            1e-2,
+        )
+        .unwrap();
+        let timed = neuron
+            .time_repeated(KernelCall::RmsNormRouterTopkTkg(&call), 2)
+            .unwrap();
+        assert!(timed.is_some());
+
+        let shapes = neuron.fixed_shapes().unwrap().unwrap().shapes;
+        let [t, h, e, k] = case.sizes;
+        assert_eq!(shapes[0].kernel, Kernel::RmsNormRouterTopkTkg);
+        let sizes = shapes[0].sizes;
+        assert_eq!((sizes.t, sizes.h, sizes.e, sizes.k), (t, h, e, k));
+        assert_eq!(shapes[0].params.rmsnorm_router(), params.shared, "case {n}");
+        // H not a multiple of 128, T not of 128: nki-library's limits, named.
+        assert!(shapes[0].warnings.iter().any(|w| w.contains("`h`")));
+    }
+    // The first entry leaves eps, hidden_actual, store_eager_affi_only out: compiled with the
+    // defaults, so a call with another eps finds no NEFF.
+    let case = &cases[0];
+    let (tensors, params) = case.tensors(9);
+    let (neff, entry) = case.neff_and_entry(&tensors, &params);
+    let neuron = backend_with(
+        &workdir("rmsnorm_router_topk_tkg_no_entry"),
+        &[("fused.neff", neff, entry)],
+    );
+    let mut other = params;
+    other.shared.eps = 1e-5;
+    let inputs = RmsNormRouterTopkTkgInputs::from_named(named(&tensors)).unwrap();
+    let call = RmsNormRouterTopkTkg::new(inputs, other).unwrap();
+    let err = neuron
+        .rmsnorm_router_topk_tkg(&call)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("kernels.toml") && err.contains("eps=0.00001"),
+        "{err}"
+    );
+    // moekit's own backward has no NEFF: the backend says so.
+    assert!(!neuron.supports(Kernel::RmsNormRouterTopkTkgBwd).unwrap());
+}

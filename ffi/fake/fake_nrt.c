@@ -10,8 +10,9 @@
  * computation to run:
  *
  *     moekit-fake-neff 1
- *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, moe_tkg, or copy: each
- *                                    output = the same-index input)
+ *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, moe_tkg,
+ *                                    rmsnorm_router_topk_tkg, or copy: each output = the
+ *                                    same-index input)
  *     param act_fn SOFTMAX          (router_topk: SOFTMAX | SIGMOID)
  *     param router_pre_norm 1       (router_topk: 1 = ACT1, the default | 0 = ACT2)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
@@ -32,6 +33,9 @@
  *                                    ActFnType members), expert_affinities_scaling_mode (NO_SCALE,
  *                                    moe_tkg's default, or POST_SCALE), the gate_ / up_
  *                                    clamp limits and mask_unselected_experts 0 | 1)
+ *     param router_act_fn SOFTMAX   (rmsnorm_router_topk_tkg: SIGMOID, the default | SOFTMAX;
+ *                                    with it, eps (1e-6 by default), hidden_actual (H) and
+ *                                    store_eager_affi_only 0 | 1)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -43,6 +47,10 @@
  * [E_L, 2, I], expert_down_bias [E_L, H] and expert_affinities_eager [T, K], and returns output
  * [T, H]; an expert id out of range, or a rank_id out of range where it is read (all-expert
  * POST_SCALE), is NRT_EXEC_OOB. Its scaling mode defaults to NO_SCALE, as moe_tkg's does.
+ * rmsnorm_router_topk_tkg takes hidden_states [T, H] (or [B, S, H]), gamma [1, H] (or [H]),
+ * router_weights [H, E] and optionally router_bias [1, E] (or [E]), and returns norm_output
+ * [T, H], expert_index [T, K] and expert_affinities [T, E] (scattered), or [T, K] (eager): the
+ * RMSNorm, rounded to router_weights' dtype for the router, then router_topk's ACT2.
  * blockwise_mm takes the optional inputs gate_and_up_proj_bias and down_proj_bias, and
  * blockwise_mm_bwd the optional outputs gate_and_up_proj_bias_grad and down_proj_bias_grad.
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
@@ -84,7 +92,14 @@ struct nrt_tensor_set {
     binding_t *head;
 };
 
-typedef enum { KERNEL_COPY, KERNEL_ROUTER_TOPK, KERNEL_BLOCKWISE_MM, KERNEL_BLOCKWISE_MM_BWD, KERNEL_MOE_TKG } kernel_t;
+typedef enum {
+    KERNEL_COPY,
+    KERNEL_ROUTER_TOPK,
+    KERNEL_BLOCKWISE_MM,
+    KERNEL_BLOCKWISE_MM_BWD,
+    KERNEL_MOE_TKG,
+    KERNEL_RMSNORM_ROUTER_TOPK_TKG
+} kernel_t;
 
 /* nki-library's ActFnType members, in its order. */
 static const char *const ACT_FN_NAMES[] = {"SiLU", "GELU", "GELU_Tanh_Approx", "Swish", "ReLU", "SquaredReLU"};
@@ -148,6 +163,9 @@ struct nrt_model {
     int store_blocks; /* is_tensor_update_accumulating = 0 */
     int all_expert;   /* moe_tkg: is_all_expert */
     int mask_unselected; /* moe_tkg: mask_unselected_experts */
+    double eps;             /* rmsnorm_router_topk_tkg */
+    uint32_t hidden_actual; /* rmsnorm_router_topk_tkg; 0: H */
+    int eager;              /* rmsnorm_router_topk_tkg: store_eager_affi_only */
     /* The blockwise clamp limits: [0 gate | 1 up][0 lower | 1 upper], where has_clamp is set. */
     double clamp[2][2];
     int has_clamp[2][2];
@@ -320,6 +338,21 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                (find_decl(m, "expert_affinities_eager", in) == NULL ||
                 has_shape(m, "expert_affinities_eager", in, 2, tk));
     }
+    if (m->kernel == KERNEL_RMSNORM_ROUTER_TOPK_TKG) {
+        const decl_t *x = find_decl(m, "hidden_states", in);
+        if (x == NULL || x->ndim < 2 || x->ndim > 3) return 0;
+        uint32_t h = x->shape[x->ndim - 1], t = x->ndim == 3 ? x->shape[0] * x->shape[1] : x->shape[0];
+        uint32_t e = dim(m, "router_weights", in, 1), k = dim(m, "expert_index", out, 1);
+        uint32_t he[2] = {h, e}, th[2] = {t, h}, tk[2] = {t, k}, te[2] = {t, e}, row[2] = {1, h}, eb[2] = {1, e};
+        return t > 0 && h > 0 && e > 0 && k > 0 && k <= e && m->hidden_actual <= h &&
+               (x->ndim == 2 || (uint64_t)x->shape[0] * x->shape[1] == t) &&
+               (has_shape(m, "gamma", in, 2, row) || has_shape(m, "gamma", in, 1, row + 1)) &&
+               has_shape(m, "router_weights", in, 2, he) && has_shape(m, "norm_output", out, 2, th) &&
+               has_shape(m, "expert_index", out, 2, tk) &&
+               has_shape(m, "expert_affinities", out, 2, m->eager ? tk : te) &&
+               (find_decl(m, "router_bias", in) == NULL || has_shape(m, "router_bias", in, 2, eb) ||
+                has_shape(m, "router_bias", in, 1, eb + 1));
+    }
     if (m->kernel == KERNEL_BLOCKWISE_MM) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
@@ -396,9 +429,10 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
     memcpy(text, bytes, size);
     text[size] = '\0';
     NRT_STATUS status = NRT_SUCCESS;
-    int line_no = 0, have_kernel = 0, have_scaling = 0;
+    int line_no = 0, have_kernel = 0, have_scaling = 0, have_router_act_fn = 0;
     char *save = NULL;
     memset(m, 0, sizeof *m);
+    m->eps = 1e-6;
     for (char *line = strtok_r(text, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save), line_no++) {
         char word[64], name[NRT_TENSOR_NAME_MAX], value[64];
         int version, used = 0, which, bound_index;
@@ -425,11 +459,22 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(value, "blockwise_mm") == 0) m->kernel = KERNEL_BLOCKWISE_MM;
             else if (strcmp(value, "blockwise_mm_bwd") == 0) m->kernel = KERNEL_BLOCKWISE_MM_BWD;
             else if (strcmp(value, "moe_tkg") == 0) m->kernel = KERNEL_MOE_TKG;
+            else if (strcmp(value, "rmsnorm_router_topk_tkg") == 0) m->kernel = KERNEL_RMSNORM_ROUTER_TOPK_TKG;
             else status = NRT_INVALID;
         } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
             int flag = strcmp(value, "0") == 0 || strcmp(value, "1") == 0;
-            if (strcmp(name, "act_fn") == 0 && strcmp(value, "SOFTMAX") == 0) m->sigmoid = 0;
-            else if (strcmp(name, "act_fn") == 0 && strcmp(value, "SIGMOID") == 0) m->sigmoid = 1;
+            int router_act = strcmp(name, "act_fn") == 0 || strcmp(name, "router_act_fn") == 0;
+            char *end;
+            if (router_act && strcmp(value, "SOFTMAX") == 0) m->sigmoid = 0, have_router_act_fn = 1;
+            else if (router_act && strcmp(value, "SIGMOID") == 0) m->sigmoid = 1, have_router_act_fn = 1;
+            else if (strcmp(name, "eps") == 0) {
+                m->eps = strtod(value, &end);
+                if (*end != '\0' || !isfinite(m->eps) || m->eps <= 0.0) status = NRT_INVALID;
+            } else if (strcmp(name, "hidden_actual") == 0) {
+                unsigned long actual = strtoul(value, &end, 10);
+                if (*end != '\0' || actual == 0 || actual > UINT32_MAX) status = NRT_INVALID;
+                m->hidden_actual = (uint32_t)actual;
+            } else if (strcmp(name, "store_eager_affi_only") == 0 && flag) m->eager = value[0] == '1';
             else if (strcmp(name, "router_pre_norm") == 0 && flag) m->act2 = value[0] == '0';
             else if (strcmp(name, "norm_topk_prob") == 0 && flag) m->norm_topk_prob = value[0] == '1';
             else if (strcmp(name, "x_hbm_layout") == 0 && flag) m->x_h_t = value[0] == '0';
@@ -487,6 +532,8 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
     free(text);
     /* moe_tkg's default is NO_SCALE (the blockwise kernels': POST_SCALE, index 0). */
     if (m->kernel == KERNEL_MOE_TKG && !have_scaling) m->scaling = 1;
+    /* rmsnorm_router_topk_tkg's router_act_fn defaults to SIGMOID (router_topk's to SOFTMAX). */
+    if (m->kernel == KERNEL_RMSNORM_ROUTER_TOPK_TKG && !have_router_act_fn) m->sigmoid = 1;
     if (status == NRT_SUCCESS && line_no == 0) status = NRT_INVALID;
     if (status == NRT_SUCCESS && (!have_kernel || !kernel_tensors_consistent(m))) status = NRT_INVALID;
     return status;
@@ -689,6 +736,24 @@ static double load(const nrt_tensor_t *t, nrt_dtype_t dtype, size_t i) {
     return f;
 }
 
+/* The bf16 nearest (ties to even) to `f`, as its bits. */
+static uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if (f != f) bits = 0x7FC00000; /* a quiet NaN stays NaN */
+    else bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* `value` rounded to float dtype `dtype` (f32, or f32 then bf16 as store writes it). */
+static double rounded_to(nrt_dtype_t dtype, double value) {
+    float f = (float)value;
+    if (dtype != NRT_DTYPE_BFLOAT16) return f;
+    uint32_t wide = (uint32_t)bf16_bits(f) << 16;
+    memcpy(&f, &wide, 4);
+    return f;
+}
+
 static void store(nrt_tensor_t *t, nrt_dtype_t dtype, size_t i, double value) {
     if (dtype == NRT_DTYPE_INT32) {
         int32_t v = (int32_t)value;
@@ -697,11 +762,7 @@ static void store(nrt_tensor_t *t, nrt_dtype_t dtype, size_t i, double value) {
     }
     float f = (float)value;
     if (dtype == NRT_DTYPE_BFLOAT16) {
-        uint32_t bits;
-        memcpy(&bits, &f, 4);
-        if (f != f) bits = 0x7FC00000; /* a quiet NaN stays NaN */
-        else bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
-        uint16_t half = (uint16_t)(bits >> 16);
+        uint16_t half = bf16_bits(f);
         memcpy(t->data + 2 * i, &half, 2);
         return;
     }
@@ -721,6 +782,19 @@ static nrt_tensor_t *bound(const bound_t *b, const char *name, nrt_tensor_usage_
     return b->tensors[d - b->model->decls];
 }
 
+/* The `k` distinct indices of the largest of `e` scores, descending, ties to the lower index. */
+static void choose_top_k(const double *score, size_t e, size_t k, size_t *chosen) {
+    for (size_t slot = 0; slot < k; slot++) {
+        size_t best = e;
+        for (size_t j = 0; j < e; j++) {
+            int taken = 0;
+            for (size_t s = 0; s < slot; s++) taken |= chosen[s] == j;
+            if (!taken && (best == e || score[j] > score[best])) best = j;
+        }
+        chosen[slot] = best;
+    }
+}
+
 static NRT_STATUS run_router_topk(const bound_t *b) {
     const nrt_model_t *m = b->model;
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
@@ -731,10 +805,10 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
     nrt_tensor_t *selection = bound(b, "selection_bias", in, &ds);
     nrt_tensor_t *logits = bound(b, "router_logits", out, &dl), *index = bound(b, "expert_index", out, &di);
     nrt_tensor_t *aff = bound(b, "expert_affinities", out, &da), *topk = bound(b, "topk_affinities", out, &dt);
-    double *row = malloc(e * sizeof *row), *p = malloc(e * sizeof *p);
+    double *row = malloc(e * sizeof *row), *p = malloc(e * sizeof *p), *score = malloc(e * sizeof *score);
     size_t *chosen = malloc(k * sizeof *chosen);
-    if (row == NULL || p == NULL || chosen == NULL) {
-        free(row), free(p), free(chosen);
+    if (row == NULL || p == NULL || score == NULL || chosen == NULL) {
+        free(row), free(p), free(score), free(chosen);
         return NRT_FAIL_HOST_MEM_ALLOC;
     }
     for (size_t tok = 0; tok < t; tok++) {
@@ -752,20 +826,11 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
         }
         if (!m->sigmoid)
             for (size_t j = 0; j < e; j++) p[j] /= sum;
-        for (size_t slot = 0; slot < k; slot++) {
-            size_t best = e;
-            for (size_t j = 0; j < e; j++) {
-                int taken = 0;
-                for (size_t s = 0; s < slot; s++) taken |= chosen[s] == j;
-                /* ACT1 chooses by affinity, ACT2 by logit; the selection bias moves the choice,
-                 * never the affinities. */
-                const double *by = m->act2 ? row : p;
-                double score = by[j] + (selection != NULL ? load(selection, ds, j) : 0.0);
-                double best_score = best == e ? 0.0 : by[best] + (selection != NULL ? load(selection, ds, best) : 0.0);
-                if (!taken && (best == e || score > best_score)) best = j;
-            }
-            chosen[slot] = best;
-        }
+        /* ACT1 chooses by affinity, ACT2 by logit; the selection bias moves the choice, never
+         * the affinities. */
+        for (size_t j = 0; j < e; j++)
+            score[j] = (m->act2 ? row : p)[j] + (selection != NULL ? load(selection, ds, j) : 0.0);
+        choose_top_k(score, e, k, chosen);
         /* ACT2 activates the K chosen logits: a softmax over them, or a sigmoid of each. */
         if (m->act2)
             for (size_t slot = 0; slot < k; slot++) {
@@ -786,7 +851,57 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
             if (topk != NULL) store(topk, dt, tok * k + slot, a);
         }
     }
-    free(row), free(p), free(chosen);
+    free(row), free(p), free(score), free(chosen);
+    return NRT_SUCCESS;
+}
+
+static NRT_STATUS run_rmsnorm_router_topk_tkg(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t t = dim(m, "norm_output", out, 0), h = dim(m, "norm_output", out, 1);
+    size_t e = dim(m, "router_weights", in, 1), k = dim(m, "expert_index", out, 1);
+    size_t divisor = m->hidden_actual != 0 ? m->hidden_actual : h;
+    int eager = m->eager;
+    nrt_dtype_t dx, dg, dw, db = NRT_DTYPE_FLOAT32, dn, di, da;
+    nrt_tensor_t *x = bound(b, "hidden_states", in, &dx), *gamma = bound(b, "gamma", in, &dg);
+    nrt_tensor_t *w = bound(b, "router_weights", in, &dw), *bias = bound(b, "router_bias", in, &db);
+    nrt_tensor_t *norm = bound(b, "norm_output", out, &dn), *index = bound(b, "expert_index", out, &di);
+    nrt_tensor_t *aff = bound(b, "expert_affinities", out, &da);
+    double *normed = malloc(h * sizeof *normed), *row = malloc(e * sizeof *row);
+    size_t *chosen = malloc(k * sizeof *chosen);
+    if (normed == NULL || row == NULL || chosen == NULL) {
+        free(normed), free(row), free(chosen);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    for (size_t tok = 0; tok < t; tok++) {
+        double squares = 0.0;
+        for (size_t c = 0; c < h; c++) squares += load(x, dx, tok * h + c) * load(x, dx, tok * h + c);
+        double r = 1.0 / sqrt(squares / (double)divisor + m->eps);
+        for (size_t c = 0; c < h; c++) {
+            double y = load(x, dx, tok * h + c) * r * load(gamma, dg, c);
+            store(norm, dn, tok * h + c, y);
+            /* The router reads the norm in its operands' dtype. */
+            normed[c] = rounded_to(dw, y);
+        }
+        for (size_t j = 0; j < e; j++) {
+            double dot = bias != NULL ? load(bias, db, j) : 0.0;
+            for (size_t c = 0; c < h; c++) dot += normed[c] * load(w, dw, c * e + j);
+            row[j] = (float)dot;
+        }
+        /* ACT2: the K largest logits, activated among themselves. */
+        choose_top_k(row, e, k, chosen);
+        double sum = 0.0;
+        for (size_t slot = 0; slot < k; slot++) sum += exp(row[chosen[slot]] - row[chosen[0]]);
+        if (!eager)
+            for (size_t j = 0; j < e; j++) store(aff, da, tok * e + j, 0.0);
+        for (size_t slot = 0; slot < k; slot++) {
+            double l = row[chosen[slot]];
+            double a = m->sigmoid ? 1.0 / (1.0 + exp(-l)) : exp(l - row[chosen[0]]) / sum;
+            store(index, di, tok * k + slot, (double)chosen[slot]);
+            store(aff, da, eager ? tok * k + slot : tok * e + chosen[slot], a);
+        }
+    }
+    free(normed), free(row), free(chosen);
     return NRT_SUCCESS;
 }
 
@@ -1110,6 +1225,7 @@ static NRT_STATUS execute(nrt_model_t *model, const nrt_tensor_set_t *input_set,
         case KERNEL_BLOCKWISE_MM: s = run_blockwise_mm(&b); break;
         case KERNEL_BLOCKWISE_MM_BWD: s = run_blockwise_mm_bwd(&b); break;
         case KERNEL_MOE_TKG: s = run_moe_tkg(&b); break;
+        case KERNEL_RMSNORM_ROUTER_TOPK_TKG: s = run_rmsnorm_router_topk_tkg(&b); break;
         default: s = run_copy(&b); break;
         }
     }

@@ -35,7 +35,8 @@ use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, U
 use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
 use crate::contracts::tensors::{
-    blockwise_mm as fwd, blockwise_mm_bwd as bwd, moe_tkg as tkg, router_topk as router,
+    blockwise_mm as fwd, blockwise_mm_bwd as bwd, moe_tkg as tkg, rmsnorm_router_topk_tkg as fused,
+    router_topk as router,
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
@@ -771,6 +772,58 @@ fn moe_tkg_call<'a>(call: &MoeTkg<'a>) -> Call<'a> {
     }
 }
 
+/// The manifest key of an `rmsnorm_router_topk_tkg` call.
+fn rmsnorm_router_topk_tkg_key(call: &RmsNormRouterTopkTkg<'_>) -> Vec<(&'static str, Value)> {
+    let (dims, params) = (call.dims(), call.params());
+    let shared = params.shared;
+    vec![
+        ("t", Value::Int(dims.t)),
+        ("h", Value::Int(dims.h)),
+        ("e", Value::Int(dims.e)),
+        (Param::TopK.name(), Value::Int(dims.k)),
+        (Param::Eps.name(), Value::number(shared.eps)),
+        (
+            Param::HiddenActual.name(),
+            Value::Int(call.rmsnorm().divisor),
+        ),
+        (
+            Param::RouterMmDType.name(),
+            Value::Str(shared.router_mm_dtype.to_string()),
+        ),
+        (
+            Param::RouterActFn.name(),
+            Value::Str(shared.router_act_fn.to_string()),
+        ),
+        (
+            Param::StoreEagerAffiOnly.name(),
+            Value::Bool(shared.store_eager_affi_only),
+        ),
+        (
+            fused::ROUTER_BIAS.name,
+            Value::Bool(call.inputs().router_bias.is_some()),
+        ),
+    ]
+}
+
+fn rmsnorm_router_topk_tkg_call<'a>(call: &RmsNormRouterTopkTkg<'a>) -> Call<'a> {
+    let dims = call.dims();
+    let width = if call.params().shared.store_eager_affi_only {
+        dims.k
+    } else {
+        dims.e
+    };
+    Call {
+        kernel: Kernel::RmsNormRouterTopkTkg,
+        key: rmsnorm_router_topk_tkg_key(call),
+        inputs: call.inputs().named(),
+        outputs: vec![
+            OutputSpec::new(&fused::NORM_OUTPUT, &[dims.t, dims.h], true),
+            OutputSpec::new(&fused::EXPERT_INDEX, &[dims.t, dims.k], true),
+            OutputSpec::new(&fused::EXPERT_AFFINITIES, &[dims.t, width], true),
+        ],
+    }
+}
+
 /// `expert_index` as produced by a NEFF, checked to hold expert ids in `[0, E)`.
 fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Result<Vec<usize>> {
     let k = index.shape()[1];
@@ -880,6 +933,7 @@ impl Backend for NeuronBackend {
                 blockwise_mm_bwd_call(call)
             }
             KernelCall::MoeTkg(call) => moe_tkg_call(call),
+            KernelCall::RmsNormRouterTopkTkg(call) => rmsnorm_router_topk_tkg_call(call),
             other => return Err(unsupported(other.kernel())),
         };
         let repeats = i32::try_from(repeats)
@@ -973,9 +1027,20 @@ impl Backend for NeuronBackend {
 
     fn rmsnorm_router_topk_tkg(
         &self,
-        _call: &RmsNormRouterTopkTkg<'_>,
+        call: &RmsNormRouterTopkTkg<'_>,
     ) -> Result<RmsNormRouterTopkTkgOutputs> {
-        Err(unsupported(Kernel::RmsNormRouterTopkTkg))
+        let Ran {
+            outputs: mut out,
+            neff,
+            ..
+        } = self.run(&rmsnorm_router_topk_tkg_call(call), Execution::Once)?;
+        let expert_index = take(&mut out, &fused::EXPERT_INDEX)?;
+        checked_expert_index(&neff, &expert_index, call.dims().e)?;
+        call.cast_outputs(RmsNormRouterTopkTkgOutputs {
+            norm_output: take(&mut out, &fused::NORM_OUTPUT)?,
+            expert_index,
+            expert_affinities: take(&mut out, &fused::EXPERT_AFFINITIES)?,
+        })
     }
 
     /// moekit's own kernel: nki-library has no NEFF of it.

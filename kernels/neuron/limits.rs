@@ -84,6 +84,29 @@ const MOE_TKG: &[Limit] = &[
     },
 ];
 
+const RMSNORM_ROUTER_TOPK_TKG: &[Limit] = &[
+    Limit {
+        key: "top_k",
+        passes: |k| k <= 8,
+        needs: "top_k ≤ 8",
+    },
+    Limit {
+        key: "e",
+        passes: |e| e <= 512,
+        needs: "E ≤ 512",
+    },
+    Limit {
+        key: "h",
+        passes: |h| h % 128 == 0,
+        needs: "H a multiple of 128",
+    },
+    Limit {
+        key: "t",
+        passes: |t| t % 128 == 0,
+        needs: "T a multiple of 128 (of 256 where its two cores split T) without MX quantisation",
+    },
+];
+
 /// The limits `entry`'s shape breaks, each as a sentence naming the key, its value and what
 /// nki-library's kernel needs. Keys the entry leaves out are not checked.
 pub fn broken_limits(entry: &Entry) -> Vec<String> {
@@ -92,6 +115,7 @@ pub fn broken_limits(entry: &Entry) -> Vec<String> {
         Kernel::BlockwiseMm => MOE_CTE,
         Kernel::BlockwiseMmBwd => BLOCKWISE_MM_BWD,
         Kernel::MoeTkg => MOE_TKG,
+        Kernel::RmsNormRouterTopkTkg => RMSNORM_ROUTER_TOPK_TKG,
         _ => &[],
     };
     limits

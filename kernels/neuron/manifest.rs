@@ -28,7 +28,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::contracts::tensors::{blockwise_mm, moe_tkg, router_topk};
+use crate::contracts::RmsNormRouterParams;
+use crate::contracts::tensors::{blockwise_mm, moe_tkg, rmsnorm_router_topk_tkg, router_topk};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
 
@@ -61,12 +62,19 @@ pub enum ValueKind {
     Str,
     /// A clamp limit: a number, or `"none"` (also what an entry that leaves the key out means).
     Limit,
+    /// A finite number (a compile-time constant such as `eps`).
+    Number,
 }
 
 impl Value {
     /// A clamp limit's key value: the number as f32 prints it (shortest round trip), or `none`.
     pub fn limit(limit: Option<f32>) -> Value {
         Value::Str(limit.map_or_else(|| NO_LIMIT.to_owned(), |v| v.to_string()))
+    }
+
+    /// A number's key value: as f32 prints it (shortest round trip).
+    pub fn number(value: f32) -> Value {
+        Value::Str(value.to_string())
     }
 }
 
@@ -160,17 +168,49 @@ const MOE_TKG_KEYS: &[(&str, ValueKind)] = &[
     (Param::UpClampUpperLimit.name(), ValueKind::Limit),
 ];
 
-/// What a call must have for a key an entry leaves out where leaving it out means the NEFF was
-/// compiled with nki-library's default: no clamp limit, `skip_token` false,
-/// `is_tensor_update_accumulating` true, `mask_unselected_experts` false. Other keys an entry
-/// leaves out match any value.
-fn implied_default(name: &str, kind: ValueKind) -> Option<Value> {
+/// `rmsnorm_router_topk_tkg`'s keys.
+const RMSNORM_ROUTER_TOPK_TKG_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    ("e", ValueKind::Int),
+    (Param::TopK.name(), ValueKind::Int),
+    (Param::Eps.name(), ValueKind::Number),
+    (Param::HiddenActual.name(), ValueKind::Int),
+    // bfloat16 or float32: `router_weights`' dtype and `norm_output`'s.
+    (Param::RouterMmDType.name(), ValueKind::Str),
+    // SIGMOID or SOFTMAX.
+    (Param::RouterActFn.name(), ValueKind::Str),
+    (Param::StoreEagerAffiOnly.name(), ValueKind::Bool),
+    // Whether the NEFF takes a `router_bias` input.
+    (rmsnorm_router_topk_tkg::ROUTER_BIAS.name, ValueKind::Bool),
+];
+
+/// What a call (whose key is `key`) must have for a key an entry leaves out where leaving it
+/// out means the NEFF was compiled with nki-library's default: no clamp limit, `skip_token`
+/// false, `is_tensor_update_accumulating` true, `mask_unselected_experts` false, and
+/// `rmsnorm_router_topk_tkg`'s `eps` 1e-6, `hidden_actual` H, `router_mm_dtype` bfloat16,
+/// `router_act_fn` SIGMOID and `store_eager_affi_only` false. Other keys an entry leaves out
+/// match any value.
+fn implied_default(name: &str, kind: ValueKind, key: &[(&str, Value)]) -> Option<Value> {
+    let fused = RmsNormRouterParams::default();
+    let param = |param: Param| name == param.name();
     match kind {
         ValueKind::Limit => Some(Value::limit(None)),
-        _ if name == Param::SkipToken.name() || name == Param::MaskUnselectedExperts.name() => {
+        _ if param(Param::SkipToken)
+            || param(Param::MaskUnselectedExperts)
+            || param(Param::StoreEagerAffiOnly) =>
+        {
             Some(Value::Bool(false))
         }
-        _ if name == Param::IsTensorUpdateAccumulating.name() => Some(Value::Bool(true)),
+        _ if param(Param::IsTensorUpdateAccumulating) => Some(Value::Bool(true)),
+        _ if param(Param::Eps) => Some(Value::number(fused.eps)),
+        _ if param(Param::RouterMmDType) => Some(Value::Str(fused.router_mm_dtype.to_string())),
+        _ if param(Param::RouterActFn) => Some(Value::Str(fused.router_act_fn.to_string())),
+        // The whole of H.
+        _ if param(Param::HiddenActual) => key
+            .iter()
+            .find(|(call_name, _)| *call_name == "h")
+            .map(|(_, h)| h.clone()),
         _ => None,
     }
 }
@@ -183,6 +223,7 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
         Kernel::BlockwiseMm => Some(BLOCKWISE_MM_KEYS),
         Kernel::BlockwiseMmBwd => Some(BLOCKWISE_MM_BWD_KEYS),
         Kernel::MoeTkg => Some(MOE_TKG_KEYS),
+        Kernel::RmsNormRouterTopkTkg => Some(RMSNORM_ROUTER_TOPK_TKG_KEYS),
         _ => None,
     }
 }
@@ -219,6 +260,10 @@ pub fn entry_toml(kernel: Kernel, neff: &Path, key: &[(&str, Value)]) -> String 
                 limit.clone()
             }
             (Some(ValueKind::Limit), Value::Str(limit)) => format!("{limit}.0"),
+            (Some(ValueKind::Number), Value::Str(number)) if number.contains(['.', 'e']) => {
+                number.clone()
+            }
+            (Some(ValueKind::Number), Value::Str(number)) => format!("{number}.0"),
             (_, Value::Str(text)) => quoted(text),
             (_, value) => value.to_string(),
         };
@@ -247,7 +292,7 @@ impl Entry {
             .unwrap_or_default()
             .iter()
             .filter(|(name, _)| !self.params.contains_key(*name))
-            .filter_map(|&(name, kind)| Some((name, implied_default(name, kind)?)));
+            .filter_map(|&(name, kind)| Some((name, implied_default(name, kind, key)?)));
         set_keys_match
             && defaults.all(|(name, default)| {
                 key.iter()
@@ -337,6 +382,12 @@ impl Manifest {
                             (ValueKind::Limit, toml::Value::Integer(v)) => {
                                 Value::limit(Some(*v as f32))
                             }
+                            (ValueKind::Number, toml::Value::Float(v)) if v.is_finite() => {
+                                Value::number(*v as f32)
+                            }
+                            (ValueKind::Number, toml::Value::Integer(v)) => {
+                                Value::number(*v as f32)
+                            }
                             (kind, _) => {
                                 let expected = match kind {
                                     ValueKind::Int => "a positive integer",
@@ -344,6 +395,7 @@ impl Manifest {
                                     ValueKind::Bool => "true or false",
                                     ValueKind::Str => "a string",
                                     ValueKind::Limit => "a number or \"none\"",
+                                    ValueKind::Number => "a number",
                                 };
                                 return Err(format(format!(
                                     "{at}: `{name}` must be {expected}, got {value}"

@@ -4,14 +4,15 @@
 //!
 //! Entries must name every size: `t`, `h`, `e`, `k` (`router_topk`), `t`, `h`, `e`, `i`,
 //! `block_size`, `num_blocks` (the blockwise kernels; K is the smallest top-k whose static block
-//! count is `num_blocks`) or `t`, `h`, `e`, `k`, `i` (`moe_tkg`, whose checks hold every expert:
-//! `e_local`, where given, must be `e`).
+//! count is `num_blocks`), `t`, `h`, `e`, `k`, `i` (`moe_tkg`, whose checks hold every expert:
+//! `e_local`, where given, must be `e`) or `t`, `h`, `e`, `top_k` (`rmsnorm_router_topk_tkg`).
 
 use super::limits::broken_limits;
 use super::manifest::{Entry, Manifest, Value};
 use crate::backend::{FixedShape, FixedShapes, LayerSizes};
 use crate::contracts::{
-    ActFnType, ExpertAffinityScaleMode, RouterActFnType, XHbmLayout, static_block_count,
+    ActFnType, ExpertAffinityScaleMode, RmsNormRouterParams, RouterActFnType, XHbmLayout,
+    static_block_count,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
@@ -111,6 +112,45 @@ impl Manifest {
                     scaling_mode: scaling()?,
                     activation_fn: activation("activation_fn")?,
                     mask_unselected_experts: Some(flag("mask_unselected_experts")),
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+            Kernel::RmsNormRouterTopkTkg => {
+                let k = int("top_k")?;
+                let sizes = LayerSizes {
+                    t: int("t")?,
+                    h: int("h")?,
+                    e: int("e")?,
+                    k,
+                    i: 1,
+                    b: 1,
+                };
+                let text = |key: &str| match entry.params.get(key) {
+                    Some(Value::Str(text)) => Some(text.as_str()),
+                    _ => None,
+                };
+                let default = RmsNormRouterParams::default();
+                let params = Params {
+                    top_k: Some(k),
+                    eps: text("eps")
+                        .map(str::parse)
+                        .transpose()
+                        .map_err(|_| error("`eps` is not a number".to_owned()))?,
+                    hidden_actual: int("hidden_actual").ok(),
+                    router_mm_dtype: Some(
+                        text("router_mm_dtype")
+                            .map(str::parse)
+                            .transpose()?
+                            .unwrap_or(default.router_mm_dtype),
+                    ),
+                    router_act_fn: Some(
+                        text("router_act_fn")
+                            .map(str::parse)
+                            .transpose()?
+                            .unwrap_or(default.router_act_fn),
+                    ),
+                    store_eager_affi_only: Some(flag("store_eager_affi_only")),
                     ..Params::default()
                 };
                 (sizes, params)

@@ -112,20 +112,26 @@ impl CheckCase {
     }
 
     /// The tensors `kernel` runs on: the layer's, with `rmsnorm_router_topk_tkg`'s
-    /// `hidden_states` for the decode-time router.
-    pub fn tensors_for(&self, kernel: Kernel) -> Cow<'_, BTreeMap<String, Tensor>> {
+    /// `hidden_states` for the decode-time router, and its router weights in the
+    /// `router_mm_dtype` it runs with ([`CheckCase::params_for`]).
+    pub fn tensors_for(&self, kernel: Kernel) -> Result<Cow<'_, BTreeMap<String, Tensor>>> {
+        use tensors::rmsnorm_router_topk_tkg as fused;
         match kernel {
             Kernel::RmsNormRouterTopkTkg | Kernel::RmsNormRouterTopkTkgBwd => {
                 let mut tensors = self.tensors.clone();
                 tensors.insert(
-                    tensors::rmsnorm_router_topk_tkg::HIDDEN_STATES
-                        .name
-                        .to_owned(),
+                    fused::HIDDEN_STATES.name.to_owned(),
                     self.decode_hidden_states.clone(),
                 );
-                Cow::Owned(tensors)
+                if let Some(mm) = self.params_for(kernel).router_mm_dtype
+                    && let Some(w) = tensors.remove(fused::ROUTER_WEIGHTS.name)
+                {
+                    let w = w.into_float_dtype(fused::ROUTER_WEIGHTS.name, mm.dtype())?;
+                    tensors.insert(fused::ROUTER_WEIGHTS.name.to_owned(), w);
+                }
+                Ok(Cow::Owned(tensors))
             }
-            _ => Cow::Borrowed(&self.tensors),
+            _ => Ok(Cow::Borrowed(&self.tensors)),
         }
     }
 }
@@ -402,7 +408,7 @@ pub fn check(
     let mut rows = Vec::new();
     for (index, case) in cases.iter().enumerate() {
         for &kernel in &case.kernels {
-            let (params, tensors) = (case.params_for(kernel), case.tensors_for(kernel));
+            let (params, tensors) = (case.params_for(kernel), case.tensors_for(kernel)?);
             let want = kernel.run(reference.as_ref(), &tensors, &params)?;
             let got = kernel.run(backend, &tensors, &params)?;
             for (name, want) in &want {
