@@ -155,6 +155,15 @@ impl<'a> Floats<'a> {
     }
 }
 
+/// `x` rounded to the nearest bf16, ties to even, as `bf16::from_f32` rounds it (a NaN stays a
+/// quiet NaN), without branching on the value, so that converting a buffer vectorises.
+fn bf16_nearest(x: f32) -> bf16 {
+    let bits = x.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = (bits >> 16) as u16 | 0x0040;
+    bf16::from_bits(if x.is_nan() { quiet_nan } else { rounded })
+}
+
 /// A row-major tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
@@ -276,7 +285,7 @@ impl Tensor {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::BF16(
                 v.iter()
-                    .map(|&x| bf16::from_f32(x))
+                    .map(|&x| bf16_nearest(x))
                     .collect::<Vec<_>>()
                     .into(),
             ),
@@ -295,8 +304,14 @@ impl Tensor {
     pub fn into_float_dtype(self, name: &str, dtype: DType) -> Result<Tensor> {
         let storage = match (self.storage, dtype) {
             (Storage::F32(v), DType::BF16) => {
-                let rounded: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
-                if let Some(index) = rounded.iter().position(|x| x.is_infinite()) {
+                let rounded: Vec<bf16> = v.iter().map(|&x| bf16_nearest(x)).collect();
+                // Screened whole (an OR, which vectorises), searched only when one is there.
+                let infinite = |x: &bf16| x.to_bits() & 0x7fff == 0x7f80;
+                let any_infinite = rounded.iter().fold(false, |any, x| any | infinite(x));
+                if let Some(index) = any_infinite
+                    .then(|| rounded.iter().position(infinite))
+                    .flatten()
+                {
                     return Err(Error::invalid(
                         name,
                         format!(
@@ -409,6 +424,41 @@ pub fn position(shape: &[usize], mut flat: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_nearest_rounds_as_the_half_crate_does() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001), // a signalling NaN
+            f32::from_bits(0x3f80_8000), // a tie, to even (down)
+            f32::from_bits(0x3f81_8000), // a tie, to even (up)
+            f32::from_bits(0x7f7f_ffff), // rounds up to infinity
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let random = (0..100_000).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            f32::from_bits(state as u32)
+        });
+        for x in specials.into_iter().chain(random) {
+            let (got, want) = (bf16_nearest(x), bf16::from_f32(x));
+            if want.is_nan() {
+                assert!(got.is_nan() && got.to_bits() & 0x0040 != 0, "{x:e}");
+                assert_eq!(got.to_bits() & 0x8000, want.to_bits() & 0x8000, "{x:e}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{x:e}");
+            }
+        }
+    }
 
     #[test]
     fn leading_rows_drop_the_trailing_ones_and_too_many_is_an_error_naming_the_tensor() {

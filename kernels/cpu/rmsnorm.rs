@@ -29,8 +29,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .chunks_exact(LANES)
         .zip(b[..whole].chunks_exact(LANES))
     {
+        // Plain multiply and add: `mul_add` is a library call where the build does not
+        // assume FMA.
         for lane in 0..LANES {
-            lanes[lane] = a[lane].mul_add(b[lane], lanes[lane]);
+            lanes[lane] += a[lane] * b[lane];
         }
     }
     let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();

@@ -1,4 +1,5 @@
-//! Router forward and backward on the CPU: the logits GEMM in fixed row tiles, then the
+//! Router forward and backward on the CPU: the logits GEMM in fixed row tiles (a decoding
+//! step's few tokens stream the weights once, as stored, through [`super::skinny`]), then the
 //! activation, top-k and renormalisation per row, in f32 and in log space (as the contract's
 //! reference does in f64) so renormalised affinities stay exact when probabilities underflow.
 
@@ -7,11 +8,14 @@ use rayon::prelude::*;
 use super::ROW_TILE;
 use super::bf16_matmul::{self, matmul_bf16};
 use super::element::{ensure_finite, finite_output};
+use super::expert_matrix::ExpertMatrix;
 use super::matmul::{MatRef, matmul};
+use super::skinny;
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{router_topk as rt, router_topk_bwd as rtb};
 use crate::contracts::{
     RouterActFnType, RouterDims, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    WeightLayout,
 };
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor, try_filled};
@@ -89,22 +93,36 @@ fn logits(
     (t, h, e): (usize, usize, usize),
 ) -> Result<Vec<f32>> {
     // `[T, E]` outgrows the inputs (`[T, H]` and `[H, E]`) when H is small: allocated checked.
-    let what = output(&rt::ROUTER_LOGITS);
-    let mut logits = match (x.storage(), w.storage()) {
+    let mut logits = try_filled(&output(&rt::ROUTER_LOGITS), &[t, e], 0.0f32)?;
+    match (x.storage(), w.storage()) {
         (Storage::BF16(x), Storage::BF16(w)) if h % 2 == 0 && bf16_matmul::available() => {
-            let mut out = try_filled(&what, &[t, e], 0.0f32)?;
-            out.par_chunks_mut(ROW_TILE * e)
+            logits
+                .par_chunks_mut(ROW_TILE * e)
                 .zip(x.par_chunks(ROW_TILE * h))
                 .for_each(|(out, x)| matmul_bf16(out, x, h, w, (out.len() / e, e, h)));
-            out
         }
-        _ => row_tiled_product(
-            &x.f32_values(),
-            h,
-            MatRef::row_major(&w.f32_values(), h, e),
-            (t, &what),
-        )?,
-    };
+        _ => {
+            let stored = w.floats().expect("the contract checked w's dtype");
+            let x = x.f32_values();
+            if t <= skinny::MAX_ROWS {
+                // A decoding step's few tokens: the weights streamed as stored, a pair of
+                // tokens per task (each output is the same whichever rows share a call).
+                logits
+                    .par_chunks_mut(2 * e)
+                    .zip(x.par_chunks(2 * h))
+                    .for_each(|(out, x)| skinny::product(out, x, stored, (x.len() / h, h, e)));
+            } else {
+                let w = ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e));
+                logits
+                    .par_chunks_mut(ROW_TILE * e)
+                    .zip(x.par_chunks(ROW_TILE * h))
+                    .for_each_init(
+                        || (Vec::new(), Vec::new()),
+                        |(panel, tile), (out, x)| w.product(out, x, (panel, tile)),
+                    );
+            }
+        }
+    }
     if let Some(bias) = bias {
         for row in logits.chunks_mut(e) {
             for (l, b) in row.iter_mut().zip(bias) {
@@ -113,25 +131,6 @@ fn logits(
         }
     }
     Ok(logits)
-}
-
-/// `a [rows, k] · b [k, n]` as a new `[rows, n]` buffer (`what`, named in an allocation
-/// error), computed in parallel tiles of [`ROW_TILE`] rows (a fixed tiling, so results do not
-/// depend on the thread count).
-fn row_tiled_product(
-    a: &[f32],
-    k: usize,
-    b: MatRef<'_>,
-    (rows, what): (usize, &str),
-) -> Result<Vec<f32>> {
-    let n = b.cols();
-    let mut out = try_filled(what, &[rows, n], 0.0f32)?;
-    out.par_chunks_mut(ROW_TILE * n)
-        .zip(a.par_chunks(ROW_TILE * k))
-        .for_each(|(out, a)| {
-            matmul(out, MatRef::row_major(a, out.len() / n, k), b, false);
-        });
-    Ok(out)
 }
 
 pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
@@ -242,17 +241,19 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
 
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
     let x = x.f32_values();
-    let w = inputs.w.f32_values();
-    // d_x [T, H] = d_logits · wᵀ, in row tiles.
-    let d_x = row_tiled_product(
-        &d_logits,
-        e,
-        MatRef::row_major(&w, h, e).t(),
-        (t, &output(&rtb::D_X)),
-    )?;
+    // d_x [T, H] = d_logits · wᵀ, in row tiles, reading w as stored.
+    let stored = inputs.w.floats().expect("the contract checked w's dtype");
+    let w = ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e));
+    let mut d_x = try_filled(&output(&rtb::D_X), &[t, h], 0.0f32)?;
+    d_x.par_chunks_mut(ROW_TILE * h)
+        .zip(d_logits.par_chunks(ROW_TILE * e))
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(panel, tile), (d_x, d_logits)| w.transposed_product(d_x, d_logits, (panel, tile)),
+        );
     // d_w [H, E] = xᵀ · d_logits, in tiles of rows of d_w (each token reduction stays inside
     // one product).
-    let mut d_w = vec![0.0f32; h * e];
+    let mut d_w = try_filled(&output(&rtb::D_W), &[h, e], 0.0f32)?;
     let x = MatRef::row_major(&x, t, h);
     d_w.par_chunks_mut(ROW_TILE * e)
         .enumerate()

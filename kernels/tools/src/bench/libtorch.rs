@@ -185,25 +185,29 @@ const EXPERT_PATHS: [(&str, ExpertPath, Leaves); 2] = [
     ),
 ];
 
-/// Times every peer path on the layer's inputs and the routing moekit chose. An expert path
-/// this libtorch build does not support on this device is left out.
+/// Times every peer path of the `wanted` stages on the layer's inputs and the routing moekit
+/// chose. An expert path this libtorch build does not support on this device is left out.
 pub fn measure(
     inputs: &LayerInputs,
     routed: &RouterTopkOutputs,
     min_time: Duration,
+    wanted: &dyn Fn(Stage) -> bool,
 ) -> Result<Vec<PeerPath>> {
     let ops = Operands::new(inputs, routed);
     let e = inputs.shape.e as i64;
-    let mut paths = vec![
-        PeerPath {
+    let mut paths = Vec::new();
+    if wanted(Stage::Router) {
+        paths.push(PeerPath {
             name: "router: softmax + topk",
             stage: Stage::Router,
             forward_ms: time(min_time, || ops.router())?,
             backward_ms: Some(time_backward(min_time, &[&ops.x, &ops.w], || {
                 Ok((ops.router()? * &ops.d_topk).sum(Kind::Float))
             })?),
-        },
-        PeerPath {
+        });
+    }
+    if wanted(Stage::DecodeRouter) {
+        paths.push(PeerPath {
             name: "decode router: RMSNorm + softmax + topk",
             stage: Stage::DecodeRouter,
             forward_ms: time(min_time, || ops.decode_router())?,
@@ -212,16 +216,18 @@ pub fn measure(
                 &[&ops.x, &ops.gamma, &ops.w],
                 || Ok((ops.decode_router()? * &ops.d_topk).sum(Kind::Float)),
             )?),
-        },
-        PeerPath {
+        });
+    }
+    if wanted(Stage::Permute) {
+        paths.push(PeerPath {
             name: "permute: argsort + bincount",
             stage: Stage::Permute,
             forward_ms: time(min_time, || Ok(ops.permute(e).0))?,
             backward_ms: None,
-        },
-    ];
+        });
+    }
     for (name, path, leaves) in EXPERT_PATHS {
-        if path(&ops, e).is_err() {
+        if !wanted(Stage::Experts) || path(&ops, e).is_err() {
             continue;
         }
         paths.push(PeerPath {

@@ -167,6 +167,24 @@ pub enum Stage {
     Experts,
 }
 
+impl Stage {
+    /// The rows whose libtorch column a path of this stage gives.
+    fn rows(self) -> &'static [&'static str] {
+        match self {
+            Stage::Router => &["router_topk", "router_topk_bwd", LAYER_ROW],
+            Stage::DecodeRouter => &["rmsnorm_router_topk_tkg", "rmsnorm_router_topk_tkg_bwd"],
+            Stage::Permute => &["permute"],
+            Stage::Experts => &[
+                "blockwise_mm",
+                "blockwise_mm_bwd",
+                "moe_tkg",
+                LAYER_ROW,
+                EXPERTS_ROW,
+            ],
+        }
+    }
+}
+
 /// A libtorch path measured in the same run as moekit's kernels.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PeerPath {
@@ -252,7 +270,9 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         config.block_size,
     );
     let peers = if config.libtorch {
-        peers(&layer, config.min_time)?
+        // Only the paths of the rows shown: the experts' take seconds in bf16 on CPUs.
+        let wanted = |stage: Stage| stage.rows().iter().any(|row| config.rows.shows(row));
+        peers(&layer, config.min_time, &wanted)?
     } else {
         Vec::new()
     };
@@ -456,13 +476,21 @@ fn measure(backend: &dyn Backend, call: KernelCall<'_, '_>, min_time: Duration) 
 
 /// The libtorch paths for the same layer, timed in this run.
 #[cfg(feature = "libtorch")]
-fn peers(layer: &Layer, min_time: Duration) -> Result<Vec<PeerPath>> {
-    libtorch::measure(&layer.inputs, &layer.routed, min_time)
+fn peers(
+    layer: &Layer,
+    min_time: Duration,
+    wanted: &dyn Fn(Stage) -> bool,
+) -> Result<Vec<PeerPath>> {
+    libtorch::measure(&layer.inputs, &layer.routed, min_time, wanted)
 }
 
 /// Without the `libtorch` feature no peer is measured.
 #[cfg(not(feature = "libtorch"))]
-fn peers(_layer: &Layer, _min_time: Duration) -> Result<Vec<PeerPath>> {
+fn peers(
+    _layer: &Layer,
+    _min_time: Duration,
+    _wanted: &dyn Fn(Stage) -> bool,
+) -> Result<Vec<PeerPath>> {
     Ok(Vec::new())
 }
 
