@@ -20,6 +20,14 @@ use crate::contracts::{
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor, try_filled};
 
+/// Tokens per task of the products with the router weights, for T tokens: half of them, from
+/// 16 to [`ROW_TILE`], so that a decoding step's tens of tokens still make two tasks (each
+/// packs the weights, so more would cost more than they spread) while longer sequences keep
+/// whole row tiles. A function of T alone, so results do not depend on the thread count.
+fn token_tile(t: usize) -> usize {
+    t.div_ceil(2).clamp(16, ROW_TILE)
+}
+
 /// `ln(1 + eˣ)` without overflow.
 fn softplus(x: f32) -> f32 {
     x.max(0.0) + (-x.abs()).exp().ln_1p()
@@ -83,9 +91,10 @@ fn top_k(scores: &[f32], index: &mut [i32], kept: &mut [f32]) {
     }
 }
 
-/// `[T, E]` logits: `x [T, H] · w [H, E] (+ bias)`, in row tiles of [`ROW_TILE`]. With x and
-/// w both stored in bf16 (and H even, so token rows hold whole pairs) the products run on
-/// AVX-512 BF16 pair dot products: exact products, f32 sums, nothing widened.
+/// `[T, E]` logits: `x [T, H] · w [H, E] (+ bias)`, in tiles of [`token_tile`] tokens, or of
+/// pairs streaming w through [`skinny`] for a decoding step's few. With x and w both stored in
+/// bf16 (and H even, so token rows hold whole pairs) the products run on AVX-512 BF16 pair dot
+/// products: exact products, f32 sums, nothing widened.
 fn logits(
     x: &Tensor,
     w: &Tensor,
@@ -94,11 +103,12 @@ fn logits(
 ) -> Result<Vec<f32>> {
     // `[T, E]` outgrows the inputs (`[T, H]` and `[H, E]`) when H is small: allocated checked.
     let mut logits = try_filled(&output(&rt::ROUTER_LOGITS), &[t, e], 0.0f32)?;
+    let tile = token_tile(t);
     match (x.storage(), w.storage()) {
         (Storage::BF16(x), Storage::BF16(w)) if h % 2 == 0 && bf16_matmul::available() => {
             logits
-                .par_chunks_mut(ROW_TILE * e)
-                .zip(x.par_chunks(ROW_TILE * h))
+                .par_chunks_mut(tile * e)
+                .zip(x.par_chunks(tile * h))
                 .for_each(|(out, x)| matmul_bf16(out, x, h, w, (out.len() / e, e, h)));
         }
         _ => {
@@ -114,8 +124,8 @@ fn logits(
             } else {
                 let w = ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e));
                 logits
-                    .par_chunks_mut(ROW_TILE * e)
-                    .zip(x.par_chunks(ROW_TILE * h))
+                    .par_chunks_mut(tile * e)
+                    .zip(x.par_chunks(tile * h))
                     .for_each_init(
                         || (Vec::new(), Vec::new()),
                         |(panel, tile), (out, x)| w.product(out, x, (panel, tile)),
@@ -245,8 +255,9 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let stored = inputs.w.floats().expect("the contract checked w's dtype");
     let w = ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e));
     let mut d_x = try_filled(&output(&rtb::D_X), &[t, h], 0.0f32)?;
-    d_x.par_chunks_mut(ROW_TILE * h)
-        .zip(d_logits.par_chunks(ROW_TILE * e))
+    let tile = token_tile(t);
+    d_x.par_chunks_mut(tile * h)
+        .zip(d_logits.par_chunks(tile * e))
         .for_each_init(
             || (Vec::new(), Vec::new()),
             |(panel, tile), (d_x, d_logits)| w.transposed_product(d_x, d_logits, (panel, tile)),
