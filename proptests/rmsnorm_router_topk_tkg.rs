@@ -742,6 +742,12 @@ fn bad_inputs_are_errors_naming_what_is_wrong() {
             put("router_bias", f32_tensor(&[2, 5], &[0.5; 10])),
             &["`router_bias`", "[1, E] or [E]"],
         );
+        fails(
+            kernel,
+            &c,
+            put("router_bias", f32_tensor(&[1, 5], &[0.5; 5]).to_bf16()),
+            &["`router_bias`", "f32 (router_mm_dtype = float32)", "bf16"],
+        );
         fails(kernel, &c, set("eps", "0"), &["`eps`", "positive"]);
         fails(
             kernel,

@@ -259,7 +259,7 @@ pub struct RmsNormRouterTopkTkgInputs<'a> {
     pub gamma: &'a Tensor,
     /// `[H, E]` in `router_mm_dtype` (the transpose of Hugging Face's `gate.weight [E, H]`).
     pub router_weights: &'a Tensor,
-    /// `[1, E]` (or `[E]`), added to the logits.
+    /// `[1, E]` (or `[E]`) in `router_mm_dtype`, added to the logits.
     pub router_bias: Option<&'a Tensor>,
 }
 
@@ -350,6 +350,14 @@ fn check_common<'a>(
     let e = validate::float_input(&fwd::ROUTER_WEIGHTS, router_weights, &[Some(h), None])?[1];
     validate::non_empty(fwd::ROUTER_WEIGHTS.name, "E (experts)", e)?;
     if let Some(bias) = router_bias {
+        // Added to the logits in the router's operand dtype, as nki-library's reference casts it.
+        if bias.dtype() != mm.dtype() {
+            return Err(Error::DType {
+                tensor: fwd::ROUTER_BIAS.name.to_owned(),
+                expected: format!("{} ({} = {mm})", mm.dtype(), RouterMmDType::PARAM),
+                actual: bias.dtype(),
+            });
+        }
         check_row(&fwd::ROUTER_BIAS, bias, e, "E")?;
     }
     let floats = |spec: &TensorSpec, tensor| validate::floats(spec.name, tensor);

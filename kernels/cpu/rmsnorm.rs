@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 
 use super::ROW_TILE;
+use super::element::ensure_finite;
 use crate::composed::RmsNorm;
 use crate::contracts::RmsNormSpec;
 use crate::contracts::spec::output_named;
@@ -40,8 +41,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `r` of one row.
-fn inverse_rms(row: &[f32], spec: RmsNormSpec) -> f32 {
-    1.0 / (dot(row, row) / spec.divisor as f32 + spec.eps).sqrt()
+/// `r` of one row, the scalar computed in f64 so that a tiny `eps` over a zero row cannot
+/// overflow the backward's `r³`.
+fn inverse_rms(row: &[f32], spec: RmsNormSpec) -> f64 {
+    1.0 / (f64::from(dot(row, row)) / spec.divisor as f64 + f64::from(spec.eps)).sqrt()
 }
 
 impl RmsNorm for CpuBackend {
@@ -55,12 +58,13 @@ impl RmsNorm for CpuBackend {
                 let first = tile * ROW_TILE;
                 let x = x.slice(first * h..first * h + y.len()).to_f32();
                 for (y, x) in y.chunks_mut(h).zip(x.chunks(h)) {
-                    let r = inverse_rms(x, spec);
+                    let r = inverse_rms(x, spec) as f32;
                     for ((y, x), g) in y.iter_mut().zip(x).zip(gamma.iter()) {
                         *y = x * r * g;
                     }
                 }
             });
+        ensure_finite(fwd::NORM_OUTPUT.name, &[spec.t, h], &y)?;
         Ok(y)
     }
 
@@ -93,7 +97,8 @@ impl RmsNorm for CpuBackend {
                     for ((g, d), w) in g.iter_mut().zip(d_y).zip(gamma.iter()) {
                         *g = d * w;
                     }
-                    let along_x = r * r * r * dot(&g, x) / spec.divisor as f32;
+                    let along_x = (r * r * r * f64::from(dot(&g, x)) / spec.divisor as f64) as f32;
+                    let r = r as f32;
                     for j in 0..h {
                         d_x[j] = r * g[j] - x[j] * along_x;
                         d_gamma[j] += d_y[j] * x[j] * r;
@@ -108,6 +113,8 @@ impl RmsNorm for CpuBackend {
                 *acc += p;
             }
         }
+        ensure_finite(bwd::D_HIDDEN_STATES.name, &[spec.t, h], &d_x)?;
+        ensure_finite(bwd::D_GAMMA.name, &[h], &d_gamma)?;
         Ok((d_x, d_gamma))
     }
 }

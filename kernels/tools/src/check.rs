@@ -99,7 +99,10 @@ impl CheckCase {
                 let w = &self.tensors[tensors::router_topk::W.name];
                 Params {
                     top_k: self.params.top_k.or(self.params.k),
-                    router_act_fn: self.params.router_act_fn.or(self.params.act_fn),
+                    router_act_fn: self
+                        .params
+                        .router_act_fn
+                        .or(Some(self.params.router_pipeline().act_fn)),
                     router_mm_dtype: self
                         .params
                         .router_mm_dtype
