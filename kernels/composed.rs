@@ -5,8 +5,6 @@
 //! What is composed here is only the plumbing between the pieces, so each backend's results
 //! keep that backend's error bound.
 
-use half::bf16;
-
 use crate::backend::Backend;
 use crate::contracts::tensors::rmsnorm_router_topk_tkg as fwd;
 use crate::contracts::{
@@ -17,12 +15,10 @@ use crate::contracts::{
 use crate::error::Result;
 use crate::tensor::{DType, Floats, Tensor};
 
-/// `[T, H]` f32 rows as a tensor of float `dtype`, each value rounded once.
+/// `[T, H]` f32 rows as a tensor of float `dtype`, each value rounded once (a value past
+/// bf16's range an error naming `norm_output`).
 fn rows_tensor(rows: &[f32], (t, h): (usize, usize), dtype: DType) -> Result<Tensor> {
-    match dtype {
-        DType::BF16 => Tensor::from_bf16([t, h], rows.iter().map(|&x| bf16::from_f32(x)).collect()),
-        _ => Tensor::from_f32([t, h], rows.to_vec()),
-    }
+    Tensor::from_f32([t, h], rows.to_vec())?.into_float_dtype(fwd::NORM_OUTPUT.name, dtype)
 }
 
 /// A host backend's RMSNorm, `y = x / sqrt(Σ_h x² / divisor + eps) ⊙ gamma` per row of

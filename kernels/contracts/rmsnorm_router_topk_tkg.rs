@@ -43,6 +43,7 @@
 //! [`super::router_topk`]). nki-library reduces in f32 and rounds `x / rms` to the input dtype
 //! before `gamma`; its tests allow `2e-2` relative on f32 inputs.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
@@ -306,10 +307,6 @@ pub struct RmsNormRouterFloats<'a> {
     pub hidden_states: Floats<'a>,
     /// `[H]`.
     pub gamma: Floats<'a>,
-    /// `[H, E]`.
-    pub router_weights: Floats<'a>,
-    /// `[E]`.
-    pub router_bias: Option<Floats<'a>>,
 }
 
 /// Checks the tensors both directions read and returns `(T, H, E)` and their elements.
@@ -338,7 +335,7 @@ fn check_common<'a>(
     validate::non_empty(name, "T (tokens)", t)?;
     validate::non_empty(name, "H (hidden size)", h)?;
     params.check(h)?;
-    check_row(&fwd::GAMMA, gamma, h, "H")?;
+    validate::row_tensor(fwd::GAMMA.name, gamma, h, "[1, H] or [H]")?;
     let mm = params.router_mm_dtype;
     if router_weights.dtype() != mm.dtype() {
         return Err(Error::DType {
@@ -358,7 +355,7 @@ fn check_common<'a>(
                 actual: bias.dtype(),
             });
         }
-        check_row(&fwd::ROUTER_BIAS, bias, e, "E")?;
+        validate::row_tensor(fwd::ROUTER_BIAS.name, bias, e, "[1, E] or [E]")?;
     }
     let floats = |spec: &TensorSpec, tensor| validate::floats(spec.name, tensor);
     Ok((
@@ -366,23 +363,8 @@ fn check_common<'a>(
         RmsNormRouterFloats {
             hidden_states: floats(&fwd::HIDDEN_STATES, hidden_states)?,
             gamma: floats(&fwd::GAMMA, gamma)?,
-            router_weights: floats(&fwd::ROUTER_WEIGHTS, router_weights)?,
-            router_bias: router_bias
-                .map(|bias| floats(&fwd::ROUTER_BIAS, bias))
-                .transpose()?,
         },
     ))
-}
-
-/// Checks a `[1, N]` (or `[N]`) parameter row.
-fn check_row(spec: &TensorSpec, tensor: &Tensor, n: usize, unit: &str) -> Result<()> {
-    let dims: &[Option<usize>] = if tensor.shape().len() == 2 {
-        &[Some(1), Some(n)]
-    } else {
-        &[Some(n)]
-    };
-    let layout = format!("[1, {unit}] or [{unit}]");
-    validate::float_tensor(spec.name, tensor, &layout, dims).map(drop)
 }
 
 /// A validated `rmsnorm_router_topk_tkg` call.
@@ -652,17 +634,17 @@ impl<'a> RmsNormRouterTopkTkgBwd<'a> {
 
     /// The gradient of the K selected affinities, `[T, K]` in `expert_index`'s order: the
     /// eager gradient as given, or the `[T, E]` one read at the selected experts.
-    pub fn d_topk_affinities(&self) -> Result<Tensor> {
+    pub fn d_topk_affinities(&self) -> Result<Cow<'a, Tensor>> {
         let d = self.inputs.d_expert_affinities;
         if self.params.store_eager_affi_only {
-            return Ok(d.clone());
+            return Ok(Cow::Borrowed(d));
         }
         let RmsNormRouterDims { t, e, k, .. } = self.dims;
         let values = d.f32_values();
         let gathered = (0..t * k)
             .map(|slot| values[(slot / k) * e + self.expert_ids[slot] as usize])
             .collect();
-        Tensor::from_f32([t, k], gathered)
+        Tensor::from_f32([t, k], gathered).map(Cow::Owned)
     }
 }
 

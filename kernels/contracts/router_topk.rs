@@ -269,7 +269,8 @@ impl<'a> RouterTopk<'a> {
         let e = w[1];
         validate::non_empty(fwd::W.name, "E (experts)", e)?;
         if let Some(bias) = inputs.w_bias {
-            check_bias(bias, e)?;
+            // `[E]`, or `[1, E]` as nki-library also takes it.
+            validate::row_tensor(fwd::W_BIAS.name, bias, e, "[E] or [1, E]")?;
         }
         if let Some(bias) = inputs.selection_bias {
             validate::float_input(&fwd::SELECTION_BIAS, bias, &[Some(e)])?;
@@ -319,16 +320,6 @@ fn check_x(x: &Tensor, layout: XHbmLayout) -> Result<(usize, usize)> {
     validate::non_empty(fwd::X.name, "T (tokens)", t)?;
     validate::non_empty(fwd::X.name, "H (hidden size)", h)?;
     Ok((t, h))
-}
-
-/// Checks `w_bias`: `[E]`, or `[1, E]` as nki-library also takes it.
-fn check_bias(bias: &Tensor, e: usize) -> Result<()> {
-    let dims: &[Option<usize>] = if bias.shape().len() == 2 {
-        &[Some(1), Some(e)]
-    } else {
-        &[Some(e)]
-    };
-    validate::float_tensor(fwd::W_BIAS.name, bias, "[E] or [1, E]", dims).map(|_| ())
 }
 
 /// Outputs of `router_topk`.

@@ -156,6 +156,17 @@ fn first_non_finite<T: Copy + Sync>(
     }
 }
 
+/// Requires a float parameter row of N elements, `[N]` or `[1, N]` (as nki-library takes its
+/// biases and norm weights); `layout` is the human form.
+pub(crate) fn row_tensor(name: &str, tensor: &Tensor, n: usize, layout: &str) -> Result<()> {
+    let dims: &[Option<usize>] = if tensor.shape().len() == 2 {
+        &[Some(1), Some(n)]
+    } else {
+        &[Some(n)]
+    };
+    float_tensor(name, tensor, layout, dims).map(drop)
+}
+
 /// Requires a dimension to be at least one.
 pub(crate) fn non_empty(tensor: &str, what: &str, extent: usize) -> Result<()> {
     if extent == 0 {
