@@ -19,9 +19,10 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
-    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg,
-    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, WeightLayout,
+    MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
+    PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
+    RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    WeightLayout,
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
@@ -89,6 +90,7 @@ pub trait Backend: Send + Sync {
         &self,
         call: &RmsNormRouterTopkTkgBwd<'_>,
     ) -> Result<RmsNormRouterTopkTkgGrads>;
+    fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs>;
 }
 
 /// The agreement with the f64 reference a backend documents: an element passes when
@@ -145,6 +147,7 @@ pub enum KernelCall<'c, 'a> {
     MoeTkg(&'c MoeTkg<'a>),
     RmsNormRouterTopkTkg(&'c RmsNormRouterTopkTkg<'a>),
     RmsNormRouterTopkTkgBwd(&'c RmsNormRouterTopkTkgBwd<'a>),
+    MoeBlockTkg(&'c MoeBlockTkg<'a>),
 }
 
 impl KernelCall<'_, '_> {
@@ -163,6 +166,7 @@ impl KernelCall<'_, '_> {
             KernelCall::MoeTkg(_) => Kernel::MoeTkg,
             KernelCall::RmsNormRouterTopkTkg(_) => Kernel::RmsNormRouterTopkTkg,
             KernelCall::RmsNormRouterTopkTkgBwd(_) => Kernel::RmsNormRouterTopkTkgBwd,
+            KernelCall::MoeBlockTkg(_) => Kernel::MoeBlockTkg,
         }
     }
 
@@ -187,6 +191,7 @@ impl KernelCall<'_, '_> {
             KernelCall::RmsNormRouterTopkTkgBwd(call) => {
                 backend.rmsnorm_router_topk_tkg_bwd(call).map(drop)
             }
+            KernelCall::MoeBlockTkg(call) => backend.moe_block_tkg(call).map(drop),
         }
     }
 }

@@ -1,24 +1,26 @@
 //! Kernels that nki-library fuses on the device and the host backends compose from their own
 //! pieces (moekit's own arrangement; the contracts are nki-library's):
 //! `rmsnorm_router_topk_tkg` is a backend's RMSNorm ([`RmsNorm`]) followed by its
-//! `router_topk` (ACT2), and its backward the router's backward followed by the RMSNorm's.
+//! `router_topk` (ACT2), and its backward the router's backward followed by the RMSNorm's;
+//! `moe_block_tkg` is the RMSNorm, the backend's `router_topk` and its `moe_tkg`.
 //! What is composed here is only the plumbing between the pieces, so each backend's results
 //! keep that backend's error bound.
 
 use crate::backend::Backend;
-use crate::contracts::tensors::rmsnorm_router_topk_tkg as fwd;
+use crate::contracts::tensors::{moe_block_tkg as blk, rmsnorm_router_topk_tkg as fwd};
 use crate::contracts::{
-    OutputDType, RmsNormRouterDims, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
-    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterTopk, RouterTopkBwd,
-    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+    MoeBlockTkg, MoeBlockTkgDims, MoeBlockTkgOutputs, MoeTkg, MoeTkgInputs, OutputDType,
+    RmsNormRouterDims, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
+    RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
 use crate::error::Result;
 use crate::tensor::{DType, Floats, Tensor};
 
 /// `[T, H]` f32 rows as a tensor of float `dtype`, each value rounded once (a value past
-/// bf16's range an error naming `norm_output`).
-fn rows_tensor(rows: &[f32], (t, h): (usize, usize), dtype: DType) -> Result<Tensor> {
-    Tensor::from_f32([t, h], rows.to_vec())?.into_float_dtype(fwd::NORM_OUTPUT.name, dtype)
+/// bf16's range an error naming `name`).
+fn rows_tensor(name: &str, rows: &[f32], (t, h): (usize, usize), dtype: DType) -> Result<Tensor> {
+    Tensor::from_f32([t, h], rows.to_vec())?.into_float_dtype(name, dtype)
 }
 
 /// A host backend's RMSNorm, `y = x / sqrt(Σ_h x² / divisor + eps) ⊙ gamma` per row of
@@ -65,7 +67,12 @@ pub(crate) fn rmsnorm_router_topk_tkg(
     let (inputs, floats, params) = (call.inputs(), call.floats(), call.params());
     let RmsNormRouterDims { t, h, k, .. } = call.dims();
     let rows = norm.forward(call.rmsnorm(), floats.hidden_states, floats.gamma)?;
-    let router_input = rows_tensor(&rows, (t, h), params.shared.router_mm_dtype.dtype())?;
+    let router_input = rows_tensor(
+        fwd::NORM_OUTPUT.name,
+        &rows,
+        (t, h),
+        params.shared.router_mm_dtype.dtype(),
+    )?;
     let router = router_call(
         &router_input,
         inputs.router_weights,
@@ -74,7 +81,12 @@ pub(crate) fn rmsnorm_router_topk_tkg(
         params.shared.router_pipeline(),
     )?;
     let routed = backend.router_topk(&router)?;
-    let norm_output = rows_tensor(&rows, (t, h), call.output_dtype_of(&fwd::NORM_OUTPUT))?;
+    let norm_output = rows_tensor(
+        fwd::NORM_OUTPUT.name,
+        &rows,
+        (t, h),
+        call.output_dtype_of(&fwd::NORM_OUTPUT),
+    )?;
     let expert_affinities = if params.shared.store_eager_affi_only {
         routed.topk_affinities
     } else {
@@ -99,7 +111,12 @@ pub(crate) fn rmsnorm_router_topk_tkg_bwd(
     let RmsNormRouterDims { t, h, e, k } = call.dims();
     let spec = call.rmsnorm();
     let rows = norm.forward(spec, floats.hidden_states, floats.gamma)?;
-    let router_input = rows_tensor(&rows, (t, h), params.router_mm_dtype.dtype())?;
+    let router_input = rows_tensor(
+        fwd::NORM_OUTPUT.name,
+        &rows,
+        (t, h),
+        params.router_mm_dtype.dtype(),
+    )?;
     let pipeline = params.router_pipeline();
     let forward = router_call(
         &router_input,
@@ -138,5 +155,51 @@ pub(crate) fn rmsnorm_router_topk_tkg_bwd(
         d_gamma: Tensor::from_f32(inputs.gamma.shape(), d_gamma)?,
         d_router_weights: router_grads.d_w,
         d_router_bias: router_grads.d_w_bias.reshaped(bias_shape)?,
+    })
+}
+
+/// `moe_block_tkg` on `backend`, whose RMSNorm is `norm`: the norm rounded to `inp`'s dtype (the
+/// experts' input), the backend's `router_topk` on it in `router_mm_dtype`, and its `moe_tkg` on
+/// the norm with the router's f32 affinities and ids.
+pub(crate) fn moe_block_tkg(
+    backend: &dyn Backend,
+    norm: &impl RmsNorm,
+    call: &MoeBlockTkg<'_>,
+) -> Result<MoeBlockTkgOutputs> {
+    let (inputs, floats, params) = (call.inputs(), call.floats(), call.params());
+    let MoeBlockTkgDims { t, h, k, .. } = call.dims();
+    let rows = norm.forward(call.rmsnorm(), floats.hidden_states, floats.gamma)?;
+    let name = format!("{} (its RMSNorm)", blk::INP.name);
+    let x = rows_tensor(&name, &rows, (t, h), inputs.inp.dtype())?;
+    let router_input = x
+        .clone()
+        .into_float_dtype(&name, params.router_mm_dtype.dtype())?;
+    let router = router_call(
+        &router_input,
+        inputs.router_weights,
+        inputs.router_bias,
+        k,
+        params.router_pipeline(),
+    )?;
+    let routed = backend.router_topk(&router)?;
+    let experts = MoeTkg::with_scanned_experts(
+        MoeTkgInputs {
+            hidden_input: &x,
+            expert_gate_up_weights: inputs.expert_gate_up_weights,
+            expert_down_weights: inputs.expert_down_weights,
+            expert_affinities: &routed.expert_affinities,
+            expert_index: &routed.expert_index,
+            rank_id: inputs.rank_id,
+            expert_gate_up_bias: inputs.expert_gate_up_bias,
+            expert_down_bias: inputs.expert_down_bias,
+            expert_affinities_eager: None,
+        },
+        params.moe_tkg(),
+    )?
+    .with_output_dtype(OutputDType::Float32);
+    let out = backend.moe_tkg(&experts)?.output;
+    call.cast_outputs(MoeBlockTkgOutputs {
+        out,
+        router_logits: (!params.skip_router_logits).then_some(routed.router_logits),
     })
 }

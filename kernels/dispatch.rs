@@ -9,11 +9,11 @@ use crate::contracts::{
     A2avRouting, A2avRoutingInputs, A2avRoutingParams, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
-    MoeTkg, MoeTkgInputs, MoeTkgParams, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
-    PermuteInputs, PermuteParams, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
-    RmsNormRouterTopkTkgBwdInputs, RmsNormRouterTopkTkgInputs, RmsNormRouterTopkTkgParams,
-    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
-    RouterTopkParams, TensorSpec,
+    MoeBlockTkg, MoeBlockTkgInputs, MoeTkg, MoeTkgInputs, MoeTkgParams, Permute, PermuteBwd,
+    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RmsNormRouterTopkTkg,
+    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgBwdInputs, RmsNormRouterTopkTkgInputs,
+    RmsNormRouterTopkTkgParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param, Params};
@@ -175,6 +175,12 @@ impl Kernel {
                 let call = RmsNormRouterTopkTkgBwd::new(inputs, params.rmsnorm_router())?
                     .with_output_dtype(output_dtype);
                 backend.rmsnorm_router_topk_tkg_bwd(&call)?.into_named()
+            }
+            Kernel::MoeBlockTkg => {
+                let inputs = MoeBlockTkgInputs::from_named(get)?;
+                let call =
+                    MoeBlockTkg::new(inputs, params.moe_block())?.with_output_dtype(output_dtype);
+                backend.moe_block_tkg(&call)?.into_named()
             }
         };
         Ok(outputs

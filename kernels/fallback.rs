@@ -8,9 +8,10 @@ use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tole
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
-    PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
-    RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute,
+    PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd,
+    RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use crate::kernel::Kernel;
@@ -154,5 +155,9 @@ impl Backend for FallbackBackend {
     ) -> Result<RmsNormRouterTopkTkgGrads> {
         self.runner(Kernel::RmsNormRouterTopkTkgBwd)
             .rmsnorm_router_topk_tkg_bwd(call)
+    }
+
+    fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
+        self.runner(Kernel::MoeBlockTkg).moe_block_tkg(call)
     }
 }

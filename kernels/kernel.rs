@@ -6,9 +6,9 @@ use std::str::FromStr;
 
 use crate::contracts::{
     ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
-    MoeTkgParams, OutputDType, PermuteParams, QuantizationType, RmsNormRouterParams,
-    RmsNormRouterTopkTkgParams, RouterActFnType, RouterMmDType, RouterPipeline, SkipMode,
-    TensorSpec, WeightLayout, XHbmLayout, tensors,
+    MoeBlockTkgParams, MoeTkgParams, OutputDType, PermuteParams, QuantizationType,
+    RmsNormRouterParams, RmsNormRouterTopkTkgParams, RouterActFnType, RouterMmDType,
+    RouterPipeline, SkipMode, TensorSpec, WeightLayout, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
 
@@ -45,6 +45,7 @@ pub enum Kernel {
     MoeTkg,
     RmsNormRouterTopkTkg,
     RmsNormRouterTopkTkgBwd,
+    MoeBlockTkg,
 }
 
 impl Kernel {
@@ -62,6 +63,7 @@ impl Kernel {
         Kernel::MoeTkg,
         Kernel::RmsNormRouterTopkTkg,
         Kernel::RmsNormRouterTopkTkgBwd,
+        Kernel::MoeBlockTkg,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +85,7 @@ impl Kernel {
             Kernel::MoeTkg => &MOE_TKG,
             Kernel::RmsNormRouterTopkTkg => &RMSNORM_ROUTER_TOPK_TKG,
             Kernel::RmsNormRouterTopkTkgBwd => &RMSNORM_ROUTER_TOPK_TKG_BWD,
+            Kernel::MoeBlockTkg => &MOE_BLOCK_TKG,
         }
     }
 }
@@ -136,6 +139,8 @@ pub enum Param {
     RouterMmDType,
     RouterActFn,
     StoreEagerAffiOnly,
+    HiddenActFn,
+    SkipRouterLogits,
     OutputDType,
 }
 
@@ -143,15 +148,29 @@ impl Param {
     /// The value `kernel` takes for this parameter when it is not given, as `moekit list`
     /// prints it: read off the contracts' typed defaults (nki-library's), so it is declared
     /// once. What has no default (`k`, `num_experts`, `expert_parallel_degree`,
-    /// `is_all_expert`) prints as `none`, which no catalog entry shows.
+    /// `moe_tkg`'s `is_all_expert`) prints as `none`, which no catalog entry shows.
     pub fn default_value(self, kernel: Kernel) -> String {
         let router = RouterPipeline::default();
         let forward = BlockwiseMmParams::default();
         let backward = BlockwiseMmBwdParams::default();
         let decode = MoeTkgParams::new(false);
         let fused = RmsNormRouterTopkTkgParams::default();
+        let block = MoeBlockTkgParams::default();
         let limit = |limit: Option<f32>| limit.map_or_else(|| "none".to_owned(), |v| v.to_string());
         match self {
+            // moe_block_tkg's own router and experts defaults.
+            Param::IsAllExpert if kernel == Kernel::MoeBlockTkg => block.is_all_expert.to_string(),
+            Param::ExpertAffinitiesScalingMode if kernel == Kernel::MoeBlockTkg => {
+                block.expert_affinities_scaling_mode.to_string()
+            }
+            Param::RouterActFn if kernel == Kernel::MoeBlockTkg => block.router_act_fn.to_string(),
+            Param::RouterPreNorm if kernel == Kernel::MoeBlockTkg => {
+                block.router_pre_norm.to_string()
+            }
+            Param::NormTopkProb if kernel == Kernel::MoeBlockTkg => {
+                block.norm_topk_prob.to_string()
+            }
+            Param::TopK if kernel == Kernel::MoeBlockTkg => block.top_k.to_string(),
             Param::K | Param::NumExperts | Param::ExpertParallelDegree | Param::IsAllExpert => {
                 "none".to_owned()
             }
@@ -168,6 +187,8 @@ impl Param {
             Param::ExpertAffinitiesScalingMode if kernel == Kernel::MoeTkg => {
                 decode.expert_affinities_scaling_mode.to_string()
             }
+            Param::HiddenActFn => block.hidden_act_fn.to_string(),
+            Param::SkipRouterLogits => block.skip_router_logits.to_string(),
             Param::ExpertAffinitiesScalingMode => {
                 forward.expert_affinities_scaling_mode.to_string()
             }
@@ -233,6 +254,8 @@ impl Param {
         Param::RouterMmDType,
         Param::RouterActFn,
         Param::StoreEagerAffiOnly,
+        Param::HiddenActFn,
+        Param::SkipRouterLogits,
         Param::OutputDType,
     ];
 
@@ -273,6 +296,8 @@ impl Param {
             Param::RouterMmDType => RouterMmDType::PARAM,
             Param::RouterActFn => "router_act_fn",
             Param::StoreEagerAffiOnly => "store_eager_affi_only",
+            Param::HiddenActFn => "hidden_act_fn",
+            Param::SkipRouterLogits => "skip_router_logits",
             Param::OutputDType => OutputDType::PARAM,
         }
     }
@@ -292,9 +317,10 @@ impl Param {
             Param::QuantizationType => "NONE|MX",
             Param::RouterMmDType => "bfloat16|float32",
             Param::XHbmLayout => "0 [H,T]|1 [T,H]",
-            Param::ActivationFunction | Param::ActivationType | Param::ActivationFn => {
-                "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU"
-            }
+            Param::ActivationFunction
+            | Param::ActivationType
+            | Param::ActivationFn
+            | Param::HiddenActFn => "SiLU|GELU|GELU_Tanh_Approx|Swish|ReLU|SquaredReLU",
             Param::ExpertAffinitiesScalingMode => "NO_SCALE|POST_SCALE|PRE_SCALE|PRE_SCALE_DELAYED",
             Param::GateClampLowerLimit
             | Param::GateClampUpperLimit
@@ -314,7 +340,8 @@ impl Param {
             | Param::IsTensorUpdateAccumulating
             | Param::IsAllExpert
             | Param::MaskUnselectedExperts
-            | Param::StoreEagerAffiOnly => "true|false",
+            | Param::StoreEagerAffiOnly
+            | Param::SkipRouterLogits => "true|false",
         }
     }
 }
@@ -364,6 +391,9 @@ pub struct Params {
     /// `rmsnorm_router_topk_tkg`'s router activation (`router_topk`'s is `act_fn`).
     pub router_act_fn: Option<RouterActFnType>,
     pub store_eager_affi_only: Option<bool>,
+    /// `moe_block_tkg`'s expert activation.
+    pub hidden_act_fn: Option<ActFnType>,
+    pub skip_router_logits: Option<bool>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
 }
@@ -457,6 +487,29 @@ impl Params {
         }
     }
 
+    /// `moe_block_tkg`'s parameters, nki-library's defaults where not given.
+    pub fn moe_block(&self) -> MoeBlockTkgParams {
+        let default = MoeBlockTkgParams::default();
+        MoeBlockTkgParams {
+            eps: self.eps.unwrap_or(default.eps),
+            top_k: self.top_k.unwrap_or(default.top_k),
+            router_act_fn: self.router_act_fn.unwrap_or(default.router_act_fn),
+            router_pre_norm: self.router_pre_norm.unwrap_or(default.router_pre_norm),
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(default.norm_topk_prob),
+            expert_affinities_scaling_mode: self
+                .scaling_mode
+                .unwrap_or(default.expert_affinities_scaling_mode),
+            hidden_act_fn: self.hidden_act_fn.unwrap_or(default.hidden_act_fn),
+            clamp: self.clamp,
+            router_mm_dtype: self.router_mm_dtype.unwrap_or(default.router_mm_dtype),
+            hidden_actual: self.hidden_actual,
+            skip_router_logits: self
+                .skip_router_logits
+                .unwrap_or(default.skip_router_logits),
+            is_all_expert: self.is_all_expert.unwrap_or(default.is_all_expert),
+        }
+    }
+
     /// The `skip_dma` these parameters choose (`skip_token` false when not given).
     pub fn skip_dma(&self) -> SkipMode {
         SkipMode {
@@ -535,6 +588,8 @@ impl Params {
             Param::StoreEagerAffiOnly => {
                 self.store_eager_affi_only = Some(parse_bool(param, value)?)
             }
+            Param::HiddenActFn => self.hidden_act_fn = Some(ActFnType::parse(name, value.trim())?),
+            Param::SkipRouterLogits => self.skip_router_logits = Some(parse_bool(param, value)?),
             Param::OutputDType => self.output_dtype = Some(value.trim().parse()?),
         }
         Ok(())
@@ -734,6 +789,31 @@ const RMSNORM_ROUTER_TOPK_TKG_BWD: KernelSpec = KernelSpec {
     ],
 };
 
+const MOE_BLOCK_TKG: KernelSpec = KernelSpec {
+    name: "moe_block_tkg",
+    summary: "nki-library's decode MoE block: RMSNorm (eps, hidden_actual) rounded to inp's dtype, router_topk on it in router_mm_dtype (router_act_fn, ACT1 by router_pre_norm with norm_topk_prob, or ACT2), moe_tkg on the norm (selective over all E experts, or all-expert on rank_id's shard; unselected experts masked under ACT1's dense affinities); out [T, H] and the pre-activation router_logits [T, E]",
+    inputs: tensors::moe_block_tkg::INPUTS,
+    outputs: tensors::moe_block_tkg::OUTPUTS,
+    params: &[
+        (Param::Eps, ParamUse::Defaulted),
+        (Param::TopK, ParamUse::Defaulted),
+        (Param::RouterActFn, ParamUse::Defaulted),
+        (Param::RouterPreNorm, ParamUse::Defaulted),
+        (Param::NormTopkProb, ParamUse::Defaulted),
+        (Param::ExpertAffinitiesScalingMode, ParamUse::Defaulted),
+        (Param::HiddenActFn, ParamUse::Defaulted),
+        (Param::GateClampLowerLimit, ParamUse::Defaulted),
+        (Param::GateClampUpperLimit, ParamUse::Defaulted),
+        (Param::UpClampLowerLimit, ParamUse::Defaulted),
+        (Param::UpClampUpperLimit, ParamUse::Defaulted),
+        (Param::RouterMmDType, ParamUse::Defaulted),
+        (Param::HiddenActual, ParamUse::Defaulted),
+        (Param::SkipRouterLogits, ParamUse::Defaulted),
+        (Param::IsAllExpert, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
+    ],
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -749,11 +829,8 @@ mod tests {
                 assert!(
                     !matches!(
                         param,
-                        Param::K
-                            | Param::NumExperts
-                            | Param::ExpertParallelDegree
-                            | Param::IsAllExpert
-                    ),
+                        Param::K | Param::NumExperts | Param::ExpertParallelDegree
+                    ) && (param != Param::IsAllExpert || *kernel == Kernel::MoeBlockTkg),
                     "{}: `{}` has no default",
                     kernel.name(),
                     param.name()
@@ -769,6 +846,9 @@ mod tests {
                     .unwrap_or_else(|e| panic!("`{}` = {value}: {e}", param.name()));
                 assert_eq!(given.router_pipeline(), Params::default().router_pipeline());
                 assert_eq!(given.rmsnorm_router(), Params::default().rmsnorm_router());
+                if *kernel == Kernel::MoeBlockTkg {
+                    assert_eq!(given.moe_block(), MoeBlockTkgParams::default());
+                }
             }
         }
         // The typed defaults that the run path and the catalog both read.
@@ -804,5 +884,23 @@ mod tests {
         assert_eq!(fused.shared.router_mm_dtype, RouterMmDType::BFLOAT16);
         assert_eq!(fused.shared.router_act_fn, RouterActFnType::Sigmoid);
         assert!(!fused.shared.store_eager_affi_only && fused.shared.hidden_actual.is_none());
+        // moe_block_tkg's: K = 1, SIGMOID ACT1 without renormalisation, NO_SCALE, SiLU,
+        // selective, the router logits returned.
+        let block = MoeBlockTkgParams::default();
+        assert_eq!((block.top_k, block.eps), (1, 1e-6));
+        assert_eq!(block.router_act_fn, RouterActFnType::Sigmoid);
+        assert!(block.router_pre_norm && !block.norm_topk_prob);
+        assert_eq!(
+            block.expert_affinities_scaling_mode,
+            ExpertAffinityScaleMode::NoScale
+        );
+        assert_eq!(block.hidden_act_fn, ActFnType::Silu);
+        assert_eq!(block.router_mm_dtype, RouterMmDType::BFLOAT16);
+        assert!(!block.skip_router_logits && !block.is_all_expert);
+        assert_eq!(block.clamp, ClampLimits::default());
+        assert_eq!(
+            Param::IsAllExpert.default_value(Kernel::MoeBlockTkg),
+            "false"
+        );
     }
 }

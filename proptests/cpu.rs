@@ -252,6 +252,7 @@ fn dtype_source(kernel: Kernel, output: &str) -> Option<&'static str> {
         (Kernel::RmsNormRouterTopkTkgBwd, "d_hidden_states") => "hidden_states",
         (Kernel::RmsNormRouterTopkTkgBwd, "d_gamma") => "gamma",
         (Kernel::RmsNormRouterTopkTkgBwd, _) => "router_weights",
+        (Kernel::MoeBlockTkg, _) => "inp",
     })
 }
 
@@ -335,13 +336,17 @@ fn run(kernel: Kernel, backend: BackendKind, layer: &Layer) -> Vec<(&'static str
 fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
     let pre_scale = layer.params.scaling_mode.is_some_and(|s| s.scales_rows());
     // The fused decode RMSNorm + router reads `hidden_states [T, H]`, not blockwise_mm's
-    // `[T+1, H]` of the same name: it has a suite of its own (proptests/rmsnorm_router_topk_tkg.rs).
+    // `[T+1, H]` of the same name, and the decode block reads `router_weights` in
+    // `router_mm_dtype`: they have suites of their own (proptests/rmsnorm_router_topk_tkg.rs,
+    // proptests/moe_block_tkg.rs).
     Kernel::ALL
         .iter()
         .copied()
         .filter(move |&kernel| match kernel {
             Kernel::MoeTkg => !pre_scale,
-            Kernel::RmsNormRouterTopkTkg | Kernel::RmsNormRouterTopkTkgBwd => false,
+            Kernel::RmsNormRouterTopkTkg
+            | Kernel::RmsNormRouterTopkTkgBwd
+            | Kernel::MoeBlockTkg => false,
             _ => true,
         })
 }

@@ -43,6 +43,7 @@ macro_rules! output_dtype_accessors {
 pub mod a2av_routing;
 pub mod blockwise_mm;
 pub mod load_balancing_loss;
+pub mod moe_block_tkg;
 pub mod moe_tkg;
 pub mod output_dtype;
 pub mod permute;
@@ -56,6 +57,7 @@ pub(crate) mod validate;
 pub use a2av_routing::*;
 pub use blockwise_mm::*;
 pub use load_balancing_loss::*;
+pub use moe_block_tkg::*;
 pub use moe_tkg::*;
 pub use output_dtype::OutputDType;
 pub use permute::*;

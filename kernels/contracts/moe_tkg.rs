@@ -207,8 +207,22 @@ impl<'a> MoeTkg<'a> {
     /// Checks shapes, dtypes, finiteness, expert ids, `rank_id` and the parameters (see the
     /// module docs).
     pub fn new(inputs: MoeTkgInputs<'a>, params: MoeTkgParams) -> Result<Self> {
+        Self::checked(inputs, params, Scan::Values)
+    }
+
+    /// [`MoeTkg::new`] for a caller that has checked the experts' weights and biases for
+    /// non-finite values itself (`moe_block_tkg`, whose every call would otherwise scan all
+    /// E_L experts' weights twice); their shapes and dtypes are still checked.
+    pub(crate) fn with_scanned_experts(
+        inputs: MoeTkgInputs<'a>,
+        params: MoeTkgParams,
+    ) -> Result<Self> {
+        Self::checked(inputs, params, Scan::ShapesOnly)
+    }
+
+    fn checked(inputs: MoeTkgInputs<'a>, params: MoeTkgParams, scan: Scan) -> Result<Self> {
         check_params(&params, &inputs)?;
-        let dims = check_shapes(&inputs)?;
+        let dims = check_shapes(&inputs, scan)?;
         let routing = routing(&inputs, &params, dims)?;
         let floats = |spec: &TensorSpec, tensor| validate::floats(spec.name, tensor);
         let optional = |spec: &TensorSpec, tensor: Option<&'a Tensor>| {
@@ -263,23 +277,7 @@ output_dtype_accessors!(MoeTkg, MoeTkgOutputs);
 
 /// The parameters, and the inputs each mode requires or refuses.
 fn check_params(params: &MoeTkgParams, inputs: &MoeTkgInputs<'_>) -> Result<()> {
-    const SCALING: &str = "expert_affinities_scaling_mode";
-    match params.expert_affinities_scaling_mode {
-        ExpertAffinityScaleMode::PreScale => {
-            return Err(Error::param(
-                SCALING,
-                "PRE_SCALE: moe_tkg does not support pre-scale mode",
-            ));
-        }
-        ExpertAffinityScaleMode::PreScaleDelayed => {
-            return Err(Error::param(
-                SCALING,
-                "PRE_SCALE_DELAYED applies to the context-encoding experts (blockwise_mm) only",
-            ));
-        }
-        ExpertAffinityScaleMode::NoScale | ExpertAffinityScaleMode::PostScale => {}
-    }
-    params.clamp.check()?;
+    check_scaling_and_clamps(params)?;
     if params.is_all_expert {
         if inputs.expert_affinities_eager.is_some() {
             return Err(Error::invalid(
@@ -297,24 +295,100 @@ fn check_params(params: &MoeTkgParams, inputs: &MoeTkgInputs<'_>) -> Result<()> 
     Ok(())
 }
 
-/// Validates every tensor's shape, dtype and values; returns the sizes.
-fn check_shapes(inputs: &MoeTkgInputs<'_>) -> Result<MoeTkgDims> {
-    let x = validate::float_input(&tkg::HIDDEN_INPUT, inputs.hidden_input, &[None, None])?;
-    let (t, h) = (x[0], x[1]);
-    validate::non_empty(tkg::HIDDEN_INPUT.name, "T (tokens)", t)?;
-    validate::non_empty(tkg::HIDDEN_INPUT.name, "H (hidden size)", h)?;
-    let gate_up = validate::float_input(
+/// The scaling mode (NO_SCALE or POST_SCALE) and the clamp limits.
+pub(crate) fn check_scaling_and_clamps(params: &MoeTkgParams) -> Result<()> {
+    const SCALING: &str = "expert_affinities_scaling_mode";
+    match params.expert_affinities_scaling_mode {
+        ExpertAffinityScaleMode::PreScale => {
+            return Err(Error::param(
+                SCALING,
+                "PRE_SCALE: moe_tkg does not support pre-scale mode",
+            ));
+        }
+        ExpertAffinityScaleMode::PreScaleDelayed => {
+            return Err(Error::param(
+                SCALING,
+                "PRE_SCALE_DELAYED applies to the context-encoding experts (blockwise_mm) only",
+            ));
+        }
+        ExpertAffinityScaleMode::NoScale | ExpertAffinityScaleMode::PostScale => {}
+    }
+    params.clamp.check()
+}
+
+/// Whether the experts' tensors are scanned for non-finite values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scan {
+    Values,
+    ShapesOnly,
+}
+
+/// The experts' weights and biases, as `moe_tkg` and `moe_block_tkg` both take them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExpertTensors<'a> {
+    /// `[E_L, H, 2, I]`.
+    pub gate_up: &'a Tensor,
+    /// `[E_L, I, H]`.
+    pub down: &'a Tensor,
+    /// `[E_L, 2, I]`.
+    pub gate_up_bias: Option<&'a Tensor>,
+    /// `[E_L, H]`.
+    pub down_bias: Option<&'a Tensor>,
+}
+
+/// Checks the experts' tensors for hidden size `h` (their values too with [`Scan::Values`]);
+/// returns `(E_L, I)`.
+pub(crate) fn check_experts(
+    experts: ExpertTensors<'_>,
+    h: usize,
+    scan: Scan,
+) -> Result<(usize, usize)> {
+    let check = |spec: &TensorSpec, tensor: &Tensor, dims: &[Option<usize>]| match scan {
+        Scan::Values => validate::float_input(spec, tensor, dims),
+        Scan::ShapesOnly => validate::float_tensor_shape(spec.name, tensor, spec.shape, dims),
+    };
+    let gate_up = check(
         &tkg::EXPERT_GATE_UP_WEIGHTS,
-        inputs.expert_gate_up_weights,
+        experts.gate_up,
         &[None, Some(h), Some(2), None],
     )?;
     let (e_local, i) = (gate_up[0], gate_up[3]);
     validate::non_empty(tkg::EXPERT_GATE_UP_WEIGHTS.name, "E_L (experts)", e_local)?;
     validate::non_empty(tkg::EXPERT_GATE_UP_WEIGHTS.name, "I (intermediate size)", i)?;
-    validate::float_input(
+    check(
         &tkg::EXPERT_DOWN_WEIGHTS,
-        inputs.expert_down_weights,
+        experts.down,
         &[Some(e_local), Some(i), Some(h)],
+    )?;
+    if let Some(bias) = experts.gate_up_bias {
+        check(
+            &tkg::EXPERT_GATE_UP_BIAS,
+            bias,
+            &[Some(e_local), Some(2), Some(i)],
+        )?;
+    }
+    if let Some(bias) = experts.down_bias {
+        check(&tkg::EXPERT_DOWN_BIAS, bias, &[Some(e_local), Some(h)])?;
+    }
+    Ok((e_local, i))
+}
+
+/// Validates every tensor's shape, dtype and values (the experts' values as `scan` says);
+/// returns the sizes.
+fn check_shapes(inputs: &MoeTkgInputs<'_>, scan: Scan) -> Result<MoeTkgDims> {
+    let x = validate::float_input(&tkg::HIDDEN_INPUT, inputs.hidden_input, &[None, None])?;
+    let (t, h) = (x[0], x[1]);
+    validate::non_empty(tkg::HIDDEN_INPUT.name, "T (tokens)", t)?;
+    validate::non_empty(tkg::HIDDEN_INPUT.name, "H (hidden size)", h)?;
+    let (e_local, i) = check_experts(
+        ExpertTensors {
+            gate_up: inputs.expert_gate_up_weights,
+            down: inputs.expert_down_weights,
+            gate_up_bias: inputs.expert_gate_up_bias,
+            down_bias: inputs.expert_down_bias,
+        },
+        h,
+        scan,
     )?;
     let affinities = validate::float_input(
         &tkg::EXPERT_AFFINITIES,
@@ -335,16 +409,6 @@ fn check_shapes(inputs: &MoeTkgInputs<'_>) -> Result<MoeTkgDims> {
     let k = index[1];
     if let Some(rank_id) = inputs.rank_id {
         validate::index_input(&tkg::RANK_ID, rank_id, &[Some(1), Some(1)])?;
-    }
-    if let Some(bias) = inputs.expert_gate_up_bias {
-        validate::float_input(
-            &tkg::EXPERT_GATE_UP_BIAS,
-            bias,
-            &[Some(e_local), Some(2), Some(i)],
-        )?;
-    }
-    if let Some(bias) = inputs.expert_down_bias {
-        validate::float_input(&tkg::EXPERT_DOWN_BIAS, bias, &[Some(e_local), Some(h)])?;
     }
     if let Some(eager) = inputs.expert_affinities_eager {
         validate::float_input(&tkg::EXPERT_AFFINITIES_EAGER, eager, &[Some(t), Some(k)])?;

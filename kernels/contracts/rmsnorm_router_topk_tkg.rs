@@ -220,7 +220,7 @@ impl RmsNormRouterParams {
         {
             return Err(Error::param(
                 "hidden_actual",
-                format!("must be in 1..={h} (H, hidden_states' last axis), got {actual}"),
+                format!("must be in 1..={h} (H, the hidden size), got {actual}"),
             ));
         }
         Ok(())
@@ -309,29 +309,26 @@ pub struct RmsNormRouterFloats<'a> {
     pub gamma: Floats<'a>,
 }
 
-/// Checks the tensors both directions read and returns `(T, H, E)` and their elements.
-fn check_common<'a>(
+/// Checks the tensors both directions (and `moe_block_tkg`) read, `hidden_states` by `x_spec`'s
+/// name, and returns `(T, H, E)` and their elements.
+pub(super) fn check_common<'a>(
+    x_spec: &TensorSpec,
     hidden_states: &'a Tensor,
     gamma: &'a Tensor,
     router_weights: &'a Tensor,
     router_bias: Option<&'a Tensor>,
     params: &RmsNormRouterParams,
 ) -> Result<((usize, usize, usize), RmsNormRouterFloats<'a>)> {
-    let name = fwd::HIDDEN_STATES.name;
+    let name = x_spec.name;
     let (t, h) = match hidden_states.shape() {
         &[b, s, h] => (b * s, h),
         &[t, h] => (t, h),
         other => {
-            return Err(Error::shape(name, fwd::HIDDEN_STATES.shape, other));
+            return Err(Error::shape(name, x_spec.shape, other));
         }
     };
     let rank = hidden_states.shape().len();
-    validate::float_tensor(
-        name,
-        hidden_states,
-        fwd::HIDDEN_STATES.shape,
-        &vec![None; rank],
-    )?;
+    validate::float_tensor(name, hidden_states, x_spec.shape, &vec![None; rank])?;
     validate::non_empty(name, "T (tokens)", t)?;
     validate::non_empty(name, "H (hidden size)", h)?;
     params.check(h)?;
@@ -361,7 +358,7 @@ fn check_common<'a>(
     Ok((
         (t, h, e),
         RmsNormRouterFloats {
-            hidden_states: floats(&fwd::HIDDEN_STATES, hidden_states)?,
+            hidden_states: floats(x_spec, hidden_states)?,
             gamma: floats(&fwd::GAMMA, gamma)?,
         },
     ))
@@ -395,6 +392,7 @@ impl<'a> RmsNormRouterTopkTkg<'a> {
             ));
         }
         let ((t, h, e), floats) = check_common(
+            &fwd::HIDDEN_STATES,
             inputs.hidden_states,
             inputs.gamma,
             inputs.router_weights,
@@ -448,7 +446,7 @@ impl<'a> RmsNormRouterTopkTkg<'a> {
 
 output_dtype_accessors!(RmsNormRouterTopkTkg, RmsNormRouterTopkTkgOutputs);
 
-fn rmsnorm_spec(dims: RmsNormRouterDims, params: &RmsNormRouterParams) -> RmsNormSpec {
+pub(super) fn rmsnorm_spec(dims: RmsNormRouterDims, params: &RmsNormRouterParams) -> RmsNormSpec {
     RmsNormSpec {
         t: dims.t,
         h: dims.h,
@@ -565,6 +563,7 @@ impl<'a> RmsNormRouterTopkTkgBwd<'a> {
         params: RmsNormRouterParams,
     ) -> Result<Self> {
         let ((t, h, e), floats) = check_common(
+            &fwd::HIDDEN_STATES,
             inputs.hidden_states,
             inputs.gamma,
             inputs.router_weights,

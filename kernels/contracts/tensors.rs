@@ -341,6 +341,38 @@ pub mod rmsnorm_router_topk_tkg_bwd {
     pub const OUTPUTS: &[TensorSpec] = &[D_HIDDEN_STATES, D_GAMMA, D_ROUTER_WEIGHTS, D_ROUTER_BIAS];
 }
 
+/// `moe_block_tkg` (nki-library's `moe_block_tkg`): `rmsnorm_router_topk_tkg`'s norm and
+/// router inputs, `moe_tkg`'s experts.
+pub mod moe_block_tkg {
+    pub use super::moe_tkg::{
+        EXPERT_DOWN_BIAS, EXPERT_DOWN_WEIGHTS, EXPERT_GATE_UP_BIAS, EXPERT_GATE_UP_WEIGHTS, RANK_ID,
+    };
+    pub use super::rmsnorm_router_topk_tkg::{GAMMA, ROUTER_BIAS, ROUTER_WEIGHTS};
+    use super::*;
+
+    /// T = B·S tokens.
+    pub const INP: TensorSpec = float("inp", "[B, S, H]|[T, H]");
+    /// nki-library adds it only with MX weights (Trainium3); refused.
+    pub const RESIDUAL: TensorSpec = float("residual", "[B, S, H]|[T, H]").optional();
+    pub const INPUTS: &[TensorSpec] = &[
+        INP,
+        GAMMA,
+        ROUTER_WEIGHTS,
+        EXPERT_GATE_UP_WEIGHTS,
+        EXPERT_DOWN_WEIGHTS,
+        ROUTER_BIAS,
+        EXPERT_GATE_UP_BIAS,
+        EXPERT_DOWN_BIAS,
+        RANK_ID,
+        RESIDUAL,
+    ];
+
+    pub const OUT: TensorSpec = like("out", "[T, H]", &INP);
+    /// Before the activation; absent with `skip_router_logits`.
+    pub const ROUTER_LOGITS: TensorSpec = like("router_logits", "[T, E]", &INP).optional();
+    pub const OUTPUTS: &[TensorSpec] = &[OUT, ROUTER_LOGITS];
+}
+
 /// `a2av_routing` (moekit's own: the routing table of nki-library's `permute_a2av`).
 pub mod a2av_routing {
     use super::*;

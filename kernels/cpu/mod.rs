@@ -44,9 +44,10 @@ use crate::composed;
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
     BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
-    PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
-    RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute,
+    PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd,
+    RouterTopkGrads, RouterTopkOutputs,
 };
 use crate::error::Result;
 use isa::Isa;
@@ -152,5 +153,10 @@ impl Backend for CpuBackend {
     ) -> Result<RmsNormRouterTopkTkgGrads> {
         Isa::selected()?;
         composed::rmsnorm_router_topk_tkg_bwd(self, self, call)
+    }
+
+    fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
+        Isa::selected()?;
+        composed::moe_block_tkg(self, self, call)
     }
 }

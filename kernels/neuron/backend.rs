@@ -42,9 +42,10 @@ use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams, ClampLimits,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
-    MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg,
-    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, WeightLayout,
+    MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
+    PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
+    RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
+    WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
@@ -1049,6 +1050,10 @@ impl Backend for NeuronBackend {
         _call: &RmsNormRouterTopkTkgBwd<'_>,
     ) -> Result<RmsNormRouterTopkTkgGrads> {
         Err(unsupported(Kernel::RmsNormRouterTopkTkgBwd))
+    }
+
+    fn moe_block_tkg(&self, _call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
+        Err(unsupported(Kernel::MoeBlockTkg))
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {

@@ -28,11 +28,11 @@ use crate::contracts::tensors::{
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, MoeTkg, MoeTkgDims,
-    MoeTkgOutputs, Permute, PermuteBwd, PermuteDims, PermuteGrads, PermuteOutputs,
-    RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
-    RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterDims, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
+    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, MoeBlockTkg,
+    MoeBlockTkgOutputs, MoeTkg, MoeTkgDims, MoeTkgOutputs, Permute, PermuteBwd, PermuteDims,
+    PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterDims, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Floats, Tensor, try_filled};
@@ -441,6 +441,10 @@ impl Backend for ReferenceBackend {
         call: &RmsNormRouterTopkTkgBwd<'_>,
     ) -> Result<RmsNormRouterTopkTkgGrads> {
         composed::rmsnorm_router_topk_tkg_bwd(self, self, call)
+    }
+
+    fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
+        composed::moe_block_tkg(self, self, call)
     }
 }
 

@@ -32,13 +32,21 @@ PARAMS = {
     "moe_tkg": {"is_all_expert": False, "expert_affinities_scaling_mode": "POST_SCALE"},
     "rmsnorm_router_topk_tkg": {"top_k": K, "router_act_fn": "SOFTMAX"},
     "rmsnorm_router_topk_tkg_bwd": {"router_act_fn": "SOFTMAX"},
+    "moe_block_tkg": {
+        "top_k": K,
+        "router_act_fn": "SOFTMAX",
+        "norm_topk_prob": True,
+        "expert_affinities_scaling_mode": "POST_SCALE",
+    },
 }
 
 # Inputs a kernel takes under a name that another kernel's tensor has in the layer: the
-# decode-time router's `hidden_states` are the tokens `x` (blockwise_mm's are `[T+1, H]`).
+# decode-time router's `hidden_states` and the decode block's `inp` are the tokens `x`
+# (blockwise_mm's `hidden_states` are `[T+1, H]`).
 RENAMED = {
     "rmsnorm_router_topk_tkg": {"hidden_states": "x"},
     "rmsnorm_router_topk_tkg_bwd": {"hidden_states": "x"},
+    "moe_block_tkg": {"inp": "x"},
 }
 
 

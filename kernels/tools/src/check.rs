@@ -37,7 +37,8 @@ pub struct CheckCase {
     pub kernels: Vec<Kernel>,
     /// Every kernel input, by contract name (`hidden_states` blockwise_mm's `[T+1, H]`).
     pub tensors: BTreeMap<String, Tensor>,
-    /// `rmsnorm_router_topk_tkg`'s `hidden_states [T, H]`: the layer's tokens.
+    /// `rmsnorm_router_topk_tkg`'s `hidden_states [T, H]` and `moe_block_tkg`'s `inp`: the
+    /// layer's tokens.
     pub decode_hidden_states: Tensor,
     pub params: Params,
 }
@@ -83,9 +84,9 @@ impl CheckCase {
 }
 
 impl CheckCase {
-    /// The parameters `kernel` runs with: the case's, except that `moe_tkg`, which takes
-    /// NO_SCALE and POST_SCALE only, runs post-scaled where the case draws a pre-scale mode
-    /// for the blockwise kernels.
+    /// The parameters `kernel` runs with: the case's, except that `moe_tkg` and `moe_block_tkg`,
+    /// which take NO_SCALE and POST_SCALE only, run post-scaled where the case draws a
+    /// pre-scale mode for the blockwise kernels.
     pub fn params_for(&self, kernel: Kernel) -> Params {
         let pre_scale = self.params.scaling_mode.is_some_and(|s| s.scales_rows());
         match kernel {
@@ -110,22 +111,46 @@ impl CheckCase {
                     ..self.params.clone()
                 }
             }
+            // The decode block routes as the layer's router does (SOFTMAX where the layer's
+            // ACT2 router is SIGMOID, which the block refuses), its experts as moe_tkg's.
+            Kernel::MoeBlockTkg => {
+                let router = self.params.router_pipeline();
+                let refused = !router.router_pre_norm && router.act_fn == RouterActFnType::Sigmoid;
+                let act_fn = if refused {
+                    RouterActFnType::Softmax
+                } else {
+                    router.act_fn
+                };
+                Params {
+                    router_act_fn: self.params.router_act_fn.or(Some(act_fn)),
+                    hidden_act_fn: self.params.hidden_act_fn.or(self.params.activation_fn),
+                    scaling_mode: self.params_for(Kernel::MoeTkg).scaling_mode,
+                    router_mm_dtype: self
+                        .params_for(Kernel::RmsNormRouterTopkTkg)
+                        .router_mm_dtype,
+                    top_k: self.params.top_k.or(self.params.k),
+                    ..self.params.clone()
+                }
+            }
             _ => self.params.clone(),
         }
     }
 
-    /// The tensors `kernel` runs on: the layer's, with `rmsnorm_router_topk_tkg`'s
-    /// `hidden_states` for the decode-time router, and its router weights in the
-    /// `router_mm_dtype` it runs with ([`CheckCase::params_for`]).
+    /// The tensors `kernel` runs on: the layer's, with the tokens as `rmsnorm_router_topk_tkg`'s
+    /// `hidden_states` and `moe_block_tkg`'s `inp`, and their router weights in the
+    /// `router_mm_dtype` they run with ([`CheckCase::params_for`]).
     pub fn tensors_for(&self, kernel: Kernel) -> Result<Cow<'_, BTreeMap<String, Tensor>>> {
         use tensors::rmsnorm_router_topk_tkg as fused;
         match kernel {
-            Kernel::RmsNormRouterTopkTkg | Kernel::RmsNormRouterTopkTkgBwd => {
+            Kernel::RmsNormRouterTopkTkg
+            | Kernel::RmsNormRouterTopkTkgBwd
+            | Kernel::MoeBlockTkg => {
                 let mut tensors = self.tensors.clone();
-                tensors.insert(
-                    fused::HIDDEN_STATES.name.to_owned(),
-                    self.decode_hidden_states.clone(),
-                );
+                let tokens = match kernel {
+                    Kernel::MoeBlockTkg => tensors::moe_block_tkg::INP.name,
+                    _ => fused::HIDDEN_STATES.name,
+                };
+                tensors.insert(tokens.to_owned(), self.decode_hidden_states.clone());
                 if let Some(mm) = self.params_for(kernel).router_mm_dtype
                     && let Some(w) = tensors.remove(fused::ROUTER_WEIGHTS.name)
                 {

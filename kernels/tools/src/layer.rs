@@ -368,6 +368,35 @@ impl Layer {
         )
     }
 
+    /// The same tokens through nki-library's decode block (`moe_block_tkg`) as Hugging Face's
+    /// Qwen3-MoE decodes them: SOFTMAX over all E, the top K renormalised (ACT1 with
+    /// `norm_topk_prob`), POST_SCALE, every expert held here, the router's operands in the
+    /// layer's dtype.
+    pub fn moe_block_tkg(&self) -> Result<MoeBlockTkg<'_>> {
+        MoeBlockTkg::new(
+            MoeBlockTkgInputs {
+                inp: &self.inputs.x,
+                gamma: &self.inputs.gamma,
+                router_weights: &self.inputs.w,
+                expert_gate_up_weights: &self.inputs.gate_up_proj_weight,
+                expert_down_weights: &self.inputs.down_proj_weight,
+                router_bias: None,
+                expert_gate_up_bias: None,
+                expert_down_bias: None,
+                rank_id: None,
+                residual: None,
+            },
+            MoeBlockTkgParams {
+                top_k: self.inputs.shape.k,
+                router_act_fn: RouterActFnType::Softmax,
+                norm_topk_prob: true,
+                expert_affinities_scaling_mode: ExpertAffinityScaleMode::PostScale,
+                router_mm_dtype: RouterMmDType::of(self.inputs.w.dtype()),
+                ..MoeBlockTkgParams::default()
+            },
+        )
+    }
+
     fn rmsnorm_router_params(&self) -> RmsNormRouterTopkTkgParams {
         let default = RmsNormRouterTopkTkgParams::default();
         RmsNormRouterTopkTkgParams {

@@ -172,12 +172,17 @@ impl Stage {
     fn rows(self) -> &'static [&'static str] {
         match self {
             Stage::Router => &["router_topk", "router_topk_bwd", LAYER_ROW],
-            Stage::DecodeRouter => &["rmsnorm_router_topk_tkg", "rmsnorm_router_topk_tkg_bwd"],
+            Stage::DecodeRouter => &[
+                "rmsnorm_router_topk_tkg",
+                "rmsnorm_router_topk_tkg_bwd",
+                "moe_block_tkg",
+            ],
             Stage::Permute => &["permute"],
             Stage::Experts => &[
                 "blockwise_mm",
                 "blockwise_mm_bwd",
                 "moe_tkg",
+                "moe_block_tkg",
                 LAYER_ROW,
                 EXPERTS_ROW,
             ],
@@ -288,6 +293,8 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
     // Router forward and backward plus the best expert path: `_grouped_mm` sorts the tokens
     // itself and the loop needs no plan, so the separate argsort is not added again.
     let layer_peer = (|| Some(router_fwd? + router_bwd? + experts_fwd_bwd?))();
+    // HF's decode step: its RMSNorm and router, then its experts.
+    let decode_block_peer = (|| Some(decode_router_fwd? + experts_fwd?))();
     let cpu_isa = (backend.name() == CpuBackend::NAME).then(Isa::active);
     let row = |kernel: &str, ms: f64, throughput: Throughput| BenchRow {
         cpu_isa,
@@ -307,6 +314,7 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
             // HF's decode-time experts are its prefill ones on fewer tokens.
             "blockwise_mm" | "moe_tkg" => experts_fwd,
             "blockwise_mm_bwd" => experts_bwd,
+            "moe_block_tkg" => decode_block_peer,
             LAYER_ROW => layer_peer,
             EXPERTS_ROW => experts_fwd_bwd,
             _ => None,
@@ -450,6 +458,22 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
             ms,
             gbps(bytes, ms),
         ));
+    }
+    // The decode block (nki-library's `moe_block_tkg`: RMSNorm, router and experts): a step
+    // reads the router weights and the selected experts' weights once; the compulsory bytes are
+    // those, the tokens, `gamma` and the outputs.
+    if supported(Kernel::MoeBlockTkg)? && config.rows.times(Kernel::MoeBlockTkg.name()) {
+        let call = layer.moe_block_tkg()?;
+        let ms = measure(backend, KernelCall::MoeBlockTkg(&call), min)?;
+        // The experts it selects: those of the same norm and router (ACT1's top K of the
+        // activations are the top K logits), from the reference.
+        let routed = reference.rmsnorm_router_topk_tkg(&layer.rmsnorm_router_topk_tkg()?)?;
+        let mut selected = routed.expert_index.as_i32().unwrap_or_default().to_vec();
+        selected.sort_unstable();
+        selected.dedup();
+        let weights = selected.len() as f64 * 3.0 * hf * if_ + hf * ef;
+        let bytes = element * (weights + 2.0 * tf * hf + hf + tf * ef);
+        rows.push(row(Kernel::MoeBlockTkg.name(), ms, gbps(bytes, ms)));
     }
     rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })
