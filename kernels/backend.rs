@@ -22,7 +22,7 @@ use crate::contracts::{
     MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
     PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
     RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
-    WeightLayout,
+    Topk, TopkOutputs, WeightLayout,
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
@@ -91,6 +91,7 @@ pub trait Backend: Send + Sync {
         call: &RmsNormRouterTopkTkgBwd<'_>,
     ) -> Result<RmsNormRouterTopkTkgGrads>;
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs>;
+    fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs>;
 }
 
 /// The agreement with the f64 reference a backend documents: an element passes when
@@ -148,6 +149,7 @@ pub enum KernelCall<'c, 'a> {
     RmsNormRouterTopkTkg(&'c RmsNormRouterTopkTkg<'a>),
     RmsNormRouterTopkTkgBwd(&'c RmsNormRouterTopkTkgBwd<'a>),
     MoeBlockTkg(&'c MoeBlockTkg<'a>),
+    Topk(&'c Topk<'a>),
 }
 
 impl KernelCall<'_, '_> {
@@ -167,6 +169,7 @@ impl KernelCall<'_, '_> {
             KernelCall::RmsNormRouterTopkTkg(_) => Kernel::RmsNormRouterTopkTkg,
             KernelCall::RmsNormRouterTopkTkgBwd(_) => Kernel::RmsNormRouterTopkTkgBwd,
             KernelCall::MoeBlockTkg(_) => Kernel::MoeBlockTkg,
+            KernelCall::Topk(_) => Kernel::Topk,
         }
     }
 
@@ -192,6 +195,7 @@ impl KernelCall<'_, '_> {
                 backend.rmsnorm_router_topk_tkg_bwd(call).map(drop)
             }
             KernelCall::MoeBlockTkg(call) => backend.moe_block_tkg(call).map(drop),
+            KernelCall::Topk(call) => backend.topk(call).map(drop),
         }
     }
 }

@@ -13,7 +13,8 @@ use crate::contracts::{
     PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RmsNormRouterTopkTkg,
     RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgBwdInputs, RmsNormRouterTopkTkgInputs,
     RmsNormRouterTopkTkgParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec,
+    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec, Topk, TopkInputs,
+    TopkParams,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param, Params};
@@ -181,6 +182,17 @@ impl Kernel {
                 let call =
                     MoeBlockTkg::new(inputs, params.moe_block())?.with_output_dtype(output_dtype);
                 backend.moe_block_tkg(&call)?.into_named()
+            }
+            Kernel::Topk => {
+                let default = TopkParams::new(required_param(Param::K, params.k)?);
+                let params = TopkParams {
+                    sorted_flag: params.sorted_flag.unwrap_or(default.sorted_flag),
+                    method: params.method.unwrap_or(default.method),
+                    ..default
+                };
+                let call = Topk::new(TopkInputs::from_named(get)?, params)?
+                    .with_output_dtype(output_dtype);
+                backend.topk(&call)?.into_named()
             }
         };
         Ok(outputs

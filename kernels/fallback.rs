@@ -11,7 +11,7 @@ use crate::contracts::{
     LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute,
     PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
     RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs,
+    RouterTopkGrads, RouterTopkOutputs, Topk, TopkOutputs,
 };
 use crate::error::Result;
 use crate::kernel::Kernel;
@@ -159,5 +159,9 @@ impl Backend for FallbackBackend {
 
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
         self.runner(Kernel::MoeBlockTkg).moe_block_tkg(call)
+    }
+
+    fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
+        self.runner(Kernel::Topk).topk(call)
     }
 }

@@ -8,7 +8,8 @@ use crate::contracts::{
     ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
     MoeBlockTkgParams, MoeTkgParams, OutputDType, PermuteParams, QuantizationType,
     RmsNormRouterParams, RmsNormRouterTopkTkgParams, RouterActFnType, RouterMmDType,
-    RouterPipeline, SkipMode, TensorSpec, WeightLayout, XHbmLayout, tensors,
+    RouterPipeline, SkipMode, TensorSpec, TopkMethod, TopkParams, WeightLayout, XHbmLayout,
+    tensors,
 };
 use crate::error::{Error, Result, find_named};
 
@@ -46,6 +47,7 @@ pub enum Kernel {
     RmsNormRouterTopkTkg,
     RmsNormRouterTopkTkgBwd,
     MoeBlockTkg,
+    Topk,
 }
 
 impl Kernel {
@@ -64,6 +66,7 @@ impl Kernel {
         Kernel::RmsNormRouterTopkTkg,
         Kernel::RmsNormRouterTopkTkgBwd,
         Kernel::MoeBlockTkg,
+        Kernel::Topk,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +89,7 @@ impl Kernel {
             Kernel::RmsNormRouterTopkTkg => &RMSNORM_ROUTER_TOPK_TKG,
             Kernel::RmsNormRouterTopkTkgBwd => &RMSNORM_ROUTER_TOPK_TKG_BWD,
             Kernel::MoeBlockTkg => &MOE_BLOCK_TKG,
+            Kernel::Topk => &TOPK,
         }
     }
 }
@@ -141,6 +145,8 @@ pub enum Param {
     StoreEagerAffiOnly,
     HiddenActFn,
     SkipRouterLogits,
+    SortedFlag,
+    Method,
     OutputDType,
 }
 
@@ -189,6 +195,8 @@ impl Param {
             }
             Param::HiddenActFn => block.hidden_act_fn.to_string(),
             Param::SkipRouterLogits => block.skip_router_logits.to_string(),
+            Param::SortedFlag => TopkParams::new(1).sorted_flag.to_string(),
+            Param::Method => TopkMethod::default().to_string(),
             Param::ExpertAffinitiesScalingMode => {
                 forward.expert_affinities_scaling_mode.to_string()
             }
@@ -256,6 +264,8 @@ impl Param {
         Param::StoreEagerAffiOnly,
         Param::HiddenActFn,
         Param::SkipRouterLogits,
+        Param::SortedFlag,
+        Param::Method,
         Param::OutputDType,
     ];
 
@@ -298,6 +308,8 @@ impl Param {
             Param::StoreEagerAffiOnly => "store_eager_affi_only",
             Param::HiddenActFn => "hidden_act_fn",
             Param::SkipRouterLogits => "skip_router_logits",
+            Param::SortedFlag => "sorted_flag",
+            Param::Method => TopkMethod::PARAM,
             Param::OutputDType => OutputDType::PARAM,
         }
     }
@@ -341,7 +353,9 @@ impl Param {
             | Param::IsAllExpert
             | Param::MaskUnselectedExperts
             | Param::StoreEagerAffiOnly
-            | Param::SkipRouterLogits => "true|false",
+            | Param::SkipRouterLogits
+            | Param::SortedFlag => "true|false",
+            Param::Method => "ROTATIONAL|SCANNING|CASCADED",
         }
     }
 }
@@ -394,6 +408,9 @@ pub struct Params {
     /// `moe_block_tkg`'s expert activation.
     pub hidden_act_fn: Option<ActFnType>,
     pub skip_router_logits: Option<bool>,
+    /// `topk`'s order and method.
+    pub sorted_flag: Option<bool>,
+    pub method: Option<TopkMethod>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
 }
@@ -430,8 +447,8 @@ fn parse_bool(param: Param, value: &str) -> Result<bool> {
     }
 }
 
-/// nki-library parameters of `router_topk` and the blockwise kernels that only choose the
-/// on-chip schedule, the SBUF layout or the internal precision (or, for `return_eager_affi`, an
+/// nki-library parameters (of `router_topk`, the blockwise kernels, `moe_tkg` and `topk`) that
+/// only choose the launch grid, the on-chip schedule, the SBUF layout or the internal precision (or, for `return_eager_affi`, an
 /// output moekit always returns): accepted with any value so the same call works on both sides,
 /// and without effect on moekit's results.
 pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
@@ -457,6 +474,8 @@ pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     // token blocks without routed tokens (whose outputs are zero anyway)
     "output_in_sbuf",
     "is_all_expert_dynamic",
+    // topk: the launch grid (logical NeuronCores)
+    "lnc",
 ];
 
 impl Params {
@@ -590,6 +609,8 @@ impl Params {
             }
             Param::HiddenActFn => self.hidden_act_fn = Some(ActFnType::parse(name, value.trim())?),
             Param::SkipRouterLogits => self.skip_router_logits = Some(parse_bool(param, value)?),
+            Param::SortedFlag => self.sorted_flag = Some(parse_bool(param, value)?),
+            Param::Method => self.method = Some(value.trim().parse()?),
             Param::OutputDType => self.output_dtype = Some(value.trim().parse()?),
         }
         Ok(())
@@ -810,6 +831,19 @@ const MOE_BLOCK_TKG: KernelSpec = KernelSpec {
         (Param::HiddenActual, ParamUse::Defaulted),
         (Param::SkipRouterLogits, ParamUse::Defaulted),
         (Param::IsAllExpert, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
+    ],
+};
+
+const TOPK: KernelSpec = KernelSpec {
+    name: "topk",
+    summary: "nki-library's topk (and rotational_topk): per row of inp [..., V], the K largest values and their positions, descending (sorted_flag) or in ascending position, equal values by lower position; K = V returns inp as given with positions 0..V",
+    inputs: tensors::topk::INPUTS,
+    outputs: tensors::topk::OUTPUTS,
+    params: &[
+        (Param::K, ParamUse::Required),
+        (Param::SortedFlag, ParamUse::Defaulted),
+        (Param::Method, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };

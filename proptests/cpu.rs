@@ -252,7 +252,7 @@ fn dtype_source(kernel: Kernel, output: &str) -> Option<&'static str> {
         (Kernel::RmsNormRouterTopkTkgBwd, "d_hidden_states") => "hidden_states",
         (Kernel::RmsNormRouterTopkTkgBwd, "d_gamma") => "gamma",
         (Kernel::RmsNormRouterTopkTkgBwd, _) => "router_weights",
-        (Kernel::MoeBlockTkg, _) => "inp",
+        (Kernel::MoeBlockTkg | Kernel::Topk, _) => "inp",
     })
 }
 
@@ -338,7 +338,7 @@ fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
     // The fused decode RMSNorm + router reads `hidden_states [T, H]`, not blockwise_mm's
     // `[T+1, H]` of the same name, and the decode block reads `router_weights` in
     // `router_mm_dtype`: they have suites of their own (proptests/rmsnorm_router_topk_tkg.rs,
-    // proptests/moe_block_tkg.rs).
+    // proptests/moe_block_tkg.rs), as has the top-k over a vocabulary (proptests/topk.rs).
     Kernel::ALL
         .iter()
         .copied()
@@ -346,7 +346,8 @@ fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
             Kernel::MoeTkg => !pre_scale,
             Kernel::RmsNormRouterTopkTkg
             | Kernel::RmsNormRouterTopkTkgBwd
-            | Kernel::MoeBlockTkg => false,
+            | Kernel::MoeBlockTkg
+            | Kernel::Topk => false,
             _ => true,
         })
 }

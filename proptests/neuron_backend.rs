@@ -1799,3 +1799,263 @@ fn rmsnorm_router_topk_tkg_runs_its_neff_and_matches_the_reference() {
     // moekit's own backward has no NEFF: the backend says so.
     assert!(!neuron.supports(Kernel::RmsNormRouterTopkTkgBwd).unwrap());
 }
+
+/// One `moe_block_tkg` option set for the fake runtime.
+struct BlockCase {
+    /// T, H, E, E_L, I, K.
+    sizes: [usize; 6],
+    /// `inp [B, S, H]` with this B, else `[T, H]`.
+    batch: Option<usize>,
+    /// Every float tensor bf16 (and `router_mm_dtype = bfloat16`).
+    bf16: bool,
+    params: MoeBlockTkgParams,
+    /// The router and expert biases.
+    biases: bool,
+    /// All-expert mode's shard.
+    rank: usize,
+}
+
+impl BlockCase {
+    fn tensors(&self, seed: u64) -> Vec<(&'static str, Tensor)> {
+        let [t, h, e, local, i, _] = self.sizes;
+        let mut rng = SeededRng::new(seed);
+        let mut float = |shape: &[usize], scale: f64| {
+            let n = shape.iter().product();
+            maybe_bf16(f32_tensor(shape, &rng.values(n, scale)), self.bf16)
+        };
+        let inp_shape = match self.batch {
+            Some(b) => vec![b, t / b, h],
+            None => vec![t, h],
+        };
+        let mut tensors = vec![
+            ("inp", float(&inp_shape, 2.0)),
+            ("gamma", float(&[1, h], 1.5)),
+            ("router_weights", float(&[h, e], 1.0)),
+            ("expert_gate_up_weights", float(&[local, h, 2, i], 0.5)),
+            ("expert_down_weights", float(&[local, i, h], 0.5)),
+        ];
+        if self.biases {
+            tensors.push(("router_bias", float(&[1, e], 1.0)));
+            tensors.push(("expert_gate_up_bias", float(&[local, 2, i], 0.5)));
+            tensors.push(("expert_down_bias", float(&[local, h], 0.5)));
+        }
+        if self.params.is_all_expert {
+            let rank = Tensor::from_i32([1, 1], vec![self.rank as i32]).unwrap();
+            tensors.push(("rank_id", rank));
+        }
+        tensors
+    }
+
+    /// The stand-in NEFF and its manifest entry; the entry leaves out what is at
+    /// nki-library's defaults.
+    fn neff_and_entry(&self, tensors: &[(&'static str, Tensor)]) -> (String, String) {
+        let [t, h, e, local, i, k] = self.sizes;
+        let p = self.params;
+        let default = MoeBlockTkgParams::default();
+        let mut neff = format!(
+            "moekit-fake-neff 1\nkernel moe_block_tkg\nparam top_k {k}\nparam router_act_fn {}\n\
+             param router_pre_norm {}\nparam norm_topk_prob {}\n\
+             param expert_affinities_scaling_mode {}\nparam hidden_act_fn {}\nparam is_all_expert {}\n\
+             param eps {}\n",
+            p.router_act_fn,
+            u8::from(p.router_pre_norm),
+            u8::from(p.norm_topk_prob),
+            p.expert_affinities_scaling_mode,
+            p.hidden_act_fn,
+            u8::from(p.is_all_expert),
+            p.eps,
+        );
+        let mut entry = format!(
+            "name = \"moe_block_tkg\"\nt = {t}\nh = {h}\ne = {e}\ne_local = {local}\ni = {i}\n\
+             top_k = {k}\nrouter_bias = {b}\nexpert_gate_up_bias = {b}\nexpert_down_bias = {b}\n",
+            b = self.biases
+        );
+        let mut set = |key: &str, value: String, is_default: bool| {
+            if !is_default {
+                entry += &format!("{key} = {value}\n");
+            }
+        };
+        let quoted = |v: &dyn std::fmt::Display| format!("\"{v}\"");
+        set("eps", p.eps.to_string(), p.eps == default.eps);
+        set(
+            "router_act_fn",
+            quoted(&p.router_act_fn),
+            p.router_act_fn == default.router_act_fn,
+        );
+        set(
+            "router_pre_norm",
+            p.router_pre_norm.to_string(),
+            p.router_pre_norm == default.router_pre_norm,
+        );
+        set(
+            "norm_topk_prob",
+            p.norm_topk_prob.to_string(),
+            p.norm_topk_prob == default.norm_topk_prob,
+        );
+        set(
+            "expert_affinities_scaling_mode",
+            quoted(&p.expert_affinities_scaling_mode),
+            p.expert_affinities_scaling_mode == default.expert_affinities_scaling_mode,
+        );
+        set(
+            "hidden_act_fn",
+            quoted(&p.hidden_act_fn),
+            p.hidden_act_fn == default.hidden_act_fn,
+        );
+        set(
+            "is_all_expert",
+            p.is_all_expert.to_string(),
+            p.is_all_expert == default.is_all_expert,
+        );
+        set(
+            "skip_router_logits",
+            p.skip_router_logits.to_string(),
+            p.skip_router_logits == default.skip_router_logits,
+        );
+        set(
+            "router_mm_dtype",
+            quoted(&p.router_mm_dtype),
+            p.router_mm_dtype == default.router_mm_dtype,
+        );
+        if let Some(actual) = p.hidden_actual {
+            neff += &format!("param hidden_actual {actual}\n");
+            entry += &format!("hidden_actual = {actual}\n");
+        }
+        for (name, tensor) in tensors {
+            if *name == "rank_id" && !p.is_all_expert {
+                continue;
+            }
+            neff += &decl("input", name, &tensor.dtype().to_string(), tensor.shape());
+        }
+        let dtype = if self.bf16 { "bf16" } else { "f32" };
+        neff += &decl("output", "out", dtype, &[t, h]);
+        if !p.skip_router_logits {
+            neff += &decl("output", "router_logits", dtype, &[t, e]);
+        }
+        (neff, entry)
+    }
+}
+
+/// `moe_block_tkg` runs the NEFF its manifest entry registers for the call's sizes and
+/// options: the reference's outputs; `moekit check`'s shapes read the entry back (every expert
+/// held), and an entry that leaves a parameter out runs only calls with nki-library's default.
+#[test]
+fn moe_block_tkg_runs_its_neff_and_matches_the_reference() {
+    let _guard = exclusive();
+    let default = MoeBlockTkgParams::default();
+    let cases = [
+        // Qwen3-MoE's router (SOFTMAX, renormalised), POST_SCALE, biases, f32 operands.
+        BlockCase {
+            sizes: [4, 16, 6, 6, 8, 2],
+            batch: None,
+            bf16: false,
+            params: MoeBlockTkgParams {
+                top_k: 2,
+                router_act_fn: RouterActFnType::Softmax,
+                norm_topk_prob: true,
+                expert_affinities_scaling_mode: ExpertAffinityScaleMode::PostScale,
+                router_mm_dtype: RouterMmDType::FLOAT32,
+                ..default
+            },
+            biases: true,
+            rank: 0,
+        },
+        // nki-library's defaults (SIGMOID ACT1 dense) in all-expert mode on shard 1 of 2,
+        // POST_SCALE with the unselected experts masked, GELU, bf16, no router logits.
+        BlockCase {
+            sizes: [6, 24, 8, 4, 5, 3],
+            batch: Some(2),
+            bf16: true,
+            params: MoeBlockTkgParams {
+                top_k: 3,
+                expert_affinities_scaling_mode: ExpertAffinityScaleMode::PostScale,
+                hidden_act_fn: ActFnType::Gelu,
+                is_all_expert: true,
+                skip_router_logits: true,
+                ..default
+            },
+            biases: false,
+            rank: 1,
+        },
+        // ACT2 SOFTMAX over every expert, NO_SCALE, one token, eps and hidden_actual.
+        BlockCase {
+            sizes: [1, 8, 3, 3, 4, 3],
+            batch: None,
+            bf16: false,
+            params: MoeBlockTkgParams {
+                top_k: 3,
+                router_act_fn: RouterActFnType::Softmax,
+                router_pre_norm: false,
+                eps: 0.25,
+                hidden_actual: Some(5),
+                router_mm_dtype: RouterMmDType::FLOAT32,
+                ..default
+            },
+            biases: false,
+            rank: 0,
+        },
+    ];
+    let reference = BackendKind::Reference.create();
+    for (n, case) in cases.iter().enumerate() {
+        let tensors = case.tensors(n as u64);
+        let (neff, entry) = case.neff_and_entry(&tensors);
+        let name = format!("moe_block_tkg_{n}");
+        let neuron = backend_with(&workdir(&name), &[("block.neff", neff, entry)]);
+        assert!(neuron.supports(Kernel::MoeBlockTkg).unwrap());
+        let inputs = MoeBlockTkgInputs::from_named(named(&tensors)).unwrap();
+        let call = MoeBlockTkg::new(inputs, case.params)
+            .unwrap()
+            .with_output_dtype(OutputDType::Float32);
+        let got = neuron.moe_block_tkg(&call).unwrap();
+        let want = reference.moe_block_tkg(&call).unwrap();
+        let tol = if case.bf16 { 1e-2 } else { 1e-5 };
+        let out = f32s(&want.out);
+        assert_close("out", &f32s(&got.out), &out, tol, tol * scale(&out)).unwrap();
+        assert_eq!(got.router_logits.is_none(), case.params.skip_router_logits);
+        if let (Some(got), Some(want)) = (&got.router_logits, &want.router_logits) {
+            let want = f32s(want);
+            assert_close("router_logits", &f32s(got), &want, tol, tol * scale(&want)).unwrap();
+        }
+        let timed = neuron
+            .time_repeated(KernelCall::MoeBlockTkg(&call), 2)
+            .unwrap();
+        assert!(timed.is_some());
+
+        // `moekit check` holds every expert: an all-expert shard is named as the reason.
+        let [t, h, e, local, i, k] = case.sizes;
+        if local != e {
+            let err = neuron.fixed_shapes().unwrap_err().to_string();
+            assert!(err.contains("every expert held"), "{err}");
+            continue;
+        }
+        let shapes = neuron.fixed_shapes().unwrap().unwrap().shapes;
+        assert_eq!(shapes[0].kernel, Kernel::MoeBlockTkg);
+        let sizes = shapes[0].sizes;
+        assert_eq!(
+            (sizes.t, sizes.h, sizes.e, sizes.i, sizes.k),
+            (t, h, e, i, k)
+        );
+        assert_eq!(shapes[0].params.moe_block(), case.params, "case {n}");
+        assert!(shapes[0].warnings.iter().any(|w| w.contains("`h`")));
+    }
+    // The first entry leaves skip_router_logits and is_all_expert out: compiled with the
+    // defaults, so a call without the router logits finds no NEFF.
+    let case = &cases[0];
+    let tensors = case.tensors(9);
+    let (neff, entry) = case.neff_and_entry(&tensors);
+    let neuron = backend_with(
+        &workdir("moe_block_tkg_no_entry"),
+        &[("block.neff", neff, entry)],
+    );
+    let inputs = MoeBlockTkgInputs::from_named(named(&tensors)).unwrap();
+    let other = MoeBlockTkgParams {
+        skip_router_logits: true,
+        ..case.params
+    };
+    let call = MoeBlockTkg::new(inputs, other).unwrap();
+    let err = neuron.moe_block_tkg(&call).unwrap_err().to_string();
+    assert!(
+        err.contains("kernels.toml") && err.contains("skip_router_logits=true"),
+        "{err}"
+    );
+}

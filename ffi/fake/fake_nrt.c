@@ -11,8 +11,8 @@
  *
  *     moekit-fake-neff 1
  *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, moe_tkg,
- *                                    rmsnorm_router_topk_tkg, or copy: each output = the
- *                                    same-index input)
+ *                                    rmsnorm_router_topk_tkg, moe_block_tkg, or copy: each
+ *                                    output = the same-index input)
  *     param act_fn SOFTMAX          (router_topk: SOFTMAX | SIGMOID)
  *     param router_pre_norm 1       (router_topk: 1 = ACT1, the default | 0 = ACT2)
  *     param norm_topk_prob 1        (router_topk: 0 | 1)
@@ -36,6 +36,11 @@
  *     param router_act_fn SOFTMAX   (rmsnorm_router_topk_tkg: SIGMOID, the default | SOFTMAX;
  *                                    with it, eps (1e-6 by default), hidden_actual (H) and
  *                                    store_eager_affi_only 0 | 1)
+ *     param top_k 2                 (moe_block_tkg: K, 1 by default; with it, router_act_fn
+ *                                    (SIGMOID, the default), router_pre_norm, norm_topk_prob,
+ *                                    eps, hidden_actual, hidden_act_fn (the ActFnType members),
+ *                                    expert_affinities_scaling_mode (NO_SCALE, the default, or
+ *                                    POST_SCALE), is_all_expert and the clamp limits)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -51,6 +56,13 @@
  * router_weights [H, E] and optionally router_bias [1, E] (or [E]), and returns norm_output
  * [T, H], expert_index [T, K] and expert_affinities [T, E] (scattered), or [T, K] (eager): the
  * RMSNorm, rounded to router_weights' dtype for the router, then router_topk's ACT2.
+ * moe_block_tkg takes inp [T, H] (or [B, S, H]), gamma, router_weights [H, E], the experts'
+ * weights (all E of them, or E_L with is_all_expert and rank_id [1, 1]) and optionally
+ * router_bias and the experts' biases, and returns out [T, H] and, where declared,
+ * router_logits [T, E]: the RMSNorm rounded to inp's dtype, router_topk's pipeline on it in
+ * router_weights' dtype, and moe_tkg's experts on the norm (under POST_SCALE, all-expert mode
+ * masks the unselected experts where ACT1's affinities are dense); a rank_id out of range is
+ * NRT_EXEC_OOB.
  * blockwise_mm takes the optional inputs gate_and_up_proj_bias and down_proj_bias, and
  * blockwise_mm_bwd the optional outputs gate_and_up_proj_bias_grad and down_proj_bias_grad.
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
@@ -98,7 +110,8 @@ typedef enum {
     KERNEL_BLOCKWISE_MM,
     KERNEL_BLOCKWISE_MM_BWD,
     KERNEL_MOE_TKG,
-    KERNEL_RMSNORM_ROUTER_TOPK_TKG
+    KERNEL_RMSNORM_ROUTER_TOPK_TKG,
+    KERNEL_MOE_BLOCK_TKG
 } kernel_t;
 
 /* nki-library's ActFnType members, in its order. */
@@ -157,15 +170,16 @@ struct nrt_model {
     int act2; /* router_pre_norm = 0 */
     int norm_topk_prob;
     int x_h_t; /* x_hbm_layout = 0: x [H, T] */
-    int act_fn; /* the blockwise kernels' gate activation: an index into ACT_FN_NAMES */
+    int act_fn; /* the experts' gate activation: an index into ACT_FN_NAMES */
     int scaling; /* an index into SCALE_MODE_NAMES; 0 is POST_SCALE */
     int skip_token;   /* hidden_states [T, H], −1 in padding slots */
     int store_blocks; /* is_tensor_update_accumulating = 0 */
-    int all_expert;   /* moe_tkg: is_all_expert */
+    int all_expert;   /* moe_tkg, moe_block_tkg: is_all_expert */
     int mask_unselected; /* moe_tkg: mask_unselected_experts */
-    double eps;             /* rmsnorm_router_topk_tkg */
-    uint32_t hidden_actual; /* rmsnorm_router_topk_tkg; 0: H */
+    double eps;             /* rmsnorm_router_topk_tkg, moe_block_tkg */
+    uint32_t hidden_actual; /* rmsnorm_router_topk_tkg, moe_block_tkg; 0: H */
     int eager;              /* rmsnorm_router_topk_tkg: store_eager_affi_only */
+    uint32_t top_k;         /* moe_block_tkg's K (no tensor of its shows it); 0: 1 */
     /* The blockwise clamp limits: [0 gate | 1 up][0 lower | 1 upper], where has_clamp is set. */
     double clamp[2][2];
     int has_clamp[2][2];
@@ -353,6 +367,27 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                (find_decl(m, "router_bias", in) == NULL || has_shape(m, "router_bias", in, 2, eb) ||
                 has_shape(m, "router_bias", in, 1, eb + 1));
     }
+    if (m->kernel == KERNEL_MOE_BLOCK_TKG) {
+        const decl_t *x = find_decl(m, "inp", in);
+        if (x == NULL || x->ndim < 2 || x->ndim > 3) return 0;
+        uint32_t h = x->shape[x->ndim - 1], t = x->ndim == 3 ? x->shape[0] * x->shape[1] : x->shape[0];
+        uint32_t e = dim(m, "router_weights", in, 1);
+        uint32_t el = dim(m, "expert_gate_up_weights", in, 0), i = dim(m, "expert_gate_up_weights", in, 3);
+        uint32_t he[2] = {h, e}, th[2] = {t, h}, te[2] = {t, e}, row[2] = {1, h}, eb[2] = {1, e};
+        uint32_t gu[4] = {el, h, 2, i}, dn[3] = {el, i, h}, gub[3] = {el, 2, i}, db[2] = {el, h}, one[2] = {1, 1};
+        return t > 0 && h > 0 && e > 0 && el > 0 && i > 0 && m->hidden_actual <= h && m->top_k <= e &&
+               (m->all_expert ? e % el == 0 && find_decl(m, "rank_id", in) != NULL : el == e) &&
+               (x->ndim == 2 || (uint64_t)x->shape[0] * x->shape[1] == t) &&
+               (has_shape(m, "gamma", in, 2, row) || has_shape(m, "gamma", in, 1, row + 1)) &&
+               has_shape(m, "router_weights", in, 2, he) && has_shape(m, "expert_gate_up_weights", in, 4, gu) &&
+               has_shape(m, "expert_down_weights", in, 3, dn) && has_shape(m, "out", out, 2, th) &&
+               (find_decl(m, "router_logits", out) == NULL || has_shape(m, "router_logits", out, 2, te)) &&
+               (find_decl(m, "router_bias", in) == NULL || has_shape(m, "router_bias", in, 2, eb) ||
+                has_shape(m, "router_bias", in, 1, eb + 1)) &&
+               (find_decl(m, "rank_id", in) == NULL || has_shape(m, "rank_id", in, 2, one)) &&
+               (find_decl(m, "expert_gate_up_bias", in) == NULL || has_shape(m, "expert_gate_up_bias", in, 3, gub)) &&
+               (find_decl(m, "expert_down_bias", in) == NULL || has_shape(m, "expert_down_bias", in, 2, db));
+    }
     if (m->kernel == KERNEL_BLOCKWISE_MM) {
         uint32_t rows = dim(m, "hidden_states", in, 0), h = dim(m, "hidden_states", in, 1);
         uint32_t e = dim(m, "gate_up_proj_weight", in, 0), i = dim(m, "gate_up_proj_weight", in, 3);
@@ -460,6 +495,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(value, "blockwise_mm_bwd") == 0) m->kernel = KERNEL_BLOCKWISE_MM_BWD;
             else if (strcmp(value, "moe_tkg") == 0) m->kernel = KERNEL_MOE_TKG;
             else if (strcmp(value, "rmsnorm_router_topk_tkg") == 0) m->kernel = KERNEL_RMSNORM_ROUTER_TOPK_TKG;
+            else if (strcmp(value, "moe_block_tkg") == 0) m->kernel = KERNEL_MOE_BLOCK_TKG;
             else status = NRT_INVALID;
         } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
             int flag = strcmp(value, "0") == 0 || strcmp(value, "1") == 0;
@@ -474,6 +510,10 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
                 unsigned long actual = strtoul(value, &end, 10);
                 if (*end != '\0' || actual == 0 || actual > UINT32_MAX) status = NRT_INVALID;
                 m->hidden_actual = (uint32_t)actual;
+            } else if (strcmp(name, "top_k") == 0) {
+                unsigned long k = strtoul(value, &end, 10);
+                if (*end != '\0' || k == 0 || k > UINT32_MAX) status = NRT_INVALID;
+                m->top_k = (uint32_t)k;
             } else if (strcmp(name, "store_eager_affi_only") == 0 && flag) m->eager = value[0] == '1';
             else if (strcmp(name, "router_pre_norm") == 0 && flag) m->act2 = value[0] == '0';
             else if (strcmp(name, "norm_topk_prob") == 0 && flag) m->norm_topk_prob = value[0] == '1';
@@ -483,7 +523,7 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(name, "is_all_expert") == 0 && flag) m->all_expert = value[0] == '1';
             else if (strcmp(name, "mask_unselected_experts") == 0 && flag) m->mask_unselected = value[0] == '1';
             else if (strcmp(name, "activation_function") == 0 || strcmp(name, "activation_type") == 0 ||
-                     strcmp(name, "activation_fn") == 0) {
+                     strcmp(name, "activation_fn") == 0 || strcmp(name, "hidden_act_fn") == 0) {
                 m->act_fn = -1;
                 for (int f = 0; f < ACT_FN_COUNT; f++)
                     if (strcmp(value, ACT_FN_NAMES[f]) == 0) m->act_fn = f;
@@ -530,10 +570,13 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
         if (status != NRT_SUCCESS) break;
     }
     free(text);
-    /* moe_tkg's default is NO_SCALE (the blockwise kernels': POST_SCALE, index 0). */
-    if (m->kernel == KERNEL_MOE_TKG && !have_scaling) m->scaling = 1;
-    /* rmsnorm_router_topk_tkg's router_act_fn defaults to SIGMOID (router_topk's to SOFTMAX). */
-    if (m->kernel == KERNEL_RMSNORM_ROUTER_TOPK_TKG && !have_router_act_fn) m->sigmoid = 1;
+    /* moe_tkg's and moe_block_tkg's default is NO_SCALE (the blockwise kernels': POST_SCALE,
+     * index 0). */
+    if ((m->kernel == KERNEL_MOE_TKG || m->kernel == KERNEL_MOE_BLOCK_TKG) && !have_scaling) m->scaling = 1;
+    /* The decode kernels' router_act_fn defaults to SIGMOID (router_topk's to SOFTMAX). */
+    if ((m->kernel == KERNEL_RMSNORM_ROUTER_TOPK_TKG || m->kernel == KERNEL_MOE_BLOCK_TKG) && !have_router_act_fn)
+        m->sigmoid = 1;
+    if (m->top_k == 0) m->top_k = 1;
     if (status == NRT_SUCCESS && line_no == 0) status = NRT_INVALID;
     if (status == NRT_SUCCESS && (!have_kernel || !kernel_tensors_consistent(m))) status = NRT_INVALID;
     return status;
@@ -795,6 +838,42 @@ static void choose_top_k(const double *score, size_t e, size_t k, size_t *chosen
     }
 }
 
+/* One token's routing by router_topk's pipelines from its logits `row [E]`: `chosen [K]` and
+ * `aff [E]`, the affinities as stored (dense under ACT1 without norm_topk_prob, else zero
+ * outside the K). `score [E]` holds the selection bias on entry (it moves the choice, never the
+ * affinities) and is scratch after. */
+static void route_token(const nrt_model_t *m, const double *row, size_t e, size_t k, double *score, double *aff,
+                        size_t *chosen) {
+    double max = -INFINITY, sum = 0.0, chosen_sum = 0.0;
+    for (size_t j = 0; j < e; j++)
+        if (row[j] > max) max = row[j];
+    for (size_t j = 0; j < e; j++) {
+        aff[j] = m->sigmoid ? 1.0 / (1.0 + exp(-row[j])) : exp(row[j] - max);
+        sum += aff[j];
+    }
+    if (!m->sigmoid)
+        for (size_t j = 0; j < e; j++) aff[j] /= sum;
+    /* ACT1 chooses by affinity, ACT2 by logit. */
+    for (size_t j = 0; j < e; j++) score[j] += (m->act2 ? row : aff)[j];
+    choose_top_k(score, e, k, chosen);
+    /* ACT2 activates the K chosen logits: a softmax over them, or a sigmoid of each. */
+    if (m->act2)
+        for (size_t slot = 0; slot < k; slot++) {
+            double l = row[chosen[slot]];
+            aff[chosen[slot]] = m->sigmoid ? 1.0 / (1.0 + exp(-l)) : exp(l - row[chosen[0]]);
+        }
+    for (size_t slot = 0; slot < k; slot++) chosen_sum += aff[chosen[slot]];
+    /* Renormalised: ACT1 with norm_topk_prob, ACT2's softmax; dense: ACT1 without it. */
+    int renormalise = m->act2 ? !m->sigmoid : m->norm_topk_prob, dense = !m->act2 && !m->norm_topk_prob;
+    for (size_t slot = 0; slot < k; slot++) {
+        double a = aff[chosen[slot]];
+        score[chosen[slot]] = renormalise ? a / chosen_sum : a;
+    }
+    if (!dense)
+        for (size_t j = 0; j < e; j++) aff[j] = 0.0;
+    for (size_t slot = 0; slot < k; slot++) aff[chosen[slot]] = score[chosen[slot]];
+}
+
 static NRT_STATUS run_router_topk(const bound_t *b) {
     const nrt_model_t *m = b->model;
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
@@ -812,43 +891,21 @@ static NRT_STATUS run_router_topk(const bound_t *b) {
         return NRT_FAIL_HOST_MEM_ALLOC;
     }
     for (size_t tok = 0; tok < t; tok++) {
-        double max = -INFINITY, sum = 0.0, chosen_sum = 0.0;
         for (size_t j = 0; j < e; j++) {
             double dot = bias != NULL ? load(bias, db, j) : 0.0;
             for (size_t c = 0; c < h; c++)
                 dot += load(x, dx, m->x_h_t ? c * t + tok : tok * h + c) * load(w, dw, c * e + j);
             row[j] = (float)dot;
-            if (row[j] > max) max = row[j];
         }
-        for (size_t j = 0; j < e; j++) {
-            p[j] = m->sigmoid ? 1.0 / (1.0 + exp(-row[j])) : exp(row[j] - max);
-            sum += p[j];
-        }
-        if (!m->sigmoid)
-            for (size_t j = 0; j < e; j++) p[j] /= sum;
-        /* ACT1 chooses by affinity, ACT2 by logit; the selection bias moves the choice, never
-         * the affinities. */
-        for (size_t j = 0; j < e; j++)
-            score[j] = (m->act2 ? row : p)[j] + (selection != NULL ? load(selection, ds, j) : 0.0);
-        choose_top_k(score, e, k, chosen);
-        /* ACT2 activates the K chosen logits: a softmax over them, or a sigmoid of each. */
-        if (m->act2)
-            for (size_t slot = 0; slot < k; slot++) {
-                double l = row[chosen[slot]];
-                p[chosen[slot]] = m->sigmoid ? 1.0 / (1.0 + exp(-l)) : exp(l - row[chosen[0]]);
-            }
-        for (size_t slot = 0; slot < k; slot++) chosen_sum += p[chosen[slot]];
-        /* Renormalised: ACT1 with norm_topk_prob, ACT2's softmax; dense: ACT1 without it. */
-        int renormalise = m->act2 ? !m->sigmoid : m->norm_topk_prob, dense = !m->act2 && !m->norm_topk_prob;
+        for (size_t j = 0; j < e; j++) score[j] = selection != NULL ? load(selection, ds, j) : 0.0;
+        route_token(m, row, e, k, score, p, chosen);
         for (size_t j = 0; j < e; j++) {
             store(logits, dl, tok * e + j, row[j]);
-            store(aff, da, tok * e + j, dense ? p[j] : 0.0);
+            store(aff, da, tok * e + j, p[j]);
         }
         for (size_t slot = 0; slot < k; slot++) {
-            double a = renormalise ? p[chosen[slot]] / chosen_sum : p[chosen[slot]];
             store(index, di, tok * k + slot, (double)chosen[slot]);
-            store(aff, da, tok * e + chosen[slot], a);
-            if (topk != NULL) store(topk, dt, tok * k + slot, a);
+            if (topk != NULL) store(topk, dt, tok * k + slot, p[chosen[slot]]);
         }
     }
     free(row), free(p), free(score), free(chosen);
@@ -1112,6 +1169,44 @@ static NRT_STATUS run_blockwise_mm_bwd(const bound_t *b) {
 /* moe_tkg: each token through its routes' experts (its K, or every expert held), each output
  * weighted (NO_SCALE: 1; POST_SCALE: the affinity, eager or gathered, masked by the selection
  * count in all-expert mode) and summed in f64. */
+/* The experts' weights and biases of a moe_tkg or moe_block_tkg stand-in. */
+typedef struct {
+    const nrt_model_t *model;
+    size_t h, inter;
+    const nrt_tensor_t *gu;
+    nrt_dtype_t dg;
+    const nrt_tensor_t *down;
+    nrt_dtype_t dd;
+    const nrt_tensor_t *gu_bias;
+    nrt_dtype_t dgb;
+    const nrt_tensor_t *down_bias;
+    nrt_dtype_t ddb;
+} experts_t;
+
+/* acc [H] += weight · expert ex's gated MLP of row [H] (act: [I] scratch). */
+static void expert_add(const experts_t *o, size_t ex, const double *row, double weight, double *act, double *acc) {
+    size_t h = o->h, inter = o->inter;
+    for (size_t j = 0; j < inter; j++) {
+        double gate = 0.0, up = 0.0;
+        for (size_t c = 0; c < h; c++) {
+            gate += row[c] * load(o->gu, o->dg, ((ex * h + c) * 2 + 0) * inter + j);
+            up += row[c] * load(o->gu, o->dg, ((ex * h + c) * 2 + 1) * inter + j);
+        }
+        if (o->gu_bias != NULL) {
+            gate += load(o->gu_bias, o->dgb, (ex * 2 + 0) * inter + j);
+            up += load(o->gu_bias, o->dgb, (ex * 2 + 1) * inter + j);
+        }
+        double unused;
+        act[j] = gate_act(o->model->act_fn, clamp_apply(o->model, 0, gate), &unused) * clamp_apply(o->model, 1, up);
+    }
+    for (size_t c = 0; c < h; c++) {
+        double y = 0.0;
+        for (size_t j = 0; j < inter; j++) y += act[j] * load(o->down, o->dd, (ex * inter + j) * h + c);
+        if (o->down_bias != NULL) y += load(o->down_bias, o->ddb, ex * h + c);
+        acc[c] += weight * y;
+    }
+}
+
 static NRT_STATUS run_moe_tkg(const bound_t *b) {
     const nrt_model_t *m = b->model;
     const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
@@ -1137,11 +1232,12 @@ static NRT_STATUS run_moe_tkg(const bound_t *b) {
         double id = load(index, di, i);
         if (!(id >= 0 && id < (double)(m->all_expert ? e : el))) return NRT_EXEC_OOB;
     }
-    double *acc = calloc(t * h, sizeof *acc), *act = malloc(inter * sizeof *act);
-    if (acc == NULL || act == NULL) {
-        free(acc), free(act);
+    double *acc = calloc(t * h, sizeof *acc), *act = malloc(inter * sizeof *act), *row = malloc(h * sizeof *row);
+    if (acc == NULL || act == NULL || row == NULL) {
+        free(acc), free(act), free(row);
         return NRT_FAIL_HOST_MEM_ALLOC;
     }
+    const experts_t ops = {m, h, inter, gu, dg, down, dd, gu_bias, dgb, down_bias, ddb};
     for (size_t tok = 0; tok < t; tok++) {
         for (size_t route = 0; route < routes; route++) {
             size_t ex = m->all_expert ? route : (size_t)load(index, di, tok * k + route);
@@ -1157,30 +1253,75 @@ static NRT_STATUS run_moe_tkg(const bound_t *b) {
                 weight = eager != NULL ? load(eager, dea, tok * k + route) : load(aff, da, tok * e + ex);
             }
             if (weight == 0.0) continue;
-            for (size_t j = 0; j < inter; j++) {
-                double gate = 0.0, up = 0.0;
-                for (size_t c = 0; c < h; c++) {
-                    double xv = load(x, dx, tok * h + c);
-                    gate += xv * load(gu, dg, ((ex * h + c) * 2 + 0) * inter + j);
-                    up += xv * load(gu, dg, ((ex * h + c) * 2 + 1) * inter + j);
-                }
-                if (gu_bias != NULL) {
-                    gate += load(gu_bias, dgb, (ex * 2 + 0) * inter + j);
-                    up += load(gu_bias, dgb, (ex * 2 + 1) * inter + j);
-                }
-                double unused;
-                act[j] = gate_act(m->act_fn, clamp_apply(m, 0, gate), &unused) * clamp_apply(m, 1, up);
-            }
-            for (size_t c = 0; c < h; c++) {
-                double y = 0.0;
-                for (size_t j = 0; j < inter; j++) y += act[j] * load(down, dd, (ex * inter + j) * h + c);
-                if (down_bias != NULL) y += load(down_bias, ddb, ex * h + c);
-                acc[tok * h + c] += weight * y;
-            }
+            for (size_t c = 0; c < h; c++) row[c] = load(x, dx, tok * h + c);
+            expert_add(&ops, ex, row, weight, act, acc + tok * h);
         }
     }
     for (size_t i = 0; i < t * h; i++) store(output, dout, i, acc[i]);
-    free(acc), free(act);
+    free(acc), free(act), free(row);
+    return NRT_SUCCESS;
+}
+
+/* moe_block_tkg: the RMSNorm rounded to inp's dtype, the router on it in its operands' dtype
+ * (router_topk's pipelines), and moe_tkg's experts on the norm (unselected experts masked
+ * where ACT1's affinities are dense). */
+static NRT_STATUS run_moe_block_tkg(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t t = dim(m, "out", out, 0), h = dim(m, "out", out, 1), e = dim(m, "router_weights", in, 1);
+    size_t el = dim(m, "expert_gate_up_weights", in, 0), inter = dim(m, "expert_gate_up_weights", in, 3);
+    size_t k = m->top_k, divisor = m->hidden_actual != 0 ? m->hidden_actual : h;
+    nrt_dtype_t dx, dgm, dw, db = NRT_DTYPE_FLOAT32, dg, dd, dr = NRT_DTYPE_INT32, dgb = NRT_DTYPE_FLOAT32;
+    nrt_dtype_t ddb = NRT_DTYPE_FLOAT32, dout, dl = NRT_DTYPE_FLOAT32;
+    nrt_tensor_t *x = bound(b, "inp", in, &dx), *gamma = bound(b, "gamma", in, &dgm);
+    nrt_tensor_t *w = bound(b, "router_weights", in, &dw), *bias = bound(b, "router_bias", in, &db);
+    nrt_tensor_t *gu = bound(b, "expert_gate_up_weights", in, &dg), *down = bound(b, "expert_down_weights", in, &dd);
+    nrt_tensor_t *gu_bias = bound(b, "expert_gate_up_bias", in, &dgb);
+    nrt_tensor_t *down_bias = bound(b, "expert_down_bias", in, &ddb), *rank_id = bound(b, "rank_id", in, &dr);
+    nrt_tensor_t *output = bound(b, "out", out, &dout), *logits = bound(b, "router_logits", out, &dl);
+    if (k == 0 || k > e) return NRT_INVALID;
+    size_t first = 0;
+    if (m->all_expert) {
+        double rank = rank_id != NULL ? load(rank_id, dr, 0) : -1.0;
+        if (!(rank >= 0 && (rank + 1.0) * (double)el <= (double)e)) return NRT_EXEC_OOB;
+        first = (size_t)rank * el;
+    }
+    double *normed = malloc(h * sizeof *normed), *row = malloc(e * sizeof *row), *aff = malloc(e * sizeof *aff);
+    double *score = malloc(e * sizeof *score), *act = malloc(inter * sizeof *act), *acc = malloc(h * sizeof *acc);
+    size_t *chosen = malloc(k * sizeof *chosen);
+    if (normed == NULL || row == NULL || aff == NULL || score == NULL || act == NULL || acc == NULL || chosen == NULL) {
+        free(normed), free(row), free(aff), free(score), free(act), free(acc), free(chosen);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    const experts_t ops = {m, h, inter, gu, dg, down, dd, gu_bias, dgb, down_bias, ddb};
+    int post_scale = m->scaling == 0, masked = !m->act2 && !m->norm_topk_prob;
+    for (size_t tok = 0; tok < t; tok++) {
+        double squares = 0.0;
+        for (size_t c = 0; c < h; c++) squares += load(x, dx, tok * h + c) * load(x, dx, tok * h + c);
+        double r = 1.0 / sqrt(squares / (double)divisor + m->eps);
+        for (size_t c = 0; c < h; c++) normed[c] = rounded_to(dx, load(x, dx, tok * h + c) * r * load(gamma, dgm, c));
+        for (size_t j = 0; j < e; j++) {
+            double dot = bias != NULL ? load(bias, db, j) : 0.0;
+            for (size_t c = 0; c < h; c++) dot += rounded_to(dw, normed[c]) * load(w, dw, c * e + j);
+            row[j] = (float)dot;
+            score[j] = 0.0;
+            if (logits != NULL) store(logits, dl, tok * e + j, row[j]);
+        }
+        route_token(m, row, e, k, score, aff, chosen);
+        for (size_t c = 0; c < h; c++) acc[c] = 0.0;
+        for (size_t route = 0; route < (m->all_expert ? el : k); route++) {
+            size_t ex = m->all_expert ? route : chosen[route];
+            double weight = post_scale ? aff[first + ex] : 1.0;
+            if (m->all_expert && post_scale && masked) {
+                double count = 0.0;
+                for (size_t slot = 0; slot < k; slot++) count += chosen[slot] == first + ex;
+                weight *= count;
+            }
+            if (weight != 0.0) expert_add(&ops, ex, normed, weight, act, acc);
+        }
+        for (size_t c = 0; c < h; c++) store(output, dout, tok * h + c, acc[c]);
+    }
+    free(normed), free(row), free(aff), free(score), free(act), free(acc), free(chosen);
     return NRT_SUCCESS;
 }
 
@@ -1226,6 +1367,7 @@ static NRT_STATUS execute(nrt_model_t *model, const nrt_tensor_set_t *input_set,
         case KERNEL_BLOCKWISE_MM_BWD: s = run_blockwise_mm_bwd(&b); break;
         case KERNEL_MOE_TKG: s = run_moe_tkg(&b); break;
         case KERNEL_RMSNORM_ROUTER_TOPK_TKG: s = run_rmsnorm_router_topk_tkg(&b); break;
+        case KERNEL_MOE_BLOCK_TKG: s = run_moe_block_tkg(&b); break;
         default: s = run_copy(&b); break;
         }
     }

@@ -52,6 +52,7 @@ pub mod rmsnorm_router_topk_tkg;
 pub mod router_topk;
 pub mod spec;
 pub mod tensors;
+pub mod topk;
 pub(crate) mod validate;
 
 pub use a2av_routing::*;
@@ -65,3 +66,4 @@ pub use plan::BlockPlan;
 pub use rmsnorm_router_topk_tkg::*;
 pub use router_topk::*;
 pub use spec::{DTypeSpec, Named, TensorSpec};
+pub use topk::*;

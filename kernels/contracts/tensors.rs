@@ -373,6 +373,20 @@ pub mod moe_block_tkg {
     pub const OUTPUTS: &[TensorSpec] = &[OUT, ROUTER_LOGITS];
 }
 
+/// `topk` (nki-library's `topk` and its `rotational_topk` kernel).
+pub mod topk {
+    use super::*;
+
+    /// Rank ≥ 2; the leading axes are the rows.
+    pub const INP: TensorSpec = float("inp", "[..., V]");
+    pub const INPUTS: &[TensorSpec] = &[INP];
+
+    pub const TOPK_VALUES: TensorSpec = like("topk_values", "[..., K]", &INP);
+    /// Positions along `inp`'s last axis (uint32 in nki-library).
+    pub const TOPK_INDICES: TensorSpec = index("topk_indices", "[..., K]");
+    pub const OUTPUTS: &[TensorSpec] = &[TOPK_VALUES, TOPK_INDICES];
+}
+
 /// `a2av_routing` (moekit's own: the routing table of nki-library's `permute_a2av`).
 pub mod a2av_routing {
     use super::*;

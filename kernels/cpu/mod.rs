@@ -27,6 +27,7 @@ mod skinny;
 mod streamed;
 mod swiglu;
 mod tile_walk;
+mod topk;
 
 /// Deterministic operands for the product kernels' unit tests.
 #[cfg(test)]
@@ -47,7 +48,7 @@ use crate::contracts::{
     LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute,
     PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
     RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs,
+    RouterTopkGrads, RouterTopkOutputs, Topk, TopkOutputs,
 };
 use crate::error::Result;
 use isa::Isa;
@@ -158,5 +159,10 @@ impl Backend for CpuBackend {
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
         Isa::selected()?;
         composed::moe_block_tkg(self, self, call)
+    }
+
+    fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
+        Isa::selected()?;
+        topk::forward(call)
     }
 }

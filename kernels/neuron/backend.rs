@@ -35,8 +35,8 @@ use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, U
 use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
 use crate::contracts::tensors::{
-    blockwise_mm as fwd, blockwise_mm_bwd as bwd, moe_tkg as tkg, rmsnorm_router_topk_tkg as fused,
-    router_topk as router,
+    blockwise_mm as fwd, blockwise_mm_bwd as bwd, moe_block_tkg as block, moe_tkg as tkg,
+    rmsnorm_router_topk_tkg as fused, router_topk as router,
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
@@ -45,7 +45,7 @@ use crate::contracts::{
     MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
     PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
     RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
-    WeightLayout,
+    Topk, TopkOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
@@ -825,6 +825,97 @@ fn rmsnorm_router_topk_tkg_call<'a>(call: &RmsNormRouterTopkTkg<'a>) -> Call<'a>
     }
 }
 
+/// The manifest key of a `moe_block_tkg` call.
+fn moe_block_tkg_key(call: &MoeBlockTkg<'_>) -> Vec<(&'static str, Value)> {
+    let (inputs, dims, params) = (call.inputs(), call.dims(), call.params());
+    let present = |tensor: Option<&Tensor>| Value::Bool(tensor.is_some());
+    [
+        ("t", Value::Int(dims.t)),
+        ("h", Value::Int(dims.h)),
+        ("e", Value::Int(dims.e)),
+        ("e_local", Value::Int(dims.e_local)),
+        ("i", Value::Int(dims.i)),
+        (Param::TopK.name(), Value::Int(dims.k)),
+        (Param::Eps.name(), Value::number(params.eps)),
+        (
+            Param::HiddenActual.name(),
+            Value::Int(call.rmsnorm().divisor),
+        ),
+        (
+            Param::RouterMmDType.name(),
+            Value::Str(params.router_mm_dtype.to_string()),
+        ),
+        (
+            Param::RouterActFn.name(),
+            Value::Str(params.router_act_fn.to_string()),
+        ),
+        (
+            Param::RouterPreNorm.name(),
+            Value::Bool(params.router_pre_norm),
+        ),
+        (
+            Param::NormTopkProb.name(),
+            Value::Bool(params.norm_topk_prob),
+        ),
+        (
+            Param::ExpertAffinitiesScalingMode.name(),
+            Value::Str(params.expert_affinities_scaling_mode.to_string()),
+        ),
+        (
+            Param::HiddenActFn.name(),
+            Value::Str(params.hidden_act_fn.to_string()),
+        ),
+        (Param::IsAllExpert.name(), Value::Bool(params.is_all_expert)),
+        (
+            Param::SkipRouterLogits.name(),
+            Value::Bool(params.skip_router_logits),
+        ),
+        (block::ROUTER_BIAS.name, present(inputs.router_bias)),
+        (
+            block::EXPERT_GATE_UP_BIAS.name,
+            present(inputs.expert_gate_up_bias),
+        ),
+        (
+            block::EXPERT_DOWN_BIAS.name,
+            present(inputs.expert_down_bias),
+        ),
+    ]
+    .into_iter()
+    .chain(limit_keys(
+        [
+            Param::GateClampLowerLimit,
+            Param::GateClampUpperLimit,
+            Param::UpClampLowerLimit,
+            Param::UpClampUpperLimit,
+        ],
+        params.clamp,
+    ))
+    .collect()
+}
+
+fn moe_block_tkg_call<'a>(call: &MoeBlockTkg<'a>) -> Call<'a> {
+    let (dims, params) = (call.dims(), call.params());
+    Call {
+        kernel: Kernel::MoeBlockTkg,
+        key: moe_block_tkg_key(call),
+        // nki-library's kernel reads `rank_id` in all-expert mode only (and requires it there).
+        inputs: call
+            .inputs()
+            .named()
+            .into_iter()
+            .filter(|(spec, _)| params.is_all_expert || spec.name != block::RANK_ID.name)
+            .collect(),
+        outputs: vec![
+            OutputSpec::new(&block::OUT, &[dims.t, dims.h], true),
+            OutputSpec::new(
+                &block::ROUTER_LOGITS,
+                &[dims.t, dims.e],
+                !params.skip_router_logits,
+            ),
+        ],
+    }
+}
+
 /// `expert_index` as produced by a NEFF, checked to hold expert ids in `[0, E)`.
 fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Result<Vec<usize>> {
     let k = index.shape()[1];
@@ -935,6 +1026,7 @@ impl Backend for NeuronBackend {
             }
             KernelCall::MoeTkg(call) => moe_tkg_call(call),
             KernelCall::RmsNormRouterTopkTkg(call) => rmsnorm_router_topk_tkg_call(call),
+            KernelCall::MoeBlockTkg(call) => moe_block_tkg_call(call),
             other => return Err(unsupported(other.kernel())),
         };
         let repeats = i32::try_from(repeats)
@@ -1052,8 +1144,24 @@ impl Backend for NeuronBackend {
         Err(unsupported(Kernel::RmsNormRouterTopkTkgBwd))
     }
 
-    fn moe_block_tkg(&self, _call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
-        Err(unsupported(Kernel::MoeBlockTkg))
+    /// No NEFF of nki-library's topk is bound yet.
+    fn topk(&self, _call: &Topk<'_>) -> Result<TopkOutputs> {
+        Err(unsupported(Kernel::Topk))
+    }
+
+    fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
+        let mut out = self
+            .run(&moe_block_tkg_call(call), Execution::Once)?
+            .outputs;
+        let router_logits = if call.params().skip_router_logits {
+            None
+        } else {
+            Some(take(&mut out, &block::ROUTER_LOGITS)?)
+        };
+        call.cast_outputs(MoeBlockTkgOutputs {
+            out: take(&mut out, &block::OUT)?,
+            router_logits,
+        })
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {

@@ -107,6 +107,29 @@ const RMSNORM_ROUTER_TOPK_TKG: &[Limit] = &[
     },
 ];
 
+const MOE_BLOCK_TKG: &[Limit] = &[
+    Limit {
+        key: "t",
+        passes: |t| t <= 128,
+        needs: "T ≤ 128 (more only with MX weights in all-expert mode)",
+    },
+    Limit {
+        key: "top_k",
+        passes: |k| k <= 8,
+        needs: "top_k ≤ 8",
+    },
+    Limit {
+        key: "e",
+        passes: |e| e <= 512,
+        needs: "E ≤ 512",
+    },
+    Limit {
+        key: "h",
+        passes: |h| h % 256 == 0,
+        needs: "H a multiple of 256 (of 128 in its bf16 all-expert mode)",
+    },
+];
+
 /// The limits `entry`'s shape breaks, each as a sentence naming the key, its value and what
 /// nki-library's kernel needs. Keys the entry leaves out are not checked.
 pub fn broken_limits(entry: &Entry) -> Vec<String> {
@@ -116,6 +139,7 @@ pub fn broken_limits(entry: &Entry) -> Vec<String> {
         Kernel::BlockwiseMmBwd => BLOCKWISE_MM_BWD,
         Kernel::MoeTkg => MOE_TKG,
         Kernel::RmsNormRouterTopkTkg => RMSNORM_ROUTER_TOPK_TKG,
+        Kernel::MoeBlockTkg => MOE_BLOCK_TKG,
         _ => &[],
     };
     limits

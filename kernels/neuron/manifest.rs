@@ -28,8 +28,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::contracts::RmsNormRouterParams;
-use crate::contracts::tensors::{blockwise_mm, moe_tkg, rmsnorm_router_topk_tkg, router_topk};
+use crate::contracts::tensors::{
+    blockwise_mm, moe_block_tkg, moe_tkg, rmsnorm_router_topk_tkg, router_topk,
+};
+use crate::contracts::{MoeBlockTkgParams, RmsNormRouterParams};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
 
@@ -185,15 +187,77 @@ const RMSNORM_ROUTER_TOPK_TKG_KEYS: &[(&str, ValueKind)] = &[
     (rmsnorm_router_topk_tkg::ROUTER_BIAS.name, ValueKind::Bool),
 ];
 
+/// `moe_block_tkg`'s keys.
+const MOE_BLOCK_TKG_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    // E, the router's experts, and E_L, those held here (E unless is_all_expert).
+    ("e", ValueKind::Int),
+    ("e_local", ValueKind::Int),
+    ("i", ValueKind::Int),
+    (Param::TopK.name(), ValueKind::Int),
+    (Param::Eps.name(), ValueKind::Number),
+    (Param::HiddenActual.name(), ValueKind::Int),
+    // bfloat16 or float32: `router_weights`' dtype.
+    (Param::RouterMmDType.name(), ValueKind::Str),
+    (Param::RouterActFn.name(), ValueKind::Str),
+    (Param::RouterPreNorm.name(), ValueKind::Bool),
+    (Param::NormTopkProb.name(), ValueKind::Bool),
+    // NO_SCALE or POST_SCALE.
+    (Param::ExpertAffinitiesScalingMode.name(), ValueKind::Str),
+    (Param::HiddenActFn.name(), ValueKind::Str),
+    (Param::IsAllExpert.name(), ValueKind::Bool),
+    // Whether the NEFF returns `router_logits`.
+    (Param::SkipRouterLogits.name(), ValueKind::Bool),
+    // Whether the NEFF takes the optional inputs (`rank_id` goes to all-expert NEFFs, which
+    // require it, and to no other).
+    (moe_block_tkg::ROUTER_BIAS.name, ValueKind::Bool),
+    (moe_block_tkg::EXPERT_GATE_UP_BIAS.name, ValueKind::Bool),
+    (moe_block_tkg::EXPERT_DOWN_BIAS.name, ValueKind::Bool),
+    (Param::GateClampLowerLimit.name(), ValueKind::Limit),
+    (Param::GateClampUpperLimit.name(), ValueKind::Limit),
+    (Param::UpClampLowerLimit.name(), ValueKind::Limit),
+    (Param::UpClampUpperLimit.name(), ValueKind::Limit),
+];
+
 /// What a call (whose key is `key`) must have for a key an entry leaves out where leaving it
 /// out means the NEFF was compiled with nki-library's default: no clamp limit, `skip_token`
 /// false, `is_tensor_update_accumulating` true, `mask_unselected_experts` false, and
 /// `rmsnorm_router_topk_tkg`'s `eps` 1e-6, `hidden_actual` H, `router_mm_dtype` bfloat16,
-/// `router_act_fn` SIGMOID and `store_eager_affi_only` false. Other keys an entry leaves out
-/// match any value.
-fn implied_default(name: &str, kind: ValueKind, key: &[(&str, Value)]) -> Option<Value> {
+/// `router_act_fn` SIGMOID and `store_eager_affi_only` false, and `moe_block_tkg`'s every other
+/// default (`router_pre_norm` true, `norm_topk_prob` false, NO_SCALE, SiLU, selective, the
+/// router logits returned). Other keys an entry leaves out match any value.
+fn implied_default(
+    kernel: Kernel,
+    name: &str,
+    kind: ValueKind,
+    key: &[(&str, Value)],
+) -> Option<Value> {
     let fused = RmsNormRouterParams::default();
+    let block = MoeBlockTkgParams::default();
     let param = |param: Param| name == param.name();
+    if kernel == Kernel::MoeBlockTkg {
+        let block_defaults = [
+            (Param::RouterPreNorm, Value::Bool(block.router_pre_norm)),
+            (Param::NormTopkProb, Value::Bool(block.norm_topk_prob)),
+            (Param::IsAllExpert, Value::Bool(block.is_all_expert)),
+            (
+                Param::SkipRouterLogits,
+                Value::Bool(block.skip_router_logits),
+            ),
+            (
+                Param::ExpertAffinitiesScalingMode,
+                Value::Str(block.expert_affinities_scaling_mode.to_string()),
+            ),
+            (
+                Param::HiddenActFn,
+                Value::Str(block.hidden_act_fn.to_string()),
+            ),
+        ];
+        if let Some((_, value)) = block_defaults.into_iter().find(|(p, _)| param(*p)) {
+            return Some(value);
+        }
+    }
     match kind {
         ValueKind::Limit => Some(Value::limit(None)),
         _ if param(Param::SkipToken)
@@ -224,6 +288,7 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
         Kernel::BlockwiseMmBwd => Some(BLOCKWISE_MM_BWD_KEYS),
         Kernel::MoeTkg => Some(MOE_TKG_KEYS),
         Kernel::RmsNormRouterTopkTkg => Some(RMSNORM_ROUTER_TOPK_TKG_KEYS),
+        Kernel::MoeBlockTkg => Some(MOE_BLOCK_TKG_KEYS),
         _ => None,
     }
 }
@@ -292,7 +357,9 @@ impl Entry {
             .unwrap_or_default()
             .iter()
             .filter(|(name, _)| !self.params.contains_key(*name))
-            .filter_map(|&(name, kind)| Some((name, implied_default(name, kind, key)?)));
+            .filter_map(|&(name, kind)| {
+                Some((name, implied_default(self.kernel, name, kind, key)?))
+            });
         set_keys_match
             && defaults.all(|(name, default)| {
                 key.iter()

@@ -5,14 +5,15 @@
 //! Entries must name every size: `t`, `h`, `e`, `k` (`router_topk`), `t`, `h`, `e`, `i`,
 //! `block_size`, `num_blocks` (the blockwise kernels; K is the smallest top-k whose static block
 //! count is `num_blocks`), `t`, `h`, `e`, `k`, `i` (`moe_tkg`, whose checks hold every expert:
-//! `e_local`, where given, must be `e`) or `t`, `h`, `e`, `top_k` (`rmsnorm_router_topk_tkg`).
+//! `e_local`, where given, must be `e`), `t`, `h`, `e`, `top_k` (`rmsnorm_router_topk_tkg`) or
+//! `t`, `h`, `e`, `i`, `top_k` (`moe_block_tkg`, likewise with every expert held).
 
 use super::limits::broken_limits;
 use super::manifest::{Entry, Manifest, Value};
 use crate::backend::{FixedShape, FixedShapes, LayerSizes};
 use crate::contracts::{
-    ActFnType, ExpertAffinityScaleMode, RmsNormRouterParams, RouterActFnType, XHbmLayout,
-    static_block_count,
+    ActFnType, ExpertAffinityScaleMode, MoeBlockTkgParams, RmsNormRouterParams, RouterActFnType,
+    XHbmLayout, static_block_count,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
@@ -57,6 +58,36 @@ impl Manifest {
                 Some(Value::Str(name)) => ExpertAffinityScaleMode::parse(KEY, name).map(Some),
                 _ => Ok(None),
             }
+        };
+        // The decode kernels' RMSNorm and router: K, and the entry's `eps`, `hidden_actual`,
+        // `router_mm_dtype` and `router_act_fn`, nki-library's defaults where it leaves them out.
+        let decode_router = |k: usize| -> Result<Params> {
+            let text = |key: &str| match entry.params.get(key) {
+                Some(Value::Str(text)) => Some(text.as_str()),
+                _ => None,
+            };
+            let default = RmsNormRouterParams::default();
+            Ok(Params {
+                top_k: Some(k),
+                eps: text("eps")
+                    .map(str::parse)
+                    .transpose()
+                    .map_err(|_| error("`eps` is not a number".to_owned()))?,
+                hidden_actual: int("hidden_actual").ok(),
+                router_mm_dtype: Some(
+                    text("router_mm_dtype")
+                        .map(str::parse)
+                        .transpose()?
+                        .unwrap_or(default.router_mm_dtype),
+                ),
+                router_act_fn: Some(
+                    text("router_act_fn")
+                        .map(str::parse)
+                        .transpose()?
+                        .unwrap_or(default.router_act_fn),
+                ),
+                ..Params::default()
+            })
         };
         let (sizes, params) = match entry.kernel {
             Kernel::RouterTopk => {
@@ -126,32 +157,40 @@ impl Manifest {
                     i: 1,
                     b: 1,
                 };
-                let text = |key: &str| match entry.params.get(key) {
-                    Some(Value::Str(text)) => Some(text.as_str()),
-                    _ => None,
-                };
-                let default = RmsNormRouterParams::default();
                 let params = Params {
-                    top_k: Some(k),
-                    eps: text("eps")
-                        .map(str::parse)
-                        .transpose()
-                        .map_err(|_| error("`eps` is not a number".to_owned()))?,
-                    hidden_actual: int("hidden_actual").ok(),
-                    router_mm_dtype: Some(
-                        text("router_mm_dtype")
-                            .map(str::parse)
-                            .transpose()?
-                            .unwrap_or(default.router_mm_dtype),
-                    ),
-                    router_act_fn: Some(
-                        text("router_act_fn")
-                            .map(str::parse)
-                            .transpose()?
-                            .unwrap_or(default.router_act_fn),
-                    ),
                     store_eager_affi_only: Some(flag("store_eager_affi_only")),
-                    ..Params::default()
+                    ..decode_router(k)?
+                };
+                (sizes, params)
+            }
+            Kernel::MoeBlockTkg => {
+                let (e, k) = (int("e")?, int("top_k")?);
+                if matches!(entry.params.get("e_local"), Some(&Value::Int(held)) if held != e) {
+                    return Err(error(format!(
+                        "`check` runs moe_block_tkg with every expert held, but e_local is not \
+                         e = {e}"
+                    )));
+                }
+                let sizes = LayerSizes {
+                    t: int("t")?,
+                    h: int("h")?,
+                    e,
+                    k,
+                    i: int("i")?,
+                    b: 1,
+                };
+                let default = MoeBlockTkgParams::default();
+                let params = Params {
+                    router_pre_norm: Some(match entry.params.get("router_pre_norm") {
+                        Some(&Value::Bool(pre_norm)) => pre_norm,
+                        _ => default.router_pre_norm,
+                    }),
+                    norm_topk_prob: Some(flag("norm_topk_prob")),
+                    scaling_mode: scaling()?,
+                    hidden_act_fn: activation("hidden_act_fn")?,
+                    is_all_expert: Some(flag("is_all_expert")),
+                    skip_router_logits: Some(flag("skip_router_logits")),
+                    ..decode_router(k)?
                 };
                 (sizes, params)
             }

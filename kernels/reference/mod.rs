@@ -16,6 +16,7 @@ pub mod moe_tkg;
 pub mod permute;
 pub mod rmsnorm;
 pub mod router;
+pub mod topk;
 
 use crate::backend::{Backend, Tolerance};
 use crate::composed::{self, RmsNorm};
@@ -32,7 +33,7 @@ use crate::contracts::{
     MoeBlockTkgOutputs, MoeTkg, MoeTkgDims, MoeTkgOutputs, Permute, PermuteBwd, PermuteDims,
     PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
     RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterDims, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, WeightLayout,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, Topk, TopkOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Floats, Tensor, try_filled};
@@ -445,6 +446,10 @@ impl Backend for ReferenceBackend {
 
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
         composed::moe_block_tkg(self, self, call)
+    }
+
+    fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
+        call.outputs_at(topk::topk_positions(call))
     }
 }
 

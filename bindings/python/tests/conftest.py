@@ -38,15 +38,17 @@ PARAMS = {
         "norm_topk_prob": True,
         "expert_affinities_scaling_mode": "POST_SCALE",
     },
+    "topk": {"k": K},
 }
 
 # Inputs a kernel takes under a name that another kernel's tensor has in the layer: the
 # decode-time router's `hidden_states` and the decode block's `inp` are the tokens `x`
-# (blockwise_mm's `hidden_states` are `[T+1, H]`).
+# (blockwise_mm's `hidden_states` are `[T+1, H]`); the top-k runs over the router's logits.
 RENAMED = {
     "rmsnorm_router_topk_tkg": {"hidden_states": "x"},
     "rmsnorm_router_topk_tkg_bwd": {"hidden_states": "x"},
     "moe_block_tkg": {"inp": "x"},
+    "topk": {"inp": "router_logits"},
 }
 
 

@@ -159,6 +159,13 @@ impl CheckCase {
                 }
                 Ok(Cow::Owned(tensors))
             }
+            // The top-k over the layer's router logits, `[T, E]`.
+            Kernel::Topk => {
+                let mut tensors = self.tensors.clone();
+                let logits = tensors[tensors::router_topk::ROUTER_LOGITS.name].clone();
+                tensors.insert(tensors::topk::INP.name.to_owned(), logits);
+                Ok(Cow::Owned(tensors))
+            }
             _ => Ok(Cow::Borrowed(&self.tensors)),
         }
     }

@@ -85,6 +85,12 @@ fn float_tensor(shape: &[usize], values: Vec<f32>, dtype: DType) -> Result<Tenso
     })
 }
 
+/// Qwen3's vocabulary: the last axis of [`LayerInputs::vocabulary_logits`].
+pub const VOCAB: usize = 151_936;
+
+/// The K of the top-k over a vocabulary, as nki-library's `topk` tests mostly take it.
+pub const VOCAB_TOP_K: usize = 256;
+
 /// One MoE layer's inputs at a benchmark shape: deterministic activations, weights and
 /// gradients.
 pub struct LayerInputs {
@@ -163,6 +169,14 @@ impl LayerInputs {
                 uniform("d_expert_affinities", &[t, e], 1.0, 8)?,
             )?,
         })
+    }
+
+    /// `[T, VOCAB]` logits in the layer's dtype, uniform in [−8, 8): what nki-library's `topk`
+    /// picks a decoding step's candidate tokens from.
+    pub fn vocabulary_logits(&self) -> Result<Tensor> {
+        let (t, shape) = (self.x.shape()[0], [self.x.shape()[0], VOCAB]);
+        let values = uniform("vocabulary_logits", &shape, 8.0, 9)?;
+        float_tensor(&[t, VOCAB], values, self.x.dtype())
     }
 
     pub fn router_topk(&self) -> Result<RouterTopk<'_>> {

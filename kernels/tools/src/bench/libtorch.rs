@@ -21,7 +21,7 @@ use moekit::contracts::RouterTopkOutputs;
 use moekit::error::{Error, Result};
 
 use super::{PeerPath, Stage};
-use crate::layer::LayerInputs;
+use crate::layer::{LayerInputs, VOCAB_TOP_K};
 use crate::torch::to_tch;
 use crate::torch_moe::{experts_grouped_mm, experts_loop, hf_router};
 
@@ -216,6 +216,18 @@ pub fn measure(
                 &[&ops.x, &ops.gamma, &ops.w],
                 || Ok((ops.decode_router()? * &ops.d_topk).sum(Kind::Float)),
             )?),
+        });
+    }
+    if wanted(Stage::Topk) {
+        let logits = to_tch(&inputs.vocabulary_logits()?);
+        let k = VOCAB_TOP_K as i64;
+        paths.push(PeerPath {
+            name: "topk: torch.topk (sorted)",
+            stage: Stage::Topk,
+            forward_ms: time(min_time, || {
+                Ok(logits.f_topk(k, -1, true, true).map_err(tch_error)?.0)
+            })?,
+            backward_ms: None,
         });
     }
     if wanted(Stage::Permute) {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use limits::MachineLimits;
 use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
-use moekit::contracts::{OutputDType, WeightLayout};
+use moekit::contracts::{OutputDType, Topk, TopkInputs, TopkParams, WeightLayout};
 use moekit::cpu::CpuBackend;
 use moekit::cpu::isa::Isa;
 use moekit::error::{Error, Result};
@@ -22,7 +22,7 @@ use moekit::experts::{Experts, LocalExperts};
 use moekit::kernel::Kernel;
 use moekit::tensor::DType;
 
-use crate::layer::{Layer, LayerInputs, MoeShape};
+use crate::layer::{Layer, LayerInputs, MoeShape, VOCAB_TOP_K};
 use crate::machine::Host;
 
 /// What to benchmark.
@@ -164,6 +164,8 @@ pub enum Stage {
     /// The decode-time RMSNorm and router.
     DecodeRouter,
     Permute,
+    /// The top-k over a vocabulary.
+    Topk,
     Experts,
 }
 
@@ -178,6 +180,7 @@ impl Stage {
                 "moe_block_tkg",
             ],
             Stage::Permute => &["permute"],
+            Stage::Topk => &["topk"],
             Stage::Experts => &[
                 "blockwise_mm",
                 "blockwise_mm_bwd",
@@ -284,6 +287,7 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
     let (router_fwd, router_bwd) = best(&peers, Stage::Router);
     let (decode_router_fwd, decode_router_bwd) = best(&peers, Stage::DecodeRouter);
     let (permute_fwd, _) = best(&peers, Stage::Permute);
+    let (topk_fwd, _) = best(&peers, Stage::Topk);
     let (experts_fwd, experts_bwd) = best(&peers, Stage::Experts);
     let experts_fwd_bwd = peers
         .iter()
@@ -311,6 +315,7 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
             "rmsnorm_router_topk_tkg" => decode_router_fwd,
             "rmsnorm_router_topk_tkg_bwd" => decode_router_bwd,
             "permute" => permute_fwd,
+            "topk" => topk_fwd,
             // HF's decode-time experts are its prefill ones on fewer tokens.
             "blockwise_mm" | "moe_tkg" => experts_fwd,
             "blockwise_mm_bwd" => experts_bwd,
@@ -474,6 +479,15 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         let weights = selected.len() as f64 * 3.0 * hf * if_ + hf * ef;
         let bytes = element * (weights + 2.0 * tf * hf + hf + tf * ef);
         rows.push(row(Kernel::MoeBlockTkg.name(), ms, gbps(bytes, ms)));
+    }
+    // nki-library's top-k over a vocabulary (`topk`: Qwen3's 151,936 logits per token, K =
+    // 256): one pass over the logits bounds it, so its compulsory bytes are the logits read.
+    if supported(Kernel::Topk)? && config.rows.times(Kernel::Topk.name()) {
+        let logits = layer.inputs.vocabulary_logits()?;
+        let call = Topk::new(TopkInputs { inp: &logits }, TopkParams::new(VOCAB_TOP_K))?;
+        let ms = measure(backend, KernelCall::Topk(&call), min)?;
+        let bytes = element * logits.numel() as f64;
+        rows.push(row(Kernel::Topk.name(), ms, gbps(bytes, ms)));
     }
     rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })
