@@ -18,11 +18,12 @@ use std::time::Duration;
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams,
+    FindNonzeroIndices, FindNonzeroIndicesOutputs, IndexedFlatten, IndexedFlattenOutputs,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
     MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
     PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
     RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
-    Topk, TopkOutputs, WeightLayout,
+    Topk, TopkOutputs, TopkReduce, TopkReduceOutputs, WeightLayout,
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
@@ -92,6 +93,12 @@ pub trait Backend: Send + Sync {
     ) -> Result<RmsNormRouterTopkTkgGrads>;
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs>;
     fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs>;
+    fn topk_reduce(&self, call: &TopkReduce<'_>) -> Result<TopkReduceOutputs>;
+    fn find_nonzero_indices(
+        &self,
+        call: &FindNonzeroIndices<'_>,
+    ) -> Result<FindNonzeroIndicesOutputs>;
+    fn indexed_flatten(&self, call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs>;
 }
 
 /// The agreement with the f64 reference a backend documents: an element passes when
@@ -150,6 +157,9 @@ pub enum KernelCall<'c, 'a> {
     RmsNormRouterTopkTkgBwd(&'c RmsNormRouterTopkTkgBwd<'a>),
     MoeBlockTkg(&'c MoeBlockTkg<'a>),
     Topk(&'c Topk<'a>),
+    TopkReduce(&'c TopkReduce<'a>),
+    FindNonzeroIndices(&'c FindNonzeroIndices<'a>),
+    IndexedFlatten(&'c IndexedFlatten<'a>),
 }
 
 impl KernelCall<'_, '_> {
@@ -170,6 +180,9 @@ impl KernelCall<'_, '_> {
             KernelCall::RmsNormRouterTopkTkgBwd(_) => Kernel::RmsNormRouterTopkTkgBwd,
             KernelCall::MoeBlockTkg(_) => Kernel::MoeBlockTkg,
             KernelCall::Topk(_) => Kernel::Topk,
+            KernelCall::TopkReduce(_) => Kernel::TopkReduce,
+            KernelCall::FindNonzeroIndices(_) => Kernel::FindNonzeroIndices,
+            KernelCall::IndexedFlatten(_) => Kernel::IndexedFlatten,
         }
     }
 
@@ -196,6 +209,9 @@ impl KernelCall<'_, '_> {
             }
             KernelCall::MoeBlockTkg(call) => backend.moe_block_tkg(call).map(drop),
             KernelCall::Topk(call) => backend.topk(call).map(drop),
+            KernelCall::TopkReduce(call) => backend.topk_reduce(call).map(drop),
+            KernelCall::FindNonzeroIndices(call) => backend.find_nonzero_indices(call).map(drop),
+            KernelCall::IndexedFlatten(call) => backend.indexed_flatten(call).map(drop),
         }
     }
 }

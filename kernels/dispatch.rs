@@ -8,13 +8,15 @@ use crate::backend::Backend;
 use crate::contracts::{
     A2avRouting, A2avRoutingInputs, A2avRoutingParams, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdInputs, BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmParams,
-    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossBwdInputs, LoadBalancingLossInputs,
-    MoeBlockTkg, MoeBlockTkgInputs, MoeTkg, MoeTkgInputs, MoeTkgParams, Permute, PermuteBwd,
-    PermuteBwdInputs, PermuteBwdParams, PermuteInputs, PermuteParams, RmsNormRouterTopkTkg,
-    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgBwdInputs, RmsNormRouterTopkTkgInputs,
-    RmsNormRouterTopkTkgParams, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, TensorSpec, Topk, TopkInputs,
-    TopkParams,
+    FindNonzeroIndices, FindNonzeroIndicesInputs, FindNonzeroIndicesParams, IndexedFlatten,
+    IndexedFlattenInputs, IndexedFlattenParams, LoadBalancingLoss, LoadBalancingLossBwd,
+    LoadBalancingLossBwdInputs, LoadBalancingLossInputs, MoeBlockTkg, MoeBlockTkgInputs, MoeTkg,
+    MoeTkgInputs, MoeTkgParams, Permute, PermuteBwd, PermuteBwdInputs, PermuteBwdParams,
+    PermuteInputs, PermuteParams, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgBwdInputs, RmsNormRouterTopkTkgInputs, RmsNormRouterTopkTkgParams,
+    RouterTopk, RouterTopkBwd, RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs,
+    RouterTopkParams, TensorSpec, Topk, TopkInputs, TopkParams, TopkReduce, TopkReduceInputs,
+    TopkReduceParams,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param, Params};
@@ -193,6 +195,40 @@ impl Kernel {
                 let call = Topk::new(TopkInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
                 backend.topk(&call)?.into_named()
+            }
+            Kernel::TopkReduce => {
+                let params = TopkReduceParams {
+                    token_base_index: params
+                        .token_base_index
+                        .unwrap_or(TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX),
+                    ..TopkReduceParams::new(
+                        required_param(Param::TokenCount, params.token_count)?,
+                        required_param(Param::RowsPerToken, params.rows_per_token)?,
+                    )
+                };
+                let call = TopkReduce::new(TopkReduceInputs::from_named(get)?, params)?
+                    .with_output_dtype(output_dtype);
+                backend.topk_reduce(&call)?.into_named()
+            }
+            Kernel::FindNonzeroIndices => {
+                let params = FindNonzeroIndicesParams {
+                    n_cols: params.n_cols,
+                    chunk_size: params.chunk_size,
+                };
+                let inputs = FindNonzeroIndicesInputs::from_named(get)?;
+                let call = FindNonzeroIndices::new(inputs, params)?;
+                backend.find_nonzero_indices(&call)?.into_named()
+            }
+            Kernel::IndexedFlatten => {
+                let params = IndexedFlattenParams {
+                    f_len: required_param(Param::FLen, params.f_len)?,
+                    output_len: required_param(Param::OutputLen, params.output_len)?,
+                    padding_val: params
+                        .padding_val
+                        .unwrap_or(IndexedFlattenParams::DEFAULT_PADDING_VAL),
+                };
+                let call = IndexedFlatten::new(IndexedFlattenInputs::from_named(get)?, params)?;
+                backend.indexed_flatten(&call)?.into_named()
             }
         };
         Ok(outputs

@@ -7,11 +7,12 @@ use std::time::Duration;
 use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
+    BlockwiseMmOutputs, FindNonzeroIndices, FindNonzeroIndicesOutputs, IndexedFlatten,
+    IndexedFlattenOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
     LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute,
     PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
     RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs, Topk, TopkOutputs,
+    RouterTopkGrads, RouterTopkOutputs, Topk, TopkOutputs, TopkReduce, TopkReduceOutputs,
 };
 use crate::error::Result;
 use crate::kernel::Kernel;
@@ -163,5 +164,21 @@ impl Backend for FallbackBackend {
 
     fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
         self.runner(Kernel::Topk).topk(call)
+    }
+
+    fn topk_reduce(&self, call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
+        self.runner(Kernel::TopkReduce).topk_reduce(call)
+    }
+
+    fn find_nonzero_indices(
+        &self,
+        call: &FindNonzeroIndices<'_>,
+    ) -> Result<FindNonzeroIndicesOutputs> {
+        self.runner(Kernel::FindNonzeroIndices)
+            .find_nonzero_indices(call)
+    }
+
+    fn indexed_flatten(&self, call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs> {
+        self.runner(Kernel::IndexedFlatten).indexed_flatten(call)
     }
 }

@@ -6,10 +6,10 @@ use std::str::FromStr;
 
 use crate::contracts::{
     ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
-    MoeBlockTkgParams, MoeTkgParams, OutputDType, PermuteParams, QuantizationType,
-    RmsNormRouterParams, RmsNormRouterTopkTkgParams, RouterActFnType, RouterMmDType,
-    RouterPipeline, SkipMode, TensorSpec, TopkMethod, TopkParams, WeightLayout, XHbmLayout,
-    tensors,
+    INDEX_DTYPE, IndexedFlattenParams, MoeBlockTkgParams, MoeTkgParams, OutputDType, PermuteParams,
+    QuantizationType, RmsNormRouterParams, RmsNormRouterTopkTkgParams, RouterActFnType,
+    RouterMmDType, RouterPipeline, SkipMode, TensorSpec, TopkMethod, TopkParams, TopkReduceParams,
+    WeightLayout, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
 
@@ -48,6 +48,9 @@ pub enum Kernel {
     RmsNormRouterTopkTkgBwd,
     MoeBlockTkg,
     Topk,
+    TopkReduce,
+    FindNonzeroIndices,
+    IndexedFlatten,
 }
 
 impl Kernel {
@@ -67,6 +70,9 @@ impl Kernel {
         Kernel::RmsNormRouterTopkTkgBwd,
         Kernel::MoeBlockTkg,
         Kernel::Topk,
+        Kernel::TopkReduce,
+        Kernel::FindNonzeroIndices,
+        Kernel::IndexedFlatten,
     ];
 
     pub fn name(self) -> &'static str {
@@ -90,6 +96,9 @@ impl Kernel {
             Kernel::RmsNormRouterTopkTkgBwd => &RMSNORM_ROUTER_TOPK_TKG_BWD,
             Kernel::MoeBlockTkg => &MOE_BLOCK_TKG,
             Kernel::Topk => &TOPK,
+            Kernel::TopkReduce => &TOPK_REDUCE,
+            Kernel::FindNonzeroIndices => &FIND_NONZERO_INDICES,
+            Kernel::IndexedFlatten => &INDEXED_FLATTEN,
         }
     }
 }
@@ -147,6 +156,17 @@ pub enum Param {
     SkipRouterLogits,
     SortedFlag,
     Method,
+    /// `topk_reduce`'s `T` (output tokens).
+    TokenCount,
+    /// `topk_reduce`'s `K` (rows summed per token).
+    RowsPerToken,
+    TokenBaseIndex,
+    NCols,
+    ChunkSize,
+    IndexDType,
+    FLen,
+    OutputLen,
+    PaddingVal,
     OutputDType,
 }
 
@@ -177,9 +197,20 @@ impl Param {
                 block.norm_topk_prob.to_string()
             }
             Param::TopK if kernel == Kernel::MoeBlockTkg => block.top_k.to_string(),
-            Param::K | Param::NumExperts | Param::ExpertParallelDegree | Param::IsAllExpert => {
-                "none".to_owned()
-            }
+            Param::K
+            | Param::NumExperts
+            | Param::ExpertParallelDegree
+            | Param::IsAllExpert
+            | Param::TokenCount
+            | Param::RowsPerToken
+            | Param::NCols
+            | Param::FLen
+            | Param::OutputLen => "none".to_owned(),
+            // The whole of T, as one chunk.
+            Param::ChunkSize => "T".to_owned(),
+            Param::IndexDType => INDEX_DTYPE.to_owned(),
+            Param::PaddingVal => IndexedFlattenParams::DEFAULT_PADDING_VAL.to_string(),
+            Param::TokenBaseIndex => TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX.to_string(),
             Param::ActFn => router.act_fn.to_string(),
             Param::RouterPreNorm => router.router_pre_norm.to_string(),
             Param::NormTopkProb => router.norm_topk_prob.to_string(),
@@ -266,6 +297,15 @@ impl Param {
         Param::SkipRouterLogits,
         Param::SortedFlag,
         Param::Method,
+        Param::TokenCount,
+        Param::RowsPerToken,
+        Param::TokenBaseIndex,
+        Param::NCols,
+        Param::ChunkSize,
+        Param::IndexDType,
+        Param::FLen,
+        Param::OutputLen,
+        Param::PaddingVal,
         Param::OutputDType,
     ];
 
@@ -310,6 +350,15 @@ impl Param {
             Param::SkipRouterLogits => "skip_router_logits",
             Param::SortedFlag => "sorted_flag",
             Param::Method => TopkMethod::PARAM,
+            Param::TokenCount => "T",
+            Param::RowsPerToken => "K",
+            Param::TokenBaseIndex => "token_base_index",
+            Param::NCols => "n_cols",
+            Param::ChunkSize => "chunk_size",
+            Param::IndexDType => "index_dtype",
+            Param::FLen => "f_len",
+            Param::OutputLen => "output_len",
+            Param::PaddingVal => "padding_val",
             Param::OutputDType => OutputDType::PARAM,
         }
     }
@@ -323,7 +372,16 @@ impl Param {
             | Param::NBlockPerIter
             | Param::ExpertParallelDegree
             | Param::TopK
-            | Param::HiddenActual => "integer",
+            | Param::HiddenActual
+            | Param::TokenCount
+            | Param::RowsPerToken
+            | Param::NCols
+            | Param::ChunkSize
+            | Param::FLen
+            | Param::OutputLen
+            | Param::PaddingVal
+            | Param::TokenBaseIndex => "integer",
+            Param::IndexDType => INDEX_DTYPE,
             Param::ActFn | Param::RouterActFn => "SOFTMAX|SIGMOID",
             Param::Eps => "number",
             Param::QuantizationType => "NONE|MX",
@@ -411,6 +469,17 @@ pub struct Params {
     /// `topk`'s order and method.
     pub sorted_flag: Option<bool>,
     pub method: Option<TopkMethod>,
+    /// `topk_reduce`'s `T` and `K`.
+    pub token_count: Option<usize>,
+    pub rows_per_token: Option<usize>,
+    pub token_base_index: Option<i32>,
+    /// `find_nonzero_indices`' column count and row chunk.
+    pub n_cols: Option<usize>,
+    pub chunk_size: Option<usize>,
+    /// `indexed_flatten`'s block length, output length and fill.
+    pub f_len: Option<usize>,
+    pub output_len: Option<usize>,
+    pub padding_val: Option<i32>,
     /// moekit's own `output_dtype`.
     pub output_dtype: Option<OutputDType>,
 }
@@ -420,6 +489,15 @@ fn parse_count(param: Param, value: &str) -> Result<usize> {
         .trim()
         .parse()
         .map_err(|_| Error::param(param.name(), format!("expected an integer, got `{value}`")))
+}
+
+fn parse_i32(param: Param, value: &str) -> Result<i32> {
+    value.trim().parse().map_err(|_| {
+        Error::param(
+            param.name(),
+            format!("expected an i32 integer, got `{value}`"),
+        )
+    })
 }
 
 fn parse_finite(param: Param, value: &str) -> Result<f32> {
@@ -611,6 +689,22 @@ impl Params {
             Param::SkipRouterLogits => self.skip_router_logits = Some(parse_bool(param, value)?),
             Param::SortedFlag => self.sorted_flag = Some(parse_bool(param, value)?),
             Param::Method => self.method = Some(value.trim().parse()?),
+            Param::TokenCount => self.token_count = Some(parse_count(param, value)?),
+            Param::RowsPerToken => self.rows_per_token = Some(parse_count(param, value)?),
+            Param::NCols => self.n_cols = Some(parse_count(param, value)?),
+            Param::ChunkSize => self.chunk_size = Some(parse_count(param, value)?),
+            Param::IndexDType => {
+                if value.trim() != INDEX_DTYPE {
+                    return Err(Error::param(
+                        name,
+                        format!("expected {INDEX_DTYPE} (the only index dtype), got `{value}`"),
+                    ));
+                }
+            }
+            Param::FLen => self.f_len = Some(parse_count(param, value)?),
+            Param::OutputLen => self.output_len = Some(parse_count(param, value)?),
+            Param::PaddingVal => self.padding_val = Some(parse_i32(param, value)?),
+            Param::TokenBaseIndex => self.token_base_index = Some(parse_i32(param, value)?),
             Param::OutputDType => self.output_dtype = Some(value.trim().parse()?),
         }
         Ok(())
@@ -848,6 +942,43 @@ const TOPK: KernelSpec = KernelSpec {
     ],
 };
 
+const TOPK_REDUCE: KernelSpec = KernelSpec {
+    name: "topk_reduce",
+    summary: "nki-library's topk_reduce: output [T, H] sums, per token t, its first K (at least 1) rows of input [TK_padded, H+2] tagged with id token_base_index + t (the bits of its last two columns as a little-endian i32; other ids ignored), as an expert-parallel exchange returns them",
+    inputs: tensors::topk_reduce::INPUTS,
+    outputs: tensors::topk_reduce::OUTPUTS,
+    params: &[
+        (Param::TokenCount, ParamUse::Required),
+        (Param::RowsPerToken, ParamUse::Required),
+        (Param::TokenBaseIndex, ParamUse::Defaulted),
+        (Param::OutputDType, ParamUse::Defaulted),
+    ],
+};
+
+const FIND_NONZERO_INDICES: KernelSpec = KernelSpec {
+    name: "find_nonzero_indices",
+    summary: "nki-library's find_nonzero_indices: per column of input_tensor [T, C_full] (col_start_id[0] + 0..n_cols, or all), its nonzero rows ascending then -1 (indices [C, T]) and their count",
+    inputs: tensors::find_nonzero_indices::INPUTS,
+    outputs: tensors::find_nonzero_indices::OUTPUTS,
+    params: &[
+        (Param::NCols, ParamUse::Defaulted),
+        (Param::ChunkSize, ParamUse::Defaulted),
+        (Param::IndexDType, ParamUse::Defaulted),
+    ],
+};
+
+const INDEXED_FLATTEN: KernelSpec = KernelSpec {
+    name: "indexed_flatten",
+    summary: "nki-library's indexed_flatten: row e of input_tensor [E, T], in blocks of f_len, written from block row_offsets[row_offsets_start + e] of flattened_array [output_len] (later rows win, blocks past the end skipped, the rest padding_val)",
+    inputs: tensors::indexed_flatten::INPUTS,
+    outputs: tensors::indexed_flatten::OUTPUTS,
+    params: &[
+        (Param::FLen, ParamUse::Required),
+        (Param::OutputLen, ParamUse::Required),
+        (Param::PaddingVal, ParamUse::Defaulted),
+    ],
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -863,7 +994,13 @@ mod tests {
                 assert!(
                     !matches!(
                         param,
-                        Param::K | Param::NumExperts | Param::ExpertParallelDegree
+                        Param::K
+                            | Param::NumExperts
+                            | Param::ExpertParallelDegree
+                            | Param::TokenCount
+                            | Param::RowsPerToken
+                            | Param::FLen
+                            | Param::OutputLen
                     ) && (param != Param::IsAllExpert || *kernel == Kernel::MoeBlockTkg),
                     "{}: `{}` has no default",
                     kernel.name(),
@@ -871,7 +1008,12 @@ mod tests {
                 );
                 // Limits print `none` (no clamp), B "the plan's B", `hidden_actual` "H": not
                 // values to pass.
-                if value == "none" || matches!(param, Param::BlockSize | Param::HiddenActual) {
+                if value == "none"
+                    || matches!(
+                        param,
+                        Param::BlockSize | Param::HiddenActual | Param::ChunkSize
+                    )
+                {
                     continue;
                 }
                 let mut given = Params::default();

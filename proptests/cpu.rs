@@ -253,6 +253,9 @@ fn dtype_source(kernel: Kernel, output: &str) -> Option<&'static str> {
         (Kernel::RmsNormRouterTopkTkgBwd, "d_gamma") => "gamma",
         (Kernel::RmsNormRouterTopkTkgBwd, _) => "router_weights",
         (Kernel::MoeBlockTkg | Kernel::Topk, _) => "inp",
+        (Kernel::TopkReduce, _) => "input",
+        // Indices, or the input's elements moved (not in this suite, see `kernels`).
+        (Kernel::FindNonzeroIndices | Kernel::IndexedFlatten, _) => return None,
     })
 }
 
@@ -338,7 +341,9 @@ fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
     // The fused decode RMSNorm + router reads `hidden_states [T, H]`, not blockwise_mm's
     // `[T+1, H]` of the same name, and the decode block reads `router_weights` in
     // `router_mm_dtype`: they have suites of their own (proptests/rmsnorm_router_topk_tkg.rs,
-    // proptests/moe_block_tkg.rs), as has the top-k over a vocabulary (proptests/topk.rs).
+    // proptests/moe_block_tkg.rs), as have the top-k over a vocabulary (proptests/topk.rs),
+    // the combine after an exchange (proptests/topk_reduce.rs) and the device-side plan
+    // (proptests/device_plan.rs), whose inputs the layer does not hold.
     Kernel::ALL
         .iter()
         .copied()
@@ -347,7 +352,10 @@ fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
             Kernel::RmsNormRouterTopkTkg
             | Kernel::RmsNormRouterTopkTkgBwd
             | Kernel::MoeBlockTkg
-            | Kernel::Topk => false,
+            | Kernel::Topk
+            | Kernel::TopkReduce
+            | Kernel::FindNonzeroIndices
+            | Kernel::IndexedFlatten => false,
             _ => true,
         })
 }

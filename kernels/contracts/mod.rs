@@ -42,6 +42,8 @@ macro_rules! output_dtype_accessors {
 
 pub mod a2av_routing;
 pub mod blockwise_mm;
+pub mod find_nonzero_indices;
+pub mod indexed_flatten;
 pub mod load_balancing_loss;
 pub mod moe_block_tkg;
 pub mod moe_tkg;
@@ -53,10 +55,13 @@ pub mod router_topk;
 pub mod spec;
 pub mod tensors;
 pub mod topk;
+pub mod topk_reduce;
 pub(crate) mod validate;
 
 pub use a2av_routing::*;
 pub use blockwise_mm::*;
+pub use find_nonzero_indices::*;
+pub use indexed_flatten::*;
 pub use load_balancing_loss::*;
 pub use moe_block_tkg::*;
 pub use moe_tkg::*;
@@ -67,3 +72,4 @@ pub use rmsnorm_router_topk_tkg::*;
 pub use router_topk::*;
 pub use spec::{DTypeSpec, Named, TensorSpec};
 pub use topk::*;
+pub use topk_reduce::*;

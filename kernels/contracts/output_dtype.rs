@@ -58,7 +58,7 @@ impl OutputDType {
             }
             DTypeSpec::F32 => Some(DType::F32),
             DTypeSpec::BF16 => Some(self.resolve(DType::BF16)),
-            DTypeSpec::Float | DTypeSpec::Index => None,
+            DTypeSpec::Float | DTypeSpec::Index | DTypeSpec::Any => None,
         }
     }
 

@@ -15,13 +15,15 @@ pub enum DTypeSpec {
     Float,
     /// Indices or counts, i32.
     Index,
+    /// An input in f32, bf16 or i32 (read as numbers, or compared with zero).
+    Any,
     /// An output in the dtype of the input it belongs to (nki-library's), or f32 with
     /// [`super::OutputDType::Float32`].
     Like(&'static TensorSpec),
     /// An output that is f32 whatever the inputs.
     F32,
-    /// An output nki-library writes in bf16 whatever the inputs (f32 with
-    /// [`super::OutputDType::Float32`]).
+    /// An input that must be bf16 (its bits carry more than a value), or an output nki-library
+    /// writes in bf16 whatever the inputs (f32 with [`super::OutputDType::Float32`]).
     BF16,
 }
 
@@ -30,6 +32,7 @@ impl fmt::Display for DTypeSpec {
         match self {
             Self::Float => f.pad("f32|bf16"),
             Self::Index => f.pad("i32"),
+            Self::Any => f.pad("f32|bf16|i32"),
             Self::Like(input) => f.pad(&format!("like {}", input.name)),
             Self::F32 => f.pad("f32"),
             Self::BF16 => f.pad("bf16"),
@@ -77,6 +80,11 @@ impl fmt::Display for TensorSpec {
 /// A float input.
 pub(crate) const fn float(name: &'static str, shape: &'static str) -> TensorSpec {
     TensorSpec::new(name, shape, DTypeSpec::Float)
+}
+
+/// An input of any dtype.
+pub(crate) const fn any(name: &'static str, shape: &'static str) -> TensorSpec {
+    TensorSpec::new(name, shape, DTypeSpec::Any)
 }
 
 /// An i32 input or output.

@@ -6,7 +6,7 @@
 //!
 //! [`DTypeSpec::Like`]: super::spec::DTypeSpec::Like
 
-use super::spec::{DTypeSpec, TensorSpec, float, index, like};
+use super::spec::{DTypeSpec, TensorSpec, any, float, index, like};
 
 /// `router_topk` (nki-library's `router_topk`).
 pub mod router_topk {
@@ -385,6 +385,50 @@ pub mod topk {
     /// Positions along `inp`'s last axis (uint32 in nki-library).
     pub const TOPK_INDICES: TensorSpec = index("topk_indices", "[..., K]");
     pub const OUTPUTS: &[TensorSpec] = &[TOPK_VALUES, TOPK_INDICES];
+}
+
+/// `topk_reduce` (nki-library's `experimental/collectives/topk_reduce`).
+pub mod topk_reduce {
+    use super::*;
+
+    /// Rows of H values, then the row's token id as a little-endian i32 in the bits of the
+    /// last two columns (column H the low half).
+    pub const INPUT: TensorSpec = TensorSpec::new("input", "[TK_padded, H+2]", DTypeSpec::BF16);
+    pub const INPUTS: &[TensorSpec] = &[INPUT];
+
+    pub const OUTPUT: TensorSpec = like("output", "[T, H]", &INPUT);
+    pub const OUTPUTS: &[TensorSpec] = &[OUTPUT];
+}
+
+/// `find_nonzero_indices` (nki-library's `core/subkernels/find_nonzero_indices`).
+pub mod find_nonzero_indices {
+    use super::*;
+
+    /// Searched down each column.
+    pub const INPUT_TENSOR: TensorSpec = any("input_tensor", "[T, C_full]");
+    /// The first column searched (with `n_cols`).
+    pub const COL_START_ID: TensorSpec = index("col_start_id", "[1]").optional();
+    pub const INPUTS: &[TensorSpec] = &[INPUT_TENSOR, COL_START_ID];
+
+    /// Each column's nonzero rows, ascending, then −1.
+    pub const INDICES: TensorSpec = index("indices", "[C, T]");
+    pub const NONZERO_COUNTS: TensorSpec = index("nonzero_counts", "[C]");
+    pub const OUTPUTS: &[TensorSpec] = &[INDICES, NONZERO_COUNTS];
+}
+
+/// `indexed_flatten` (nki-library's `core/subkernels/indexed_flatten`).
+pub mod indexed_flatten {
+    use super::*;
+
+    pub const INPUT_TENSOR: TensorSpec = any("input_tensor", "[E, T]");
+    /// Each row's first output block, in blocks of `f_len`.
+    pub const ROW_OFFSETS: TensorSpec = index("row_offsets", "[N]");
+    /// The first entry of `row_offsets` read.
+    pub const ROW_OFFSETS_START: TensorSpec = index("row_offsets_start", "[1]").optional();
+    pub const INPUTS: &[TensorSpec] = &[INPUT_TENSOR, ROW_OFFSETS, ROW_OFFSETS_START];
+
+    pub const FLATTENED_ARRAY: TensorSpec = like("flattened_array", "[output_len]", &INPUT_TENSOR);
+    pub const OUTPUTS: &[TensorSpec] = &[FLATTENED_ARRAY];
 }
 
 /// `a2av_routing` (moekit's own: the routing table of nki-library's `permute_a2av`).

@@ -61,6 +61,19 @@ pub(crate) fn float_tensor_shape(
     extents(name, tensor, layout, dims)
 }
 
+/// Requires a tensor of any dtype with the given extents, finite where it holds floats (see
+/// [`float_tensor`]).
+pub(crate) fn any_tensor(
+    name: &str,
+    tensor: &Tensor,
+    layout: &str,
+    dims: &[Option<usize>],
+) -> Result<Vec<usize>> {
+    let shape = extents(name, tensor, layout, dims)?;
+    finite(name, tensor)?;
+    Ok(shape)
+}
+
 /// Requires an i32 tensor with the given extents (see [`float_tensor`]).
 pub(crate) fn index_tensor<'t>(
     name: &str,

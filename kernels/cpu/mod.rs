@@ -9,6 +9,7 @@ mod alloc;
 mod bf16_matmul;
 mod blockwise;
 pub mod calibrate;
+mod device_plan;
 mod dot;
 mod element;
 mod exp;
@@ -28,6 +29,7 @@ mod streamed;
 mod swiglu;
 mod tile_walk;
 mod topk;
+mod topk_reduce;
 
 /// Deterministic operands for the product kernels' unit tests.
 #[cfg(test)]
@@ -44,13 +46,16 @@ use crate::backend::{Backend, Tolerance};
 use crate::composed;
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
-    BlockwiseMmOutputs, LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads,
-    LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute,
-    PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
-    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd,
-    RouterTopkGrads, RouterTopkOutputs, Topk, TopkOutputs,
+    BlockwiseMmOutputs, FindNonzeroIndices, FindNonzeroIndicesOutputs, FlattenSource,
+    IndexedFlatten, IndexedFlattenOutputs, LoadBalancingLoss, LoadBalancingLossBwd,
+    LoadBalancingLossGrads, LoadBalancingLossOutputs, MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg,
+    MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg,
+    RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RouterTopk,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, Topk, TopkOutputs, TopkReduce,
+    TopkReduceDims, TopkReduceOutputs,
 };
 use crate::error::Result;
+use crate::tensor::{Storage, Tensor};
 use isa::Isa;
 
 /// Rows per parallel task in row-tiled products; fixed so results do not depend on threads.
@@ -164,5 +169,35 @@ impl Backend for CpuBackend {
     fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
         Isa::selected()?;
         topk::forward(call)
+    }
+
+    fn topk_reduce(&self, call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
+        Isa::selected()?;
+        let TopkReduceDims { t, h, .. } = call.dims();
+        call.cast_outputs(TopkReduceOutputs {
+            output: Tensor::from_f32([t, h], topk_reduce::forward(call))?,
+        })
+    }
+
+    fn find_nonzero_indices(
+        &self,
+        call: &FindNonzeroIndices<'_>,
+    ) -> Result<FindNonzeroIndicesOutputs> {
+        call.outputs_from(device_plan::nonzero_rows(call))
+    }
+
+    fn indexed_flatten(&self, call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs> {
+        let flattened = match call.source() {
+            FlattenSource::F32(input, pad) => {
+                Storage::F32(device_plan::flattened(call, input, pad)?.into())
+            }
+            FlattenSource::BF16(input, pad) => {
+                Storage::BF16(device_plan::flattened(call, input, pad)?.into())
+            }
+            FlattenSource::I32(input, pad) => {
+                Storage::I32(device_plan::flattened(call, input, pad)?.into())
+            }
+        };
+        call.outputs_from(flattened)
     }
 }

@@ -41,11 +41,12 @@ use crate::contracts::tensors::{
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
     BlockwiseMmBwdParams, BlockwiseMmGrads, BlockwiseMmOutputs, BlockwiseMmParams, ClampLimits,
+    FindNonzeroIndices, FindNonzeroIndicesOutputs, IndexedFlatten, IndexedFlattenOutputs,
     LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
     MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgOutputs, Permute, PermuteBwd, PermuteGrads,
     PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
     RmsNormRouterTopkTkgOutputs, RouterTopk, RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs,
-    Topk, TopkOutputs, WeightLayout,
+    Topk, TopkOutputs, TopkReduce, TopkReduceOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
@@ -1147,6 +1148,24 @@ impl Backend for NeuronBackend {
     /// No NEFF of nki-library's topk is bound yet.
     fn topk(&self, _call: &Topk<'_>) -> Result<TopkOutputs> {
         Err(unsupported(Kernel::Topk))
+    }
+
+    /// No NEFF of nki-library's topk_reduce is bound yet.
+    fn topk_reduce(&self, _call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
+        Err(unsupported(Kernel::TopkReduce))
+    }
+
+    /// No NEFF of nki-library's find_nonzero_indices is bound yet.
+    fn find_nonzero_indices(
+        &self,
+        _call: &FindNonzeroIndices<'_>,
+    ) -> Result<FindNonzeroIndicesOutputs> {
+        Err(unsupported(Kernel::FindNonzeroIndices))
+    }
+
+    /// No NEFF of nki-library's indexed_flatten is bound yet.
+    fn indexed_flatten(&self, _call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs> {
+        Err(unsupported(Kernel::IndexedFlatten))
     }
 
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {

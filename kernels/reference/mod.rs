@@ -11,12 +11,14 @@
 // formulas it implements.
 #[allow(clippy::needless_range_loop)]
 pub mod blockwise;
+pub mod device_plan;
 pub mod load_balancing;
 pub mod moe_tkg;
 pub mod permute;
 pub mod rmsnorm;
 pub mod router;
 pub mod topk;
+pub mod topk_reduce;
 
 use crate::backend::{Backend, Tolerance};
 use crate::composed::{self, RmsNorm};
@@ -28,15 +30,17 @@ use crate::contracts::tensors::{
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockPlan, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
-    BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, LoadBalancingLoss,
-    LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs, MoeBlockTkg,
-    MoeBlockTkgOutputs, MoeTkg, MoeTkgDims, MoeTkgOutputs, Permute, PermuteBwd, PermuteDims,
-    PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    BlockwiseMmGrads, BlockwiseMmInputs, BlockwiseMmOutputs, FindNonzeroIndices,
+    FindNonzeroIndicesOutputs, FlattenSource, IndexedFlatten, IndexedFlattenOutputs,
+    LoadBalancingLoss, LoadBalancingLossBwd, LoadBalancingLossGrads, LoadBalancingLossOutputs,
+    MoeBlockTkg, MoeBlockTkgOutputs, MoeTkg, MoeTkgDims, MoeTkgOutputs, Permute, PermuteBwd,
+    PermuteDims, PermuteGrads, PermuteOutputs, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
     RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterDims, RouterTopk,
-    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, Topk, TopkOutputs, WeightLayout,
+    RouterTopkBwd, RouterTopkGrads, RouterTopkOutputs, SKIP, Topk, TopkOutputs, TopkReduce,
+    TopkReduceDims, TopkReduceOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{Floats, Tensor, try_filled};
+use crate::tensor::{Floats, Storage, Tensor, try_filled};
 use blockwise::BlockwiseOperands;
 use moe_tkg::TkgOperands;
 
@@ -450,6 +454,35 @@ impl Backend for ReferenceBackend {
 
     fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
         call.outputs_at(topk::topk_positions(call))
+    }
+
+    fn topk_reduce(&self, call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
+        let TopkReduceDims { t, h, .. } = call.dims();
+        call.cast_outputs(TopkReduceOutputs {
+            output: Tensor::from_f32([t, h], topk_reduce::topk_reduce(call))?,
+        })
+    }
+
+    fn find_nonzero_indices(
+        &self,
+        call: &FindNonzeroIndices<'_>,
+    ) -> Result<FindNonzeroIndicesOutputs> {
+        call.outputs_from(device_plan::nonzero_rows(call))
+    }
+
+    fn indexed_flatten(&self, call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs> {
+        let flattened = match call.source() {
+            FlattenSource::F32(input, pad) => {
+                Storage::F32(device_plan::flattened(call, input, pad)?.into())
+            }
+            FlattenSource::BF16(input, pad) => {
+                Storage::BF16(device_plan::flattened(call, input, pad)?.into())
+            }
+            FlattenSource::I32(input, pad) => {
+                Storage::I32(device_plan::flattened(call, input, pad)?.into())
+            }
+        };
+        call.outputs_from(flattened)
     }
 }
 

@@ -39,17 +39,36 @@ PARAMS = {
         "expert_affinities_scaling_mode": "POST_SCALE",
     },
     "topk": {"k": K},
+    "topk_reduce": {"T": T, "K": K},
+    "find_nonzero_indices": {},
+    # Each expert's token list laid out back to back (f_len 1: T = 13 has no other divisor).
+    "indexed_flatten": {"f_len": 1, "output_len": T * K},
 }
 
 # Inputs a kernel takes under a name that another kernel's tensor has in the layer: the
 # decode-time router's `hidden_states` and the decode block's `inp` are the tokens `x`
-# (blockwise_mm's `hidden_states` are `[T+1, H]`); the top-k runs over the router's logits.
+# (blockwise_mm's `hidden_states` are `[T+1, H]`); the top-k runs over the router's logits;
+# the combine over the plan's rows as an exchange returns them, the nonzero search over the
+# routed affinities `[T, E]` and the flatten over the token lists it finds.
 RENAMED = {
     "rmsnorm_router_topk_tkg": {"hidden_states": "x"},
     "rmsnorm_router_topk_tkg_bwd": {"hidden_states": "x"},
     "moe_block_tkg": {"inp": "x"},
     "topk": {"inp": "router_logits"},
+    "topk_reduce": {"input": "exchanged_rows"},
+    "find_nonzero_indices": {"input_tensor": "routed_affinities"},
+    "indexed_flatten": {"input_tensor": "token_lists"},
 }
+
+
+def exchanged_rows(hidden_states, token_position_to_id):
+    """`topk_reduce`'s input for a plan: slot s holds the hidden state of its token, tagged
+    with the token's 1-indexed id (−1 for padding) in the bits of the last two bf16 columns."""
+    t = hidden_states.shape[0] - 1
+    ids = np.where(token_position_to_id < t, token_position_to_id + 1, -1).astype("<i4")
+    rows = hidden_states[np.minimum(token_position_to_id, t)].astype(ml_dtypes.bfloat16)
+    tags = ids.reshape(-1, 1).view("<u2").view(ml_dtypes.bfloat16)
+    return np.concatenate([rows, tags], axis=1)
 
 
 def make_layer(dtype, seed=0):
@@ -106,6 +125,12 @@ def make_layer(dtype, seed=0):
     backward = moekit.blockwise_mm_bwd(**_inputs_of("blockwise_mm_bwd", layer),
                                        backend="reference")
     layer["expert_affinities_masked_grad"] = backward["expert_affinities_masked_grad"]
+    layer["exchanged_rows"] = exchanged_rows(hidden_states, plan["token_position_to_id"])
+    layer["routed_affinities"] = plan["expert_affinities_masked"].reshape(T + 1, E)[:T]
+    found = moekit.find_nonzero_indices(layer["routed_affinities"], backend="reference")
+    layer["token_lists"] = found["indices"]
+    counts = found["nonzero_counts"]
+    layer["row_offsets"] = (np.cumsum(counts) - counts).astype(np.int32)
     return layer
 
 

@@ -20,15 +20,15 @@ use std::fmt::Write as _;
 use moekit::backend::{Backend, LayerSizes, Tolerance};
 use moekit::backends::BackendKind;
 use moekit::contracts::{
-    ActFnType, ExpertAffinityScaleMode, OutputDType, RouterActFnType, RouterMmDType, XHbmLayout,
-    tensors,
+    ActFnType, ExpertAffinityScaleMode, FindNonzeroIndices, FindNonzeroIndicesInputs,
+    FindNonzeroIndicesParams, OutputDType, RouterActFnType, RouterMmDType, XHbmLayout, tensors,
 };
 use moekit::error::{Error, Result};
 use moekit::kernel::{Kernel, Params};
 use moekit::random::SplitMix64;
 use moekit::tensor::{DType, Tensor};
 
-use crate::layer::{Layer, LayerInputs, MoeShape};
+use crate::layer::{Layer, LayerInputs, MoeShape, flatten_plan};
 
 /// One routed layer and the kernels to check on it.
 pub struct CheckCase {
@@ -40,6 +40,9 @@ pub struct CheckCase {
     /// `rmsnorm_router_topk_tkg`'s `hidden_states [T, H]` and `moe_block_tkg`'s `inp`: the
     /// layer's tokens.
     pub decode_hidden_states: Tensor,
+    /// `indexed_flatten`'s `input_tensor [E, T]`: the reference's `find_nonzero_indices` over
+    /// the routed affinities (that kernel's `input_tensor`).
+    pub token_lists: Tensor,
     pub params: Params,
 }
 
@@ -65,7 +68,26 @@ impl CheckCase {
             LayerInputs::seeded(shape, t, dtype, b, seed)?,
         )?;
         let decode_hidden_states = layer.inputs.x.clone();
+        // The exchange's combine and the device-side plan over the layer's routing.
+        let exchanged = layer.exchanged_rows()?;
+        let affinities = layer.routed_affinities()?;
+        let found = reference.find_nonzero_indices(&FindNonzeroIndices::new(
+            FindNonzeroIndicesInputs {
+                input_tensor: &affinities,
+                col_start_id: None,
+            },
+            FindNonzeroIndicesParams::default(),
+        )?)?;
+        let counts = found.nonzero_counts.as_i32().unwrap_or_default();
+        let (row_offsets, flatten) = flatten_plan(counts, t, b)?;
         let mut tensors = layer_tensors(layer);
+        for (spec, tensor) in [
+            (tensors::topk_reduce::INPUT, exchanged),
+            (tensors::find_nonzero_indices::INPUT_TENSOR, affinities),
+            (tensors::indexed_flatten::ROW_OFFSETS, row_offsets),
+        ] {
+            tensors.insert(spec.name.to_owned(), tensor);
+        }
         if params.skip_dma().skip_token {
             without_padding_row(&mut tensors, t, e)?;
         }
@@ -74,9 +96,14 @@ impl CheckCase {
             kernels,
             tensors,
             decode_hidden_states,
+            token_lists: found.indices,
             // Compared at the precision the backends compute in, whatever the inputs' dtype.
             params: Params {
                 output_dtype: Some(OutputDType::Float32),
+                token_count: Some(t),
+                rows_per_token: Some(k),
+                f_len: Some(flatten.f_len),
+                output_len: Some(flatten.output_len),
                 ..params
             },
         })
@@ -164,6 +191,13 @@ impl CheckCase {
                 let mut tensors = self.tensors.clone();
                 let logits = tensors[tensors::router_topk::ROUTER_LOGITS.name].clone();
                 tensors.insert(tensors::topk::INP.name.to_owned(), logits);
+                Ok(Cow::Owned(tensors))
+            }
+            // The token lists the reference found, as the device's plan flattens them.
+            Kernel::IndexedFlatten => {
+                let mut tensors = self.tensors.clone();
+                let name = tensors::indexed_flatten::INPUT_TENSOR.name;
+                tensors.insert(name.to_owned(), self.token_lists.clone());
                 Ok(Cow::Owned(tensors))
             }
             _ => Ok(Cow::Borrowed(&self.tensors)),

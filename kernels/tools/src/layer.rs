@@ -5,6 +5,7 @@
 
 use std::str::FromStr;
 
+use half::bf16;
 use moekit::contracts::*;
 use moekit::error::find_named;
 use moekit::experts::ExpertsInputs;
@@ -411,6 +412,43 @@ impl Layer {
         )
     }
 
+    /// The rows an expert-parallel exchange returns to `topk_reduce` for this layer's plan:
+    /// `[N·B, H+2]` bf16, slot s holding `hidden_states[token_position_to_id[s]]` tagged with
+    /// nki-library's 1-indexed id (token t is t + 1, a padding slot −1 on zeros), so token t's
+    /// K rows sum to K·x[t].
+    pub fn exchanged_rows(&self) -> Result<Tensor> {
+        let positions = self.plan.token_position_to_id.as_i32().unwrap_or_default();
+        let hidden = self.inputs.hidden_states.f32_values();
+        let (t, h) = (self.inputs.x.shape()[0], self.inputs.shape.h);
+        let shape = [positions.len(), h + 2];
+        let mut rows = try_capacity("benchmark input `input` (topk_reduce)", &shape)?;
+        for &position in positions {
+            let token = usize::try_from(position).ok().filter(|&token| token < t);
+            let id = token.map_or(-1, |token| {
+                TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX + token as i32
+            });
+            // The padding row T of hidden_states is zeros.
+            let row = token.unwrap_or(t);
+            rows.extend(
+                hidden[row * h..(row + 1) * h]
+                    .iter()
+                    .map(|&v| bf16::from_f32(v)),
+            );
+            rows.extend(token_id_columns(id));
+        }
+        Tensor::from_bf16(shape, rows)
+    }
+
+    /// The routed affinities as `[T, E]` (`expert_affinities_masked` without its padding row):
+    /// what `find_nonzero_indices` turns into each expert's token list on the device.
+    pub fn routed_affinities(&self) -> Result<Tensor> {
+        let (t, e) = (self.inputs.x.shape()[0], self.inputs.shape.e);
+        let name = tensors::blockwise_mm::EXPERT_AFFINITIES_MASKED.name;
+        (self.plan.expert_affinities_masked.clone())
+            .reshaped([t + 1, e])?
+            .into_leading_rows(name, t)
+    }
+
     fn rmsnorm_router_params(&self) -> RmsNormRouterTopkTkgParams {
         let default = RmsNormRouterTopkTkgParams::default();
         RmsNormRouterTopkTkgParams {
@@ -477,4 +515,34 @@ impl Layer {
             expert_index: Some(&self.routed.expert_index),
         })
     }
+}
+
+/// `indexed_flatten`'s `row_offsets` and parameters that lay `find_nonzero_indices`' token
+/// lists (`nonzero_counts [E]` of lists of T) out back to back in blocks of
+/// `f_len = gcd(T, B)`: expert e's `⌈count_e / f_len⌉` blocks after the experts before it,
+/// `output_len` the blocks used, so each list's trailing −1 blocks past the end are skipped.
+/// With f_len = B that is the block plan's `token_position_to_id` with `skip_token`.
+pub fn flatten_plan(counts: &[i32], t: usize, b: usize) -> Result<(Tensor, IndexedFlattenParams)> {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let f_len = gcd(t, b).max(1);
+    let mut offsets = Vec::with_capacity(counts.len());
+    let mut used = 0usize;
+    for &count in counts {
+        offsets.push(i32::try_from(used).map_err(|_| {
+            Error::invalid("row_offsets", format!("block offset {used} exceeds i32"))
+        })?);
+        used += usize::try_from(count).unwrap_or(0).div_ceil(f_len);
+    }
+    let row_offsets = Tensor::from_i32([counts.len()], offsets)?;
+    let params = IndexedFlattenParams {
+        f_len,
+        output_len: used * f_len,
+        padding_val: IndexedFlattenParams::DEFAULT_PADDING_VAL,
+    };
+    Ok((row_offsets, params))
 }

@@ -14,7 +14,11 @@ use std::time::{Duration, Instant};
 use limits::MachineLimits;
 use moekit::backend::{Backend, Device, KernelCall};
 use moekit::backends::BackendKind;
-use moekit::contracts::{OutputDType, Topk, TopkInputs, TopkParams, WeightLayout};
+use moekit::contracts::{
+    FindNonzeroIndices, FindNonzeroIndicesInputs, FindNonzeroIndicesParams, IndexedFlatten,
+    IndexedFlattenInputs, OutputDType, Topk, TopkInputs, TopkParams, TopkReduce, TopkReduceInputs,
+    TopkReduceParams, WeightLayout,
+};
 use moekit::cpu::CpuBackend;
 use moekit::cpu::isa::Isa;
 use moekit::error::{Error, Result};
@@ -22,7 +26,7 @@ use moekit::experts::{Experts, LocalExperts};
 use moekit::kernel::Kernel;
 use moekit::tensor::DType;
 
-use crate::layer::{Layer, LayerInputs, MoeShape, VOCAB_TOP_K};
+use crate::layer::{Layer, LayerInputs, MoeShape, VOCAB_TOP_K, flatten_plan};
 use crate::machine::Host;
 
 /// What to benchmark.
@@ -488,6 +492,49 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         let ms = measure(backend, KernelCall::Topk(&call), min)?;
         let bytes = element * logits.numel() as f64;
         rows.push(row(Kernel::Topk.name(), ms, gbps(bytes, ms)));
+    }
+    // The combine after an expert-parallel exchange (nki-library's `topk_reduce`): the plan's
+    // N·B slots as exchanged rows, each token's K summed. One pass over the rows bounds it: the
+    // compulsory bytes are the rows read (bf16) and the output written.
+    if supported(Kernel::TopkReduce)? && config.rows.times(Kernel::TopkReduce.name()) {
+        let exchanged = layer.exchanged_rows()?;
+        let params = TopkReduceParams::new(tf as usize, kf as usize);
+        let call = TopkReduce::new(TopkReduceInputs { input: &exchanged }, params)?;
+        let ms = measure(backend, KernelCall::TopkReduce(&call), min)?;
+        let bytes = 2.0 * exchanged.numel() as f64 + element * tf * hf;
+        rows.push(row(Kernel::TopkReduce.name(), ms, gbps(bytes, ms)));
+    }
+    // The device-side plan (nki-library's subkernels): each expert's token list from the
+    // routed affinities `[T, E]`, then the lists laid out as blocks. The compulsory bytes are
+    // the tensors read and written.
+    let affinities = layer.routed_affinities()?;
+    let search = FindNonzeroIndices::new(
+        FindNonzeroIndicesInputs {
+            input_tensor: &affinities,
+            col_start_id: None,
+        },
+        FindNonzeroIndicesParams::default(),
+    )?;
+    if supported(Kernel::FindNonzeroIndices)?
+        && config.rows.times(Kernel::FindNonzeroIndices.name())
+    {
+        let ms = measure(backend, KernelCall::FindNonzeroIndices(&search), min)?;
+        let bytes = element * tf * ef + 4.0 * (ef * tf + ef);
+        rows.push(row(Kernel::FindNonzeroIndices.name(), ms, gbps(bytes, ms)));
+    }
+    if supported(Kernel::IndexedFlatten)? && config.rows.times(Kernel::IndexedFlatten.name()) {
+        let found = reference.find_nonzero_indices(&search)?;
+        let counts = found.nonzero_counts.as_i32().unwrap_or_default();
+        let (row_offsets, params) = flatten_plan(counts, tf as usize, b)?;
+        let inputs = IndexedFlattenInputs {
+            input_tensor: &found.indices,
+            row_offsets: &row_offsets,
+            row_offsets_start: None,
+        };
+        let call = IndexedFlatten::new(inputs, params)?;
+        let ms = measure(backend, KernelCall::IndexedFlatten(&call), min)?;
+        let bytes = 4.0 * (found.indices.numel() + ef as usize + params.output_len) as f64;
+        rows.push(row(Kernel::IndexedFlatten.name(), ms, gbps(bytes, ms)));
     }
     rows.retain(|row| config.rows.shows(&row.kernel));
     Ok(BenchResult { rows, peers })
