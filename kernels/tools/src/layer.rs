@@ -412,29 +412,26 @@ impl Layer {
         )
     }
 
-    /// The rows an expert-parallel exchange returns to `topk_reduce` for this layer's plan:
-    /// `[N·B, H+2]` bf16, slot s holding `hidden_states[token_position_to_id[s]]` tagged with
-    /// nki-library's 1-indexed id (token t is t + 1, a padding slot −1 on zeros), so token t's
-    /// K rows sum to K·x[t].
+    /// The rows an expert-parallel exchange returns to `topk_reduce` for this layer's tokens,
+    /// as K source ranks each return one row per token (each token's K experts on K ranks):
+    /// `[K·T, H+2]` bf16, row `r·T + t` holding `x[t]` (in place of its r-th expert's output)
+    /// tagged with nki-library's 1-indexed id `t + 1`, so token t's rows sum to K·x[t].
     pub fn exchanged_rows(&self) -> Result<Tensor> {
-        let positions = self.plan.token_position_to_id.as_i32().unwrap_or_default();
-        let hidden = self.inputs.hidden_states.f32_values();
-        let (t, h) = (self.inputs.x.shape()[0], self.inputs.shape.h);
-        let shape = [positions.len(), h + 2];
+        let x = self.inputs.x.f32_values();
+        let (t, h, k) = (
+            self.inputs.x.shape()[0],
+            self.inputs.shape.h,
+            self.inputs.shape.k,
+        );
+        let shape = [k * t, h + 2];
         let mut rows = try_capacity("benchmark input `input` (topk_reduce)", &shape)?;
-        for &position in positions {
-            let token = usize::try_from(position).ok().filter(|&token| token < t);
-            let id = token.map_or(-1, |token| {
-                TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX + token as i32
-            });
-            // The padding row T of hidden_states is zeros.
-            let row = token.unwrap_or(t);
-            rows.extend(
-                hidden[row * h..(row + 1) * h]
-                    .iter()
-                    .map(|&v| bf16::from_f32(v)),
-            );
-            rows.extend(token_id_columns(id));
+        for _source in 0..k {
+            for token in 0..t {
+                let row = &x[token * h..(token + 1) * h];
+                rows.extend(row.iter().map(|&v| bf16::from_f32(v)));
+                let id = TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX + token as i32;
+                rows.extend(token_id_columns(id));
+            }
         }
         Tensor::from_bf16(shape, rows)
     }

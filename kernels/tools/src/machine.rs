@@ -103,6 +103,16 @@ impl fmt::Display for Host {
     }
 }
 
+/// The size of CPU 0's largest data or unified cache (its last level), in bytes, where Linux
+/// reports it.
+pub fn last_level_cache_bytes() -> Option<u64> {
+    caches(Path::new("/sys/devices/system/cpu/cpu0/cache"))
+        .into_iter()
+        .filter(|cache| cache.kind != "Instruction")
+        .max_by_key(|cache| cache.level)
+        .map(|cache| cache.bytes)
+}
+
 /// The first `model name` of `/proc/cpuinfo`.
 fn cpu_model() -> Option<String> {
     let info = fs::read_to_string("/proc/cpuinfo").ok()?;

@@ -34,7 +34,8 @@ fn time(min_time: Duration, mut f: impl FnMut() -> Result<Th>) -> Result<f64> {
     super::time(min_time, || f().map(drop))
 }
 
-/// Median milliseconds of the backward alone: each run records a fresh graph untimed, then
+/// Median milliseconds of the backward alone, on cold caches: each run records a fresh graph
+/// untimed, evicts the caches ([`super::cold::evict`]), then
 /// computes the gradients of `leaves` as `torch.autograd.grad` does (returned, not accumulated
 /// into `.grad`, so no run pays for a previous run's gradients).
 fn time_backward(
@@ -46,6 +47,9 @@ fn time_backward(
     let start = Instant::now();
     while times.len() < 3 || (start.elapsed() < min_time && times.len() < 1000) {
         let loss = forward()?;
+        // The forward left its operands in the caches; the backward starts cold, as
+        // moekit's backward kernels are timed.
+        super::cold::evict();
         let t = Instant::now();
         let grads = Th::f_run_backward(&[&loss], leaves, false, false).map_err(tch_error)?;
         times.push(t.elapsed().as_secs_f64() * 1e3);

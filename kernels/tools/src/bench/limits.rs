@@ -154,13 +154,16 @@ pub fn fma_peak_gflops() -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// STREAM triad over arrays far larger than the caches, best of five runs, GB/s.
+/// STREAM triad over arrays far larger than the caches (each at least 128 MiB and twice the
+/// last-level cache), best of five runs, GB/s.
 pub fn stream_triad_gbps() -> f64 {
-    const LEN: usize = 1 << 25; // 128 MiB per array
+    const MIN_LEN: usize = 1 << 25;
     const CHUNK: usize = 1 << 16;
-    let b = vec![1.0f32; LEN];
-    let c = vec![2.0f32; LEN];
-    let mut a = vec![0.0f32; LEN];
+    let len =
+        usize::try_from(super::cold::eviction_bytes() / 4).map_or(MIN_LEN, |l| l.max(MIN_LEN));
+    let b = vec![1.0f32; len];
+    let c = vec![2.0f32; len];
+    let mut a = vec![0.0f32; len];
     (0..5)
         .map(|_| {
             let start = Instant::now();
@@ -173,7 +176,7 @@ pub fn stream_triad_gbps() -> f64 {
                     }
                 });
             black_box(&a);
-            (LEN * 12) as f64 / start.elapsed().as_secs_f64() / 1e9
+            (len * 12) as f64 / start.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
 }

@@ -2,6 +2,7 @@
 //! shapes, each reported as time, throughput and share of the machine's measured limit
 //! ([`limits::MachineLimits`]). `moekit bench` prints these rows; `BENCHMARKS.md` records them.
 
+pub mod cold;
 pub mod exchange;
 #[cfg(feature = "libtorch")]
 pub mod libtorch;
@@ -225,15 +226,19 @@ pub struct BenchResult {
     pub peers: Vec<PeerPath>,
 }
 
-/// Median time of `f` after one warm-up run, repeating for at least `min_time` and 3 runs.
+/// Median time of `f` on cold caches ([`cold::evict`] before each run) after one warm-up run,
+/// repeating until the runs and their evictions fill `min_time` (at least 3 runs).
 fn time<T>(min_time: Duration, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
     let first = Instant::now();
     f()?;
+    cold::evict();
+    // The runs fill `min_time` with their evictions.
     let warm_up = first.elapsed();
     let runs = (min_time.as_secs_f64() / warm_up.as_secs_f64().max(1e-9)).ceil() as usize;
     let runs = runs.clamp(3, 1000);
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
+        cold::evict();
         let start = Instant::now();
         f()?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
@@ -493,9 +498,9 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
         let bytes = element * logits.numel() as f64;
         rows.push(row(Kernel::Topk.name(), ms, gbps(bytes, ms)));
     }
-    // The combine after an expert-parallel exchange (nki-library's `topk_reduce`): the plan's
-    // N·B slots as exchanged rows, each token's K summed. One pass over the rows bounds it: the
-    // compulsory bytes are the rows read (bf16) and the output written.
+    // The combine after an expert-parallel exchange (nki-library's `topk_reduce`): K·T rows as K
+    // source ranks return them, each token's K summed. One pass over the rows bounds it: the
+    // compulsory bytes are the rows read (bf16, their ids too) and the output written.
     if supported(Kernel::TopkReduce)? && config.rows.times(Kernel::TopkReduce.name()) {
         let exchanged = layer.exchanged_rows()?;
         let params = TopkReduceParams::new(tf as usize, kf as usize);
