@@ -415,7 +415,7 @@ impl Layer {
     /// The rows an expert-parallel exchange returns to `topk_reduce` for this layer's tokens,
     /// as K source ranks each return one row per token (each token's K experts on K ranks):
     /// `[K·T, H+2]` bf16, row `r·T + t` holding `x[t]` (in place of its r-th expert's output)
-    /// tagged with nki-library's 1-indexed id `t + 1`, so token t's rows sum to K·x[t].
+    /// tagged with nki-library's 1-indexed id `t + 1`, so token t's rows sum to `K·x[t]`.
     pub fn exchanged_rows(&self) -> Result<Tensor> {
         let x = self.inputs.x.f32_values();
         let (t, h, k) = (

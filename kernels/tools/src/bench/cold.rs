@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use crate::machine::last_level_cache_bytes;
 
 /// The fewest bytes written, where the caches are unknown or small.
-const MIN_BYTES: u64 = 64 << 20;
+pub const MIN_BYTES: u64 = 64 << 20;
 
 /// Elements each task writes.
 const CHUNK: usize = 1 << 16;
