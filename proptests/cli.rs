@@ -1320,3 +1320,73 @@ fn blockwise_mm_without_checkpoints_allocates_only_the_routed_rows() {
     let got = TensorFile::read(&output).unwrap().tensors;
     assert_close("output", &f32s(&got["output"]), &f32s(expected), 1e-5, 1e-6).unwrap();
 }
+
+/// `moekit check` runs the selection and plan kernels' NEFFs (the fake runtime's stand-ins) on
+/// inputs of the shapes and parameters their entries name: a 0-based `token_base_index`, a
+/// `col_start_id` window, a fixed `f_len`, `output_len` and `padding_val`.
+#[test]
+fn check_runs_the_selection_and_plan_neffs_at_their_entries_parameters() {
+    let dir = scratch("neuron-check-plan");
+    let neffs = [
+        (
+            "topk.neff",
+            "kernel topk\nparam sorted_flag 0\ninput inp f32 3 20\noutput topk_values f32 3 4\n\
+             output topk_indices i32 3 4\n",
+            "name = \"topk\"\nrows = 3\nv = 20\nk = 4\nsorted_flag = false\n",
+        ),
+        (
+            "reduce.neff",
+            "kernel topk_reduce\nparam K 2\nparam token_base_index 0\ninput input bf16 8 7\n\
+             output output bf16 4 5\n",
+            "name = \"topk_reduce\"\nt = 4\nh = 5\nk = 2\ntk_padded = 8\ntoken_base_index = 0\n",
+        ),
+        (
+            "nonzero.neff",
+            "kernel find_nonzero_indices\ninput input_tensor f32 8 6\ninput col_start_id i32 1\n\
+             output indices i32 4 8\noutput nonzero_counts i32 4\n",
+            "name = \"find_nonzero_indices\"\nt = 8\nc_full = 6\nn_cols = 4\ncol_start_id = true\n",
+        ),
+        (
+            "flatten.neff",
+            "kernel indexed_flatten\nparam f_len 2\nparam padding_val 0\ninput input_tensor i32 4 8\n\
+             input row_offsets i32 4\noutput flattened_array i32 32\n",
+            "name = \"indexed_flatten\"\ne = 4\nt = 8\nf_len = 2\noutput_len = 32\npadding_val = 0\n",
+        ),
+    ];
+    let mut manifest = String::new();
+    for (file, neff, entry) in neffs {
+        std::fs::write(dir.join(file), format!("moekit-fake-neff 1\n{neff}")).unwrap();
+        manifest += &format!("[[kernel]]\nneff = \"{file}\"\n{entry}\n");
+    }
+    let path = dir.join("kernels.toml");
+    std::fs::write(&path, manifest).unwrap();
+    let out = moekit(&check_args(path.to_str().unwrap(), &["--cases", "2"]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    for needle in [
+        "topk_values",
+        "topk_indices",
+        "topk_reduce",
+        "nonzero_counts",
+        "flattened_array",
+    ] {
+        assert!(stdout.contains(needle), "{needle} missing:\n{stdout}");
+    }
+    // Every output of every kernel, in both cases, passes.
+    assert!(
+        stdout.lines().last().unwrap().starts_with("PASS: 12 of 12"),
+        "{stdout}"
+    );
+    // The shapes nki-library's kernels refuse on Trainium2 are warned of, by entry.
+    for needle in [
+        "reduce.neff): `h` = 5: nki-library's topk_reduce needs H even",
+        "nonzero.neff): `t` = 8: nki-library's find_nonzero_indices needs T a multiple of 128",
+        "flatten.neff): `output_len` = 32",
+        "`t` / `f_len` = 4",
+    ] {
+        assert!(stderr.contains(needle), "{needle} missing:\n{stderr}");
+    }
+}

@@ -1,11 +1,14 @@
 //! The `neuron` backend end to end on the fake runtime (`ffi/fake/fake_nrt.c`): manifest lookup,
 //! NEFF loading, binding by contract name, execution and read-back for `router_topk`, `moe_tkg`,
-//! `blockwise_mm` and `blockwise_mm_bwd`, compared with the reference backend; and every mismatch between a call and a
-//! NEFF reported as a clear error before anything runs.
+//! `blockwise_mm` and `blockwise_mm_bwd`, the decode kernels, and `topk`, `topk_reduce`,
+//! `find_nonzero_indices` and `indexed_flatten`, compared with the reference backend; and every
+//! mismatch between a call and a NEFF reported as a clear error before anything runs.
 //!
 //! The fake computes in f64 from the stored inputs and rounds router logits to f32 before the
 //! activation, as hardware does (router cases cover bias and selection-bias inputs); values agree with the reference within `1e-5` relative to the
 //! tensor's scale, and expert choices exactly (random inputs make near-ties vanishingly rare).
+//! Indices, counts and copied elements (`topk`'s values, `indexed_flatten`'s array) agree
+//! exactly.
 
 mod common;
 
@@ -14,6 +17,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use common::*;
+use half::bf16;
 use moekit::backend::{Device, KernelCall, PlannedCall, Tolerance};
 use moekit::contracts::*;
 use moekit::cpu::CpuBackend;
@@ -24,7 +28,7 @@ use moekit::kernel::Kernel;
 use moekit::neuron::backend::manifest_entry;
 use moekit::neuron::manifest::Manifest;
 use moekit::neuron::{NeuronBackend, NeuronConfig};
-use moekit::{Backend, BackendKind, Error, Tensor};
+use moekit::{Backend, BackendKind, DType, Error, Tensor};
 use proptest::prelude::*;
 
 const FAKE: &str = moekit_nrt_fake::LIBRARY;
@@ -2058,4 +2062,667 @@ fn moe_block_tkg_runs_its_neff_and_matches_the_reference() {
         err.contains("kernels.toml") && err.contains("skip_router_logits=true"),
         "{err}"
     );
+}
+
+/// The stand-in NEFF of a `topk` call on `inp` (values in `inp`'s dtype, as nki-library writes
+/// them), and its manifest entry (`method` left out: compiled with ROTATIONAL).
+fn topk_neff_and_entry(inp: &Tensor, params: TopkParams) -> (String, String) {
+    let shape = inp.shape();
+    let (v, rows) = (
+        shape[shape.len() - 1],
+        shape[..shape.len() - 1].iter().product::<usize>(),
+    );
+    let mut out = shape.to_vec();
+    out[shape.len() - 1] = params.k;
+    let dtype = inp.dtype().to_string();
+    let neff = format!(
+        "moekit-fake-neff 1\nkernel topk\nparam sorted_flag {}\n",
+        u8::from(params.sorted_flag)
+    ) + &decl("input", "inp", &dtype, shape)
+        + &decl("output", "topk_values", &dtype, &out)
+        + &decl("output", "topk_indices", "i32", &out);
+    let entry = format!(
+        "name = \"topk\"\nrows = {rows}\nv = {v}\nk = {}\nsorted_flag = {}\n",
+        params.k, params.sorted_flag
+    );
+    (neff, entry)
+}
+
+/// `topk_reduce`'s `input [rows, H+2]` bf16: row r holds `values[r]` and carries `ids[r]`.
+fn exchanged(ids: &[i32], values: &[f64], h: usize) -> Tensor {
+    let mut data = Vec::with_capacity(ids.len() * (h + 2));
+    for (row, &id) in ids.iter().enumerate() {
+        data.extend(
+            values[row * h..(row + 1) * h]
+                .iter()
+                .map(|&v| bf16::from_f64(v)),
+        );
+        data.extend(token_id_columns(id));
+    }
+    Tensor::from_bf16([ids.len(), h + 2], data).unwrap()
+}
+
+/// The stand-in NEFF of a `topk_reduce` call and its manifest entry (`token_base_index` left
+/// out where it is nki-library's default, 1).
+fn topk_reduce_neff_and_entry(
+    rows: usize,
+    h: usize,
+    params: TopkReduceParams,
+    output_dtype: &str,
+) -> (String, String) {
+    let TopkReduceParams {
+        t,
+        k,
+        token_base_index: base,
+    } = params;
+    let neff = format!(
+        "moekit-fake-neff 1\nkernel topk_reduce\nparam K {k}\nparam token_base_index {base}\n"
+    ) + &decl("input", "input", "bf16", &[rows, h + 2])
+        + &decl("output", "output", output_dtype, &[t, h]);
+    let mut entry =
+        format!("name = \"topk_reduce\"\nt = {t}\nh = {h}\nk = {k}\ntk_padded = {rows}\n");
+    if base != TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX {
+        entry += &format!("token_base_index = {base}\n");
+    }
+    (neff, entry)
+}
+
+/// A tensor of `shape` from `values` in dtype 0 (f32), 1 (bf16) or 2 (i32, the values times 4
+/// truncated).
+fn any_dtype(shape: &[usize], values: &[f64], dtype: usize) -> Tensor {
+    match dtype {
+        0 => f32_tensor(shape, values),
+        1 => f32_tensor(shape, values).to_bf16(),
+        _ => i32_tensor(
+            shape,
+            &values.iter().map(|&v| (v * 4.0) as i32).collect::<Vec<_>>(),
+        ),
+    }
+}
+
+proptest! {
+    #![proptest_config(config(24))]
+
+    /// `topk` runs its NEFF: the reference's values (copied, in `inp`'s dtype) and positions,
+    /// exactly, ties (frequent with coarse values) going by position on both sides.
+    #[test]
+    fn topk_on_the_fake_runtime_matches_the_reference(
+        leading in prop::collection::vec(1usize..4, 1..3),
+        (v, pick) in (1usize..40, any::<usize>()),
+        (sorted_flag, bf16_inp, coarse) in any::<(bool, bool, bool)>(),
+        seed in any::<u64>(),
+    ) {
+        let _guard = exclusive();
+        let k = 1 + pick % v;
+        let mut rng = SeededRng::new(seed);
+        let mut shape = leading;
+        shape.push(v);
+        let values: Vec<f64> = rng
+            .values(shape.iter().product(), 2.0)
+            .into_iter()
+            .map(|x| if coarse { (x * 4.0).floor() / 4.0 } else { x })
+            .collect();
+        let inp = maybe_bf16(f32_tensor(&shape, &values), bf16_inp);
+        let params = TopkParams { sorted_flag, ..TopkParams::new(k) };
+        let (neff, entry) = topk_neff_and_entry(&inp, params);
+        let backend = backend_with(&workdir("topk"), &[("topk.neff", neff, entry)]);
+        let call = Topk::new(TopkInputs { inp: &inp }, params).unwrap();
+        let want = BackendKind::Reference.create().topk(&call).unwrap();
+        prop_assert_eq!(backend.topk(&call).unwrap(), want);
+        prop_assert!(backend.time_repeated(KernelCall::Topk(&call), 2).unwrap().is_some());
+    }
+
+    /// `topk_reduce` runs its NEFF: each token's first K rows by its id from `token_base_index`
+    /// (1 to K+1 rows a token, padding and other tokens' rows shuffled in), summed as the
+    /// reference sums them.
+    #[test]
+    fn topk_reduce_on_the_fake_runtime_matches_the_reference(
+        (t, h, k) in (1usize..6, 1usize..8, 1usize..4),
+        (base, extra) in (prop::sample::select(vec![0, 1, 1000]), 0usize..6),
+        bf16_output in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let _guard = exclusive();
+        let mut rng = SeededRng::new(seed);
+        let mut ids = Vec::new();
+        for token in 0..t {
+            let rows = 1 + rng.below(k + 1);
+            ids.extend(std::iter::repeat_n(base + token as i32, rows));
+        }
+        for _ in 0..extra {
+            let past = base + (t + rng.below(3)) as i32;
+            ids.push(if rng.below(2) == 0 { -1 } else { past });
+        }
+        for i in (1..ids.len()).rev() {
+            let j = rng.below(i + 1);
+            ids.swap(i, j);
+        }
+        let input = exchanged(&ids, &rng.values(ids.len() * h, 1.0), h);
+        let params = TopkReduceParams { token_base_index: base, ..TopkReduceParams::new(t, k) };
+        let output_dtype = if bf16_output { "bf16" } else { "f32" };
+        let (neff, entry) = topk_reduce_neff_and_entry(ids.len(), h, params, output_dtype);
+        let backend = backend_with(&workdir("topk_reduce"), &[("reduce.neff", neff, entry)]);
+        let call = TopkReduce::new(TopkReduceInputs { input: &input }, params).unwrap();
+        let f32_call = call.clone().with_output_dtype(OutputDType::Float32);
+        let got = backend.topk_reduce(&f32_call).unwrap();
+        let want = BackendKind::Reference.create().topk_reduce(&f32_call).unwrap();
+        // A bf16 NEFF output is rounded once to bf16 (2⁻⁸ relative).
+        let tol = if bf16_output { 4e-3 } else { 1e-6 };
+        let expected = f32s(&want.output);
+        assert_close("output", &f32s(&got.output), &expected, tol, tol * scale(&expected))?;
+        // nki-library's dtype: input's, bf16.
+        prop_assert_eq!(backend.topk_reduce(&call).unwrap().output.dtype(), DType::BF16);
+        prop_assert!(backend.time_repeated(KernelCall::TopkReduce(&call), 2).unwrap().is_some());
+    }
+
+    /// `find_nonzero_indices` runs its NEFF: every column's nonzero rows and counts, exactly as
+    /// the reference's, over f32, bf16 or i32 (−0 among the zeros), every column or the
+    /// `n_cols` from `col_start_id`, with or without a `chunk_size` compiled in.
+    #[test]
+    fn find_nonzero_indices_on_the_fake_runtime_matches_the_reference(
+        (t, c_full, dtype) in (1usize..12, 1usize..7, 0usize..3),
+        (window, chunked, picks) in (any::<bool>(), any::<bool>(), any::<(usize, usize)>()),
+        seed in any::<u64>(),
+    ) {
+        let _guard = exclusive();
+        let mut rng = SeededRng::new(seed);
+        let values: Vec<f64> = rng.values(t * c_full, 2.0);
+        let values: Vec<f64> = values
+            .into_iter()
+            .map(|x| match rng.below(4) {
+                0 => 0.0,
+                1 => -0.0,
+                _ => x,
+            })
+            .collect();
+        let input = any_dtype(&[t, c_full], &values, dtype);
+        let n_cols = 1 + picks.0 % c_full;
+        let start = i32_tensor(&[1], &[(picks.1 % (c_full - n_cols + 1)) as i32]);
+        let chunk = (1..=t).filter(|d| t % d == 0).nth(picks.1 % 3).unwrap_or(t);
+        let searched = if window { n_cols } else { c_full };
+        let mut neff = String::from("moekit-fake-neff 1\nkernel find_nonzero_indices\n");
+        let mut entry = format!("name = \"find_nonzero_indices\"\nt = {t}\nc_full = {c_full}\n");
+        if chunked {
+            neff += &format!("param chunk_size {chunk}\n");
+        }
+        neff += &decl("input", "input_tensor", &input.dtype().to_string(), &[t, c_full]);
+        if window {
+            neff += &decl("input", "col_start_id", "i32", &[1]);
+            entry += &format!("n_cols = {n_cols}\ncol_start_id = true\n");
+        }
+        neff += &decl("output", "indices", "i32", &[searched, t]);
+        neff += &decl("output", "nonzero_counts", "i32", &[searched]);
+        let backend = backend_with(&workdir("find_nonzero"), &[("nonzero.neff", neff, entry)]);
+        let call = FindNonzeroIndices::new(
+            FindNonzeroIndicesInputs { input_tensor: &input, col_start_id: window.then_some(&start) },
+            FindNonzeroIndicesParams {
+                n_cols: window.then_some(n_cols),
+                chunk_size: chunked.then_some(chunk),
+            },
+        ).unwrap();
+        let want = BackendKind::Reference.create().find_nonzero_indices(&call).unwrap();
+        prop_assert_eq!(backend.find_nonzero_indices(&call).unwrap(), want);
+        let timed = backend.time_repeated(KernelCall::FindNonzeroIndices(&call), 2).unwrap();
+        prop_assert!(timed.is_some());
+    }
+
+    /// `indexed_flatten` runs its NEFF: the reference's `flattened_array`, exactly and in
+    /// `input_tensor`'s dtype, with offsets before, past and overlapping the output, with or
+    /// without `row_offsets_start`, and nki-library's or another `padding_val`.
+    #[test]
+    fn indexed_flatten_on_the_fake_runtime_matches_the_reference(
+        (e, blocks, f_len, out_blocks) in (1usize..5, 1usize..4, 1usize..4, 1usize..8),
+        (dtype, offsets_start, padding_val) in (0usize..3, any::<bool>(), prop::sample::select(vec![-1, 0, 7])),
+        seed in any::<u64>(),
+    ) {
+        let _guard = exclusive();
+        let mut rng = SeededRng::new(seed);
+        let (t, output_len) = (blocks * f_len, out_blocks * f_len);
+        let input = any_dtype(&[e, t], &rng.values(e * t, 8.0), dtype);
+        // Offsets from −1 to past the output; with `row_offsets_start`, E of N entries.
+        let extra = if offsets_start { rng.below(3) } else { 0 };
+        let first = rng.below(extra + 1);
+        let offsets: Vec<i32> = (0..e + extra).map(|_| rng.below(out_blocks + 3) as i32 - 1).collect();
+        let row_offsets = i32_tensor(&[e + extra], &offsets);
+        let start = i32_tensor(&[1], &[first as i32]);
+        let dtype_name = input.dtype().to_string();
+        let mut neff = format!(
+            "moekit-fake-neff 1\nkernel indexed_flatten\nparam f_len {f_len}\nparam padding_val {padding_val}\n"
+        );
+        neff += &decl("input", "input_tensor", &dtype_name, &[e, t]);
+        neff += &decl("input", "row_offsets", "i32", &[e + extra]);
+        if offsets_start {
+            neff += &decl("input", "row_offsets_start", "i32", &[1]);
+        }
+        neff += &decl("output", "flattened_array", &dtype_name, &[output_len]);
+        let mut entry = format!(
+            "name = \"indexed_flatten\"\ne = {e}\nt = {t}\nn = {}\nf_len = {f_len}\n\
+             output_len = {output_len}\nrow_offsets_start = {offsets_start}\n",
+            e + extra
+        );
+        if padding_val != IndexedFlattenParams::DEFAULT_PADDING_VAL {
+            entry += &format!("padding_val = {padding_val}\n");
+        }
+        let backend = backend_with(&workdir("indexed_flatten"), &[("flatten.neff", neff, entry)]);
+        let call = IndexedFlatten::new(
+            IndexedFlattenInputs {
+                input_tensor: &input,
+                row_offsets: &row_offsets,
+                row_offsets_start: offsets_start.then_some(&start),
+            },
+            IndexedFlattenParams { f_len, output_len, padding_val },
+        ).unwrap();
+        let want = BackendKind::Reference.create().indexed_flatten(&call).unwrap();
+        let got = backend.indexed_flatten(&call).unwrap();
+        prop_assert_eq!(got.flattened_array.dtype(), input.dtype());
+        prop_assert_eq!(got, want);
+        let timed = backend.time_repeated(KernelCall::IndexedFlatten(&call), 2).unwrap();
+        prop_assert!(timed.is_some());
+    }
+}
+
+/// Small calls of the four plan and selection kernels, for the manifest tests below.
+struct PlanKernels {
+    inp: Tensor,
+    /// `topk_reduce`'s input for token_base_index 0 and 1, indexed by the base.
+    reduce_input: [Tensor; 2],
+    affinities: Tensor,
+    start: Tensor,
+    lists: Tensor,
+    row_offsets: Tensor,
+}
+
+impl PlanKernels {
+    fn new() -> Self {
+        let mut rng = SeededRng::new(3);
+        Self {
+            inp: f32_tensor(&[2, 5], &rng.values(10, 1.0)),
+            // Tokens 1 and 0, one row each, then padding; ids from base 0 and from base 1.
+            reduce_input: {
+                let values = rng.values(6, 1.0);
+                [0, 1].map(|base| exchanged(&[base + 1, base, -1], &values, 2))
+            },
+            affinities: f32_tensor(
+                &[4, 3],
+                &[0.5, 0.0, 0.0, 0.0, 0.25, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0],
+            ),
+            start: i32_tensor(&[1], &[1]),
+            lists: i32_tensor(&[2, 4], &[0, 3, -1, -1, 1, -1, -1, -1]),
+            row_offsets: i32_tensor(&[2], &[0, 2]),
+        }
+    }
+
+    fn topk(&self, sorted_flag: bool) -> Topk<'_> {
+        let params = TopkParams {
+            sorted_flag,
+            ..TopkParams::new(2)
+        };
+        Topk::new(TopkInputs { inp: &self.inp }, params).unwrap()
+    }
+
+    fn topk_reduce(&self, token_base_index: i32) -> TopkReduce<'_> {
+        let params = TopkReduceParams {
+            token_base_index,
+            ..TopkReduceParams::new(2, 2)
+        };
+        TopkReduce::new(
+            TopkReduceInputs {
+                input: &self.reduce_input[usize::try_from(token_base_index).unwrap()],
+            },
+            params,
+        )
+        .unwrap()
+    }
+
+    fn find_nonzero_indices(&self, window: bool) -> FindNonzeroIndices<'_> {
+        FindNonzeroIndices::new(
+            FindNonzeroIndicesInputs {
+                input_tensor: &self.affinities,
+                col_start_id: window.then_some(&self.start),
+            },
+            FindNonzeroIndicesParams {
+                n_cols: window.then_some(2),
+                chunk_size: None,
+            },
+        )
+        .unwrap()
+    }
+
+    fn indexed_flatten(&self, padding_val: i32) -> IndexedFlatten<'_> {
+        IndexedFlatten::new(
+            IndexedFlattenInputs {
+                input_tensor: &self.lists,
+                row_offsets: &self.row_offsets,
+                row_offsets_start: None,
+            },
+            IndexedFlattenParams {
+                f_len: 2,
+                output_len: 8,
+                padding_val,
+            },
+        )
+        .unwrap()
+    }
+}
+
+/// Each kernel's call finds the entry whose keys are its own (an entry that leaves a key out
+/// was compiled with nki-library's default); a call whose parameters differ from every entry is
+/// an error naming the call's keys and every entry's.
+#[test]
+fn plan_and_selection_kernels_run_the_entry_their_keys_select() {
+    let _guard = exclusive();
+    let dir = workdir("plan_kernels_keys");
+    let calls = PlanKernels::new();
+    let reduce = topk_reduce_neff_and_entry(3, 2, TopkReduceParams::new(2, 2), "f32");
+    let nonzero = String::from("moekit-fake-neff 1\nkernel find_nonzero_indices\n")
+        + &decl("input", "input_tensor", "f32", &[4, 3])
+        + &decl("output", "indices", "i32", &[3, 4])
+        + &decl("output", "nonzero_counts", "i32", &[3]);
+    let flatten = String::from("moekit-fake-neff 1\nkernel indexed_flatten\nparam f_len 2\n")
+        + &decl("input", "input_tensor", "i32", &[2, 4])
+        + &decl("input", "row_offsets", "i32", &[2])
+        + &decl("output", "flattened_array", "i32", &[8]);
+    let (topk_neff, topk_entry) = topk_neff_and_entry(&calls.inp, TopkParams::new(2));
+    // Entries that leave sorted_flag, token_base_index, col_start_id and n_cols, and
+    // padding_val out: compiled with true, 1, every column and −1.
+    let backend = backend_with(
+        &dir,
+        &[
+            (
+                "topk.neff",
+                topk_neff,
+                topk_entry.replace("sorted_flag = true\n", ""),
+            ),
+            ("reduce.neff", reduce.0, reduce.1),
+            (
+                "nonzero.neff",
+                nonzero,
+                "name = \"find_nonzero_indices\"\nt = 4\nc_full = 3\n".to_owned(),
+            ),
+            (
+                "flatten.neff",
+                flatten,
+                "name = \"indexed_flatten\"\ne = 2\nt = 4\nf_len = 2\noutput_len = 8\n".to_owned(),
+            ),
+        ],
+    );
+    let reference = BackendKind::Reference.create();
+    for kernel in [
+        Kernel::Topk,
+        Kernel::TopkReduce,
+        Kernel::FindNonzeroIndices,
+        Kernel::IndexedFlatten,
+    ] {
+        assert!(backend.supports(kernel).unwrap(), "{}", kernel.name());
+    }
+    // The defaults run...
+    let call = calls.topk(true);
+    assert_eq!(backend.topk(&call).unwrap(), reference.topk(&call).unwrap());
+    let call = calls.topk_reduce(1);
+    let (got, want) = (
+        backend.topk_reduce(&call).unwrap(),
+        reference.topk_reduce(&call).unwrap(),
+    );
+    assert_eq!(got.output, want.output);
+    let call = calls.find_nonzero_indices(false);
+    assert_eq!(
+        backend.find_nonzero_indices(&call).unwrap(),
+        reference.find_nonzero_indices(&call).unwrap()
+    );
+    let call = calls.indexed_flatten(-1);
+    assert_eq!(
+        backend.indexed_flatten(&call).unwrap(),
+        reference.indexed_flatten(&call).unwrap()
+    );
+    // ...and other values find no entry: the error names the call's keys and the entries'.
+    let expect = |err: Error, needles: &[&str]| {
+        let message = err.to_string();
+        assert!(matches!(err, Error::Neff { .. }), "{message}");
+        for needle in needles.iter().chain(&["kernels.toml"]) {
+            assert!(message.contains(needle), "`{needle}` not in: {message}");
+        }
+    };
+    expect(
+        backend.topk(&calls.topk(false)).unwrap_err(),
+        &[
+            "no NEFF for topk with rows=2 v=5 k=2 sorted_flag=false method=ROTATIONAL",
+            "topk.neff (k=2 rows=2 v=5)",
+        ],
+    );
+    expect(
+        backend.topk_reduce(&calls.topk_reduce(0)).unwrap_err(),
+        &[
+            "no NEFF for topk_reduce with t=2 h=2 k=2 tk_padded=3 token_base_index=0",
+            "reduce.neff (h=2 k=2 t=2 tk_padded=3)",
+        ],
+    );
+    expect(
+        backend
+            .find_nonzero_indices(&calls.find_nonzero_indices(true))
+            .unwrap_err(),
+        &[
+            "no NEFF for find_nonzero_indices with t=4 c_full=3 n_cols=2 col_start_id=true",
+            "nonzero.neff (c_full=3 t=4)",
+        ],
+    );
+    expect(
+        backend
+            .indexed_flatten(&calls.indexed_flatten(0))
+            .unwrap_err(),
+        &[
+            "no NEFF for indexed_flatten with e=2 t=4 n=2 f_len=2 output_len=8 padding_val=0 \
+             row_offsets_start=false",
+            "flatten.neff (e=2 f_len=2 output_len=8 t=4)",
+        ],
+    );
+    // A NEFF that writes the copied array in another dtype than input_tensor's is refused
+    // before it runs.
+    drop(backend);
+    let float_flatten = String::from("moekit-fake-neff 1\nkernel copy\n")
+        + &decl("input", "input_tensor", "i32", &[2, 4])
+        + &decl("input", "row_offsets", "i32", &[2])
+        + &decl("output", "flattened_array", "f32", &[8]);
+    let backend = backend_with(
+        &workdir("plan_kernels_copy_dtype"),
+        &[(
+            "flatten.neff",
+            float_flatten,
+            "name = \"indexed_flatten\"\n".to_owned(),
+        )],
+    );
+    let err = backend
+        .indexed_flatten(&calls.indexed_flatten(-1))
+        .unwrap_err();
+    assert!(matches!(err, Error::Neff { .. }), "{err}");
+    let message = err.to_string();
+    for needle in [
+        "flatten.neff: output `flattened_array`: the NEFF produces f32",
+        "i32 (the dtype of the input it copies)",
+    ] {
+        assert!(message.contains(needle), "`{needle}` not in: {message}");
+    }
+}
+
+/// A manifest of `entries` (kernel name, then keys) on NEFF files that need not exist: what
+/// `moekit check` reads for its fixed shapes.
+fn shapes_of(name: &str, entries: &[&str]) -> moekit::Result<moekit::backend::FixedShapes> {
+    let dir = workdir(name);
+    let manifest: String = entries
+        .iter()
+        .enumerate()
+        .map(|(n, keys)| format!("[[kernel]]\nneff = \"{n}.neff\"\nname = {keys}\n"))
+        .collect();
+    std::fs::write(dir.join("kernels.toml"), manifest).unwrap();
+    let backend = NeuronBackend::new(NeuronConfig {
+        library: Some(PathBuf::from(FAKE)),
+        manifest: dir.join("kernels.toml"),
+    });
+    Ok(backend.fixed_shapes()?.expect("compiled shapes"))
+}
+
+/// `moekit check` runs each plan and selection kernel's entry on a layer it can build: the
+/// entry's sizes and parameters read back, nki-library's limits the shapes break as warnings,
+/// and an entry no check layer feeds is an error naming the key.
+#[test]
+fn plan_and_selection_entries_give_check_their_shapes_and_nki_librarys_limits() {
+    let fixed = shapes_of(
+        "plan_kernel_shapes",
+        &[
+            "\"topk\"\nrows = 3\nv = 20\nk = 4\nsorted_flag = false\nmethod = \"SCANNING\"",
+            "\"topk_reduce\"\nt = 1\nh = 5\nk = 9\ntk_padded = 9\ntoken_base_index = 0",
+            "\"find_nonzero_indices\"\nt = 12\nc_full = 3",
+            "\"find_nonzero_indices\"\nt = 256\nc_full = 6\nn_cols = 4\ncol_start_id = true",
+            "\"indexed_flatten\"\ne = 4\nt = 12\nf_len = 4\noutput_len = 20\npadding_val = 0",
+            "\"topk_reduce\"\nt = 64\nh = 2048\nk = 8\ntk_padded = 512",
+            "\"indexed_flatten\"\ne = 4\nt = 64\nn = 4\nf_len = 4\noutput_len = 256",
+            "\"topk\"\nrows = 1\nv = 16777217\nk = 1",
+            "\"topk_reduce\"\nt = 2\nh = 2\nk = 2\ntk_padded = 4",
+        ],
+    )
+    .unwrap();
+    let shapes = &fixed.shapes;
+    let kernels: Vec<Kernel> = shapes.iter().map(|shape| shape.kernel).collect();
+    assert_eq!(
+        kernels,
+        [
+            Kernel::Topk,
+            Kernel::TopkReduce,
+            Kernel::FindNonzeroIndices,
+            Kernel::FindNonzeroIndices,
+            Kernel::IndexedFlatten,
+            Kernel::TopkReduce,
+            Kernel::IndexedFlatten,
+            Kernel::Topk,
+            Kernel::TopkReduce,
+        ]
+    );
+    let sizes = |n: usize| {
+        let s = shapes[n].sizes;
+        [s.t, s.h, s.e, s.k, s.i, s.b]
+    };
+    // topk: the router logits [rows, v] of a layer routed to the entry's k.
+    assert_eq!(sizes(0), [3, 1, 20, 4, 1, 1]);
+    let params = &shapes[0].params;
+    assert_eq!(
+        (params.k, params.sorted_flag, params.method),
+        (Some(4), Some(false), Some(TopkMethod::Scanning))
+    );
+    assert_eq!(shapes[7].params.sorted_flag, Some(true));
+    assert_eq!(shapes[7].params.method, Some(TopkMethod::Rotational));
+    // topk_reduce: T·K exchanged rows of K experts in blocks of one, the entry's base.
+    assert_eq!(sizes(1), [1, 5, 9, 9, 1, 1]);
+    let params = &shapes[1].params;
+    assert_eq!(
+        (
+            params.token_count,
+            params.rows_per_token,
+            params.token_base_index
+        ),
+        (Some(1), Some(9), Some(0))
+    );
+    assert_eq!(shapes[5].params.token_base_index, None);
+    // find_nonzero_indices: the routed affinities of c_full experts, every column or n_cols.
+    assert_eq!(sizes(2), [12, 1, 3, 1, 1, 1]);
+    assert_eq!(shapes[2].params.n_cols, None);
+    assert_eq!(sizes(3), [256, 1, 6, 1, 1, 1]);
+    assert_eq!(shapes[3].params.n_cols, Some(4));
+    // indexed_flatten: e experts' token lists in blocks of f_len, the entry's output_len.
+    assert_eq!(sizes(4), [12, 1, 4, 1, 1, 4]);
+    let params = &shapes[4].params;
+    assert_eq!(
+        (params.f_len, params.output_len, params.padding_val),
+        (Some(4), Some(20), Some(0))
+    );
+
+    // nki-library's limits, each named with its value; shapes within them warn of nothing.
+    let warnings = |n: usize| shapes[n].warnings.join("\n");
+    for (n, needles) in [
+        (0, &[][..]),
+        (
+            1,
+            &[
+                "`t` = 1: nki-library's topk_reduce needs 1 < T ≤ 128 on Trainium2",
+                "`k` = 9: nki-library's topk_reduce needs K ≤ 8",
+                "`h` = 5: nki-library's topk_reduce needs H even",
+            ][..],
+        ),
+        (
+            2,
+            &[
+                "`t` = 12: nki-library's find_nonzero_indices needs T a multiple of 128",
+                "`n_cols` = 3 (by default): nki-library's find_nonzero_indices needs the columns \
+                 searched (n_cols, or C_full) even",
+            ][..],
+        ),
+        (3, &[][..]),
+        (
+            4,
+            &[
+                "`output_len` = 20: nki-library's indexed_flatten needs output_len a multiple of 128",
+                "`t` / `f_len` = 3: nki-library's indexed_flatten needs T / f_len (each row's \
+                 blocks) a multiple of 16",
+            ][..],
+        ),
+        (5, &[][..]),
+        (6, &[][..]),
+        (
+            7,
+            &["`v` = 16777217: nki-library's topk needs V ≤ 2^24"][..],
+        ),
+        (
+            8,
+            &["`tk_padded` = 4: nki-library's topk_reduce needs 8 ≤ TK_padded ≤ 16384"][..],
+        ),
+    ] {
+        let text = warnings(n);
+        assert_eq!(shapes[n].warnings.len(), needles.len(), "entry {n}: {text}");
+        for needle in needles {
+            assert!(
+                text.contains(needle),
+                "entry {n}: `{needle}` not in:\n{text}"
+            );
+        }
+    }
+
+    // Entries whose inputs no check layer builds: an error naming the entry and the key.
+    for (name, entry, needle) in [
+        (
+            "padded_rows",
+            "\"topk_reduce\"\nt = 4\nh = 2\nk = 2\ntk_padded = 16",
+            "tk_padded = 16 is not t·k = 4·2",
+        ),
+        (
+            "window_without_start",
+            "\"find_nonzero_indices\"\nt = 4\nc_full = 6\nn_cols = 2",
+            "`n_cols` = 2 is not c_full = 6",
+        ),
+        (
+            "start_without_window",
+            "\"find_nonzero_indices\"\nt = 4\nc_full = 6\ncol_start_id = true",
+            "`check` needs `n_cols`",
+        ),
+        (
+            "offsets_start",
+            "\"indexed_flatten\"\ne = 2\nt = 4\nf_len = 2\noutput_len = 8\nrow_offsets_start = true",
+            "row_offsets_start = true",
+        ),
+        (
+            "longer_offsets",
+            "\"indexed_flatten\"\ne = 2\nt = 4\nn = 3\nf_len = 2\noutput_len = 8",
+            "n = 3 is not e = 2",
+        ),
+        (
+            "no_output_len",
+            "\"indexed_flatten\"\ne = 2\nt = 4\nf_len = 2",
+            "`check` needs `output_len`",
+        ),
+    ] {
+        let err = shapes_of(name, &[entry]).unwrap_err();
+        let message = err.to_string();
+        assert!(matches!(err, Error::Format { .. }), "{message}");
+        assert!(
+            message.contains("kernel entry 1") && message.contains(needle),
+            "{name}: `{needle}` not in: {message}"
+        );
+    }
 }

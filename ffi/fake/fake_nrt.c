@@ -11,7 +11,8 @@
  *
  *     moekit-fake-neff 1
  *     kernel router_topk            (or blockwise_mm, blockwise_mm_bwd, moe_tkg,
- *                                    rmsnorm_router_topk_tkg, moe_block_tkg, or copy: each
+ *                                    rmsnorm_router_topk_tkg, moe_block_tkg, topk, topk_reduce,
+ *                                    find_nonzero_indices, indexed_flatten, or copy: each
  *                                    output = the same-index input)
  *     param act_fn SOFTMAX          (router_topk: SOFTMAX | SIGMOID)
  *     param router_pre_norm 1       (router_topk: 1 = ACT1, the default | 0 = ACT2)
@@ -41,6 +42,12 @@
  *                                    eps, hidden_actual, hidden_act_fn (the ActFnType members),
  *                                    expert_affinities_scaling_mode (NO_SCALE, the default, or
  *                                    POST_SCALE), is_all_expert and the clamp limits)
+ *     param sorted_flag 0           (topk: 1, the default, descending | 0, ascending position)
+ *     param K 2                     (topk_reduce: the most rows summed per token, required; with
+ *                                    it, token_base_index, 1 by default, any i32)
+ *     param chunk_size 128          (find_nonzero_indices: must divide T; T by default)
+ *     param f_len 4                 (indexed_flatten: the block length, required; with it,
+ *                                    padding_val, -1 by default, any i32)
  *     input x f32 4 8               (name, dtype f32 | bf16 | i32, then the dimensions; the
  *                                    computation ignores names it does not know, which moekit's
  *                                    backend must catch)
@@ -63,6 +70,22 @@
  * router_weights' dtype, and moe_tkg's experts on the norm (under POST_SCALE, all-expert mode
  * masks the unselected experts where ACT1's affinities are dense); a rank_id out of range is
  * NRT_EXEC_OOB.
+ * topk takes inp [..., V] and returns topk_values and topk_indices [..., K] (i32): each row's K
+ * largest values, equal ones by position, the lower first, descending (or in ascending
+ * position), and where K = V the row as given with positions 0..V.
+ * topk_reduce takes input [TK_padded, H+2] bf16, each row H values then its token id in the
+ * bits of the last two columns (the low half first), and returns output [T, H]: for each token
+ * t the sum of the first K rows carrying id token_base_index + t; a token without one is
+ * NRT_EXEC_BAD_INPUT.
+ * find_nonzero_indices takes input_tensor [T, C_full] (f32, bf16 or i32) and optionally
+ * col_start_id [1] (i32), and returns indices [C, T] and nonzero_counts [C] (i32): for each
+ * searched column (col_start_id[0] + c, or c, all C_full without it) its nonzero rows ascending
+ * then -1, and their count; columns past C_full are NRT_EXEC_OOB.
+ * indexed_flatten takes input_tensor [E, T], row_offsets [N] (i32) and optionally
+ * row_offsets_start [1] (i32), and returns flattened_array [output_len] in input_tensor's
+ * dtype: padding_val, then each row's T / f_len blocks of f_len elements copied, rows in order,
+ * to blocks row_offsets[start + e] + p, those outside the output skipped; offsets read past N
+ * are NRT_EXEC_OOB.
  * blockwise_mm takes the optional inputs gate_and_up_proj_bias and down_proj_bias, and
  * blockwise_mm_bwd the optional outputs gate_and_up_proj_bias_grad and down_proj_bias_grad.
  * router_topk, blockwise_mm (with or without its checkpoint outputs) and blockwise_mm_bwd follow
@@ -111,7 +134,11 @@ typedef enum {
     KERNEL_BLOCKWISE_MM_BWD,
     KERNEL_MOE_TKG,
     KERNEL_RMSNORM_ROUTER_TOPK_TKG,
-    KERNEL_MOE_BLOCK_TKG
+    KERNEL_MOE_BLOCK_TKG,
+    KERNEL_TOPK,
+    KERNEL_TOPK_REDUCE,
+    KERNEL_FIND_NONZERO_INDICES,
+    KERNEL_INDEXED_FLATTEN
 } kernel_t;
 
 /* nki-library's ActFnType members, in its order. */
@@ -180,6 +207,12 @@ struct nrt_model {
     uint32_t hidden_actual; /* rmsnorm_router_topk_tkg, moe_block_tkg; 0: H */
     int eager;              /* rmsnorm_router_topk_tkg: store_eager_affi_only */
     uint32_t top_k;         /* moe_block_tkg's K (no tensor of its shows it); 0: 1 */
+    int unsorted;           /* topk: sorted_flag = 0 */
+    uint32_t rows_per_token; /* topk_reduce's K; 0: not given */
+    int32_t token_base;     /* topk_reduce's token_base_index */
+    uint32_t chunk_size;    /* find_nonzero_indices; 0: T */
+    uint32_t f_len;         /* indexed_flatten; 0: not given */
+    int32_t padding_val;    /* indexed_flatten */
     /* The blockwise clamp limits: [0 gate | 1 up][0 lower | 1 upper], where has_clamp is set. */
     double clamp[2][2];
     int has_clamp[2][2];
@@ -410,6 +443,39 @@ static int kernel_tensors_consistent(const nrt_model_t *m) {
                (find_decl(m, "gate_and_up_proj_bias", in) == NULL || has_shape(m, "gate_and_up_proj_bias", in, 3, gub)) &&
                (find_decl(m, "down_proj_bias", in) == NULL || has_shape(m, "down_proj_bias", in, 2, db));
     }
+    if (m->kernel == KERNEL_TOPK) {
+        const decl_t *x = find_decl(m, "inp", in), *values = find_decl(m, "topk_values", out);
+        if (x == NULL || values == NULL || x->ndim < 2 || values->ndim != x->ndim) return 0;
+        uint32_t shape[MAX_DIMS], v = x->shape[x->ndim - 1], k = values->shape[x->ndim - 1];
+        memcpy(shape, x->shape, x->ndim * sizeof *shape);
+        shape[x->ndim - 1] = k;
+        return x->dtype != NRT_DTYPE_INT32 && k <= v && has_shape(m, "topk_values", out, x->ndim, shape) &&
+               has_shape(m, "topk_indices", out, x->ndim, shape);
+    }
+    if (m->kernel == KERNEL_TOPK_REDUCE) {
+        const decl_t *x = find_decl(m, "input", in);
+        uint32_t t = dim(m, "output", out, 0), h = dim(m, "output", out, 1), rows = dim(m, "input", in, 0);
+        uint32_t shape[2] = {rows, h + 2}, th[2] = {t, h};
+        return x != NULL && x->dtype == NRT_DTYPE_BFLOAT16 && m->rows_per_token > 0 && t > 0 && h > 0 && t <= rows &&
+               has_shape(m, "input", in, 2, shape) && has_shape(m, "output", out, 2, th);
+    }
+    if (m->kernel == KERNEL_FIND_NONZERO_INDICES) {
+        uint32_t t = dim(m, "input_tensor", in, 0), c_full = dim(m, "input_tensor", in, 1);
+        uint32_t c = dim(m, "indices", out, 0), ct[2] = {c, t}, tc[2] = {t, c_full}, one = 1;
+        const decl_t *start = find_decl(m, "col_start_id", in);
+        return t > 0 && c > 0 && has_shape(m, "input_tensor", in, 2, tc) && has_shape(m, "indices", out, 2, ct) &&
+               has_shape(m, "nonzero_counts", out, 1, &c) && (m->chunk_size == 0 || t % m->chunk_size == 0) &&
+               (start == NULL ? c == c_full : c <= c_full && has_shape(m, "col_start_id", in, 1, &one));
+    }
+    if (m->kernel == KERNEL_INDEXED_FLATTEN) {
+        const decl_t *x = find_decl(m, "input_tensor", in), *flat = find_decl(m, "flattened_array", out);
+        uint32_t e = dim(m, "input_tensor", in, 0), t = dim(m, "input_tensor", in, 1);
+        uint32_t n = dim(m, "row_offsets", in, 0), len = dim(m, "flattened_array", out, 0), f = m->f_len, one = 1;
+        const decl_t *start = find_decl(m, "row_offsets_start", in);
+        return x != NULL && flat != NULL && x->ndim == 2 && flat->ndim == 1 && flat->dtype == x->dtype && f > 0 &&
+               e > 0 && t % f == 0 && len % f == 0 && has_shape(m, "row_offsets", in, 1, &n) &&
+               (start == NULL ? n == e : n >= e && has_shape(m, "row_offsets_start", in, 1, &one));
+    }
     /* copy: output j has the size of input j. */
     int inputs = 0, outputs = 0;
     size_t in_sizes[MAX_TENSORS];
@@ -468,6 +534,8 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
     char *save = NULL;
     memset(m, 0, sizeof *m);
     m->eps = 1e-6;
+    m->token_base = 1;
+    m->padding_val = -1;
     for (char *line = strtok_r(text, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save), line_no++) {
         char word[64], name[NRT_TENSOR_NAME_MAX], value[64];
         int version, used = 0, which, bound_index;
@@ -496,6 +564,10 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
             else if (strcmp(value, "moe_tkg") == 0) m->kernel = KERNEL_MOE_TKG;
             else if (strcmp(value, "rmsnorm_router_topk_tkg") == 0) m->kernel = KERNEL_RMSNORM_ROUTER_TOPK_TKG;
             else if (strcmp(value, "moe_block_tkg") == 0) m->kernel = KERNEL_MOE_BLOCK_TKG;
+            else if (strcmp(value, "topk") == 0) m->kernel = KERNEL_TOPK;
+            else if (strcmp(value, "topk_reduce") == 0) m->kernel = KERNEL_TOPK_REDUCE;
+            else if (strcmp(value, "find_nonzero_indices") == 0) m->kernel = KERNEL_FIND_NONZERO_INDICES;
+            else if (strcmp(value, "indexed_flatten") == 0) m->kernel = KERNEL_INDEXED_FLATTEN;
             else status = NRT_INVALID;
         } else if (strcmp(word, "param") == 0 && sscanf(line, "param %255s %63s", name, value) == 2) {
             int flag = strcmp(value, "0") == 0 || strcmp(value, "1") == 0;
@@ -514,7 +586,16 @@ static NRT_STATUS parse_neff(const char *bytes, size_t size, nrt_model_t *m) {
                 unsigned long k = strtoul(value, &end, 10);
                 if (*end != '\0' || k == 0 || k > UINT32_MAX) status = NRT_INVALID;
                 m->top_k = (uint32_t)k;
-            } else if (strcmp(name, "store_eager_affi_only") == 0 && flag) m->eager = value[0] == '1';
+            } else if (strcmp(name, "K") == 0 || strcmp(name, "chunk_size") == 0 || strcmp(name, "f_len") == 0) {
+                unsigned long size = strtoul(value, &end, 10);
+                if (*end != '\0' || value[0] == '-' || size == 0 || size > UINT32_MAX) status = NRT_INVALID;
+                *(name[0] == 'K' ? &m->rows_per_token : name[0] == 'c' ? &m->chunk_size : &m->f_len) = (uint32_t)size;
+            } else if (strcmp(name, "token_base_index") == 0 || strcmp(name, "padding_val") == 0) {
+                long v = strtol(value, &end, 10);
+                if (*end != '\0' || v < INT32_MIN || v > INT32_MAX) status = NRT_INVALID;
+                *(name[0] == 't' ? &m->token_base : &m->padding_val) = (int32_t)v;
+            } else if (strcmp(name, "sorted_flag") == 0 && flag) m->unsorted = value[0] == '0';
+            else if (strcmp(name, "store_eager_affi_only") == 0 && flag) m->eager = value[0] == '1';
             else if (strcmp(name, "router_pre_norm") == 0 && flag) m->act2 = value[0] == '0';
             else if (strcmp(name, "norm_topk_prob") == 0 && flag) m->norm_topk_prob = value[0] == '1';
             else if (strcmp(name, "x_hbm_layout") == 0 && flag) m->x_h_t = value[0] == '0';
@@ -1325,6 +1406,127 @@ static NRT_STATUS run_moe_block_tkg(const bound_t *b) {
     return NRT_SUCCESS;
 }
 
+/* topk: per row of inp (its leading axes), the K largest values of the last axis and their
+ * positions, picked one by one (the first of equal values first), then put in ascending
+ * position where sorted_flag is 0; K = V is the row as given. */
+static NRT_STATUS run_topk(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    const decl_t *d = find_decl(m, "inp", in);
+    size_t v = d->shape[d->ndim - 1], k = dim(m, "topk_values", out, d->ndim - 1), rows = 1;
+    for (uint32_t axis = 0; axis + 1 < d->ndim; axis++) rows *= d->shape[axis];
+    nrt_dtype_t dx, dv, di;
+    nrt_tensor_t *x = bound(b, "inp", in, &dx), *values = bound(b, "topk_values", out, &dv);
+    nrt_tensor_t *indices = bound(b, "topk_indices", out, &di);
+    unsigned char *taken = malloc(v);
+    size_t *chosen = malloc(k * sizeof *chosen);
+    if (taken == NULL || chosen == NULL) {
+        free(taken), free(chosen);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    for (size_t r = 0; r < rows; r++) {
+        memset(taken, 0, v);
+        for (size_t slot = 0; slot < k; slot++) {
+            size_t best = slot; /* K = V: the row as given */
+            if (k < v) {
+                best = v;
+                for (size_t j = 0; j < v; j++)
+                    if (!taken[j] && (best == v || load(x, dx, r * v + j) > load(x, dx, r * v + best))) best = j;
+            }
+            chosen[slot] = best;
+            taken[best] = 1;
+        }
+        /* Unsorted: the chosen positions ascending. */
+        if (m->unsorted)
+            for (size_t j = 0, next = 0; j < v && next < k; j++)
+                if (taken[j]) chosen[next++] = j;
+        for (size_t slot = 0; slot < k; slot++) {
+            store(values, dv, r * k + slot, load(x, dx, r * v + chosen[slot]));
+            store(indices, di, r * k + slot, (double)chosen[slot]);
+        }
+    }
+    free(taken), free(chosen);
+    return NRT_SUCCESS;
+}
+
+/* topk_reduce: output[t] = the sum (f64) of the first K rows of input whose token id, the bits
+ * of columns H (low half) and H + 1 (high half), is token_base_index + t. */
+static NRT_STATUS run_topk_reduce(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t t = dim(m, "output", out, 0), h = dim(m, "output", out, 1), rows = dim(m, "input", in, 0);
+    nrt_dtype_t dx, dout;
+    nrt_tensor_t *x = bound(b, "input", in, &dx), *output = bound(b, "output", out, &dout);
+    double *acc = calloc(t * h, sizeof *acc);
+    size_t *summed = calloc(t, sizeof *summed);
+    if (acc == NULL || summed == NULL) {
+        free(acc), free(summed);
+        return NRT_FAIL_HOST_MEM_ALLOC;
+    }
+    for (size_t r = 0; r < rows; r++) {
+        uint16_t low, high;
+        memcpy(&low, x->data + 2 * (r * (h + 2) + h), 2);
+        memcpy(&high, x->data + 2 * (r * (h + 2) + h + 1), 2);
+        int64_t token = (int64_t)(int32_t)((uint32_t)high << 16 | low) - m->token_base;
+        if (token < 0 || token >= (int64_t)t || summed[token] == m->rows_per_token) continue;
+        summed[token]++;
+        for (size_t c = 0; c < h; c++) acc[token * h + c] += load(x, dx, r * (h + 2) + c);
+    }
+    NRT_STATUS s = NRT_SUCCESS;
+    for (size_t tok = 0; tok < t; tok++)
+        if (summed[tok] == 0) s = NRT_EXEC_BAD_INPUT;
+    for (size_t i = 0; s == NRT_SUCCESS && i < t * h; i++) store(output, dout, i, acc[i]);
+    free(acc), free(summed);
+    return s;
+}
+
+/* find_nonzero_indices: for each searched column, its nonzero rows ascending, then -1, and
+ * their count. */
+static NRT_STATUS run_find_nonzero_indices(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t t = dim(m, "input_tensor", in, 0), c_full = dim(m, "input_tensor", in, 1), c = dim(m, "indices", out, 0);
+    nrt_dtype_t dx, ds = NRT_DTYPE_INT32, di, dc;
+    nrt_tensor_t *x = bound(b, "input_tensor", in, &dx), *start = bound(b, "col_start_id", in, &ds);
+    nrt_tensor_t *indices = bound(b, "indices", out, &di), *counts = bound(b, "nonzero_counts", out, &dc);
+    double first = start != NULL ? load(start, ds, 0) : 0.0;
+    if (!(first >= 0 && first + (double)c <= (double)c_full)) return NRT_EXEC_OOB;
+    for (size_t col = 0; col < c; col++) {
+        size_t found = 0;
+        for (size_t row = 0; row < t; row++)
+            if (load(x, dx, row * c_full + (size_t)first + col) != 0.0) store(indices, di, col * t + found++, (double)row);
+        store(counts, dc, col, (double)found);
+        for (; found < t; found++) store(indices, di, col * t + found, -1.0);
+    }
+    return NRT_SUCCESS;
+}
+
+/* indexed_flatten: padding_val everywhere, then each row's blocks of f_len elements copied as
+ * stored, rows in order, to output block row_offsets[start + e] + p where that is inside the
+ * output. */
+static NRT_STATUS run_indexed_flatten(const bound_t *b) {
+    const nrt_model_t *m = b->model;
+    const nrt_tensor_usage_t in = NRT_TENSOR_USAGE_INPUT, out = NRT_TENSOR_USAGE_OUTPUT;
+    size_t e = dim(m, "input_tensor", in, 0), t = dim(m, "input_tensor", in, 1), n = dim(m, "row_offsets", in, 0);
+    size_t len = dim(m, "flattened_array", out, 0), f = m->f_len;
+    nrt_dtype_t dx, dr, ds = NRT_DTYPE_INT32, dout;
+    nrt_tensor_t *x = bound(b, "input_tensor", in, &dx), *offsets = bound(b, "row_offsets", in, &dr);
+    nrt_tensor_t *start = bound(b, "row_offsets_start", in, &ds), *flat = bound(b, "flattened_array", out, &dout);
+    double first = start != NULL ? load(start, ds, 0) : 0.0;
+    if (!(first >= 0 && first + (double)e <= (double)n)) return NRT_EXEC_OOB;
+    size_t bytes = dtype_size(dout);
+    for (size_t i = 0; i < len; i++) store(flat, dout, i, m->padding_val);
+    for (size_t row = 0; row < e; row++) {
+        double offset = load(offsets, dr, (size_t)first + row);
+        for (size_t p = 0; p < t / f; p++) {
+            double block = offset + (double)p;
+            if (block < 0 || block >= (double)(len / f)) continue;
+            memcpy(flat->data + (size_t)block * f * bytes, x->data + (row * t + p * f) * bytes, f * bytes);
+        }
+    }
+    return NRT_SUCCESS;
+}
+
 static NRT_STATUS run_copy(const bound_t *b) {
     const nrt_model_t *m = b->model;
     int next_input = 0;
@@ -1368,6 +1570,10 @@ static NRT_STATUS execute(nrt_model_t *model, const nrt_tensor_set_t *input_set,
         case KERNEL_MOE_TKG: s = run_moe_tkg(&b); break;
         case KERNEL_RMSNORM_ROUTER_TOPK_TKG: s = run_rmsnorm_router_topk_tkg(&b); break;
         case KERNEL_MOE_BLOCK_TKG: s = run_moe_block_tkg(&b); break;
+        case KERNEL_TOPK: s = run_topk(&b); break;
+        case KERNEL_TOPK_REDUCE: s = run_topk_reduce(&b); break;
+        case KERNEL_FIND_NONZERO_INDICES: s = run_find_nonzero_indices(&b); break;
+        case KERNEL_INDEXED_FLATTEN: s = run_indexed_flatten(&b); break;
         default: s = run_copy(&b); break;
         }
     }

@@ -85,6 +85,8 @@ pub struct TopkReduceDims {
     pub h: usize,
     pub t: usize,
     pub k: usize,
+    /// The id of token 0 (`token_base_index`).
+    pub token_base_index: i32,
 }
 
 /// A validated `topk_reduce` call.
@@ -194,7 +196,13 @@ impl<'a> TopkReduce<'a> {
         Ok(Self {
             inputs,
             values,
-            dims: TopkReduceDims { rows, h, t, k },
+            dims: TopkReduceDims {
+                rows,
+                h,
+                t,
+                k,
+                token_base_index: params.token_base_index,
+            },
             gathered,
             output_dtype: OutputDType::default(),
         })

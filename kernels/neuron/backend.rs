@@ -7,8 +7,9 @@
 //! contract does not have, an input the call provides that the NEFF ignores, an input the NEFF
 //! needs that the call lacks, a shape or a dtype that differs — each is an [`Error::Neff`]
 //! naming the NEFF and the tensor. Shapes compare with unit dimensions dropped (`[T·E, 1]` and
-//! `[T·E]` are the same bytes); dtypes compare exactly for inputs (f32, bf16, i32), and float
-//! outputs may be f32 or bf16 (returned widened to f32, as the contracts produce).
+//! `[T·E]` are the same bytes); dtypes compare exactly for inputs (f32, bf16, i32), float
+//! outputs may be f32 or bf16 (returned widened to f32, as the contracts produce), and an output
+//! that copies an input (`indexed_flatten`'s `flattened_array`) must have that input's dtype.
 //!
 //! `router_topk` NEFFs may leave out `topk_affinities` (the NKI kernel does): it is then gathered
 //! from `expert_affinities` at `expert_index`. Likewise `blockwise_mm_bwd`'s `d_topk_affinities`
@@ -35,8 +36,9 @@ use super::runtime::{Library, Model, NrtDType, Placement, Runtime, TensorInfo, U
 use crate::backend::{Backend, Device, FixedShapes, KernelCall, PlannedCall, Tolerance};
 use crate::contracts::spec::{DTypeSpec, Named, TensorSpec};
 use crate::contracts::tensors::{
-    blockwise_mm as fwd, blockwise_mm_bwd as bwd, moe_block_tkg as block, moe_tkg as tkg,
-    rmsnorm_router_topk_tkg as fused, router_topk as router,
+    blockwise_mm as fwd, blockwise_mm_bwd as bwd, find_nonzero_indices as fni,
+    indexed_flatten as ifl, moe_block_tkg as block, moe_tkg as tkg,
+    rmsnorm_router_topk_tkg as fused, router_topk as router, topk as tk, topk_reduce as tr,
 };
 use crate::contracts::{
     A2avRouting, A2avRoutingOutputs, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd,
@@ -50,7 +52,7 @@ use crate::contracts::{
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Tensor, position};
 
 /// Environment variable naming the manifest; `kernels.toml` in the working directory if unset.
 pub const MANIFEST_ENV: &str = "MOEKIT_NEURON_MANIFEST";
@@ -113,29 +115,72 @@ struct Ran {
     elapsed: Duration,
 }
 
+/// The dtypes a NEFF may write an output in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Written {
+    /// Indices and counts: i32.
+    Index,
+    /// Values: f32 or bf16, read back as f32 (the call rounds them into its output dtype).
+    Float,
+    /// A copy of an input's elements: that input's dtype, read back in it.
+    Copied(DType),
+}
+
+impl Written {
+    fn allows(self, dtype: NrtDType) -> bool {
+        match self {
+            Written::Index => dtype == NrtDType::I32,
+            Written::Float => dtype == NrtDType::F32 || dtype == NrtDType::BF16,
+            Written::Copied(copied) => dtype == nrt_dtype(copied),
+        }
+    }
+
+    /// What [`Written::allows`], in words.
+    fn expected(self) -> String {
+        match self {
+            Written::Index => "i32".to_owned(),
+            Written::Float => "f32 or bf16".to_owned(),
+            Written::Copied(copied) => format!("{copied} (the dtype of the input it copies)"),
+        }
+    }
+}
+
 /// An output the contract defines, as the backend expects the NEFF to produce it.
 struct OutputSpec {
     spec: &'static TensorSpec,
     shape: Vec<usize>,
     required: bool,
+    written: Written,
 }
 
 impl OutputSpec {
+    /// An output the NEFF computes: indices in i32, values in f32 or bf16.
     fn new(spec: &'static TensorSpec, shape: &[usize], required: bool) -> Self {
+        let written = if spec.dtype == DTypeSpec::Index {
+            Written::Index
+        } else {
+            Written::Float
+        };
         OutputSpec {
             spec,
             shape: shape.to_vec(),
             required,
+            written,
+        }
+    }
+
+    /// A required output that copies elements of an input of dtype `dtype`.
+    fn copy(spec: &'static TensorSpec, shape: &[usize], dtype: DType) -> Self {
+        OutputSpec {
+            spec,
+            shape: shape.to_vec(),
+            required: true,
+            written: Written::Copied(dtype),
         }
     }
 
     fn name(&self) -> &'static str {
         self.spec.name
-    }
-
-    /// Index outputs are i32; value outputs f32 or bf16.
-    fn index(&self) -> bool {
-        self.spec.dtype == DTypeSpec::Index
     }
 }
 
@@ -374,19 +419,14 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
                         ),
                     ));
                 }
-                let dtype_ok = if spec.index() {
-                    info.dtype == NrtDType::I32
-                } else {
-                    info.dtype == NrtDType::F32 || info.dtype == NrtDType::BF16
-                };
-                if !dtype_ok {
-                    let expected = if spec.index() { "i32" } else { "f32 or bf16" };
+                if !spec.written.allows(info.dtype) {
                     return Err(neff_error(
                         neff,
                         format!(
-                            "output `{}`: the NEFF produces {}, the contract needs {expected}",
+                            "output `{}`: the NEFF produces {}, the contract needs {}",
                             info.name,
-                            info.dtype.name()
+                            info.dtype.name(),
+                            spec.written.expected()
                         ),
                     ));
                 }
@@ -435,9 +475,10 @@ fn check_tensors(neff: &std::path::Path, tensors: &[TensorInfo], call: &Call<'_>
     Ok(())
 }
 
-/// Decodes an output's bytes into a contract tensor (values as f32, indices as i32).
-fn decode(info: &TensorInfo, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
-    let shape = shape.to_vec();
+/// Decodes an output's bytes into a contract tensor (values as f32, indices as i32, a copy in
+/// its input's dtype).
+fn decode(info: &TensorInfo, spec: &OutputSpec, bytes: &[u8]) -> Result<Tensor> {
+    let shape = spec.shape.clone();
     if info.dtype == NrtDType::I32 {
         let values = bytes
             .chunks_exact(4)
@@ -445,10 +486,13 @@ fn decode(info: &TensorInfo, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
         return Tensor::from_i32(shape, values.collect());
     }
     let values: Vec<f32> = if info.dtype == NrtDType::BF16 {
-        bytes
+        let values = bytes
             .chunks_exact(2)
-            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect()
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])));
+        if spec.written == Written::Copied(DType::BF16) {
+            return Tensor::from_bf16(shape, values.collect());
+        }
+        values.map(bf16::to_f32).collect()
     } else {
         bytes
             .chunks_exact(4)
@@ -510,7 +554,7 @@ fn execute(
         };
         let mut bytes = vec![0u8; info.size];
         tensor.read(&mut bytes, 0)?;
-        results.insert(spec.name(), decode(info, &spec.shape, &bytes)?);
+        results.insert(spec.name(), decode(info, spec, &bytes)?);
     }
     Ok((results, elapsed))
 }
@@ -917,25 +961,116 @@ fn moe_block_tkg_call<'a>(call: &MoeBlockTkg<'a>) -> Call<'a> {
     }
 }
 
-/// `expert_index` as produced by a NEFF, checked to hold expert ids in `[0, E)`.
-fn checked_expert_index(neff: &std::path::Path, index: &Tensor, e: usize) -> Result<Vec<usize>> {
-    let k = index.shape()[1];
+fn topk_call<'a>(call: &Topk<'a>) -> Call<'a> {
+    let (dims, params) = (call.dims(), call.params());
+    let shape = call.output_shape();
+    Call {
+        kernel: Kernel::Topk,
+        key: vec![
+            ("rows", Value::Int(dims.rows)),
+            ("v", Value::Int(dims.v)),
+            (Param::K.name(), Value::Int(dims.k)),
+            (Param::SortedFlag.name(), Value::Bool(params.sorted_flag)),
+            (Param::Method.name(), Value::Str(params.method.to_string())),
+        ],
+        inputs: call.inputs().named(),
+        outputs: vec![
+            OutputSpec::new(&tk::TOPK_VALUES, &shape, true),
+            OutputSpec::new(&tk::TOPK_INDICES, &shape, true),
+        ],
+    }
+}
+
+fn topk_reduce_call<'a>(call: &TopkReduce<'a>) -> Call<'a> {
+    let dims = call.dims();
+    Call {
+        kernel: Kernel::TopkReduce,
+        key: vec![
+            ("t", Value::Int(dims.t)),
+            ("h", Value::Int(dims.h)),
+            ("k", Value::Int(dims.k)),
+            ("tk_padded", Value::Int(dims.rows)),
+            (
+                Param::TokenBaseIndex.name(),
+                Value::Signed(dims.token_base_index),
+            ),
+        ],
+        inputs: call.inputs().named(),
+        outputs: vec![OutputSpec::new(&tr::OUTPUT, &[dims.t, dims.h], true)],
+    }
+}
+
+fn find_nonzero_indices_call<'a>(call: &FindNonzeroIndices<'a>) -> Call<'a> {
+    let (inputs, dims) = (call.inputs(), call.dims());
+    Call {
+        kernel: Kernel::FindNonzeroIndices,
+        key: vec![
+            ("t", Value::Int(dims.t)),
+            ("c_full", Value::Int(dims.c_full)),
+            (Param::NCols.name(), Value::Int(dims.c)),
+            (
+                fni::COL_START_ID.name,
+                Value::Bool(inputs.col_start_id.is_some()),
+            ),
+        ],
+        inputs: inputs.named(),
+        outputs: vec![
+            OutputSpec::new(&fni::INDICES, &[dims.c, dims.t], true),
+            OutputSpec::new(&fni::NONZERO_COUNTS, &[dims.c], true),
+        ],
+    }
+}
+
+fn indexed_flatten_call<'a>(call: &IndexedFlatten<'a>) -> Call<'a> {
+    let (inputs, dims, params) = (call.inputs(), call.dims(), call.params());
+    Call {
+        kernel: Kernel::IndexedFlatten,
+        key: vec![
+            ("e", Value::Int(dims.e)),
+            ("t", Value::Int(dims.t)),
+            ("n", Value::Int(inputs.row_offsets.shape().iter().product())),
+            (Param::FLen.name(), Value::Int(dims.f_len)),
+            (Param::OutputLen.name(), Value::Int(dims.output_len)),
+            (Param::PaddingVal.name(), Value::Signed(params.padding_val)),
+            (
+                ifl::ROW_OFFSETS_START.name,
+                Value::Bool(inputs.row_offsets_start.is_some()),
+            ),
+        ],
+        inputs: inputs.named(),
+        // nki-library's kernel copies input_tensor's elements, in its dtype.
+        outputs: vec![OutputSpec::copy(
+            &ifl::FLATTENED_ARRAY,
+            &[dims.output_len],
+            inputs.input_tensor.dtype(),
+        )],
+    }
+}
+
+/// Index output `spec` (`expert_index`, `topk_indices`) as produced by a NEFF, checked to hold
+/// indices in `[0, bound)`.
+fn checked_indices(
+    neff: &std::path::Path,
+    spec: &TensorSpec,
+    index: &Tensor,
+    bound: usize,
+) -> Result<Vec<usize>> {
     index
         .as_i32()
         .unwrap_or_default()
         .iter()
         .enumerate()
-        .map(|(position, &id)| {
+        .map(|(at, &id)| {
             usize::try_from(id)
                 .ok()
-                .filter(|&id| id < e)
+                .filter(|&id| id < bound)
                 .ok_or_else(|| {
                     neff_error(
                         neff,
                         format!(
-                            "output `expert_index` holds {id} at [{}, {}], outside [0, {e})",
-                            position / k,
-                            position % k
+                            "output `{}` holds {id} at {}, outside [0, {bound})",
+                            spec.name,
+                            position(index.shape(), at)
                         ),
                     )
                 })
@@ -1028,6 +1163,10 @@ impl Backend for NeuronBackend {
             KernelCall::MoeTkg(call) => moe_tkg_call(call),
             KernelCall::RmsNormRouterTopkTkg(call) => rmsnorm_router_topk_tkg_call(call),
             KernelCall::MoeBlockTkg(call) => moe_block_tkg_call(call),
+            KernelCall::Topk(call) => topk_call(call),
+            KernelCall::TopkReduce(call) => topk_reduce_call(call),
+            KernelCall::FindNonzeroIndices(call) => find_nonzero_indices_call(call),
+            KernelCall::IndexedFlatten(call) => indexed_flatten_call(call),
             other => return Err(unsupported(other.kernel())),
         };
         let repeats = i32::try_from(repeats)
@@ -1061,7 +1200,7 @@ impl Backend for NeuronBackend {
         let dims = call.dims();
         let expert_index = take(&mut out, &router::EXPERT_INDEX)?;
         let expert_affinities = take(&mut out, &router::EXPERT_AFFINITIES)?;
-        let ids = checked_expert_index(&neff, &expert_index, dims.e)?;
+        let ids = checked_indices(&neff, &router::EXPERT_INDEX, &expert_index, dims.e)?;
         let topk_affinities = match out.remove(router::TOPK_AFFINITIES.name) {
             Some(topk) => topk,
             None => {
@@ -1129,7 +1268,7 @@ impl Backend for NeuronBackend {
             ..
         } = self.run(&rmsnorm_router_topk_tkg_call(call), Execution::Once)?;
         let expert_index = take(&mut out, &fused::EXPERT_INDEX)?;
-        checked_expert_index(&neff, &expert_index, call.dims().e)?;
+        checked_indices(&neff, &fused::EXPERT_INDEX, &expert_index, call.dims().e)?;
         call.cast_outputs(RmsNormRouterTopkTkgOutputs {
             norm_output: take(&mut out, &fused::NORM_OUTPUT)?,
             expert_index,
@@ -1145,27 +1284,47 @@ impl Backend for NeuronBackend {
         Err(unsupported(Kernel::RmsNormRouterTopkTkgBwd))
     }
 
-    /// No NEFF of nki-library's topk is bound yet.
-    fn topk(&self, _call: &Topk<'_>) -> Result<TopkOutputs> {
-        Err(unsupported(Kernel::Topk))
+    fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
+        let Ran {
+            outputs: mut out,
+            neff,
+            ..
+        } = self.run(&topk_call(call), Execution::Once)?;
+        let topk_indices = take(&mut out, &tk::TOPK_INDICES)?;
+        checked_indices(&neff, &tk::TOPK_INDICES, &topk_indices, call.dims().v)?;
+        call.cast_outputs(TopkOutputs {
+            topk_values: take(&mut out, &tk::TOPK_VALUES)?,
+            topk_indices,
+        })
     }
 
-    /// No NEFF of nki-library's topk_reduce is bound yet.
-    fn topk_reduce(&self, _call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
-        Err(unsupported(Kernel::TopkReduce))
+    fn topk_reduce(&self, call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
+        let mut out = self.run(&topk_reduce_call(call), Execution::Once)?.outputs;
+        call.cast_outputs(TopkReduceOutputs {
+            output: take(&mut out, &tr::OUTPUT)?,
+        })
     }
 
-    /// No NEFF of nki-library's find_nonzero_indices is bound yet.
     fn find_nonzero_indices(
         &self,
-        _call: &FindNonzeroIndices<'_>,
+        call: &FindNonzeroIndices<'_>,
     ) -> Result<FindNonzeroIndicesOutputs> {
-        Err(unsupported(Kernel::FindNonzeroIndices))
+        let mut out = self
+            .run(&find_nonzero_indices_call(call), Execution::Once)?
+            .outputs;
+        Ok(FindNonzeroIndicesOutputs {
+            indices: take(&mut out, &fni::INDICES)?,
+            nonzero_counts: take(&mut out, &fni::NONZERO_COUNTS)?,
+        })
     }
 
-    /// No NEFF of nki-library's indexed_flatten is bound yet.
-    fn indexed_flatten(&self, _call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs> {
-        Err(unsupported(Kernel::IndexedFlatten))
+    fn indexed_flatten(&self, call: &IndexedFlatten<'_>) -> Result<IndexedFlattenOutputs> {
+        let mut out = self
+            .run(&indexed_flatten_call(call), Execution::Once)?
+            .outputs;
+        Ok(IndexedFlattenOutputs {
+            flattened_array: take(&mut out, &ifl::FLATTENED_ARRAY)?,
+        })
     }
 
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {

@@ -3,7 +3,7 @@
 //! at tag 2.29), checked against a manifest entry's shape. The shape limits are warnings about a
 //! NEFF's shapes, not rules of moekit's contracts: the host backends take any shape.
 
-use super::manifest::{Entry, Value};
+use super::manifest::{Entry, Value, ValueKind, implied_default};
 use crate::backend::AcceleratorLimits;
 use crate::kernel::Kernel;
 
@@ -130,8 +130,57 @@ const MOE_BLOCK_TKG: &[Limit] = &[
     },
 ];
 
+const TOPK: &[Limit] = &[Limit {
+    key: "v",
+    passes: |v| v <= 1 << 24,
+    needs: "V ≤ 2^24 (it tracks positions in f32, exact to 2^24)",
+}];
+
+const TOPK_REDUCE: &[Limit] = &[
+    Limit {
+        key: "t",
+        passes: |t| (2..=128).contains(&t),
+        needs: "1 < T ≤ 128",
+    },
+    Limit {
+        key: "k",
+        passes: |k| k <= 8,
+        needs: "K ≤ 8",
+    },
+    Limit {
+        key: "h",
+        passes: |h| h % 2 == 0,
+        needs: "H even",
+    },
+    Limit {
+        key: "tk_padded",
+        passes: |rows| (8..=16384).contains(&rows),
+        needs: "8 ≤ TK_padded ≤ 16384",
+    },
+];
+
+const FIND_NONZERO_INDICES: &[Limit] = &[
+    Limit {
+        key: "t",
+        passes: |t| t % 128 == 0,
+        needs: "T a multiple of 128 (as its chunk_size, T by default, must be)",
+    },
+    Limit {
+        key: "n_cols",
+        passes: |c| c % 2 == 0,
+        needs: "the columns searched (n_cols, or C_full) even (its two cores split them)",
+    },
+];
+
+const INDEXED_FLATTEN: &[Limit] = &[Limit {
+    key: "output_len",
+    passes: |len| len % 128 == 0,
+    needs: "output_len a multiple of 128",
+}];
+
 /// The limits `entry`'s shape breaks, each as a sentence naming the key, its value and what
-/// nki-library's kernel needs. Keys the entry leaves out are not checked.
+/// nki-library's kernel needs. A key the entry leaves out is checked at the default the entry
+/// then implies (`find_nonzero_indices`' `n_cols`: C_full), else not at all.
 pub fn broken_limits(entry: &Entry) -> Vec<String> {
     let limits = match entry.kernel {
         Kernel::RouterTopk => ROUTER_TOPK,
@@ -140,20 +189,64 @@ pub fn broken_limits(entry: &Entry) -> Vec<String> {
         Kernel::MoeTkg => MOE_TKG,
         Kernel::RmsNormRouterTopkTkg => RMSNORM_ROUTER_TOPK_TKG,
         Kernel::MoeBlockTkg => MOE_BLOCK_TKG,
+        Kernel::Topk => TOPK,
+        Kernel::TopkReduce => TOPK_REDUCE,
+        Kernel::FindNonzeroIndices => FIND_NONZERO_INDICES,
+        Kernel::IndexedFlatten => INDEXED_FLATTEN,
         _ => &[],
+    };
+    let set: Vec<(&str, Value)> = entry
+        .params
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.clone()))
+        .collect();
+    // `what` is the key and its value, e.g. "`t` = 5".
+    let broken = |what: String, needs: &str| {
+        format!(
+            "{what}: nki-library's {} needs {needs} on Trainium2",
+            entry.kernel.name()
+        )
     };
     limits
         .iter()
-        .filter_map(|limit| match entry.params.get(limit.key) {
-            Some(&Value::Int(value)) if !(limit.passes)(value) => Some(format!(
-                "`{}` = {value}: nki-library's {} needs {} on Trainium2",
-                limit.key,
-                entry.kernel.name(),
-                limit.needs
-            )),
-            _ => None,
+        .filter_map(|limit| {
+            let (value, implied) = match entry.params.get(limit.key) {
+                Some(value) => (value.clone(), ""),
+                None => (
+                    implied_default(entry.kernel, limit.key, ValueKind::Int, &set)?,
+                    " (by default)",
+                ),
+            };
+            match value {
+                Value::Int(value) if !(limit.passes)(value) => Some(broken(
+                    format!("`{}` = {value}{implied}", limit.key),
+                    limit.needs,
+                )),
+                _ => None,
+            }
         })
+        .chain(indexed_flatten_blocks(entry).map(|blocks| {
+            broken(
+                format!("`t` / `f_len` = {blocks}"),
+                "T / f_len (each row's blocks) a multiple of 16",
+            )
+        }))
         .collect()
+}
+
+/// `indexed_flatten`'s blocks per row, T / f_len, where the entry sets both, f_len divides T
+/// and nki-library's kernel would refuse the count (it needs a multiple of 16).
+fn indexed_flatten_blocks(entry: &Entry) -> Option<usize> {
+    if entry.kernel != Kernel::IndexedFlatten {
+        return None;
+    }
+    let (Some(&Value::Int(t)), Some(&Value::Int(f_len))) =
+        (entry.params.get("t"), entry.params.get("f_len"))
+    else {
+        return None;
+    };
+    let blocks = t / f_len;
+    (t % f_len == 0 && blocks % 16 != 0).then_some(blocks)
 }
 
 #[cfg(test)]
@@ -201,5 +294,45 @@ mod tests {
         assert!(broken_limits(&bwd)[0].contains("128, 256, 512 or 1024"));
         // Keys the entry leaves out are not checked.
         assert!(broken_limits(&entry(Kernel::BlockwiseMm, &[])).is_empty());
+    }
+
+    #[test]
+    fn the_plan_and_selection_kernels_limits_read_implied_defaults_and_derived_sizes() {
+        let reduce = entry(
+            Kernel::TopkReduce,
+            &[("t", 128), ("h", 2048), ("k", 8), ("tk_padded", 16384)],
+        );
+        assert!(broken_limits(&reduce).is_empty());
+        let reduce = entry(
+            Kernel::TopkReduce,
+            &[("t", 1), ("h", 3), ("k", 9), ("tk_padded", 16385)],
+        );
+        assert_eq!(broken_limits(&reduce).len(), 4);
+        // n_cols left out is C_full: checked at that value, and said to be the default.
+        let nonzero = entry(Kernel::FindNonzeroIndices, &[("t", 256), ("c_full", 5)]);
+        let broken = broken_limits(&nonzero);
+        assert_eq!(broken.len(), 1, "{broken:?}");
+        assert!(
+            broken[0].starts_with("`n_cols` = 5 (by default): "),
+            "{broken:?}"
+        );
+        let window = entry(
+            Kernel::FindNonzeroIndices,
+            &[("t", 256), ("c_full", 5), ("n_cols", 4)],
+        );
+        assert!(broken_limits(&window).is_empty());
+        // T / f_len blocks per row, where f_len divides T.
+        let flatten = |t| {
+            entry(
+                Kernel::IndexedFlatten,
+                &[("t", t), ("f_len", 4), ("output_len", 128)],
+            )
+        };
+        assert!(broken_limits(&flatten(64)).is_empty());
+        assert!(broken_limits(&flatten(32))[0].starts_with("`t` / `f_len` = 8: "));
+        assert!(broken_limits(&flatten(30)).is_empty());
+        let topk = |v| entry(Kernel::Topk, &[("rows", 1), ("v", v), ("k", 1)]);
+        assert!(broken_limits(&topk(1 << 24)).is_empty());
+        assert_eq!(broken_limits(&topk((1 << 24) + 1)).len(), 1);
     }
 }

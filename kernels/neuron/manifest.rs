@@ -19,8 +19,9 @@
 //! entry leaves out matches any value, except those whose absence means nki-library's default:
 //! an entry without a clamp limit was compiled without that clamp, one without `skip_token`,
 //! `is_tensor_update_accumulating` or `mask_unselected_experts` with false, true and false,
-//! and each matches only calls with that default). Keys per kernel are listed by [`keys`]; an unknown key,
-//! kernel or value type is an error when the manifest is read.
+//! and so on for each kernel's defaults, and each matches only calls with that default). Keys
+//! per kernel are listed by [`keys`]; an unknown key, kernel or value type is an error when the
+//! manifest is read.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -29,9 +30,12 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::contracts::tensors::{
-    blockwise_mm, moe_block_tkg, moe_tkg, rmsnorm_router_topk_tkg, router_topk,
+    blockwise_mm, find_nonzero_indices, indexed_flatten, moe_block_tkg, moe_tkg,
+    rmsnorm_router_topk_tkg, router_topk,
 };
-use crate::contracts::{MoeBlockTkgParams, RmsNormRouterParams};
+use crate::contracts::{
+    IndexedFlattenParams, MoeBlockTkgParams, RmsNormRouterParams, TopkParams, TopkReduceParams,
+};
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Param};
 
@@ -39,6 +43,8 @@ use crate::kernel::{Kernel, Param};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Value {
     Int(usize),
+    /// A parameter that may be negative (`padding_val`, `token_base_index`).
+    Signed(i32),
     Bool(bool),
     Str(String),
 }
@@ -47,6 +53,7 @@ impl fmt::Display for Value {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Value::Int(v) => write!(f, "{v}"),
+            Value::Signed(v) => write!(f, "{v}"),
             Value::Bool(v) => write!(f, "{v}"),
             Value::Str(v) => write!(f, "{v}"),
         }
@@ -60,6 +67,8 @@ pub enum ValueKind {
     Int,
     /// A non-negative integer (an enum value such as `x_hbm_layout`).
     Index,
+    /// An i32, negative ones included (a value such as `padding_val`).
+    Signed,
     Bool,
     Str,
     /// A clamp limit: a number, or `"none"` (also what an entry that leaves the key out means).
@@ -220,43 +229,129 @@ const MOE_BLOCK_TKG_KEYS: &[(&str, ValueKind)] = &[
     (Param::UpClampUpperLimit.name(), ValueKind::Limit),
 ];
 
+/// `topk`'s keys.
+const TOPK_KEYS: &[(&str, ValueKind)] = &[
+    // The rows (the product of `inp`'s leading axes) and V, its last axis.
+    ("rows", ValueKind::Int),
+    ("v", ValueKind::Int),
+    (Param::K.name(), ValueKind::Int),
+    (Param::SortedFlag.name(), ValueKind::Bool),
+    // ROTATIONAL or SCANNING, as `SupportedTopkMethods` spells them.
+    (Param::Method.name(), ValueKind::Str),
+];
+
+/// `topk_reduce`'s keys.
+const TOPK_REDUCE_KEYS: &[(&str, ValueKind)] = &[
+    // T and K (nki-library's parameters `T` and `K`), H, and TK_padded, `input`'s rows.
+    ("t", ValueKind::Int),
+    ("h", ValueKind::Int),
+    ("k", ValueKind::Int),
+    ("tk_padded", ValueKind::Int),
+    (Param::TokenBaseIndex.name(), ValueKind::Signed),
+];
+
+/// `find_nonzero_indices`' keys.
+const FIND_NONZERO_INDICES_KEYS: &[(&str, ValueKind)] = &[
+    ("t", ValueKind::Int),
+    ("c_full", ValueKind::Int),
+    // C, the columns searched: C_full, or n_cols from `col_start_id`.
+    (Param::NCols.name(), ValueKind::Int),
+    // Whether the NEFF takes a `col_start_id` input.
+    (find_nonzero_indices::COL_START_ID.name, ValueKind::Bool),
+];
+
+/// `indexed_flatten`'s keys.
+const INDEXED_FLATTEN_KEYS: &[(&str, ValueKind)] = &[
+    ("e", ValueKind::Int),
+    ("t", ValueKind::Int),
+    // N, `row_offsets`' length.
+    ("n", ValueKind::Int),
+    (Param::FLen.name(), ValueKind::Int),
+    (Param::OutputLen.name(), ValueKind::Int),
+    (Param::PaddingVal.name(), ValueKind::Signed),
+    // Whether the NEFF takes a `row_offsets_start` input.
+    (indexed_flatten::ROW_OFFSETS_START.name, ValueKind::Bool),
+];
+
 /// What a call (whose key is `key`) must have for a key an entry leaves out where leaving it
 /// out means the NEFF was compiled with nki-library's default: no clamp limit, `skip_token`
 /// false, `is_tensor_update_accumulating` true, `mask_unselected_experts` false, and
 /// `rmsnorm_router_topk_tkg`'s `eps` 1e-6, `hidden_actual` H, `router_mm_dtype` bfloat16,
-/// `router_act_fn` SIGMOID and `store_eager_affi_only` false, and `moe_block_tkg`'s every other
+/// `router_act_fn` SIGMOID and `store_eager_affi_only` false, `moe_block_tkg`'s every other
 /// default (`router_pre_norm` true, `norm_topk_prob` false, NO_SCALE, SiLU, selective, the
-/// router logits returned). Other keys an entry leaves out match any value.
-fn implied_default(
+/// router logits returned), `topk`'s `sorted_flag` true and `method` ROTATIONAL,
+/// `topk_reduce`'s `token_base_index` 1, `find_nonzero_indices`' `n_cols` C_full without
+/// `col_start_id`, and `indexed_flatten`'s `padding_val` −1 without `row_offsets_start`. Other
+/// keys an entry leaves out match any value.
+pub(super) fn implied_default(
     kernel: Kernel,
     name: &str,
     kind: ValueKind,
     key: &[(&str, Value)],
 ) -> Option<Value> {
     let fused = RmsNormRouterParams::default();
-    let block = MoeBlockTkgParams::default();
     let param = |param: Param| name == param.name();
-    if kernel == Kernel::MoeBlockTkg {
-        let block_defaults = [
-            (Param::RouterPreNorm, Value::Bool(block.router_pre_norm)),
-            (Param::NormTopkProb, Value::Bool(block.norm_topk_prob)),
-            (Param::IsAllExpert, Value::Bool(block.is_all_expert)),
-            (
-                Param::SkipRouterLogits,
-                Value::Bool(block.skip_router_logits),
-            ),
-            (
-                Param::ExpertAffinitiesScalingMode,
-                Value::Str(block.expert_affinities_scaling_mode.to_string()),
-            ),
-            (
-                Param::HiddenActFn,
-                Value::Str(block.hidden_act_fn.to_string()),
-            ),
-        ];
-        if let Some((_, value)) = block_defaults.into_iter().find(|(p, _)| param(*p)) {
-            return Some(value);
+    // The value the call gives another key (a size).
+    let call_value = |other: &str| {
+        key.iter()
+            .find(|(call_name, _)| *call_name == other)
+            .map(|(_, value)| value.clone())
+    };
+    let kernel_defaults: Vec<(&str, Value)> = match kernel {
+        Kernel::MoeBlockTkg => {
+            let block = MoeBlockTkgParams::default();
+            vec![
+                (
+                    Param::RouterPreNorm.name(),
+                    Value::Bool(block.router_pre_norm),
+                ),
+                (
+                    Param::NormTopkProb.name(),
+                    Value::Bool(block.norm_topk_prob),
+                ),
+                (Param::IsAllExpert.name(), Value::Bool(block.is_all_expert)),
+                (
+                    Param::SkipRouterLogits.name(),
+                    Value::Bool(block.skip_router_logits),
+                ),
+                (
+                    Param::ExpertAffinitiesScalingMode.name(),
+                    Value::Str(block.expert_affinities_scaling_mode.to_string()),
+                ),
+                (
+                    Param::HiddenActFn.name(),
+                    Value::Str(block.hidden_act_fn.to_string()),
+                ),
+            ]
         }
+        Kernel::Topk => {
+            let topk = TopkParams::new(1);
+            vec![
+                (Param::SortedFlag.name(), Value::Bool(topk.sorted_flag)),
+                (Param::Method.name(), Value::Str(topk.method.to_string())),
+            ]
+        }
+        Kernel::TopkReduce => vec![(
+            Param::TokenBaseIndex.name(),
+            Value::Signed(TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX),
+        )],
+        // Every column, and no `col_start_id`.
+        Kernel::FindNonzeroIndices => call_value("c_full")
+            .map(|c_full| (Param::NCols.name(), c_full))
+            .into_iter()
+            .chain([(find_nonzero_indices::COL_START_ID.name, Value::Bool(false))])
+            .collect(),
+        Kernel::IndexedFlatten => vec![
+            (
+                Param::PaddingVal.name(),
+                Value::Signed(IndexedFlattenParams::DEFAULT_PADDING_VAL),
+            ),
+            (indexed_flatten::ROW_OFFSETS_START.name, Value::Bool(false)),
+        ],
+        _ => Vec::new(),
+    };
+    if let Some((_, value)) = kernel_defaults.into_iter().find(|(key, _)| *key == name) {
+        return Some(value);
     }
     match kind {
         ValueKind::Limit => Some(Value::limit(None)),
@@ -271,10 +366,7 @@ fn implied_default(
         _ if param(Param::RouterMmDType) => Some(Value::Str(fused.router_mm_dtype.to_string())),
         _ if param(Param::RouterActFn) => Some(Value::Str(fused.router_act_fn.to_string())),
         // The whole of H.
-        _ if param(Param::HiddenActual) => key
-            .iter()
-            .find(|(call_name, _)| *call_name == "h")
-            .map(|(_, h)| h.clone()),
+        _ if param(Param::HiddenActual) => call_value("h"),
         _ => None,
     }
 }
@@ -289,6 +381,10 @@ pub fn keys(kernel: Kernel) -> Option<&'static [(&'static str, ValueKind)]> {
         Kernel::MoeTkg => Some(MOE_TKG_KEYS),
         Kernel::RmsNormRouterTopkTkg => Some(RMSNORM_ROUTER_TOPK_TKG_KEYS),
         Kernel::MoeBlockTkg => Some(MOE_BLOCK_TKG_KEYS),
+        Kernel::Topk => Some(TOPK_KEYS),
+        Kernel::TopkReduce => Some(TOPK_REDUCE_KEYS),
+        Kernel::FindNonzeroIndices => Some(FIND_NONZERO_INDICES_KEYS),
+        Kernel::IndexedFlatten => Some(INDEXED_FLATTEN_KEYS),
         _ => None,
     }
 }
@@ -438,6 +534,11 @@ impl Manifest {
                             (ValueKind::Index, toml::Value::Integer(v)) if *v >= 0 => {
                                 Value::Int(*v as usize)
                             }
+                            (ValueKind::Signed, toml::Value::Integer(v))
+                                if i32::try_from(*v).is_ok() =>
+                            {
+                                Value::Signed(*v as i32)
+                            }
                             (ValueKind::Bool, toml::Value::Boolean(v)) => Value::Bool(*v),
                             (ValueKind::Str, toml::Value::String(v)) => Value::Str(v.clone()),
                             (ValueKind::Limit, toml::Value::String(v)) if v == NO_LIMIT => {
@@ -459,6 +560,7 @@ impl Manifest {
                                 let expected = match kind {
                                     ValueKind::Int => "a positive integer",
                                     ValueKind::Index => "a non-negative integer",
+                                    ValueKind::Signed => "an integer (an i32)",
                                     ValueKind::Bool => "true or false",
                                     ValueKind::Str => "a string",
                                     ValueKind::Limit => "a number or \"none\"",

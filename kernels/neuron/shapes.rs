@@ -5,15 +5,22 @@
 //! Entries must name every size: `t`, `h`, `e`, `k` (`router_topk`), `t`, `h`, `e`, `i`,
 //! `block_size`, `num_blocks` (the blockwise kernels; K is the smallest top-k whose static block
 //! count is `num_blocks`), `t`, `h`, `e`, `k`, `i` (`moe_tkg`, whose checks hold every expert:
-//! `e_local`, where given, must be `e`), `t`, `h`, `e`, `top_k` (`rmsnorm_router_topk_tkg`) or
-//! `t`, `h`, `e`, `i`, `top_k` (`moe_block_tkg`, likewise with every expert held).
+//! `e_local`, where given, must be `e`), `t`, `h`, `e`, `top_k` (`rmsnorm_router_topk_tkg`),
+//! `t`, `h`, `e`, `i`, `top_k` (`moe_block_tkg`, likewise with every expert held), `rows`, `v`,
+//! `k` (`topk`, over the router logits of `rows` tokens and `v` experts), `t`, `h`, `k`
+//! (`topk_reduce`, over the layer's T·K exchanged rows: `tk_padded`, where given, must be
+//! T·K), `t`, `c_full` (`find_nonzero_indices`, over the routed affinities of `c_full` experts;
+//! with `col_start_id` the last `n_cols` of them) or `e`, `t`, `f_len`, `output_len`
+//! (`indexed_flatten`, over the token lists of `e` experts in blocks of `f_len`, one
+//! `row_offsets` entry per row: `n`, where given, must be `e`, and without
+//! `row_offsets_start`).
 
 use super::limits::broken_limits;
 use super::manifest::{Entry, Manifest, Value};
 use crate::backend::{FixedShape, FixedShapes, LayerSizes};
 use crate::contracts::{
     ActFnType, ExpertAffinityScaleMode, MoeBlockTkgParams, RmsNormRouterParams, RouterActFnType,
-    XHbmLayout, static_block_count,
+    TopkParams, XHbmLayout, static_block_count,
 };
 use crate::error::{Error, Result};
 use crate::kernel::{Kernel, Params};
@@ -47,6 +54,10 @@ impl Manifest {
             ))),
         };
         let flag = |key: &str| matches!(entry.params.get(key), Some(Value::Bool(true)));
+        let signed = |key: &str| match entry.params.get(key) {
+            Some(&Value::Signed(v)) => Some(v),
+            _ => None,
+        };
         // An `ActFnType` or `ExpertAffinityScaleMode` member, where the entry names one.
         let activation = |key: &str| match entry.params.get(key) {
             Some(Value::Str(name)) => ActFnType::parse(key, name).map(Some),
@@ -191,6 +202,131 @@ impl Manifest {
                     is_all_expert: Some(flag("is_all_expert")),
                     skip_router_logits: Some(flag("skip_router_logits")),
                     ..decode_router(k)?
+                };
+                (sizes, params)
+            }
+            // The top-k over the router logits [T, E] of `rows` tokens and `v` experts, routed
+            // to their k best.
+            Kernel::Topk => {
+                let k = int("k")?;
+                let sizes = LayerSizes {
+                    t: int("rows")?,
+                    h: 1,
+                    e: int("v")?,
+                    k,
+                    i: 1,
+                    b: 1,
+                };
+                let default = TopkParams::new(k);
+                let params = Params {
+                    k: Some(k),
+                    sorted_flag: Some(match entry.params.get("sorted_flag") {
+                        Some(&Value::Bool(sorted)) => sorted,
+                        _ => default.sorted_flag,
+                    }),
+                    method: Some(match entry.params.get("method") {
+                        Some(Value::Str(name)) => name.parse()?,
+                        _ => default.method,
+                    }),
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+            // The layer's exchanged rows, each token's K from K source ranks (K experts, blocks
+            // of one): T·K rows, no padding.
+            Kernel::TopkReduce => {
+                let (t, k) = (int("t")?, int("k")?);
+                if let Some(&Value::Int(rows)) = entry.params.get("tk_padded")
+                    && t.checked_mul(k) != Some(rows)
+                {
+                    return Err(error(format!(
+                        "`check` feeds topk_reduce the layer's T·K exchanged rows, but \
+                         tk_padded = {rows} is not t·k = {t}·{k}"
+                    )));
+                }
+                let sizes = LayerSizes {
+                    t,
+                    h: int("h")?,
+                    e: k,
+                    k,
+                    i: 1,
+                    b: 1,
+                };
+                let params = Params {
+                    token_count: Some(t),
+                    rows_per_token: Some(k),
+                    token_base_index: signed("token_base_index"),
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+            // The routed affinities [T, E] of `c_full` experts, each token routed to one; with
+            // `col_start_id`, `check` searches their last `n_cols` columns.
+            Kernel::FindNonzeroIndices => {
+                let (t, c_full) = (int("t")?, int("c_full")?);
+                let n_cols = match (flag("col_start_id"), entry.params.get("n_cols")) {
+                    (true, Some(&Value::Int(n_cols))) => Some(n_cols),
+                    (true, _) => {
+                        return Err(error(
+                            "`check` needs `n_cols`, the columns a NEFF that takes col_start_id \
+                             searches"
+                                .to_owned(),
+                        ));
+                    }
+                    (false, Some(&Value::Int(n_cols))) if n_cols != c_full => {
+                        return Err(error(format!(
+                            "`n_cols` = {n_cols} is not c_full = {c_full}, but without \
+                             col_start_id = true every column is searched"
+                        )));
+                    }
+                    (false, _) => None,
+                };
+                let sizes = LayerSizes {
+                    t,
+                    h: 1,
+                    e: c_full,
+                    k: 1,
+                    i: 1,
+                    b: 1,
+                };
+                let params = Params {
+                    n_cols,
+                    ..Params::default()
+                };
+                (sizes, params)
+            }
+            // The token lists of `e` experts, each token routed to one, in blocks of `f_len`
+            // (the layer's block size), one `row_offsets` entry per row.
+            Kernel::IndexedFlatten => {
+                let (e, t, f_len) = (int("e")?, int("t")?, int("f_len")?);
+                if flag("row_offsets_start") {
+                    return Err(error(
+                        "`check` feeds row_offsets [E], one offset per row, and no \
+                         row_offsets_start, but the entry sets row_offsets_start = true"
+                            .to_owned(),
+                    ));
+                }
+                if let Some(&Value::Int(n)) = entry.params.get("n")
+                    && n != e
+                {
+                    return Err(error(format!(
+                        "`check` feeds row_offsets [E], one offset per row, but n = {n} is not \
+                         e = {e}"
+                    )));
+                }
+                let sizes = LayerSizes {
+                    t,
+                    h: 1,
+                    e,
+                    k: 1,
+                    i: 1,
+                    b: f_len,
+                };
+                let params = Params {
+                    f_len: Some(f_len),
+                    output_len: Some(int("output_len")?),
+                    padding_val: signed("padding_val"),
+                    ..Params::default()
                 };
                 (sizes, params)
             }

@@ -21,7 +21,8 @@ use moekit::backend::{Backend, LayerSizes, Tolerance};
 use moekit::backends::BackendKind;
 use moekit::contracts::{
     ActFnType, ExpertAffinityScaleMode, FindNonzeroIndices, FindNonzeroIndicesInputs,
-    FindNonzeroIndicesParams, OutputDType, RouterActFnType, RouterMmDType, XHbmLayout, tensors,
+    FindNonzeroIndicesParams, OutputDType, RouterActFnType, RouterMmDType, TopkReduceParams,
+    XHbmLayout, tensors,
 };
 use moekit::error::{Error, Result};
 use moekit::kernel::{Kernel, Params};
@@ -43,6 +44,10 @@ pub struct CheckCase {
     /// `indexed_flatten`'s `input_tensor [E, T]`: the reference's `find_nonzero_indices` over
     /// the routed affinities (that kernel's `input_tensor`).
     pub token_lists: Tensor,
+    /// The case's parameters. Where they give them (a fixed shape's), `topk_reduce`'s rows
+    /// carry ids from `token_base_index`, `find_nonzero_indices` searches the last `n_cols`
+    /// columns from a `col_start_id`, and `indexed_flatten` takes `f_len` and `output_len`
+    /// (else the layer's: [`flatten_plan`]).
     pub params: Params,
 }
 
@@ -69,7 +74,11 @@ impl CheckCase {
         )?;
         let decode_hidden_states = layer.inputs.x.clone();
         // The exchange's combine and the device-side plan over the layer's routing.
-        let exchanged = layer.exchanged_rows()?;
+        let exchanged = layer.exchanged_rows(
+            params
+                .token_base_index
+                .unwrap_or(TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX),
+        )?;
         let affinities = layer.routed_affinities()?;
         let found = reference.find_nonzero_indices(&FindNonzeroIndices::new(
             FindNonzeroIndicesInputs {
@@ -88,6 +97,13 @@ impl CheckCase {
         ] {
             tensors.insert(spec.name.to_owned(), tensor);
         }
+        if let Some(n_cols) = params.n_cols {
+            let name = tensors::find_nonzero_indices::COL_START_ID.name;
+            let first = e.saturating_sub(n_cols);
+            let start = i32::try_from(first)
+                .map_err(|_| Error::invalid(name, format!("column {first} exceeds i32")))?;
+            tensors.insert(name.to_owned(), Tensor::from_i32([1], vec![start])?);
+        }
         if params.skip_dma().skip_token {
             without_padding_row(&mut tensors, t, e)?;
         }
@@ -102,8 +118,8 @@ impl CheckCase {
                 output_dtype: Some(OutputDType::Float32),
                 token_count: Some(t),
                 rows_per_token: Some(k),
-                f_len: Some(flatten.f_len),
-                output_len: Some(flatten.output_len),
+                f_len: params.f_len.or(Some(flatten.f_len)),
+                output_len: params.output_len.or(Some(flatten.output_len)),
                 ..params
             },
         })

@@ -415,22 +415,35 @@ impl Layer {
     /// The rows an expert-parallel exchange returns to `topk_reduce` for this layer's tokens,
     /// as K source ranks each return one row per token (each token's K experts on K ranks):
     /// `[K·T, H+2]` bf16, row `r·T + t` holding `x[t]` (in place of its r-th expert's output)
-    /// tagged with nki-library's 1-indexed id `t + 1`, so token t's rows sum to `K·x[t]`.
-    pub fn exchanged_rows(&self) -> Result<Tensor> {
+    /// tagged with the id `token_base_index + t`, so token t's rows sum to `K·x[t]`. A base
+    /// whose last id passes i32 is an error naming `token_base_index`.
+    pub fn exchanged_rows(&self, token_base_index: i32) -> Result<Tensor> {
         let x = self.inputs.x.f32_values();
         let (t, h, k) = (
             self.inputs.x.shape()[0],
             self.inputs.shape.h,
             self.inputs.shape.k,
         );
+        let ids = (0..t)
+            .map(|token| {
+                i32::try_from(token)
+                    .ok()
+                    .and_then(|token| token_base_index.checked_add(token))
+                    .ok_or_else(|| {
+                        Error::param(
+                            "token_base_index",
+                            format!("{token_base_index} + token {token} is not an i32 id"),
+                        )
+                    })
+            })
+            .collect::<Result<Vec<i32>>>()?;
         let shape = [k * t, h + 2];
         let mut rows = try_capacity("benchmark input `input` (topk_reduce)", &shape)?;
         for _source in 0..k {
             for token in 0..t {
                 let row = &x[token * h..(token + 1) * h];
                 rows.extend(row.iter().map(|&v| bf16::from_f32(v)));
-                let id = TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX + token as i32;
-                rows.extend(token_id_columns(id));
+                rows.extend(token_id_columns(ids[token]));
             }
         }
         Tensor::from_bf16(shape, rows)

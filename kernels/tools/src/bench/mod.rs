@@ -502,7 +502,7 @@ pub fn run(backend: &Arc<dyn Backend>, config: &BenchConfig) -> Result<BenchResu
     // source ranks return them, each token's K summed. One pass over the rows bounds it: the
     // compulsory bytes are the rows read (bf16, their ids too) and the output written.
     if supported(Kernel::TopkReduce)? && config.rows.times(Kernel::TopkReduce.name()) {
-        let exchanged = layer.exchanged_rows()?;
+        let exchanged = layer.exchanged_rows(TopkReduceParams::DEFAULT_TOKEN_BASE_INDEX)?;
         let params = TopkReduceParams::new(tf as usize, kf as usize);
         let call = TopkReduce::new(TopkReduceInputs { input: &exchanged }, params)?;
         let ms = measure(backend, KernelCall::TopkReduce(&call), min)?;
