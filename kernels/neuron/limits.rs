@@ -195,11 +195,6 @@ pub fn broken_limits(entry: &Entry) -> Vec<String> {
         Kernel::IndexedFlatten => INDEXED_FLATTEN,
         _ => &[],
     };
-    let set: Vec<(&str, Value)> = entry
-        .params
-        .iter()
-        .map(|(name, value)| (name.as_str(), value.clone()))
-        .collect();
     // `what` is the key and its value, e.g. "`t` = 5".
     let broken = |what: String, needs: &str| {
         format!(
@@ -212,10 +207,16 @@ pub fn broken_limits(entry: &Entry) -> Vec<String> {
         .filter_map(|limit| {
             let (value, implied) = match entry.params.get(limit.key) {
                 Some(value) => (value.clone(), ""),
-                None => (
-                    implied_default(entry.kernel, limit.key, ValueKind::Int, &set)?,
-                    " (by default)",
-                ),
+                None => {
+                    // The entry's keys, as a call's, for a default that depends on another.
+                    let set: Vec<(&str, Value)> = entry
+                        .params
+                        .iter()
+                        .map(|(name, value)| (name.as_str(), value.clone()))
+                        .collect();
+                    let value = implied_default(entry.kernel, limit.key, ValueKind::Int, &set)?;
+                    (value, " (by default)")
+                }
             };
             match value {
                 Value::Int(value) if !(limit.passes)(value) => Some(broken(
