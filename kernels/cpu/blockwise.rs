@@ -38,7 +38,7 @@ use super::element::{
 };
 use super::expert_matrix::ExpertMatrix;
 use super::gated;
-use super::matmul::{MatRef, matmul};
+use super::matmul::{MatRef, matmul, matmul_into};
 use super::permute::topk_gradient;
 use super::rows::{add_bias_rows, bias_row, clamp_rows, gather_rows, resized, scale_rows};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
@@ -937,8 +937,9 @@ fn strided_into<T: Copy>(dst: &mut [f32], src: &[T], stride: usize, widen: impl 
 /// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), rounded to `E` and
 /// written whole into memory not yet written, in bands of `dst`'s rows in parallel: one band per
 /// [`TASK_ROWS`] rows of the inner dimension m, so the bands depend only on the shapes. Each
-/// band runs in pieces of [`ROUNDED_PIECE_BYTES`] of f32 results, rounded and screened while
-/// they are in cache. Returns whether every result is finite in `E`.
+/// band runs in pieces of [`ROUNDED_PIECE_BYTES`] of f32 results, screened (and, for bf16,
+/// rounded from a scratch buffer) while they are in cache; f32 results are written in place.
+/// Returns whether every result is finite in `E`.
 fn transposed_product<E: Element>(
     dst: &mut [MaybeUninit<E>],
     a: MatRef<'_>,
@@ -953,10 +954,15 @@ fn transposed_product<E: Element>(
             let mut fits = true;
             for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
                 let start = index * band + k * piece;
-                let rows = start..start + dst.len() / n;
-                let results = resized(results, dst.len());
-                matmul(results, a.columns(rows).t(), b, false);
-                fits &= write_rounded(dst, results);
+                let (a, b) = (a.columns(start..start + dst.len() / n).t(), b);
+                fits &= match E::as_f32_slots(dst) {
+                    Some(dst) => all_fit::<f32>(matmul_into(dst, a, b)),
+                    None => {
+                        let results = resized(results, dst.len());
+                        matmul(results, a, b, false);
+                        write_rounded(dst, results)
+                    }
+                };
             }
             fits
         })

@@ -31,6 +31,10 @@ pub(super) trait Element: Copy + Send + Sync + 'static {
 
     /// An output tensor of `shape` holding `values`.
     fn tensor(shape: &[usize], values: Vec<Self>) -> Result<Tensor>;
+
+    /// `slots` as f32 slots when this type is f32, so that f32 results are written in place
+    /// rather than copied in.
+    fn as_f32_slots(slots: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]>;
 }
 
 impl Element for f32 {
@@ -51,6 +55,10 @@ impl Element for f32 {
 
     fn tensor(shape: &[usize], values: Vec<Self>) -> Result<Tensor> {
         Tensor::from_f32(shape, values)
+    }
+
+    fn as_f32_slots(slots: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]> {
+        Some(slots)
     }
 }
 
@@ -79,6 +87,10 @@ impl Element for bf16 {
 
     fn tensor(shape: &[usize], values: Vec<Self>) -> Result<Tensor> {
         Tensor::from_bf16(shape, values)
+    }
+
+    fn as_f32_slots(_: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]> {
+        None
     }
 }
 

@@ -14,7 +14,7 @@
 
 use std::mem::MaybeUninit;
 
-use super::dot::{matmul_nt, matmul_nt_bf16};
+use super::dot::matmul_nt_bf16;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use crate::contracts::WeightLayout;
 use crate::tensor::Floats;
@@ -108,7 +108,12 @@ impl<'a> ExpertMatrix<'a> {
         let (k, n) = (self.k, self.n);
         let m = dst.len() / k.max(1);
         match (self.layout, self.stored) {
-            (WeightLayout::Nki, Floats::F32(w)) => matmul_nt(dst, a, w, (m, k, n), false),
+            (WeightLayout::Nki, Floats::F32(w)) => matmul(
+                dst,
+                MatRef::row_major(a, m, n),
+                MatRef::row_major(w, k, n).t(),
+                false,
+            ),
             (WeightLayout::Nki, Floats::BF16(w)) => {
                 matmul_nt_bf16(dst, a, w, (m, k, n), (panel, tile))
             }

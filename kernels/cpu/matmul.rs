@@ -183,12 +183,20 @@ fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
 /// neither operand; with `accumulate` they must be initialised.
 unsafe fn packed_product(dst: *mut f32, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if a.col_stride == 1 && b.col_stride == 1 && streamed::available() {
+    let b_layout = if b.col_stride == 1 {
+        Some((streamed::Order::Rows, b.row_stride))
+    } else if b.row_stride == 1 {
+        Some((streamed::Order::Columns, b.col_stride))
+    } else {
+        None
+    };
+    if let Some((b_order, ldb)) = b_layout.filter(|_| a.col_stride == 1 && streamed::available()) {
         let ops = streamed::Operands {
             a: a.data,
             lda: a.row_stride,
             b: b.data,
-            ldb: b.row_stride,
+            ldb,
+            b_order,
         };
         // SAFETY: the caller guarantees `dst`; the operands' views hold their shapes.
         unsafe { streamed::product(dst, ops, (m, n, k), accumulate) };
@@ -252,6 +260,7 @@ pub fn matmul_bf16_b(dst: &mut [f32], a: MatRef<'_>, b: &[bf16], panel: &mut Vec
             lda: a.row_stride,
             b,
             ldb: n,
+            b_order: streamed::Order::Rows,
         };
         // SAFETY: `dst` holds m · n elements (n is its length over m) and, borrowed mutably,
         // aliases neither operand.

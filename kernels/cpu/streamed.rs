@@ -62,14 +62,25 @@ impl Element for bf16 {
     }
 }
 
-/// The operands of one product: `a(r, p) = a[r · lda + p]`, `b(p, c) = b[p · ldb + c]`, both
-/// with unit column stride.
+/// How `b [k, n]` lies in its buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// `b(p, c) = b[p · ldb + c]`: row-major.
+    Rows,
+    /// `b(p, c) = b[c · ldb + p]`: stored as its transpose `[n, k]` (a weight `W [n, k]` in
+    /// `d y · Wᵀ`), transposed as it is packed.
+    Columns,
+}
+
+/// The operands of one product: `a(r, p) = a[r · lda + p]`, and `b` in `b_order` with `ldb`
+/// elements between its stored rows.
 #[derive(Clone, Copy, Debug)]
 pub struct Operands<'a, B> {
     pub a: &'a [f32],
     pub lda: usize,
     pub b: &'a [B],
     pub ldb: usize,
+    pub b_order: Order,
 }
 
 /// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`; `dst` row-major, contiguous.
@@ -95,8 +106,12 @@ pub unsafe fn product<B: Element>(
                 .and_then(|last_row| last_row.checked_add(cols))
                 .is_some_and(|end| end <= len)
     };
+    let (b_rows, b_cols) = match ops.b_order {
+        Order::Rows => (k, n),
+        Order::Columns => (n, k),
+    };
     assert!(
-        reaches(ops.a.len(), m, ops.lda, k) && reaches(ops.b.len(), k, ops.ldb, n),
+        reaches(ops.a.len(), m, ops.lda, k) && reaches(ops.b.len(), b_rows, ops.ldb, b_cols),
         "operand too short for its shape"
     );
     assert!(
@@ -128,12 +143,12 @@ pub unsafe fn product<B: Element>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    use std::arch::x86_64::*;
     use std::cell::RefCell;
 
     use gemm_f32::microkernel::{avx512f, fma};
 
-    use super::{Element, KC, Operands, PANEL_COLS};
+    use super::{Element, KC, Operands, Order, PANEL_COLS};
 
     /// Bytes per cache line.
     const LINE: usize = 64;
@@ -246,6 +261,15 @@ mod x86 {
         /// Packs `block` of `b`, widened to f32, in strips of `I::MR` columns.
         fn pack<I: Microkernels, B: Element>(&mut self, ops: Operands<'_, B>, block: Block) {
             self.kc = block.kc;
+            match ops.b_order {
+                Order::Rows => self.pack_rows::<I, B>(ops, block),
+                // SAFETY: every level that runs these microkernels has AVX.
+                Order::Columns => unsafe { self.pack_columns::<I, B>(ops, block) },
+            }
+        }
+
+        /// [`Self::pack`] from row-major `b`: each row of the block is a run of `cols` values.
+        fn pack_rows<I: Microkernels, B: Element>(&mut self, ops: Operands<'_, B>, block: Block) {
             for r in 0..block.kc {
                 let src = &ops.b[(block.k0 + r) * ops.ldb + block.c0..][..block.cols];
                 for (strip, src) in src.chunks(I::MR).enumerate() {
@@ -255,6 +279,64 @@ mod x86 {
                     } else {
                         B::widen_into(&mut row[..src.len()], src);
                         row[src.len()..].fill(0.0);
+                    }
+                }
+            }
+        }
+
+        /// [`Self::pack`] from `b` stored as its transpose: each column of the block is a run
+        /// of `kc` values, transposed 8 × 8 at a time in registers.
+        ///
+        /// # Safety
+        /// The CPU supports AVX.
+        #[target_feature(enable = "avx")]
+        unsafe fn pack_columns<I: Microkernels, B: Element>(
+            &mut self,
+            ops: Operands<'_, B>,
+            block: Block,
+        ) {
+            let (kc, full_k) = (block.kc, block.kc / 8 * 8);
+            let strips = block.cols.div_ceil(I::MR);
+            for strip in 0..strips {
+                let strip_values = &mut self.values[strip * kc * I::MR..][..kc * I::MR];
+                let cols = I::MR.min(block.cols - strip * I::MR);
+                let column = |j: usize| {
+                    let c = block.c0 + strip * I::MR + j;
+                    &ops.b[c * ops.ldb + block.k0..][..kc]
+                };
+                let full_cols = cols / 8 * 8;
+                for j0 in (0..full_cols).step_by(8) {
+                    let sources: [&[B]; 8] = std::array::from_fn(|q| column(j0 + q));
+                    for r0 in (0..full_k).step_by(8) {
+                        let mut tile = [[0.0f32; 8]; 8];
+                        for (row, src) in tile.iter_mut().zip(&sources) {
+                            B::widen_into(row, &src[r0..r0 + 8]);
+                        }
+                        let rows = transpose8(&tile);
+                        for (dr, row) in rows.iter().enumerate() {
+                            strip_values[(r0 + dr) * I::MR + j0..][..8].copy_from_slice(row);
+                        }
+                    }
+                    for r in full_k..kc {
+                        for (q, src) in sources.iter().enumerate() {
+                            let mut value = [0.0f32];
+                            B::widen_into(&mut value, &src[r..=r]);
+                            strip_values[r * I::MR + j0 + q] = value[0];
+                        }
+                    }
+                }
+                for j in full_cols..I::MR {
+                    if j < cols {
+                        let src = column(j);
+                        let mut value = [0.0f32];
+                        for r in 0..kc {
+                            B::widen_into(&mut value, &src[r..=r]);
+                            strip_values[r * I::MR + j] = value[0];
+                        }
+                    } else {
+                        for r in 0..kc {
+                            strip_values[r * I::MR + j] = 0.0;
+                        }
                     }
                 }
             }
@@ -276,10 +358,22 @@ mod x86 {
         cols: usize,
     }
 
-    /// Prefetches rows `rows` of `block` into L2.
+    /// Rows of `b`'s buffer that hold `block`: its rows of `b`, or, stored transposed, its
+    /// columns.
+    fn stored_rows<B>(ops: Operands<'_, B>, block: Block) -> usize {
+        match ops.b_order {
+            Order::Rows => block.kc,
+            Order::Columns => block.cols,
+        }
+    }
+
+    /// Prefetches the stored rows `rows` (of [`stored_rows`]) of `block` into L2.
     fn prefetch<B>(ops: Operands<'_, B>, block: Block, rows: std::ops::Range<usize>) {
         for r in rows {
-            let row = &ops.b[(block.k0 + r) * ops.ldb + block.c0..][..block.cols];
+            let row = match ops.b_order {
+                Order::Rows => &ops.b[(block.k0 + r) * ops.ldb + block.c0..][..block.cols],
+                Order::Columns => &ops.b[(block.c0 + r) * ops.ldb + block.k0..][..block.kc],
+            };
             let start = row.as_ptr() as usize;
             let end = start + std::mem::size_of_val(row);
             for line in (start & !(LINE - 1)..end).step_by(LINE) {
@@ -288,6 +382,44 @@ mod x86 {
                 unsafe { _mm_prefetch::<_MM_HINT_T1>(line as *const i8) };
             }
         }
+    }
+
+    /// The transpose of an 8 × 8 tile: `out[r][q] = tile[q][r]`.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn transpose8(tile: &[[f32; 8]; 8]) -> [[f32; 8]; 8] {
+        // SAFETY: each load reads one row of 8 f32 of `tile`.
+        let r: [__m256; 8] = std::array::from_fn(|q| unsafe { _mm256_loadu_ps(tile[q].as_ptr()) });
+        // Pairs of rows interleaved, then quads, then the 128-bit halves exchanged.
+        let t: [__m256; 8] = std::array::from_fn(|x| {
+            let (p, q) = (r[x & !1], r[(x & !1) + 1]);
+            if x % 2 == 0 {
+                _mm256_unpacklo_ps(p, q)
+            } else {
+                _mm256_unpackhi_ps(p, q)
+            }
+        });
+        let u: [__m256; 8] = std::array::from_fn(|x| {
+            let base = x / 4 * 4;
+            let (p, q) = (t[base + (x % 4) / 2], t[base + (x % 4) / 2 + 2]);
+            if x % 2 == 0 {
+                _mm256_shuffle_ps::<0x44>(p, q)
+            } else {
+                _mm256_shuffle_ps::<0xEE>(p, q)
+            }
+        });
+        let mut out = [[0.0f32; 8]; 8];
+        for (x, row) in out.iter_mut().enumerate() {
+            let (p, q) = (u[x % 4], u[x % 4 + 4]);
+            let v = if x < 4 {
+                _mm256_permute2f128_ps::<0x20>(p, q)
+            } else {
+                _mm256_permute2f128_ps::<0x31>(p, q)
+            };
+            // SAFETY: `row` holds 8 f32, one unaligned 256-bit store.
+            unsafe { _mm256_storeu_ps(row.as_mut_ptr(), v) };
+        }
+        out
     }
 
     /// # Safety
@@ -313,17 +445,18 @@ mod x86 {
         let tiles = m.div_ceil(I::NR);
         PANEL.with_borrow_mut(|buffer| {
             let mut panel = Panel::new(buffer, KC.min(k));
-            prefetch(ops, blocks[0], 0..blocks[0].kc);
+            prefetch(ops, blocks[0], 0..stored_rows(ops, blocks[0]));
             for (index, &block) in blocks.iter().enumerate() {
                 panel.pack::<I, B>(ops, block);
                 let next = blocks.get(index + 1).copied();
-                let share = next.map_or(0, |next| next.kc.div_ceil(tiles));
+                let share = next.map_or(0, |next| stored_rows(ops, next).div_ceil(tiles));
                 // The first block of k overwrites `dst` unless accumulating; the others add.
                 let alpha_status = u8::from(accumulate || block.k0 > 0);
                 for tile in 0..tiles {
                     if let Some(next) = next {
-                        let first = (tile * share).min(next.kc);
-                        prefetch(ops, next, first..(first + share).min(next.kc));
+                        let rows = stored_rows(ops, next);
+                        let first = (tile * share).min(rows);
+                        prefetch(ops, next, first..(first + share).min(rows));
                     }
                     let (r0, rows) = (tile * I::NR, I::NR.min(m - tile * I::NR));
                     for strip in 0..block.cols.div_ceil(I::MR) {
@@ -388,6 +521,7 @@ mod tests {
                 lda,
                 b: &b,
                 ldb,
+                b_order: Order::Rows,
             };
             let mut dst = vec![f32::NAN; m * n];
             // SAFETY: `dst` holds m · n elements and aliases neither operand.
@@ -407,6 +541,73 @@ mod tests {
                     2.0 * e
                 );
             }
+        }
+    }
+
+    #[test]
+    fn transposed_operands_give_the_product_of_their_row_major_copy() {
+        if !available() {
+            return;
+        }
+        // Partial 8 × 8 tiles in both directions, partial strips and panels, several blocks
+        // of k, strided stored rows; f32 and bf16.
+        for (m, n, k) in [
+            (1, 1, 1),
+            (5, 13, 9),
+            (7, 70, 513),
+            (13, 64, 1100),
+            (6, 136, 40),
+        ] {
+            let ldt = k + 3;
+            let stored = values(n * ldt, 3);
+            let a = values(m * k, 4);
+            let row_major: Vec<f32> = (0..k * n).map(|i| stored[(i % n) * ldt + i / n]).collect();
+            let mut want = vec![0.0; m * n];
+            let mut got = vec![f32::NAN; m * n];
+            // SAFETY: both destinations hold m · n elements and alias no operand.
+            unsafe {
+                let ops = Operands {
+                    a: &a,
+                    lda: k,
+                    b: &row_major,
+                    ldb: n,
+                    b_order: Order::Rows,
+                };
+                product(want.as_mut_ptr(), ops, (m, n, k), false);
+                let ops = Operands {
+                    b: &stored,
+                    ldb: ldt,
+                    b_order: Order::Columns,
+                    ..ops
+                };
+                product(got.as_mut_ptr(), ops, (m, n, k), false);
+            }
+            assert_eq!(got, want, "{m}×{n}×{k}");
+            let stored_bf16: Vec<bf16> = stored.iter().map(|&x| bf16::from_f32(x)).collect();
+            let widened: Vec<f32> = row_major
+                .iter()
+                .map(|&x| bf16::from_f32(x).to_f32())
+                .collect();
+            // SAFETY: as above.
+            unsafe {
+                let ops = Operands {
+                    a: &a,
+                    lda: k,
+                    b: &widened,
+                    ldb: n,
+                    b_order: Order::Rows,
+                };
+                product(want.as_mut_ptr(), ops, (m, n, k), false);
+                let ops = Operands {
+                    a: &a,
+                    lda: k,
+                    b: &stored_bf16,
+                    ldb: ldt,
+                    b_order: Order::Columns,
+                };
+                product(got.as_mut_ptr(), ops, (m, n, k), false);
+            }
+            assert_eq!(got, want, "bf16 {m}×{n}×{k}");
         }
     }
 
@@ -431,6 +632,7 @@ mod tests {
                 lda: k,
                 b: &widened,
                 ldb: n,
+                b_order: Order::Rows,
             };
             product(want.as_mut_ptr(), ops, (m, n, k), false);
             let ops = Operands {
@@ -438,6 +640,7 @@ mod tests {
                 lda: k,
                 b: &b,
                 ldb: n,
+                b_order: Order::Rows,
             };
             product(got.as_mut_ptr(), ops, (m, n, k), false);
         }
@@ -454,6 +657,7 @@ mod tests {
             lda: 5,
             b: &b,
             ldb: 2,
+            b_order: Order::Rows,
         };
         // SAFETY: `dst` holds 2 · 2 elements; the call panics on `b` (6 rows of stride 2).
         unsafe { product(dst.as_mut_ptr(), ops, (2, 2, 6), false) };
