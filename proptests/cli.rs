@@ -12,6 +12,7 @@ use common::*;
 use moekit::contracts::{
     RouterPipeline, RouterTopk, RouterTopkInputs, RouterTopkParams, WeightLayout,
 };
+use moekit::cpu::blocking::{BLOCKING_VARIABLE, Blocking};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
@@ -1389,4 +1390,51 @@ fn check_runs_the_selection_and_plan_neffs_at_their_entries_parameters() {
     ] {
         assert!(stderr.contains(needle), "{needle} missing:\n{stderr}");
     }
+}
+
+/// `moekit` run with `MOEKIT_CPU_BLOCKING=blocking`.
+fn moekit_blocked(blocking: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moekit"))
+        .env(BLOCKING_VARIABLE, blocking)
+        .args(args)
+        .output()
+        .expect("run moekit")
+}
+
+#[test]
+fn info_and_bench_report_the_blocking_in_use_and_refuse_an_unknown_one() {
+    let detected = Blocking::detected();
+    let info = moekit_ok(&["info"]);
+    assert!(
+        info.contains(&format!("; panels: {detected} (detected: ")),
+        "{info}"
+    );
+    for blocking in Blocking::ALL {
+        let bench = moekit_blocked(
+            blocking.name(),
+            &[
+                "bench",
+                "--shape",
+                "tiny",
+                "--tokens",
+                "8",
+                "--kernel",
+                "blockwise_mm",
+                "--min-time-ms",
+                "1",
+            ],
+        );
+        let table = String::from_utf8_lossy(&bench.stdout);
+        let expected = format!("; panels: {blocking} (MOEKIT_CPU_BLOCKING; detected: {detected})");
+        assert!(
+            bench.status.success() && table.contains(&expected),
+            "{table}"
+        );
+    }
+    let out = moekit_blocked("wide", &["check", "--backend", "cpu", "--cases", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("MOEKIT_CPU_BLOCKING=wide: not a blocking"),
+        "{stderr}"
+    );
 }

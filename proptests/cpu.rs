@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use common::*;
 use moekit::contracts::tensors::blockwise_mm_bwd::CHECKPOINTS;
 use moekit::contracts::{ActFnType, ExpertAffinityScaleMode, RouterActFnType, WeightLayout};
+use moekit::cpu::blocking::{BLOCKING_VARIABLE, Blocking};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
 use moekit::{BackendKind, DType, Tensor};
@@ -979,6 +980,10 @@ fn every_other_instruction_set_level_passes_this_suite() {
         );
         return;
     }
+    if std::env::var_os(BLOCKING_VARIABLE).is_some() {
+        // A run of the other blocking, at this level.
+        return;
+    }
     let exe = std::env::current_exe().expect("the test binary's path");
     let others = Isa::ALL
         .into_iter()
@@ -995,4 +1000,40 @@ fn every_other_instruction_set_level_passes_this_suite() {
             String::from_utf8_lossy(&run.stderr)
         );
     }
+}
+
+/// This whole suite again with the blocking this CPU does not choose
+/// ([`Blocking::detected`]), in a process of its own with `MOEKIT_CPU_BLOCKING` naming it:
+/// the panels of the other kind of CPU, against the reference and across thread counts.
+#[test]
+fn the_other_blocking_passes_this_suite() {
+    if let Some(requested) = std::env::var_os(BLOCKING_VARIABLE) {
+        // The run started below: its products use the blocking it was given.
+        let requested = requested.to_string_lossy();
+        assert_eq!(
+            Some(Blocking::active()),
+            Blocking::from_name(&requested),
+            "{requested}"
+        );
+        return;
+    }
+    if std::env::var_os(ISA_VARIABLE).is_some() {
+        // A run at another level, with this CPU's blocking.
+        return;
+    }
+    let other = Blocking::ALL
+        .into_iter()
+        .find(|&b| b != Blocking::active())
+        .expect("two blockings");
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let run = std::process::Command::new(&exe)
+        .env(BLOCKING_VARIABLE, other.name())
+        .output()
+        .expect("running the test binary again");
+    assert!(
+        run.status.success(),
+        "the suite at {BLOCKING_VARIABLE}={other} failed:\n{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
 }

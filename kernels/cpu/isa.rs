@@ -7,8 +7,9 @@
 //! Every kernel that has SIMD variants asks [`Isa::active`] and runs the widest variant at or
 //! below it. Results are bit-identical across thread counts for any one level; different
 //! levels may round differently (a different summation order, or FMA against multiply-add).
-//! Products on transposed operands go through the `gemm` crate's own driver, which picks its
-//! microkernel by its own detection; forcing a level does not reach inside it.
+//! Products over a transposed left operand (the weight gradients) go through the `gemm` crate's
+//! own driver, which picks its microkernel by its own detection; forcing a level does not reach
+//! inside it.
 
 use std::sync::OnceLock;
 

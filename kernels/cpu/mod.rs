@@ -7,6 +7,7 @@
 mod a2av_routing;
 mod alloc;
 mod bf16_matmul;
+pub mod blocking;
 mod blockwise;
 pub mod calibrate;
 mod device_plan;
@@ -56,16 +57,25 @@ use crate::contracts::{
 };
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
+use blocking::Blocking;
 use isa::Isa;
+
+/// Refuses settings from the environment that the kernels cannot use (each kernel's first
+/// step).
+fn check_environment() -> Result<()> {
+    Isa::selected()?;
+    Blocking::selected()?;
+    Ok(())
+}
 
 /// Rows per parallel task in row-tiled products; fixed so results do not depend on threads.
 const ROW_TILE: usize = 64;
 
-/// The CPU backend. Uses the current rayon thread pool, and the SIMD kernels of the level
-/// [`Isa::selected`] names.
+/// The CPU backend. Uses the current rayon thread pool, the SIMD kernels of the level
+/// [`Isa::selected`] names, and the panels of [`Blocking::selected`].
 ///
 /// Every kernel fails with [`Error::Environment`](crate::Error::Environment) while
-/// [`isa::ISA_VARIABLE`] holds a value it cannot use.
+/// [`isa::ISA_VARIABLE`] or [`blocking::BLOCKING_VARIABLE`] holds a value it cannot use.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
@@ -90,12 +100,12 @@ impl Backend for CpuBackend {
     }
 
     fn router_topk(&self, call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(router::forward(call)?)
     }
 
     fn router_topk_bwd(&self, call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(router::backward(call)?)
     }
 
@@ -103,7 +113,7 @@ impl Backend for CpuBackend {
         &self,
         call: &LoadBalancingLoss<'_>,
     ) -> Result<LoadBalancingLossOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         load_balancing::forward(call)
     }
 
@@ -111,37 +121,37 @@ impl Backend for CpuBackend {
         &self,
         call: &LoadBalancingLossBwd<'_>,
     ) -> Result<LoadBalancingLossGrads> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(load_balancing::backward(call)?)
     }
 
     fn permute(&self, call: &Permute<'_>) -> Result<PermuteOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(permute::forward(call)?)
     }
 
     fn permute_bwd(&self, call: &PermuteBwd<'_>) -> Result<PermuteGrads> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(permute::backward(call)?)
     }
 
     fn blockwise_mm(&self, call: &BlockwiseMm<'_>) -> Result<BlockwiseMmOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(blockwise::forward(call)?)
     }
 
     fn blockwise_mm_bwd(&self, call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(blockwise::backward(call)?)
     }
 
     fn a2av_routing(&self, call: &A2avRouting<'_>) -> Result<A2avRoutingOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         a2av_routing::forward(call)
     }
 
     fn moe_tkg(&self, call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         call.cast_outputs(moe_tkg::forward(call)?)
     }
 
@@ -149,7 +159,7 @@ impl Backend for CpuBackend {
         &self,
         call: &RmsNormRouterTopkTkg<'_>,
     ) -> Result<RmsNormRouterTopkTkgOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         composed::rmsnorm_router_topk_tkg(self, self, call)
     }
 
@@ -157,22 +167,22 @@ impl Backend for CpuBackend {
         &self,
         call: &RmsNormRouterTopkTkgBwd<'_>,
     ) -> Result<RmsNormRouterTopkTkgGrads> {
-        Isa::selected()?;
+        check_environment()?;
         composed::rmsnorm_router_topk_tkg_bwd(self, self, call)
     }
 
     fn moe_block_tkg(&self, call: &MoeBlockTkg<'_>) -> Result<MoeBlockTkgOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         composed::moe_block_tkg(self, self, call)
     }
 
     fn topk(&self, call: &Topk<'_>) -> Result<TopkOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         topk::forward(call)
     }
 
     fn topk_reduce(&self, call: &TopkReduce<'_>) -> Result<TopkReduceOutputs> {
-        Isa::selected()?;
+        check_environment()?;
         let TopkReduceDims { t, h, .. } = call.dims();
         call.cast_outputs(TopkReduceOutputs {
             output: Tensor::from_f32([t, h], topk_reduce::forward(call))?,

@@ -3,31 +3,23 @@
 //! microkernels (64 × 6 register tiles of `dstᵀ`) or, without AVX-512, its AVX2+FMA ones
 //! (16 × 6), driven by a loop of our own that streams `b` in under the arithmetic.
 //!
-//! `b` is stored in f32 or bf16 ([`Element`]) and packed one panel at a time, widened to f32:
-//! [`PANEL_COLS`] of its columns over [`KC`] of its rows (up to 128 KiB, held in L2), in strips
-//! of one register tile's columns (64 or 16), contiguous per row.
-//! While the microkernels run the current panel against `a`, six rows of `a` per call, each
-//! call also prefetches its share of the next panel's rows into L2, so that packing the next
-//! panel copies from L2 rather than waiting on memory. (The `gemm` crate's own driver packs
-//! each panel straight from memory with the arithmetic waiting on it: 13% of the cycles of
-//! Qwen3-30B-A3B's f32 `blockwise_mm` at T = 2048 on a 2-core Zen 4; on a 2-core Zen 3
-//! without AVX-512, its AVX2 driver spends most of the product waiting on `b`'s rows.)
+//! `b` is stored in f32 or bf16 ([`Element`]), row-major or as its transpose ([`Order`]), and
+//! packed one panel at a time, widened (and transposed) to f32 in strips of one register tile's
+//! columns (64 or 16), contiguous per row of `b`. The panels' shape, whether the next panel is
+//! prefetched into L2 while the microkernels run the current one against `a` (six rows of `a`
+//! per call), and in which order strips and row tiles meet are the process's [`Blocking`],
+//! chosen for the CPU at hand. (The `gemm` crate's own driver packs each panel straight from
+//! memory with the arithmetic waiting on it: 13% of the cycles of Qwen3-30B-A3B's f32
+//! `blockwise_mm` at T = 2048 on a 2-core Zen 4; on a 2-core Zen 3 without AVX-512, its AVX2
+//! driver spends most of the product waiting on `b`'s rows.)
 //!
-//! Each output is summed over k in ascending order within a block of [`KC`] rows, blocks in
-//! ascending order: the order depends only on k and the instruction set.
+//! Each output is summed over k in ascending order within a panel's rows, panels in ascending
+//! order of k: the order depends only on the shapes, the instruction set and the blocking.
 
 use half::bf16;
 
+use super::blocking::Blocking;
 use super::isa::Isa;
-
-/// Rows of `b` in one packed panel: 512 rows of [`PANEL_COLS`] columns (128 KiB) stay in L2
-/// next to the 512-column blocks of `a`'s rows they meet.
-#[cfg(target_arch = "x86_64")]
-const KC: usize = 512;
-/// Columns of `b` in one packed panel: one AVX-512 register tile, four AVX2 ones (packed and
-/// prefetched together, so each row of `b` is a few whole cache lines).
-#[cfg(target_arch = "x86_64")]
-const PANEL_COLS: usize = 64;
 
 /// Whether [`product`] runs on AVX-512 F here, whose 64-column panels stream bf16 weights
 /// in faster than whole-row panels widened ahead of the product do (not so on AVX2: see
@@ -44,21 +36,35 @@ pub fn available() -> bool {
 /// How `b` is stored: f32, or bf16 widened exactly as it is packed.
 pub trait Element: Copy + Sync {
     /// Writes `src` as f32 into `dst` (of the same length).
-    fn widen_into(dst: &mut [f32], src: &[Self]);
+    fn widen_into(dst: &mut [f32], src: &[Self]) {
+        for (d, x) in dst.iter_mut().zip(src) {
+            *d = x.widen();
+        }
+    }
+
+    /// Eight values as f32: one 256-bit register's worth, inlined into the packing loops (a
+    /// slice copy there costs a `memcpy` call per row of a strip).
+    #[inline(always)]
+    fn widen8(src: &[Self; 8]) -> [f32; 8] {
+        src.map(Self::widen)
+    }
+
+    /// The value as f32, exactly.
+    fn widen(self) -> f32;
 }
 
 impl Element for f32 {
-    fn widen_into(dst: &mut [f32], src: &[f32]) {
-        dst.copy_from_slice(src);
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
     }
 }
 
 impl Element for bf16 {
-    fn widen_into(dst: &mut [f32], src: &[bf16]) {
+    #[inline(always)]
+    fn widen(self) -> f32 {
         // bf16 is the top half of an f32: widening is a shift, exact for every value.
-        for (d, x) in dst.iter_mut().zip(src) {
-            *d = f32::from_bits(u32::from(x.to_bits()) << 16);
-        }
+        f32::from_bits(u32::from(self.to_bits()) << 16)
     }
 }
 
@@ -83,7 +89,8 @@ pub struct Operands<'a, B> {
     pub b_order: Order,
 }
 
-/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`; `dst` row-major, contiguous.
+/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`; `dst` row-major, contiguous;
+/// on the panels of the process's [`Blocking::active`].
 ///
 /// # Safety
 /// `dst` must point to `m · n` writable elements that alias neither operand, initialised when
@@ -93,6 +100,21 @@ pub struct Operands<'a, B> {
 /// If the CPU lacks both AVX-512 F and AVX2+FMA ([`available`]) or an operand's last element
 /// lies past its buffer.
 pub unsafe fn product<B: Element>(
+    dst: *mut f32,
+    ops: Operands<'_, B>,
+    shape: (usize, usize, usize),
+    accumulate: bool,
+) {
+    // SAFETY: the caller's guarantees.
+    unsafe { product_with(Blocking::active(), dst, ops, shape, accumulate) }
+}
+
+/// [`product`] on the panels of `blocking`.
+///
+/// # Safety
+/// As for [`product`].
+unsafe fn product_with<B: Element>(
+    blocking: Blocking,
     dst: *mut f32,
     ops: Operands<'_, B>,
     (m, n, k): (usize, usize, usize),
@@ -134,9 +156,9 @@ pub unsafe fn product<B: Element>(
     // guarantees `dst`.
     unsafe {
         if avx512() {
-            x86::product::<x86::Avx512, B>(dst, ops, (m, n, k), accumulate);
+            x86::product::<x86::Avx512, B>(blocking, dst, ops, (m, n, k), accumulate);
         } else {
-            x86::product::<x86::Avx2, B>(dst, ops, (m, n, k), accumulate);
+            x86::product::<x86::Avx2, B>(blocking, dst, ops, (m, n, k), accumulate);
         }
     }
 }
@@ -148,7 +170,7 @@ mod x86 {
 
     use gemm_f32::microkernel::{avx512f, fma};
 
-    use super::{Element, KC, Operands, Order, PANEL_COLS};
+    use super::{Blocking, Element, Operands, Order};
 
     /// Bytes per cache line.
     const LINE: usize = 64;
@@ -236,7 +258,7 @@ mod x86 {
         static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
 
-    /// A packed panel of up to [`PANEL_COLS`] columns: strips of `I::MR` columns, each `kc`
+    /// A packed panel: strips of `I::MR` columns, each `kc`
     /// rows of `I::MR` values (row r of strip s at `(s · kc + r) · I::MR`), zeros past the
     /// panel's columns; starts on a cache line.
     struct Panel<'a> {
@@ -245,15 +267,15 @@ mod x86 {
     }
 
     impl<'a> Panel<'a> {
-        /// A panel of up to `kc` rows in `buffer`.
-        fn new(buffer: &'a mut Vec<f32>, kc: usize) -> Self {
-            let len = kc * PANEL_COLS + LINE / 4;
+        /// A panel of up to `capacity` values (its strips' rows) in `buffer`.
+        fn new(buffer: &'a mut Vec<f32>, capacity: usize) -> Self {
+            let len = capacity + LINE / 4;
             if buffer.len() < len {
                 buffer.resize(len, 0.0);
             }
             let start = buffer.as_ptr().align_offset(LINE).min(LINE / 4);
             Self {
-                values: &mut buffer[start..start + kc * PANEL_COLS],
+                values: &mut buffer[start..start + capacity],
                 kc: 0,
             }
         }
@@ -268,18 +290,20 @@ mod x86 {
             }
         }
 
-        /// [`Self::pack`] from row-major `b`: each row of the block is a run of `cols` values.
+        /// [`Self::pack`] from row-major `b`: each row of the block is a run of `cols` values,
+        /// copied (widened) 8 at a time.
         fn pack_rows<I: Microkernels, B: Element>(&mut self, ops: Operands<'_, B>, block: Block) {
             for r in 0..block.kc {
                 let src = &ops.b[(block.k0 + r) * ops.ldb + block.c0..][..block.cols];
                 for (strip, src) in src.chunks(I::MR).enumerate() {
                     let row = &mut self.values[(strip * block.kc + r) * I::MR..][..I::MR];
-                    if src.len() == I::MR {
-                        B::widen_into(row, src);
-                    } else {
-                        B::widen_into(&mut row[..src.len()], src);
-                        row[src.len()..].fill(0.0);
+                    let full = src.len() / 8 * 8;
+                    for (dst, src) in row.chunks_exact_mut(8).zip(src[..full].chunks_exact(8)) {
+                        let src: &[B; 8] = src.try_into().expect("chunks of 8");
+                        dst.copy_from_slice(&B::widen8(src));
                     }
+                    B::widen_into(&mut row[full..src.len()], &src[full..]);
+                    row[src.len()..].fill(0.0);
                 }
             }
         }
@@ -310,7 +334,7 @@ mod x86 {
                     for r0 in (0..full_k).step_by(8) {
                         let mut tile = [[0.0f32; 8]; 8];
                         for (row, src) in tile.iter_mut().zip(&sources) {
-                            B::widen_into(row, &src[r0..r0 + 8]);
+                            *row = B::widen8(src[r0..r0 + 8].try_into().expect("8 values"));
                         }
                         let rows = transpose8(&tile);
                         for (dr, row) in rows.iter().enumerate() {
@@ -319,19 +343,15 @@ mod x86 {
                     }
                     for r in full_k..kc {
                         for (q, src) in sources.iter().enumerate() {
-                            let mut value = [0.0f32];
-                            B::widen_into(&mut value, &src[r..=r]);
-                            strip_values[r * I::MR + j0 + q] = value[0];
+                            strip_values[r * I::MR + j0 + q] = src[r].widen();
                         }
                     }
                 }
                 for j in full_cols..I::MR {
                     if j < cols {
                         let src = column(j);
-                        let mut value = [0.0f32];
                         for r in 0..kc {
-                            B::widen_into(&mut value, &src[r..=r]);
-                            strip_values[r * I::MR + j] = value[0];
+                            strip_values[r * I::MR + j] = src[r].widen();
                         }
                     } else {
                         for r in 0..kc {
@@ -349,7 +369,7 @@ mod x86 {
     }
 
     /// One panel's place: rows `k0..k0 + kc` and columns `c0..c0 + cols` of `b`
-    /// (`cols ≤ PANEL_COLS`).
+    /// (`cols` at most the geometry's).
     #[derive(Clone, Copy)]
     struct Block {
         k0: usize,
@@ -426,60 +446,70 @@ mod x86 {
     /// `I`'s instruction set available; the operands hold their shapes; `dst` as for
     /// [`super::product`].
     pub(super) unsafe fn product<I: Microkernels, B: Element>(
+        blocking: Blocking,
         dst: *mut f32,
         ops: Operands<'_, B>,
         (m, n, k): (usize, usize, usize),
         accumulate: bool,
     ) {
+        let g = blocking.geometry(ops.b_order == Order::Columns, (m, n, k), I::MR);
+        let (kcap, pcols) = (g.kc, g.cols);
         let blocks: Vec<Block> = (0..k)
-            .step_by(KC)
+            .step_by(kcap)
             .flat_map(|k0| {
-                (0..n).step_by(PANEL_COLS).map(move |c0| Block {
+                (0..n).step_by(pcols).map(move |c0| Block {
                     k0,
-                    kc: KC.min(k - k0),
+                    kc: kcap.min(k - k0),
                     c0,
-                    cols: PANEL_COLS.min(n - c0),
+                    cols: pcols.min(n - c0),
                 })
             })
             .collect();
         let tiles = m.div_ceil(I::NR);
         PANEL.with_borrow_mut(|buffer| {
-            let mut panel = Panel::new(buffer, KC.min(k));
-            prefetch(ops, blocks[0], 0..stored_rows(ops, blocks[0]));
+            let mut panel = Panel::new(buffer, kcap.min(k) * pcols.min(n).next_multiple_of(I::MR));
+            if g.prefetch {
+                prefetch(ops, blocks[0], 0..stored_rows(ops, blocks[0]));
+            }
             for (index, &block) in blocks.iter().enumerate() {
                 panel.pack::<I, B>(ops, block);
-                let next = blocks.get(index + 1).copied();
-                let share = next.map_or(0, |next| stored_rows(ops, next).div_ceil(tiles));
+                let next = blocks.get(index + 1).copied().filter(|_| g.prefetch);
+                let strips = block.cols.div_ceil(I::MR);
+                let calls = tiles * strips;
+                let share = next.map_or(0, |next| stored_rows(ops, next).div_ceil(calls));
                 // The first block of k overwrites `dst` unless accumulating; the others add.
                 let alpha_status = u8::from(accumulate || block.k0 > 0);
-                for tile in 0..tiles {
+                for call in 0..calls {
+                    let (tile, strip) = if g.strips_outer {
+                        (call % tiles, call / tiles)
+                    } else {
+                        (call / strips, call % strips)
+                    };
                     if let Some(next) = next {
                         let rows = stored_rows(ops, next);
-                        let first = (tile * share).min(rows);
+                        let first = (call * share).min(rows);
                         prefetch(ops, next, first..(first + share).min(rows));
                     }
                     let (r0, rows) = (tile * I::NR, I::NR.min(m - tile * I::NR));
-                    for strip in 0..block.cols.div_ceil(I::MR) {
-                        let c0 = strip * I::MR;
-                        // SAFETY: the microkernel computes the `cols × rows` tile of `dstᵀ` at
-                        // (block.c0 + c0, r0) over the panel's kc rows: it reads the strip (kc
-                        // rows of MR values), `a`'s rows r0..r0 + rows at columns k0..k0 + kc
-                        // (inside `a`, checked by the caller), and writes `dst` at rows r0..,
-                        // columns block.c0 + c0.. (inside its m · n elements), reading them
-                        // first only with `alpha_status` 1.
-                        unsafe {
-                            I::tile(
-                                I::MR.min(block.cols - c0),
-                                rows,
-                                block.kc,
-                                dst.add(r0 * n + block.c0 + c0),
-                                panel.strip::<I>(strip),
-                                ops.a.as_ptr().add(r0 * ops.lda + block.k0),
-                                n as isize,
-                                ops.lda as isize,
-                                alpha_status,
-                            );
-                        }
+                    let c0 = strip * I::MR;
+                    // SAFETY: the microkernel computes the `cols × rows` tile of `dstᵀ` at
+                    // (block.c0 + c0, r0) over the panel's kc rows: it reads the strip (kc
+                    // rows of MR values), `a`'s rows r0..r0 + rows at columns k0..k0 + kc
+                    // (inside `a`, checked by the caller), and writes `dst` at rows r0..,
+                    // columns block.c0 + c0.. (inside its m · n elements), reading them
+                    // first only with `alpha_status` 1.
+                    unsafe {
+                        I::tile(
+                            I::MR.min(block.cols - c0),
+                            rows,
+                            block.kc,
+                            dst.add(r0 * n + block.c0 + c0),
+                            panel.strip::<I>(strip),
+                            ops.a.as_ptr().add(r0 * ops.lda + block.k0),
+                            n as isize,
+                            ops.lda as isize,
+                            alpha_status,
+                        );
                     }
                 }
             }
@@ -492,127 +522,88 @@ mod tests {
     use super::*;
     use crate::cpu::test_values::values;
 
-    #[test]
-    fn products_match_the_naive_product_on_ragged_shapes() {
-        if !available() {
-            return;
-        }
-        // Partial panels (n % 64, n < 16), partial row tiles (m % 6), several blocks of k
-        // (k > KC), strided rows of both operands, and an empty inner dimension.
-        for (m, n, k) in [
-            (1, 1, 1),
-            (7, 70, 513),
-            (13, 64, 1100),
-            (6, 129, 40),
-            (50, 5, 7),
-            (3, 4, 0),
-        ] {
-            let (lda, ldb) = (k + 3, n + 5);
-            let a = values(m * lda, 1);
-            let b = values(k * ldb, 2);
-            let naive: Vec<f32> = (0..m * n)
-                .map(|i| {
-                    let (r, c) = (i / n, i % n);
-                    (0..k).map(|p| a[r * lda + p] * b[p * ldb + c]).sum()
-                })
-                .collect();
-            let ops = Operands {
-                a: &a,
-                lda,
-                b: &b,
-                ldb,
-                b_order: Order::Rows,
-            };
-            let mut dst = vec![f32::NAN; m * n];
-            // SAFETY: `dst` holds m · n elements and aliases neither operand.
-            unsafe { product(dst.as_mut_ptr(), ops, (m, n, k), false) };
-            let close = |got: f32, want: f32| {
-                (got - want).abs() <= 1e-4 * (1.0 + want.abs()) * (k as f32).sqrt()
-            };
-            for (g, e) in dst.iter().zip(&naive) {
-                assert!(close(*g, *e), "{m}×{n}×{k}: {g} vs {e}");
-            }
-            // SAFETY: as above; `dst` is initialised.
-            unsafe { product(dst.as_mut_ptr(), ops, (m, n, k), true) };
-            for (g, e) in dst.iter().zip(&naive) {
-                assert!(
-                    close(*g, 2.0 * e),
-                    "{m}×{n}×{k} accumulated: {g} vs {}",
-                    2.0 * e
-                );
+    /// `b [k, n]` with `ldb` between its stored rows, stored in `order`, from `row_major`.
+    fn stored<T: Copy + Default>(
+        row_major: &[T],
+        (k, n): (usize, usize),
+        order: Order,
+        ldb: usize,
+    ) -> Vec<T> {
+        let (rows, cols) = match order {
+            Order::Rows => (k, n),
+            Order::Columns => (n, k),
+        };
+        let mut out = vec![T::default(); rows * ldb];
+        for r in 0..rows {
+            for c in 0..cols {
+                let (p, j) = if order == Order::Rows { (r, c) } else { (c, r) };
+                out[r * ldb + c] = row_major[p * n + j];
             }
         }
+        out
     }
 
     #[test]
-    fn transposed_operands_give_the_product_of_their_row_major_copy() {
+    fn products_match_the_naive_product_on_ragged_shapes_in_every_blocking_and_order() {
         if !available() {
             return;
         }
-        // Partial 8 × 8 tiles in both directions, partial strips and panels, several blocks
-        // of k, strided stored rows; f32 and bf16.
+        // Partial panels (n % 64, n < 16) and 8 × 8 transposes, partial row tiles (m % 6),
+        // several panels of k (k > 512) and of columns (wide panels past their bytes), more
+        // than 64 rows of `a`, strided rows of both operands, and an empty inner dimension.
         for (m, n, k) in [
             (1, 1, 1),
             (5, 13, 9),
             (7, 70, 513),
             (13, 64, 1100),
             (6, 136, 40),
+            (70, 700, 300),
+            (50, 5, 7),
+            (3, 4, 0),
         ] {
-            let ldt = k + 3;
-            let stored = values(n * ldt, 3);
-            let a = values(m * k, 4);
-            let row_major: Vec<f32> = (0..k * n).map(|i| stored[(i % n) * ldt + i / n]).collect();
-            let mut want = vec![0.0; m * n];
-            let mut got = vec![f32::NAN; m * n];
-            // SAFETY: both destinations hold m · n elements and alias no operand.
-            unsafe {
-                let ops = Operands {
-                    a: &a,
-                    lda: k,
-                    b: &row_major,
-                    ldb: n,
-                    b_order: Order::Rows,
-                };
-                product(want.as_mut_ptr(), ops, (m, n, k), false);
-                let ops = Operands {
-                    b: &stored,
-                    ldb: ldt,
-                    b_order: Order::Columns,
-                    ..ops
-                };
-                product(got.as_mut_ptr(), ops, (m, n, k), false);
-            }
-            assert_eq!(got, want, "{m}×{n}×{k}");
-            let stored_bf16: Vec<bf16> = stored.iter().map(|&x| bf16::from_f32(x)).collect();
-            let widened: Vec<f32> = row_major
-                .iter()
-                .map(|&x| bf16::from_f32(x).to_f32())
+            let lda = k + 3;
+            let a = values(m * lda, 1);
+            let b = values(k * n, 2);
+            let naive: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    (0..k).map(|p| a[r * lda + p] * b[p * n + c]).sum()
+                })
                 .collect();
-            // SAFETY: as above.
-            unsafe {
+            let close = |got: f32, want: f32| {
+                (got - want).abs() <= 1e-4 * (1.0 + want.abs()) * (k as f32).sqrt()
+            };
+            for (blocking, order) in Blocking::ALL
+                .into_iter()
+                .flat_map(|blocking| [(blocking, Order::Rows), (blocking, Order::Columns)])
+            {
+                let ldb = if order == Order::Rows { n + 5 } else { k + 3 };
+                let b = stored(&b, (k, n), order, ldb);
                 let ops = Operands {
                     a: &a,
-                    lda: k,
-                    b: &widened,
-                    ldb: n,
-                    b_order: Order::Rows,
+                    lda,
+                    b: &b,
+                    ldb,
+                    b_order: order,
                 };
-                product(want.as_mut_ptr(), ops, (m, n, k), false);
-                let ops = Operands {
-                    a: &a,
-                    lda: k,
-                    b: &stored_bf16,
-                    ldb: ldt,
-                    b_order: Order::Columns,
-                };
-                product(got.as_mut_ptr(), ops, (m, n, k), false);
+                let what = format!("{blocking} {order:?} {m}×{n}×{k}");
+                let mut dst = vec![f32::NAN; m * n];
+                // SAFETY: `dst` holds m · n elements and aliases neither operand.
+                unsafe { product_with(blocking, dst.as_mut_ptr(), ops, (m, n, k), false) };
+                for (g, e) in dst.iter().zip(&naive) {
+                    assert!(close(*g, *e), "{what}: {g} vs {e}");
+                }
+                // SAFETY: as above; `dst` is initialised.
+                unsafe { product_with(blocking, dst.as_mut_ptr(), ops, (m, n, k), true) };
+                for (g, e) in dst.iter().zip(&naive) {
+                    assert!(close(*g, 2.0 * e), "{what} accumulated: {g} vs {}", 2.0 * e);
+                }
             }
-            assert_eq!(got, want, "bf16 {m}×{n}×{k}");
         }
     }
 
     #[test]
-    fn bf16_operands_give_the_product_of_their_widened_copy() {
+    fn bf16_operands_give_the_product_of_their_widened_copy_in_every_blocking_and_order() {
         if !available() {
             return;
         }
@@ -622,29 +613,33 @@ mod tests {
             .iter()
             .map(|&x| bf16::from_f32(x / 3.0))
             .collect();
-        let widened: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
-        let mut want = vec![0.0; m * n];
-        let mut got = vec![0.0; m * n];
-        // SAFETY: both destinations hold m · n elements and alias no operand.
-        unsafe {
-            let ops = Operands {
-                a: &a,
-                lda: k,
-                b: &widened,
-                ldb: n,
-                b_order: Order::Rows,
-            };
-            product(want.as_mut_ptr(), ops, (m, n, k), false);
-            let ops = Operands {
-                a: &a,
-                lda: k,
-                b: &b,
-                ldb: n,
-                b_order: Order::Rows,
-            };
-            product(got.as_mut_ptr(), ops, (m, n, k), false);
+        for blocking in Blocking::ALL {
+            for (order, ldb) in [(Order::Rows, n), (Order::Columns, k)] {
+                let b = stored(&b, (k, n), order, ldb);
+                let widened: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+                let (mut want, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
+                let ops = Operands {
+                    a: &a,
+                    lda: k,
+                    b: &widened,
+                    ldb,
+                    b_order: order,
+                };
+                // SAFETY: both destinations hold m · n elements and alias no operand.
+                unsafe {
+                    product_with(blocking, want.as_mut_ptr(), ops, (m, n, k), false);
+                    let ops = Operands {
+                        a: &a,
+                        lda: k,
+                        b: &b,
+                        ldb,
+                        b_order: order,
+                    };
+                    product_with(blocking, got.as_mut_ptr(), ops, (m, n, k), false);
+                }
+                assert_eq!(got, want, "{blocking} {order:?}");
+            }
         }
-        assert_eq!(got, want);
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The host as the cpu backend sees it, for `moekit info` and the benchmarks' reports: the CPU
-//! model, its caches, the instruction-set level detected and the one the kernels use.
+//! model, its caches, the instruction-set level detected and the one the kernels use, and the
+//! blocking of their packed-panel products.
 
 use std::fmt;
 use std::fs;
 use std::path::Path;
 
+use moekit::cpu::blocking::{self, BLOCKING_VARIABLE, Blocking};
 use moekit::cpu::calibrate::{self, PAIR_DOT_MIN_SPEEDUP};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 
@@ -38,6 +40,12 @@ pub struct Host {
     pub requested: bool,
     /// bf16 pair dot products' multiply-adds per second over f32 FMAs', where measured.
     pub pair_dot_speedup: Option<f64>,
+    /// The CPU's vendor (CPUID), or `unknown`.
+    pub vendor: String,
+    /// The blocking the packed-panel products use, or why [`BLOCKING_VARIABLE`] is unusable.
+    pub blocking: Result<Blocking, String>,
+    /// Whether [`BLOCKING_VARIABLE`] chose the blocking.
+    pub blocking_requested: bool,
 }
 
 impl Host {
@@ -52,23 +60,33 @@ impl Host {
             selected: Isa::selected().map_err(|e| e.to_string()),
             requested: Isa::requested().is_some(),
             pair_dot_speedup: calibrate::pair_dot_speedup(),
+            vendor: blocking::cpu_vendor().unwrap_or_else(|| "unknown".to_owned()),
+            blocking: Blocking::selected().map_err(|e| e.to_string()),
+            blocking_requested: Blocking::requested().is_some(),
         }
     }
 
-    /// One line for a benchmark's header: which cpu kernels ran.
+    /// One line for a benchmark's header: which cpu kernels ran, on which panels.
     pub fn kernels_line(&self) -> String {
         let detected = self.detected;
-        match &self.selected {
-            Err(message) => format!("cpu kernels: unusable: {message}"),
-            Ok(isa) if self.requested => {
-                format!("cpu kernels: {isa} ({ISA_VARIABLE}; detected: {detected})")
-            }
-            Ok(isa) if *isa == detected => format!("cpu kernels: {isa} (detected)"),
+        let level = match &self.selected {
+            Err(message) => return format!("cpu kernels: unusable: {message}"),
+            Ok(isa) if self.requested => format!("{isa} ({ISA_VARIABLE}; detected: {detected})"),
+            Ok(isa) if *isa == detected => format!("{isa} (detected)"),
             Ok(isa) => format!(
-                "cpu kernels: {isa} (calibrated: bf16 pair dot products below \
-                 {PAIR_DOT_MIN_SPEEDUP}× the f32 FMA rate; detected: {detected})"
+                "{isa} (calibrated: bf16 pair dot products below {PAIR_DOT_MIN_SPEEDUP}× the f32 \
+                 FMA rate; detected: {detected})"
             ),
-        }
+        };
+        let panels = match &self.blocking {
+            Err(message) => return format!("cpu kernels: unusable: {message}"),
+            Ok(blocking) if self.blocking_requested => format!(
+                "{blocking} ({BLOCKING_VARIABLE}; detected: {})",
+                Blocking::detected()
+            ),
+            Ok(blocking) => format!("{blocking} (detected: {})", self.vendor),
+        };
+        format!("cpu kernels: {level}; panels: {panels}")
     }
 }
 
