@@ -1,4 +1,4 @@
-//! How the packed-panel products ([`super::streamed`]) cut the weights into panels and bring
+//! How the packed-panel products (`cpu::streamed`) cut the weights into panels and bring
 //! them in from memory: a choice that depends on the microarchitecture, made once per process
 //! from the CPU's vendor, or set by [`BLOCKING_VARIABLE`] for reproducible runs and to test
 //! either choice on any CPU.
