@@ -20,6 +20,10 @@ use crate::contracts::{
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor, try_filled};
 
+/// Rows of `d_w [H, E]` per task of the router backward: each task reads `d_logits` whole, so
+/// a band spans several of the packed panels' columns.
+const D_W_BAND: usize = 256;
+
 /// Tokens per task of the products with the router weights, for T tokens: half of them, from
 /// 16 to [`ROW_TILE`], so that a decoding step's tens of tokens still make two tasks (each
 /// packs the weights, so more would cost more than they spread) while longer sequences keep
@@ -262,20 +266,30 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
             || (Vec::new(), Vec::new()),
             |(panel, tile), (d_x, d_logits)| w.transposed_product(d_x, d_logits, (panel, tile)),
         );
-    // d_w [H, E] = xᵀ · d_logits, in tiles of rows of d_w (each token reduction stays inside
-    // one product).
+    // d_w [H, E] = xᵀ · d_logits, as its transpose d_logitsᵀ · x on packed panels of x (the
+    // whole token reduction inside one product), in bands of D_W_BAND rows of d_w.
+    let mut d_logits_t = vec![0.0f32; e * t];
+    for (token, row) in d_logits.chunks(e).enumerate() {
+        for (expert, &d) in row.iter().enumerate() {
+            d_logits_t[expert * t + token] = d;
+        }
+    }
+    let d_logits_t = MatRef::row_major(&d_logits_t, e, t);
     let mut d_w = try_filled(&output(&rtb::D_W), &[h, e], 0.0f32)?;
     let x = MatRef::row_major(&x, t, h);
-    d_w.par_chunks_mut(ROW_TILE * e)
+    d_w.par_chunks_mut(D_W_BAND * e)
         .enumerate()
-        .for_each(|(tile, d_w)| {
-            let rows = tile * ROW_TILE..tile * ROW_TILE + d_w.len() / e;
-            matmul(
-                d_w,
-                x.columns(rows).t(),
-                MatRef::row_major(&d_logits, t, e),
-                false,
-            );
+        .for_each_init(Vec::new, |d_w_t, (band, d_w)| {
+            let rows = band * D_W_BAND..band * D_W_BAND + d_w.len() / e;
+            let width = rows.len();
+            d_w_t.resize(e * width, 0.0);
+            // d_wᵀ [E, rows] = d_logitsᵀ · x [T, rows].
+            matmul(d_w_t, d_logits_t, x.columns(rows), false);
+            for (r, d_w_row) in d_w.chunks_mut(e).enumerate() {
+                for (expert, d) in d_w_row.iter_mut().enumerate() {
+                    *d = d_w_t[expert * width + r];
+                }
+            }
         });
     // d_w_bias [E] = Σ_t d_logits, in token order.
     let mut d_w_bias = vec![0.0f32; e];
