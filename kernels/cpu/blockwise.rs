@@ -40,7 +40,7 @@ use super::expert_matrix::ExpertMatrix;
 use super::gated;
 use super::matmul::{MatRef, matmul, matmul_into};
 use super::permute::topk_gradient;
-use super::rows::{add_bias_rows, bias_row, clamp_rows, gather_rows, resized, scale_rows};
+use super::rows::{add_bias_rows, bias_row, clamp_rows, dot, gather_rows, resized, scale_rows};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
@@ -58,6 +58,9 @@ const ROUNDED_PIECE_BYTES: usize = 256 << 10;
 /// it would exceed this, and the backward splits experts with more into pieces of this many
 /// rows (the last one shorter).
 const TASK_ROWS: usize = 256;
+
+/// Columns of a transposed checkpoint block that [`gather_block_columns`] copies at a time.
+const GATHER_COLUMNS: usize = 16;
 
 /// A forward task: consecutive blocks of the plan, either of one expert with real slots
 /// (`expert: Some`) or a single block of padding only (`None`, such as the unused blocks after
@@ -841,30 +844,26 @@ fn rows_backward(
     if scaling.scales_outputs() {
         let y = resized(&mut s.y, m * h);
         gather_rows(inputs.down_proj_act_checkpoint, piece.slots, h, y);
-        for row in 0..m {
-            let d_y = &mut piece.d_y[row * h..(row + 1) * h];
-            piece.d_affinity[row] = d_y
-                .iter()
-                .zip(&y[row * h..(row + 1) * h])
-                .map(|(d, y)| d * y)
-                .sum();
-            for d in d_y.iter_mut() {
-                *d *= affinity(row);
+        for (row, (d_y, y)) in piece
+            .d_y
+            .chunks_exact_mut(h)
+            .zip(y.chunks_exact(h))
+            .enumerate()
+        {
+            piece.d_affinity[row] = dot(d_y, y);
+            let a = affinity(row);
+            for d in d_y {
+                *d *= a;
             }
         }
     } else {
         piece.d_affinity.fill(0.0);
     }
-    // gate/up rows from the transposed checkpoint [N, 2, I, B]: slot n·B + j's column c
-    // (gate, then up) is at (n·2I + c)·B + j.
+    // gate/up rows [m, 2I] from the transposed checkpoint [N, 2, I, B].
     let gate_up = resized(&mut s.gate_up, m * 2 * i);
-    for (&slot, row) in piece.slots.iter().zip(gate_up.chunks_exact_mut(2 * i)) {
-        let (block, j) = (slot / b, slot % b);
-        let start = block * 2 * i * b + j;
-        match checkpoint {
-            Floats::F32(c) => strided_into(row, &c[start..], b, |x| x),
-            Floats::BF16(c) => strided_into(row, &c[start..], b, bf16::to_f32),
-        }
+    match checkpoint {
+        Floats::F32(c) => gather_block_columns(gate_up, c, piece.slots, b, |x| x),
+        Floats::BF16(c) => gather_block_columns(gate_up, c, piece.slots, b, bf16::to_f32),
     }
     let layout = call.params().weight_layout;
     // d act [m, I] = d y · Dᵀ.
@@ -912,13 +911,13 @@ fn rows_backward(
     if scaling.scales_rows() {
         // The projection saw x' = affinity · x: d affinity = ⟨d x', x⟩, d x = affinity · d x',
         // and the weight gradient reads x'.
-        for row in 0..m {
+        let rows = piece
+            .x
+            .chunks_exact_mut(h)
+            .zip(piece.d_x.chunks_exact_mut(h));
+        for (row, (x, d_x)) in rows.enumerate() {
             let a = affinity(row);
-            let (x, d_x) = (
-                &mut piece.x[row * h..(row + 1) * h],
-                &mut piece.d_x[row * h..(row + 1) * h],
-            );
-            piece.d_affinity[row] = d_x.iter().zip(x.iter()).map(|(d, v)| d * v).sum();
+            piece.d_affinity[row] = dot(d_x, x);
             for (d, v) in d_x.iter_mut().zip(x.iter_mut()) {
                 *d *= a;
                 *v *= a;
@@ -927,10 +926,33 @@ fn rows_backward(
     }
 }
 
-/// `dst[c] = widen(src[c · stride])` for every c.
-fn strided_into<T: Copy>(dst: &mut [f32], src: &[T], stride: usize, widen: impl Fn(T) -> f32) {
-    for (value, &x) in dst.iter_mut().zip(src.iter().step_by(stride)) {
-        *value = widen(x);
+/// `dst [m, C]`: row r is slot `slots[r]` of the transposed checkpoint `blocks [N, C, B]` (slot
+/// n·B + j is column j of block n), widened to f32. Each run of slots in one block is copied
+/// [`GATHER_COLUMNS`] columns at a time: their stored rows and the run's pieces of `dst` rows
+/// stay in L1 while every slot of the run passes.
+fn gather_block_columns<T: Copy>(
+    dst: &mut [f32],
+    blocks: &[T],
+    slots: &[usize],
+    b: usize,
+    widen: impl Fn(T) -> f32,
+) {
+    let c = dst.len() / slots.len().max(1);
+    let mut done = 0;
+    for run in slots.chunk_by(|x, y| x / b == y / b) {
+        let first = run[0] / b * b;
+        let block = &blocks[first * c..][..c * b];
+        let rows = &mut dst[done * c..(done + run.len()) * c];
+        for c0 in (0..c).step_by(GATHER_COLUMNS) {
+            let columns = c0..(c0 + GATHER_COLUMNS).min(c);
+            for (&slot, row) in run.iter().zip(rows.chunks_exact_mut(c)) {
+                let stored = block[c0 * b + slot - first..].iter().step_by(b);
+                for (value, &x) in row[columns.clone()].iter_mut().zip(stored) {
+                    *value = widen(x);
+                }
+            }
+        }
+        done += run.len();
     }
 }
 

@@ -9,6 +9,8 @@
 //! `a` passes it. Each output is the sum over k in ascending order, one fused multiply-add per
 //! term, starting from zero or from `dst`: the order depends only on k.
 
+use std::mem::MaybeUninit;
+
 use super::isa::Isa;
 
 /// Whether [`matmul`] runs here: the active level has AVX-512 F.
@@ -38,6 +40,38 @@ pub fn matmul(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
+    check(dst.len(), ops, (m, n, k));
+    // SAFETY: checked: AVX-512 F, and every element the shapes and strides reach lies inside
+    // its buffer; `dst` is initialised, as `accumulate` reads it.
+    unsafe { run(dst.as_mut_ptr(), ops, (m, n, k), accumulate) };
+}
+
+/// `dst [m, n] = a · b` into memory not yet written; returns `dst` as the values it now holds.
+/// The tiles start from zero and store every element, so nothing clears `dst` first.
+///
+/// # Panics
+/// As [`matmul`], and if `dst` is not `m · n` long.
+pub fn matmul_into<'d>(
+    dst: &'d mut [MaybeUninit<f32>],
+    ops: Operands<'_>,
+    (m, n, k): (usize, usize, usize),
+) -> &'d mut [f32] {
+    assert_eq!(
+        Some(dst.len()),
+        m.checked_mul(n),
+        "destination is not [m, n]"
+    );
+    check(dst.len(), ops, (m, n, k));
+    // SAFETY: checked as in `matmul`; without `accumulate` no tile reads `dst`.
+    unsafe { run(dst.as_mut_ptr().cast(), ops, (m, n, k), false) };
+    // SAFETY: the tiles wrote all m · n elements, which are all of `dst` (asserted);
+    // `MaybeUninit<f32>` has `f32`'s layout.
+    unsafe { &mut *(std::ptr::from_mut(dst) as *mut [f32]) }
+}
+
+/// Asserts what [`run`] needs: AVX-512 F, `dst_len ≥ m · n`, and every element of `a` and `b`
+/// the shapes reach inside its buffer.
+fn check(dst_len: usize, ops: Operands<'_>, (m, n, k): (usize, usize, usize)) {
     assert!(available(), "f32_tiles::matmul needs AVX-512 F");
     if m == 0 || n == 0 {
         return;
@@ -49,15 +83,30 @@ pub fn matmul(
             .and_then(|(r, c)| r.checked_add(c))
     };
     assert!(
-        dst.len() >= m * n
+        dst_len >= m * n
             && (k == 0
                 || (last(m, ops.a_rows, k, ops.a_cols).is_some_and(|i| i < ops.a.len())
                     && last(k, ops.ldb, n, 1).is_some_and(|i| i < ops.b.len()))),
         "operand too short for its shape"
     );
+}
+
+/// The product on the tiles, `dst` row-major `[m, n]`.
+///
+/// # Safety
+/// [`check`] passed for these operands and shapes; `dst` points to `m · n` writable elements,
+/// initialised when `accumulate`.
+unsafe fn run(
+    dst: *mut f32,
+    ops: Operands<'_>,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512 F was checked above; every element the shapes and strides reach lies
-    // inside its buffer (checked above).
+    // SAFETY: forwarded (the caller's contract).
     unsafe {
         x86::matmul(dst, ops, (m, n, k), accumulate);
     }
@@ -73,17 +122,17 @@ mod x86 {
     use crate::cpu::tile_walk::{RegisterTiles, walk};
 
     /// # Safety
-    /// The CPU must support AVX-512 F; `dst` holds `m · n` elements and `ops` reaches only
-    /// inside its buffers for these shapes.
+    /// The CPU must support AVX-512 F; `dst` points to `m · n` writable elements (initialised
+    /// when `accumulate`) and `ops` reaches only inside its buffers for these shapes.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn matmul(
-        dst: &mut [f32],
+        dst: *mut f32,
         ops: Operands<'_>,
         (m, n, k): (usize, usize, usize),
         accumulate: bool,
     ) {
         let product = Product {
-            d: dst.as_mut_ptr(),
+            d: dst,
             ldd: n,
             a: ops.a.as_ptr(),
             a_rows: ops.a_rows,

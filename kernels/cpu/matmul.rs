@@ -1,6 +1,7 @@
 //! Safe f32 matrix products over strided views: on AVX-512 register tiles read straight from
-//! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small and
-//! `b`'s rows are contiguous; otherwise on packed panels: the `gemm` crate's AVX-512 or
+//! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small,
+//! `b`'s rows are contiguous, and the CPU's [`Blocking`] gives the tiles that many rows of `a`;
+//! otherwise on packed panels: the `gemm` crate's AVX-512 or
 //! AVX2+FMA microkernels under [`streamed`]'s driver when both operands' rows are contiguous,
 //! else the `gemm` crate's own driver (AVX-512 or AVX2+FMA chosen at run time, portable
 //! fallback otherwise).
@@ -13,6 +14,7 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
+use super::blocking::Blocking;
 use super::{f32_tiles, streamed};
 use crate::uninit::zero;
 
@@ -114,14 +116,7 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         return;
     }
     if tiled(a, b) {
-        let operands = f32_tiles::Operands {
-            a: a.data,
-            a_rows: a.row_stride,
-            a_cols: a.col_stride,
-            b: b.data,
-            ldb: b.row_stride,
-        };
-        f32_tiles::matmul(dst, operands, (m, n, k), accumulate);
+        f32_tiles::matmul(dst, tile_operands(a, b), (m, n, k), accumulate);
         return;
     }
     // SAFETY: `dst` holds exactly m · n elements, borrowed mutably, so it aliases neither
@@ -141,7 +136,10 @@ pub fn matmul_into<'d>(
     b: MatRef<'_>,
 ) -> &'d mut [f32] {
     let (m, k, n) = product_shape(dst.len(), a, b);
-    if m == 0 || n == 0 || k == 0 || tiled(a, b) {
+    if tiled(a, b) {
+        return f32_tiles::matmul_into(dst, tile_operands(a, b), (m, n, k));
+    }
+    if m == 0 || n == 0 || k == 0 {
         let dst = zero(dst);
         matmul(dst, a, b, false);
         return dst;
@@ -165,9 +163,25 @@ fn product_shape(dst_len: usize, a: MatRef<'_>, b: MatRef<'_>) -> (usize, usize,
     (m, k, n)
 }
 
-/// Whether [`matmul`] runs `a · b` on the register tiles.
+/// `a · b` as the register tiles read it (`b` with unit column stride: see [`tiled`]).
+fn tile_operands<'a>(a: MatRef<'a>, b: MatRef<'a>) -> f32_tiles::Operands<'a> {
+    f32_tiles::Operands {
+        a: a.data,
+        a_rows: a.row_stride,
+        a_cols: a.col_stride,
+        b: b.data,
+        ldb: b.row_stride,
+    }
+}
+
+/// Whether [`matmul`] runs `a · b` on the register tiles: small k and n here, and as many
+/// rows of `a` as the CPU's [`Blocking`] gives them.
 fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
-    a.cols <= TILED_MAX_K && b.cols <= TILED_MAX_N && b.col_stride == 1 && f32_tiles::available()
+    a.cols <= TILED_MAX_K
+        && b.cols <= TILED_MAX_N
+        && b.col_stride == 1
+        && f32_tiles::available()
+        && Blocking::active().register_tiles_for(a.rows)
 }
 
 /// `dst = a · b` (or `dst += a · b` when `accumulate`) on packed panels, single-threaded, for
@@ -358,6 +372,34 @@ mod tests {
                         "{g} vs 2·{e}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn register_tiles_match_naive_products_at_every_row_count() {
+        // Whichever blocking this process runs, the tiles themselves: row counts past one
+        // tile (where Blocking::Sequential hands products to the packed kernels), `a` row-major
+        // and transposed, overwriting, accumulating, and into unwritten memory.
+        if !f32_tiles::available() {
+            return;
+        }
+        for (m, k, n) in [(13, 33, 40), (64, 19, 130), (100, 256, 64)] {
+            let a = values(m * k, 5);
+            let b = values(k * n, 6);
+            let b = MatRef::row_major(&b, k, n);
+            for a in [MatRef::row_major(&a, m, k), MatRef::row_major(&a, k, m).t()] {
+                let expected = naive(a, b);
+                let close = |got: &[f32], scale: f32| {
+                    got.iter().zip(&expected).all(|(g, e)| {
+                        (g - scale * e).abs() <= 1e-4 * scale * (1.0 + e.abs()) * (k as f32).sqrt()
+                    })
+                };
+                let mut dst = vec![MaybeUninit::new(f32::NAN); m * n];
+                let got = f32_tiles::matmul_into(&mut dst, tile_operands(a, b), (m, n, k));
+                assert!(close(got, 1.0), "{m}×{k}×{n} into");
+                f32_tiles::matmul(got, tile_operands(a, b), (m, n, k), true);
+                assert!(close(got, 2.0), "{m}×{k}×{n} accumulated");
             }
         }
     }

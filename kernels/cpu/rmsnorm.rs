@@ -1,6 +1,6 @@
 //! RMSNorm forward and backward on the CPU, the norm of `rmsnorm_router_topk_tkg`: per row of
 //! `x [T, H]`, `y = x · r ⊙ gamma` with `r = 1 / sqrt(Σ_h x² / divisor + eps)`, in f32. Rows
-//! run in parallel tiles of [`ROW_TILE`]; each row's sums run over [`LANES`] interleaved lanes
+//! run in parallel tiles of [`ROW_TILE`]; each row's sums run over interleaved lanes ([`super::rows::dot`])
 //! added in order, and `d_gamma` adds the tiles' partial sums in tile order, so results do not
 //! depend on the thread count.
 
@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use super::ROW_TILE;
 use super::element::ensure_finite;
+use super::rows::dot;
 use crate::composed::RmsNorm;
 use crate::contracts::RmsNormSpec;
 use crate::contracts::spec::output_named;
@@ -18,27 +19,6 @@ use crate::error::Result;
 use crate::tensor::{Floats, try_filled};
 
 use super::CpuBackend;
-
-/// Accumulators of a row sum: enough independent chains to keep the adders busy.
-const LANES: usize = 16;
-
-/// `Σ_j a[j]·b[j]`, over [`LANES`] interleaved partial sums added in lane order, then the tail.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let whole = a.len() / LANES * LANES;
-    let mut lanes = [0.0f32; LANES];
-    for (a, b) in a[..whole]
-        .chunks_exact(LANES)
-        .zip(b[..whole].chunks_exact(LANES))
-    {
-        // Plain multiply and add: `mul_add` is a library call where the build does not
-        // assume FMA.
-        for lane in 0..LANES {
-            lanes[lane] += a[lane] * b[lane];
-        }
-    }
-    let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();
-    lanes.iter().sum::<f32>() + tail
-}
 
 /// `r` of one row.
 /// `r` of one row, the scalar computed in f64 so that a tiny `eps` over a zero row cannot
@@ -116,21 +96,5 @@ impl RmsNorm for CpuBackend {
         ensure_finite(bwd::D_HIDDEN_STATES.name, &[spec.t, h], &d_x)?;
         ensure_finite(bwd::D_GAMMA.name, &[h], &d_gamma)?;
         Ok((d_x, d_gamma))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lane_dot_equals_the_sum_of_products_for_every_tail_length() {
-        for n in [0, 1, LANES - 1, LANES, LANES + 3, 5 * LANES + 7] {
-            let a: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
-            let b: Vec<f32> = (0..n).map(|i| (i % 5) as f32 * 0.5).collect();
-            // Small integers and halves: every partial sum is exact in f32.
-            let want: f32 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
-            assert_eq!(dot(&a, &b), want, "n = {n}");
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! Row-wise stages the expert kernels share: gathering token rows, adding a bias row, clamping
-//! gate/up rows, scaling rows; each a plain loop over f32 rows whose result depends only on the
-//! values.
+//! gate/up rows, scaling rows, dot products of rows; each a plain loop over f32 rows whose
+//! result depends only on the values.
 
 use crate::contracts::{Clamp, ClampLimits};
 use crate::tensor::Floats;
@@ -58,4 +58,41 @@ pub(super) fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst:
 pub(super) fn resized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
     buffer
+}
+
+/// Accumulators of a row sum: enough independent chains to keep the adders busy.
+pub(super) const LANES: usize = 16;
+
+/// `Σ_j a[j]·b[j]`, over [`LANES`] interleaved partial sums added in lane order, then the tail.
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let whole = a.len() / LANES * LANES;
+    let mut lanes = [0.0f32; LANES];
+    for (a, b) in a[..whole]
+        .chunks_exact(LANES)
+        .zip(b[..whole].chunks_exact(LANES))
+    {
+        // Plain multiply and add: `mul_add` is a library call where the build does not
+        // assume FMA.
+        for lane in 0..LANES {
+            lanes[lane] += a[lane] * b[lane];
+        }
+    }
+    let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_dot_equals_the_sum_of_products_for_every_tail_length() {
+        for n in [0, 1, LANES - 1, LANES, LANES + 3, 5 * LANES + 7] {
+            let a: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i % 5) as f32 * 0.5).collect();
+            // Small integers and halves: every partial sum is exact in f32.
+            let want: f32 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
+            assert_eq!(dot(&a, &b), want, "n = {n}");
+        }
+    }
 }
