@@ -41,6 +41,7 @@ use super::gated;
 use super::matmul::{MatRef, matmul, matmul_into};
 use super::permute::topk_gradient;
 use super::rows::{add_bias_rows, bias_row, clamp_rows, dot, gather_rows, resized, scale_rows};
+use super::scratch::PerThread;
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
@@ -328,15 +329,14 @@ struct Scratch {
     d_act: Vec<f32>,
 }
 
-/// One expert's `[m, ·]` matrices that its weight gradients read, and the row-wise stage's
-/// buffers when it runs in one piece; reused from one expert to the next.
+/// One expert's `[m, ·]` matrices that its weight gradients read; reused from one expert to the
+/// next.
 #[derive(Default)]
 struct ExpertGrads {
     x: Vec<f32>,
     d_y: Vec<f32>,
     act: Vec<f32>,
     d_gate_up: Vec<f32>,
-    rows: Scratch,
 }
 
 /// How the forward's f32 expert outputs `down` (which the combine reads) hold a run's rows.
@@ -647,23 +647,21 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
     )?;
     let gate_up_parts = parts_by_runs(&mut gate_up_t, &runs, 2 * i * b, checkpoint);
     let down_rounded_parts = parts_by_runs(&mut down_rounded, &runs, b * h, rounds_down);
+    let scratch = PerThread::<Scratch>::new();
     let fits = split_into(&mut down, runs.iter().map(|run| layout.run_len(run, b, h)))
         .into_par_iter()
         .zip(down_rounded_parts)
         .zip(gate_up_parts)
         .zip(&runs)
-        .map_init(
-            Scratch::default,
-            |scratch, (((down, down_rounded), gate_up_t), run)| {
-                let out = RunOutputs {
-                    layout,
-                    down,
-                    down_rounded,
-                    gate_up_t,
-                };
-                run_forward(call, run, padding.as_ref(), out, scratch)
-            },
-        )
+        .map(|(((down, down_rounded), gate_up_t), run)| {
+            let out = RunOutputs {
+                layout,
+                down,
+                down_rounded,
+                gate_up_t,
+            };
+            scratch.with(|scratch| run_forward(call, run, padding.as_ref(), out, scratch))
+        })
         .reduce(|| true, |a, b| a && b)
         && padding
             .as_ref()
@@ -1013,10 +1011,9 @@ fn weight_gradient<E: Element>(
 fn expert_backward<G: Element, D: Element>(
     call: &BlockwiseMmBwd<'_>,
     shared: (&[f32], Floats<'_>),
-    group: &ExpertRows,
+    (group, rows_scratch): (&ExpertRows, &PerThread<Scratch>),
     grads: &mut ExpertGrads,
-    d_gate_up_weight: &mut [MaybeUninit<G>],
-    d_down_weight: &mut [MaybeUninit<D>],
+    (d_gate_up_weight, d_down_weight): (&mut [MaybeUninit<G>], &mut [MaybeUninit<D>]),
 ) -> ExpertBackward {
     let BlockwiseDims { h, i, .. } = call.dims();
     let m = group.tokens.len();
@@ -1045,16 +1042,13 @@ fn expert_backward<G: Element, D: Element>(
             },
         )
         .collect();
+    let run_piece = |piece| {
+        rows_scratch.with(|scratch| rows_backward(call, shared, group.expert, piece, scratch));
+    };
     if pieces.len() == 1 {
-        for piece in pieces {
-            rows_backward(call, shared, group.expert, piece, &mut grads.rows);
-        }
+        pieces.into_iter().for_each(run_piece);
     } else {
-        pieces
-            .into_par_iter()
-            .for_each_init(Scratch::default, |scratch, piece| {
-                rows_backward(call, shared, group.expert, piece, scratch);
-            });
+        pieces.into_par_iter().for_each(run_piece);
     }
     // d D = actᵀ · d y;  d W = xᵀ · d gate_up.
     let layout = call.params().weight_layout;
@@ -1114,22 +1108,23 @@ fn experts_backward<G: Element, D: Element>(
     let mut d_gate_up_weight =
         output_buffer::<G>(bwd::GATE_UP_PROJ_WEIGHT_GRAD.name, &gate_up_shape)?;
     let mut d_down_weight = output_buffer::<D>(bwd::DOWN_PROJ_WEIGHT_GRAD.name, &down_shape)?;
+    let (grads, rows_scratch) = (PerThread::<ExpertGrads>::new(), PerThread::<Scratch>::new());
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
         .enumerate()
-        .map_init(
-            ExpertGrads::default,
-            |grads, (expert, (d_gate_up, d_down))| {
-                let Some(g) = group_of[expert] else {
-                    write_zeros(d_gate_up);
-                    write_zeros(d_down);
-                    return None;
-                };
-                let result = expert_backward(call, shared, &groups[g], grads, d_gate_up, d_down);
-                Some((g, result))
-            },
-        )
+        .map(|(expert, (d_gate_up, d_down))| {
+            let Some(g) = group_of[expert] else {
+                write_zeros(d_gate_up);
+                write_zeros(d_down);
+                return None;
+            };
+            let result = grads.with(|grads| {
+                let out = (d_gate_up, d_down);
+                expert_backward(call, shared, (&groups[g], &rows_scratch), grads, out)
+            });
+            Some((g, result))
+        })
         .flatten()
         .collect();
     // SAFETY: every expert wrote both of its slices whole (`transposed_product` writes every

@@ -25,6 +25,7 @@ mod permute;
 mod rmsnorm;
 mod router;
 mod rows;
+mod scratch;
 mod skinny;
 mod streamed;
 mod swiglu;

@@ -17,6 +17,7 @@ use super::element::finite_output;
 use super::expert_matrix::{ExpertMatrix, Panels};
 use super::gated;
 use super::rows::{add_bias_rows, bias_row, clamp_rows, gather_rows, resized};
+use super::scratch::PerThread;
 use super::skinny;
 use crate::contracts::spec::output;
 use crate::contracts::tensors::moe_tkg as tkg;
@@ -160,6 +161,7 @@ pub(super) fn forward(call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
     let mut combined = try_filled(&output(&tkg::OUTPUT), &[t, h], 0.0_f32)?;
     let mut outputs: Vec<f32> = Vec::new();
     let mut rest = &pieces[..];
+    let scratch = PerThread::<Scratch>::new();
     while !rest.is_empty() {
         let (now, later) = rest.split_at(wave(rest, h));
         rest = later;
@@ -172,11 +174,9 @@ pub(super) fn forward(call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
             parts.push(part);
             remaining = tail;
         }
-        now.par_iter()
-            .zip(parts)
-            .for_each_init(Scratch::default, |scratch, (piece, y)| {
-                expert_outputs(call, piece, y, scratch);
-            });
+        now.par_iter().zip(parts).for_each(|(piece, y)| {
+            scratch.with(|scratch| expert_outputs(call, piece, y, scratch));
+        });
         let mut ys = outputs.chunks_exact(h);
         for piece in now {
             for (&token, &weight) in piece.tokens.iter().zip(&piece.weights) {
