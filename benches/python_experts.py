@@ -10,7 +10,8 @@ section, and a batch of [training] batch_size × seq_len tokens) is timed, float
 with `experts_implementation` = eager, grouped_mm and moekit. Also the Python-side cost of a
 moekit experts call: `moekit.torch.transformers_experts`'s time beyond the extension's forward
 and backward on the same tensors (transformers' weights, read in place as
-`weight_layout="linear"`), and the extension's time on the same weights rearranged into
+`weight_layout="linear"`; the two interleaved over 3·N repeats, the median of the per-repeat
+differences), and the extension's time on the same weights rearranged into
 nki-library's layout.
 
     .venv/bin/python benches/python_experts.py [--repeats N] [--json]
@@ -114,10 +115,27 @@ def training_step(model, ids):
     return step
 
 
+def interleaved_medians(calls, repeats):
+    """Median seconds of each of `calls` after one warm-up each, the calls run in turn within
+    every repeat (so that a drift of the machine reaches each alike), and the median of each
+    repeat's difference between the second call and the first."""
+    for call in calls:
+        call()
+    times = [[] for _ in calls]
+    for _ in range(repeats):
+        for call, samples in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - start)
+    difference = statistics.median(b - a for a, b in zip(times[0], times[1]))
+    return [statistics.median(samples) for samples in times], difference
+
+
 def python_overhead(experts, hidden, index, weights, repeats):
-    """Seconds of one experts forward + backward on transformers' weights: (the extension's,
-    `moekit.torch.transformers_experts`'s, the extension's on the same weights rearranged into
-    nki-library's layout)."""
+    """One experts forward + backward on transformers' weights, interleaved: seconds of (the
+    extension's, `moekit.torch.transformers_experts`'s, the extension's on the same weights
+    rearranged into nki-library's layout), and the median per-repeat difference between the
+    first two (the Python side: the autograd function, DLPack capsules, gradients out)."""
     gate_up_proj = experts.gate_up_proj.detach()
     down_proj = experts.down_proj.detach()
     e, two_i, h = gate_up_proj.shape
@@ -142,16 +160,16 @@ def python_overhead(experts, hidden, index, weights, repeats):
         return call
 
     def autograd():
-        leaves = [t.clone().requires_grad_() for t in (hidden, weights)]
-        leaves += [gate_up_proj.requires_grad_(), down_proj.requires_grad_()]
+        # New leaves over the same storage (no copy inside the timed call).
+        leaves = [t.detach().requires_grad_() for t in (hidden, weights, gate_up_proj, down_proj)]
         out = transformers_experts(leaves[0], index, leaves[1], leaves[2], leaves[3])
         torch.autograd.grad(out, leaves, d_output)
 
-    return (
-        median_time(extension("linear", *linear), repeats),
-        median_time(autograd, repeats),
-        median_time(extension("nki", *nki), repeats),
+    calls = [extension("linear", *linear), autograd, extension("nki", *nki)]
+    (extension_s, autograd_s, nki_extension_s), overhead_s = interleaved_medians(
+        calls, repeats
     )
+    return extension_s, autograd_s, nki_extension_s, overhead_s
 
 
 def main():
@@ -169,8 +187,8 @@ def main():
             "experts_s": median_time(experts_call(experts, hidden, index, weights), args.repeats),
             "step_s": median_time(training_step(model, ids), max(3, args.repeats // 3)),
         }
-    extension_s, autograd_s, nki_extension_s = python_overhead(
-        experts, hidden, index, weights, args.repeats
+    extension_s, autograd_s, nki_extension_s, overhead_s = python_overhead(
+        experts, hidden, index, weights, 3 * args.repeats
     )
     result = {
         "config": str(CONFIG.relative_to(ROOT)),
@@ -182,6 +200,7 @@ def main():
         "extension_s": extension_s,
         "autograd_s": autograd_s,
         "nki_extension_s": nki_extension_s,
+        "python_side_s": overhead_s,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -197,7 +216,7 @@ def main():
             f"{implementation:<12} {row['experts_s'] * 1e3:>13.1f} ms {row['experts_s'] / mine['experts_s']:>8.2f}x "
             f"{row['step_s'] * 1e3:>9.1f} ms {row['step_s'] / mine['step_s']:>8.2f}x"
         )
-    overhead = autograd_s - extension_s
+    overhead = overhead_s
     print(
         f"moekit experts call on transformers' weights: extension {extension_s * 1e3:.2f} ms, "
         f"transformers_experts {autograd_s * 1e3:.2f} ms (Python side {overhead * 1e3:.2f} ms, "
