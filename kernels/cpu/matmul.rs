@@ -1,10 +1,10 @@
 //! Safe f32 matrix products over strided views: on AVX-512 register tiles read straight from
 //! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small,
 //! `b`'s rows are contiguous, and the CPU's [`Blocking`] gives the tiles that many rows of `a`;
-//! otherwise on packed panels: the `gemm` crate's AVX-512 or
-//! AVX2+FMA microkernels under [`streamed`]'s driver when both operands' rows are contiguous,
-//! else the `gemm` crate's own driver (AVX-512 or AVX2+FMA chosen at run time, portable
-//! fallback otherwise).
+//! otherwise on packed panels: the `gemm` crate's AVX-512 or AVX2+FMA microkernels under
+//! [`streamed`]'s driver when `b`'s rows or columns are contiguous (`a` is read in place,
+//! row-major or transposed), else the `gemm` crate's own driver (AVX-512 or AVX2+FMA chosen at
+//! run time, portable fallback otherwise).
 //!
 //! Every call runs single-threaded: the cpu backend parallelises over experts and row tiles
 //! itself, so the summation order of every output element depends only on the operands' shapes,
@@ -204,10 +204,11 @@ unsafe fn packed_product(dst: *mut f32, a: MatRef<'_>, b: MatRef<'_>, accumulate
     } else {
         None
     };
-    if let Some((b_order, ldb)) = b_layout.filter(|_| a.col_stride == 1 && streamed::available()) {
+    if let Some((b_order, ldb)) = b_layout.filter(|_| streamed::available()) {
         let ops = streamed::Operands {
             a: a.data,
-            lda: a.row_stride,
+            a_rows: a.row_stride,
+            a_cols: a.col_stride,
             b: b.data,
             ldb,
             b_order,
@@ -268,10 +269,11 @@ pub fn matmul_bf16_b(dst: &mut [f32], a: MatRef<'_>, b: &[bf16], panel: &mut Vec
         dst.fill(0.0);
         return;
     }
-    if a.col_stride == 1 && streamed::avx512() {
+    if streamed::avx512() {
         let ops = streamed::Operands {
             a: a.data,
-            lda: a.row_stride,
+            a_rows: a.row_stride,
+            a_cols: a.col_stride,
             b,
             ldb: n,
             b_order: streamed::Order::Rows,

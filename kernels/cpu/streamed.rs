@@ -78,12 +78,14 @@ pub enum Order {
     Columns,
 }
 
-/// The operands of one product: `a(r, p) = a[r · lda + p]`, and `b` in `b_order` with `ldb`
-/// elements between its stored rows.
+/// The operands of one product: `a(r, p) = a[r · a_rows + p · a_cols]` (read where it lies,
+/// row-major or transposed: the microkernels broadcast its elements), and `b` in `b_order` with
+/// `ldb` elements between its stored rows.
 #[derive(Clone, Copy, Debug)]
 pub struct Operands<'a, B> {
     pub a: &'a [f32],
-    pub lda: usize,
+    pub a_rows: usize,
+    pub a_cols: usize,
     pub b: &'a [B],
     pub ldb: usize,
     pub b_order: Order,
@@ -120,20 +122,23 @@ unsafe fn product_with<B: Element>(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    let reaches = |len: usize, rows: usize, stride: usize, cols: usize| {
-        rows == 0
-            || cols == 0
-            || (rows - 1)
-                .checked_mul(stride)
-                .and_then(|last_row| last_row.checked_add(cols))
-                .is_some_and(|end| end <= len)
-    };
+    let reaches =
+        |len: usize, (rows, row_stride): (usize, usize), (cols, col_stride): (usize, usize)| {
+            rows == 0
+                || cols == 0
+                || (rows - 1)
+                    .checked_mul(row_stride)
+                    .zip((cols - 1).checked_mul(col_stride))
+                    .and_then(|(r, c)| r.checked_add(c))
+                    .is_some_and(|last| last < len)
+        };
     let (b_rows, b_cols) = match ops.b_order {
         Order::Rows => (k, n),
         Order::Columns => (n, k),
     };
     assert!(
-        reaches(ops.a.len(), m, ops.lda, k) && reaches(ops.b.len(), b_rows, ops.ldb, b_cols),
+        reaches(ops.a.len(), (m, ops.a_rows), (k, ops.a_cols))
+            && reaches(ops.b.len(), (b_rows, ops.ldb), (b_cols, 1)),
         "operand too short for its shape"
     );
     assert!(
@@ -183,7 +188,8 @@ mod x86 {
 
         /// `dstᵀ`'s `cols × rows` tile (`cols ≤ MR`, `1 ≤ rows ≤ NR`) over `kc` rows of the
         /// packed `panel`: `dst(r, c) (+)= Σ_p a(r, p) · panel(p, c)`, with `dst`'s rows
-        /// `dst_rs` apart and `a`'s `lda` apart; `alpha_status` 1 adds to `dst`, 0 overwrites it.
+        /// `dst_rs` apart and `a(r, p)` at `a + r · a_strides.0 + p · a_strides.1`; `alpha_status` 1 adds
+        /// to `dst`, 0 overwrites it.
         ///
         /// # Safety
         /// The CPU supports the instruction set; the pointers cover the tile as described.
@@ -196,7 +202,7 @@ mod x86 {
             panel: *const f32,
             a: *const f32,
             dst_rs: isize,
-            lda: isize,
+            a_strides: (isize, isize),
             alpha_status: u8,
         );
     }
@@ -220,7 +226,7 @@ mod x86 {
                     panel: *const f32,
                     a: *const f32,
                     dst_rs: isize,
-                    lda: isize,
+                    (a_rows, a_cols): (isize, isize),
                     alpha_status: u8,
                 ) {
                     // SAFETY: the caller guarantees the instruction set and the pointers.
@@ -235,8 +241,8 @@ mod x86 {
                             dst_rs,
                             1,
                             Self::MR as isize,
-                            1,
-                            lda,
+                            a_cols,
+                            a_rows,
                             1.0,
                             1.0,
                             alpha_status,
@@ -505,9 +511,9 @@ mod x86 {
                             block.kc,
                             dst.add(r0 * n + block.c0 + c0),
                             panel.strip::<I>(strip),
-                            ops.a.as_ptr().add(r0 * ops.lda + block.k0),
+                            ops.a.as_ptr().add(r0 * ops.a_rows + block.k0 * ops.a_cols),
                             n as isize,
-                            ops.lda as isize,
+                            (ops.a_rows as isize, ops.a_cols as isize),
                             alpha_status,
                         );
                     }
@@ -550,7 +556,8 @@ mod tests {
         }
         // Partial panels (n % 64, n < 16) and 8 × 8 transposes, partial row tiles (m % 6),
         // several panels of k (k > 512) and of columns (wide panels past their bytes), more
-        // than 64 rows of `a`, strided rows of both operands, and an empty inner dimension.
+        // than 64 rows of `a`, strided rows of both operands, `a` transposed, and an empty
+        // inner dimension.
         for (m, n, k) in [
             (1, 1, 1),
             (5, 13, 9),
@@ -563,6 +570,12 @@ mod tests {
         ] {
             let lda = k + 3;
             let a = values(m * lda, 1);
+            let mut a_t = vec![f32::NAN; k * (m + 2)];
+            for r in 0..m {
+                for p in 0..k {
+                    a_t[p * (m + 2) + r] = a[r * lda + p];
+                }
+            }
             let b = values(k * n, 2);
             let naive: Vec<f32> = (0..m * n)
                 .map(|i| {
@@ -579,24 +592,28 @@ mod tests {
             {
                 let ldb = if order == Order::Rows { n + 5 } else { k + 3 };
                 let b = stored(&b, (k, n), order, ldb);
-                let ops = Operands {
-                    a: &a,
-                    lda,
-                    b: &b,
-                    ldb,
-                    b_order: order,
-                };
-                let what = format!("{blocking} {order:?} {m}×{n}×{k}");
-                let mut dst = vec![f32::NAN; m * n];
-                // SAFETY: `dst` holds m · n elements and aliases neither operand.
-                unsafe { product_with(blocking, dst.as_mut_ptr(), ops, (m, n, k), false) };
-                for (g, e) in dst.iter().zip(&naive) {
-                    assert!(close(*g, *e), "{what}: {g} vs {e}");
-                }
-                // SAFETY: as above; `dst` is initialised.
-                unsafe { product_with(blocking, dst.as_mut_ptr(), ops, (m, n, k), true) };
-                for (g, e) in dst.iter().zip(&naive) {
-                    assert!(close(*g, 2.0 * e), "{what} accumulated: {g} vs {}", 2.0 * e);
+                // `a` row-major, and stored as its transpose `[k, m]` (rows m + 2 apart).
+                for (a, a_rows, a_cols) in [(&a, lda, 1), (&a_t, 1, m + 2)] {
+                    let ops = Operands {
+                        a,
+                        a_rows,
+                        a_cols,
+                        b: &b,
+                        ldb,
+                        b_order: order,
+                    };
+                    let what = format!("{blocking} {order:?} a_cols {a_cols} {m}×{n}×{k}");
+                    let mut dst = vec![f32::NAN; m * n];
+                    // SAFETY: `dst` holds m · n elements and aliases neither operand.
+                    unsafe { product_with(blocking, dst.as_mut_ptr(), ops, (m, n, k), false) };
+                    for (g, e) in dst.iter().zip(&naive) {
+                        assert!(close(*g, *e), "{what}: {g} vs {e}");
+                    }
+                    // SAFETY: as above; `dst` is initialised.
+                    unsafe { product_with(blocking, dst.as_mut_ptr(), ops, (m, n, k), true) };
+                    for (g, e) in dst.iter().zip(&naive) {
+                        assert!(close(*g, 2.0 * e), "{what} accumulated: {g} vs {}", 2.0 * e);
+                    }
                 }
             }
         }
@@ -620,7 +637,8 @@ mod tests {
                 let (mut want, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
                 let ops = Operands {
                     a: &a,
-                    lda: k,
+                    a_rows: k,
+                    a_cols: 1,
                     b: &widened,
                     ldb,
                     b_order: order,
@@ -630,7 +648,8 @@ mod tests {
                     product_with(blocking, want.as_mut_ptr(), ops, (m, n, k), false);
                     let ops = Operands {
                         a: &a,
-                        lda: k,
+                        a_rows: k,
+                        a_cols: 1,
                         b: &b,
                         ldb,
                         b_order: order,
@@ -649,7 +668,8 @@ mod tests {
         let mut dst = vec![0.0; 4];
         let ops = Operands {
             a: &a,
-            lda: 5,
+            a_rows: 5,
+            a_cols: 1,
             b: &b,
             ldb: 2,
             b_order: Order::Rows,
