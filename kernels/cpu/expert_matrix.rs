@@ -103,6 +103,33 @@ impl<'a> ExpertMatrix<'a> {
         }
     }
 
+    /// [`Self::transposed_product`] into memory not yet written; returns `dst` as the values it
+    /// now holds.
+    pub fn transposed_product_into<'d>(
+        &self,
+        dst: &'d mut [MaybeUninit<f32>],
+        a: &[f32],
+        panels: Panels<'_>,
+    ) -> &'d mut [f32] {
+        let (k, n) = (self.k, self.n);
+        let m = dst.len() / k.max(1);
+        match (self.layout, self.stored) {
+            (WeightLayout::Nki, Floats::F32(w)) => matmul_into(
+                dst,
+                MatRef::row_major(a, m, n),
+                MatRef::row_major(w, k, n).t(),
+            ),
+            (WeightLayout::Linear, Floats::F32(w)) => {
+                matmul_into(dst, MatRef::row_major(a, m, n), MatRef::row_major(w, n, k))
+            }
+            _ => {
+                let dst = zero(dst);
+                self.transposed_product(dst, a, panels);
+                dst
+            }
+        }
+    }
+
     /// `dst [m, k] = a [m, n] · Wᵀ` for row-major `a`.
     pub fn transposed_product(&self, dst: &mut [f32], a: &[f32], (panel, tile): Panels<'_>) {
         let (k, n) = (self.k, self.n);
