@@ -1,7 +1,8 @@
 //! How the packed-panel products (`cpu::streamed`) cut the weights into panels and bring
-//! them in from memory: a choice that depends on the microarchitecture, made once per process
-//! from the CPU's vendor, or set by [`BLOCKING_VARIABLE`] for reproducible runs and to test
-//! either choice on any CPU.
+//! them in from memory, and how many rows of a small product run on register tiles instead
+//! ([`Blocking::register_tiles_for`]): choices that depend on the microarchitecture, made once
+//! per process from the CPU's vendor, or set by [`BLOCKING_VARIABLE`] for reproducible runs
+//! and to test either choice on any CPU.
 //!
 //! Measured with `moekit bench` (Qwen3-30B-A3B f32 `blockwise_mm` / `blockwise_mm_bwd`, 2 vCPUs,
 //! BENCHMARKS.md): on an AMD Zen 4, narrow panels whose successor is prefetched into L2 while
@@ -156,7 +157,7 @@ impl Blocking {
     /// (Emerald Rapids class) the panels run 164 GFLOP/s against the tiles' 147 at m = 256, the
     /// same from m = 24 to 64, and 88 against 144 at m = 12; on an AMD Zen 4 the tiles win at
     /// every m (96 against 54–64 GFLOP/s at m = 256). So the tiles take every m on
-    /// [`Blocking::Prefetched`] CPUs and one tile's rows ([`TILE_ROWS`]) on the others.
+    /// [`Blocking::Prefetched`] CPUs and one tile's 12 rows on the others.
     pub fn register_tiles_for(self, m: usize) -> bool {
         match self {
             Blocking::Prefetched => true,
