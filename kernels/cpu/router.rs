@@ -109,11 +109,9 @@ enum LogitsProduct<'a> {
     /// A decoding step's few tokens: the weights streamed as stored, a pair of tokens per task
     /// (each output is the same whichever rows share a call).
     Skinny { x: Cow<'a, [f32]>, w: Floats<'a> },
-    /// Packed panels of the weights against tiles of [`token_tile`] tokens.
-    Panels {
-        x: Cow<'a, [f32]>,
-        w: ExpertMatrix<'a>,
-    },
+    /// Packed panels of the weights against tiles of [`token_tile`] tokens (bf16 tokens
+    /// widened a tile at a time, by the task that reads them).
+    Panels { x: Floats<'a>, w: ExpertMatrix<'a> },
 }
 
 impl<'a> LogitsProduct<'a> {
@@ -124,12 +122,16 @@ impl<'a> LogitsProduct<'a> {
             }
             _ => {
                 let stored = w.floats().expect("the contract checked w's dtype");
-                let x = x.f32_values();
                 if t <= skinny::MAX_ROWS {
-                    Self::Skinny { x, w: stored }
+                    Self::Skinny {
+                        x: x.f32_values(),
+                        w: stored,
+                    }
                 } else {
-                    let w = ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e));
-                    Self::Panels { x, w }
+                    Self::Panels {
+                        x: x.floats().expect("the contract checked x's dtype"),
+                        w: ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e)),
+                    }
                 }
             }
         }
@@ -144,14 +146,32 @@ impl<'a> LogitsProduct<'a> {
         }
     }
 
-    /// `out [m, E]`: the logits of tokens `first..first + m`, without the bias.
-    fn logits(&self, out: &mut [f32], first: usize, (h, e): (usize, usize), panels: Panels<'_>) {
+    /// `out [m, E]`: the logits of tokens `first..first + m`, without the bias; `widened`
+    /// is scratch for bf16 tokens.
+    fn logits(
+        &self,
+        out: &mut [f32],
+        first: usize,
+        (h, e): (usize, usize),
+        (panels, widened): (Panels<'_>, &mut Vec<f32>),
+    ) {
         let m = out.len() / e;
         let rows = first * h..(first + m) * h;
         match self {
             Self::PairDots { x, w } => matmul_bf16(out, &x[rows], h, w, (m, e, h)),
             Self::Skinny { x, w } => skinny::product(out, &x[rows], *w, (m, h, e)),
-            Self::Panels { x, w } => w.product(out, &x[rows], panels),
+            Self::Panels {
+                x: Floats::F32(x),
+                w,
+            } => w.product(out, &x[rows], panels),
+            Self::Panels {
+                x: Floats::BF16(x),
+                w,
+            } => {
+                widened.clear();
+                widened.extend(x[rows].iter().map(|v| v.to_f32()));
+                w.product(out, widened, panels);
+            }
         }
     }
 }
@@ -249,9 +269,10 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
         .zip(scattered.par_chunks_mut(tile * e))
         .enumerate()
         .for_each_init(
-            || (RowScratch::default(), Vec::new(), Vec::new()),
-            |(rows, panel, panel_tile), (task, (((logits, index), aff), scattered))| {
-                product.logits(logits, task * tile, (h, e), (panel, panel_tile));
+            || (RowScratch::default(), Vec::new(), Vec::new(), Vec::new()),
+            |(rows, panel, panel_tile, widened), (task, (((logits, index), aff), scattered))| {
+                let panels = (panel, panel_tile);
+                product.logits(logits, task * tile, (h, e), (panels, widened));
                 if let Some(bias) = &bias {
                     for row in logits.chunks_mut(e) {
                         for (l, b) in row.iter_mut().zip(bias.iter()) {
@@ -333,11 +354,13 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         },
     );
 
-    let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
-    let x = x.f32_values();
-    // d_x [T, H] = d_logits · wᵀ, in row tiles, reading w as stored.
-    let stored = inputs.w.floats().expect("the contract checked w's dtype");
-    let w = ExpertMatrix::of(stored, WeightLayout::Nki, 0, (h, e));
+    // d_x [T, H] = d_logits · wᵀ, in row tiles on packed panels of wᵀ; bf16 weights widened
+    // first (`[H, E]`, small beside the product), so both dtypes run the f32 kernels.
+    let w = match inputs.w.floats().expect("the contract checked w's dtype") {
+        Floats::F32(w) => Cow::Borrowed(w),
+        Floats::BF16(w) => Cow::Owned(w.iter().map(|v| v.to_f32()).collect()),
+    };
+    let w = ExpertMatrix::of(Floats::F32(&w), WeightLayout::Nki, 0, (h, e));
     let mut d_x = try_filled(&output(&rtb::D_X), &[t, h], 0.0f32)?;
     let tile = token_tile(t);
     d_x.par_chunks_mut(tile * h)
@@ -348,24 +371,39 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         );
     // d_w [H, E] = xᵀ · d_logits, as its transpose d_logitsᵀ · x on packed panels of x (the
     // whole token reduction inside one product; d_logitsᵀ read in place, `cpu::matmul`
-    // deciding how), in bands of D_W_BAND rows of d_w.
+    // deciding how), in bands of D_W_BAND rows of d_w. bf16 tokens are widened a band at a
+    // time, by the task that reads them.
+    let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
+    let x = x.floats().expect("the contract checked x's dtype");
     let d_logits_t = MatRef::row_major(&d_logits, t, e).t();
     let mut d_w = try_filled(&output(&rtb::D_W), &[h, e], 0.0f32)?;
-    let x = MatRef::row_major(&x, t, h);
-    d_w.par_chunks_mut(D_W_BAND * e)
-        .enumerate()
-        .for_each_init(Vec::new, |d_w_t, (band, d_w)| {
+    d_w.par_chunks_mut(D_W_BAND * e).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(d_w_t, widened), (band, d_w)| {
             let rows = band * D_W_BAND..band * D_W_BAND + d_w.len() / e;
             let width = rows.len();
+            let x_band = match x {
+                Floats::F32(x) => MatRef::row_major(x, t, h).columns(rows),
+                Floats::BF16(x) => {
+                    widened.clear();
+                    widened.extend(
+                        x.chunks(h)
+                            .flat_map(|token| &token[rows.clone()])
+                            .map(|v| v.to_f32()),
+                    );
+                    MatRef::row_major(widened, t, width)
+                }
+            };
             d_w_t.resize(e * width, 0.0);
             // d_wᵀ [E, rows] = d_logitsᵀ · x [T, rows].
-            matmul(d_w_t, d_logits_t, x.columns(rows), false);
+            matmul(d_w_t, d_logits_t, x_band, false);
             for (r, d_w_row) in d_w.chunks_mut(e).enumerate() {
                 for (expert, d) in d_w_row.iter_mut().enumerate() {
                     *d = d_w_t[expert * width + r];
                 }
             }
-        });
+        },
+    );
     // d_w_bias [E] = Σ_t d_logits, in token order.
     let mut d_w_bias = vec![0.0f32; e];
     for row in d_logits.chunks(e) {
