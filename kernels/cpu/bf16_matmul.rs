@@ -61,7 +61,7 @@ mod x86 {
 
     use half::bf16;
 
-    use crate::cpu::tile_walk::{RegisterTiles, walk};
+    use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · lda` and
@@ -83,7 +83,7 @@ mod x86 {
             k,
         };
         // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
-        unsafe { walk(&product, m, n) };
+        unsafe { walk(&product, m, n, aligned_head(b.as_ptr(), n, n)) };
     }
 
     /// One product's operands, as the tiles read and write them.
@@ -259,6 +259,37 @@ mod tests {
                     (*got as f64 - want).abs() <= tolerance,
                     "{m}x{n}x{k}: {got} vs {want}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_where_b_lies() {
+        if !available() {
+            return;
+        }
+        // n a multiple of a cache line's 32 bf16, so every misalignment of b shifts the strips.
+        let (m, n, k) = (13, 96, 20);
+        let a: Vec<bf16> = (0..m * k)
+            .map(|i| bf16::from_f32((i % 7) as f32 / 3.0 - 1.0))
+            .collect();
+        let b: Vec<bf16> = (0..k * n)
+            .map(|i| bf16::from_f32(((i * 13) % 11) as f32 / 5.0 - 1.0))
+            .collect();
+        let mut shifted = vec![bf16::ZERO; b.len() + 32];
+        let mut first: Option<Vec<f32>> = None;
+        for skip in 0..32 {
+            shifted[skip..skip + b.len()].copy_from_slice(&b);
+            let mut dst = vec![f32::NAN; m * n];
+            matmul_bf16(&mut dst, &a, k, &shifted[skip..skip + b.len()], (m, n, k));
+            let bits: Vec<u32> = dst.iter().map(|x| x.to_bits()).collect();
+            match &first {
+                None => first = Some(dst),
+                Some(first) => assert_eq!(
+                    bits,
+                    first.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "b {skip} elements further"
+                ),
             }
         }
     }

@@ -119,7 +119,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Operands;
-    use crate::cpu::tile_walk::{RegisterTiles, walk};
+    use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F; `dst` points to `m · n` writable elements (initialised
@@ -143,7 +143,7 @@ mod x86 {
             accumulate,
         };
         // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
-        unsafe { walk(&product, m, n) };
+        unsafe { walk(&product, m, n, aligned_head(ops.b.as_ptr(), ops.ldb, n)) };
     }
 
     /// One product's operands, as the tiles read and write them.

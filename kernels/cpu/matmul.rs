@@ -327,6 +327,28 @@ mod tests {
     }
 
     #[test]
+    fn results_do_not_depend_on_where_b_lies() {
+        // A product the register tiles take (12 rows, short k, narrow n), with n a multiple of
+        // a cache line's 16 f32 so that each misalignment of b shifts the tiles' strips.
+        let (m, k, n) = (12, 40, 80);
+        let a = values(m * k, 5);
+        let b = values(k * n, 6);
+        let mut shifted = vec![0.0; b.len() + 16];
+        let mut first: Option<Vec<u32>> = None;
+        for skip in 0..16 {
+            shifted[skip..skip + b.len()].copy_from_slice(&b);
+            let mut dst = vec![f32::NAN; m * n];
+            let b = MatRef::row_major(&shifted[skip..], k, n);
+            matmul(&mut dst, MatRef::row_major(&a, m, k), b, false);
+            let bits: Vec<u32> = dst.iter().map(|x| x.to_bits()).collect();
+            match &first {
+                None => first = Some(bits),
+                Some(first) => assert_eq!(&bits, first, "b {skip} elements further"),
+            }
+        }
+    }
+
+    #[test]
     fn products_into_unwritten_memory_equal_the_overwriting_product() {
         // Packed kernels (k above TILED_MAX_K), register tiles, and an empty inner dimension;
         // the destination starts as NaN bits, which no product may read.
