@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use std::fmt;
 
 use half::bf16;
+use rayon::prelude::*;
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
@@ -154,6 +155,10 @@ impl<'a> Floats<'a> {
         }
     }
 }
+
+/// Elements per parallel task of a cast between float dtypes (an output of nki-library's
+/// `output_dtype`): a whole `[T, H]` gradient is megabytes, fewer than this are not worth a task.
+const CAST_TASK_LEN: usize = 1 << 16;
 
 /// `x` rounded to the nearest bf16, ties to even, as `bf16::from_f32` rounds it (a NaN stays a
 /// quiet NaN), without branching on the value, so that converting a buffer vectorises.
@@ -304,10 +309,17 @@ impl Tensor {
     pub fn into_float_dtype(self, name: &str, dtype: DType) -> Result<Tensor> {
         let storage = match (self.storage, dtype) {
             (Storage::F32(v), DType::BF16) => {
-                let rounded: Vec<bf16> = v.iter().map(|&x| bf16_nearest(x)).collect();
-                // Screened whole (an OR, which vectorises), searched only when one is there.
+                let rounded: Vec<bf16> = v
+                    .par_iter()
+                    .with_min_len(CAST_TASK_LEN)
+                    .map(|&x| bf16_nearest(x))
+                    .collect();
+                // Screened whole (an OR per task, which vectorises), searched only when one is
+                // there.
                 let infinite = |x: &bf16| x.to_bits() & 0x7fff == 0x7f80;
-                let any_infinite = rounded.iter().fold(false, |any, x| any | infinite(x));
+                let any_infinite = rounded
+                    .par_chunks(CAST_TASK_LEN)
+                    .any(|chunk| chunk.iter().fold(false, |any, x| any | infinite(x)));
                 if let Some(index) = any_infinite
                     .then(|| rounded.iter().position(infinite))
                     .flatten()
@@ -323,9 +335,13 @@ impl Tensor {
                 }
                 Storage::BF16(rounded.into())
             }
-            (Storage::BF16(v), DType::F32) => {
-                Storage::F32(v.iter().map(|x| x.to_f32()).collect::<Vec<_>>().into())
-            }
+            (Storage::BF16(v), DType::F32) => Storage::F32(
+                v.par_iter()
+                    .with_min_len(CAST_TASK_LEN)
+                    .map(|x| x.to_f32())
+                    .collect::<Vec<_>>()
+                    .into(),
+            ),
             (storage, _) => storage,
         };
         Ok(Tensor {
