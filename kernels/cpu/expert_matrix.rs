@@ -63,7 +63,7 @@ impl<'a> ExpertMatrix<'a> {
                 false,
             ),
             (WeightLayout::Nki, Floats::BF16(w)) => {
-                matmul_bf16_b(dst, MatRef::row_major(a, m, k), w, panel)
+                matmul_bf16_b(dst, MatRef::row_major(a, m, k), (w, n), panel)
             }
             (WeightLayout::Linear, Floats::F32(w)) => matmul(
                 dst,
@@ -151,7 +151,7 @@ impl<'a> ExpertMatrix<'a> {
                 false,
             ),
             (WeightLayout::Linear, Floats::BF16(w)) => {
-                matmul_bf16_b(dst, MatRef::row_major(a, m, n), w, panel)
+                matmul_bf16_b(dst, MatRef::row_major(a, m, n), (w, k), panel)
             }
         }
     }

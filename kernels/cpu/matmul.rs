@@ -258,21 +258,34 @@ unsafe fn packed_product(dst: *mut f32, a: MatRef<'_>, b: MatRef<'_>, accumulate
 /// runs.
 const BF16_PANEL_ROWS: usize = 64;
 
-/// `dst [m, n] = a · b` for `a [m, k]` and `b [k, n]` row-major in bf16 (the weights as
-/// stored): widened as [`streamed`] packs it where `a`'s rows are contiguous and the CPU has
-/// AVX-512, else [`BF16_PANEL_ROWS`] rows at a time into `panel`, whose products are added in
-/// order. `b` is read once and never copied whole; the summation order depends only on the
-/// shapes.
+/// `dst [m, n] = a · b` for `a [m, k]` and `b [k, n]` in bf16 (the weights as stored, or a
+/// band of columns of bf16 tokens), row-major with row stride `ldb` ≥ n: widened as
+/// [`streamed`] packs it where the CPU has AVX-512, else [`BF16_PANEL_ROWS`] rows at a time
+/// into `panel`, whose products are added in order. `b` is read once and never copied whole;
+/// the summation order depends only on the shapes.
 ///
 /// On AVX2 the whole-row panels win: measured with `moekit bench` (Qwen3-30B-A3B
 /// `blockwise_mm`, bf16, T = 512, 2-core Zen 3), 672–760 ms against 960–1075 ms on [`streamed`],
 /// whose 64-column rows of bf16 reach the packing loop from memory.
-pub fn matmul_bf16_b(dst: &mut [f32], a: MatRef<'_>, b: &[bf16], panel: &mut Vec<f32>) {
+///
+/// # Panics
+/// If `ldb` is below n or `b` is shorter than `[k, n]` at that stride.
+pub fn matmul_bf16_b(
+    dst: &mut [f32],
+    a: MatRef<'_>,
+    (b, ldb): (&[bf16], usize),
+    panel: &mut Vec<f32>,
+) {
     let (m, k) = (a.rows, a.cols);
     let n = dst.len() / m.max(1);
     assert!(
-        k.checked_mul(n).is_some_and(|len| len <= b.len()),
-        "b is shorter than [k, n]"
+        ldb >= n
+            && (k == 0
+                || (k - 1)
+                    .checked_mul(ldb)
+                    .and_then(|len| len.checked_add(n))
+                    .is_some_and(|len| len <= b.len())),
+        "b is shorter than [k, n] at its row stride"
     );
     if k == 0 {
         dst.fill(0.0);
@@ -284,18 +297,20 @@ pub fn matmul_bf16_b(dst: &mut [f32], a: MatRef<'_>, b: &[bf16], panel: &mut Vec
             a_rows: a.row_stride,
             a_cols: a.col_stride,
             b,
-            ldb: n,
+            ldb,
             b_order: streamed::Order::Rows,
         };
         // SAFETY: `dst` holds m · n elements (n is its length over m) and, borrowed mutably,
-        // aliases neither operand.
+        // aliases neither operand; b holds k rows of n at stride ldb (checked above).
         unsafe { streamed::product(dst.as_mut_ptr(), ops, (m, n, k), false) };
         return;
     }
     for k0 in (0..k).step_by(BF16_PANEL_ROWS) {
         let rows = BF16_PANEL_ROWS.min(k - k0);
         panel.clear();
-        panel.extend(b[k0 * n..(k0 + rows) * n].iter().map(|x| x.to_f32()));
+        for row in k0..k0 + rows {
+            panel.extend(b[row * ldb..row * ldb + n].iter().map(|x| x.to_f32()));
+        }
         matmul(
             dst,
             a.columns(k0..k0 + rows),
@@ -453,10 +468,30 @@ mod tests {
                 MatRef::row_major(&widened, k, n),
             );
             let mut got = vec![f32::NAN; m * n];
-            matmul_bf16_b(&mut got, MatRef::row_major(&a, m, k), &b, &mut Vec::new());
+            matmul_bf16_b(
+                &mut got,
+                MatRef::row_major(&a, m, k),
+                (&b, n),
+                &mut Vec::new(),
+            );
             for (g, e) in got.iter().zip(&expected) {
                 assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{g} vs {e}");
             }
+            // The same b as columns 3..3 + n of rows 5 elements wider: the same product.
+            let ldb = n + 5;
+            let mut wide = vec![bf16::from_f32(f32::NAN); k * ldb];
+            for (row, b_row) in wide.chunks_mut(ldb).zip(b.chunks(n)) {
+                row[3..3 + n].copy_from_slice(b_row);
+            }
+            let mut strided = vec![f32::NAN; m * n];
+            let band = (&wide[3..], ldb);
+            matmul_bf16_b(
+                &mut strided,
+                MatRef::row_major(&a, m, k),
+                band,
+                &mut Vec::new(),
+            );
+            assert_eq!(strided, got, "{m}×{k}×{n} at row stride {ldb}");
         }
     }
 

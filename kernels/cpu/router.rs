@@ -14,7 +14,7 @@ use super::bf16_matmul::{self, matmul_bf16};
 use super::element::{ensure_finite, finite_output};
 use super::exp::{exp_into, log_softmax};
 use super::expert_matrix::{ExpertMatrix, Panels};
-use super::matmul::{MatRef, matmul};
+use super::matmul::{MatRef, matmul, matmul_bf16_b};
 use super::skinny;
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{router_topk as rt, router_topk_bwd as rtb};
@@ -371,32 +371,27 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         );
     // d_w [H, E] = xᵀ · d_logits, as its transpose d_logitsᵀ · x on packed panels of x (the
     // whole token reduction inside one product; d_logitsᵀ read in place, `cpu::matmul`
-    // deciding how), in bands of D_W_BAND rows of d_w. bf16 tokens are widened a band at a
-    // time, by the task that reads them.
+    // deciding how), in bands of D_W_BAND rows of d_w; bf16 tokens widened as they are packed.
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
     let x = x.floats().expect("the contract checked x's dtype");
     let d_logits_t = MatRef::row_major(&d_logits, t, e).t();
     let mut d_w = try_filled(&output(&rtb::D_W), &[h, e], 0.0f32)?;
     d_w.par_chunks_mut(D_W_BAND * e).enumerate().for_each_init(
         || (Vec::new(), Vec::new()),
-        |(d_w_t, widened), (band, d_w)| {
+        |(d_w_t, panel), (band, d_w)| {
             let rows = band * D_W_BAND..band * D_W_BAND + d_w.len() / e;
             let width = rows.len();
-            let x_band = match x {
-                Floats::F32(x) => MatRef::row_major(x, t, h).columns(rows),
-                Floats::BF16(x) => {
-                    widened.clear();
-                    widened.extend(
-                        x.chunks(h)
-                            .flat_map(|token| &token[rows.clone()])
-                            .map(|v| v.to_f32()),
-                    );
-                    MatRef::row_major(widened, t, width)
-                }
-            };
             d_w_t.resize(e * width, 0.0);
             // d_wᵀ [E, rows] = d_logitsᵀ · x [T, rows].
-            matmul(d_w_t, d_logits_t, x_band, false);
+            match x {
+                Floats::F32(x) => matmul(
+                    d_w_t,
+                    d_logits_t,
+                    MatRef::row_major(x, t, h).columns(rows),
+                    false,
+                ),
+                Floats::BF16(x) => matmul_bf16_b(d_w_t, d_logits_t, (&x[rows.start..], h), panel),
+            }
             for (r, d_w_row) in d_w.chunks_mut(e).enumerate() {
                 for (expert, d) in d_w_row.iter_mut().enumerate() {
                     *d = d_w_t[expert * width + r];
