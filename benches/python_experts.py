@@ -14,6 +14,7 @@ and backward on the same tensors (transformers' weights, read in place as
 differences), and the extension's time on the same weights rearranged into
 nki-library's layout.
 
+    bash scripts/transformers.sh && bash scripts/python.sh   # torch, transformers, moekit
     .venv/bin/python benches/python_experts.py [--repeats N] [--json]
 
 Times are the median of N repeats after one warm-up; ratios are against moekit's time.
