@@ -104,6 +104,7 @@ pub mod neuron;
 pub mod random;
 pub mod reference;
 pub mod tensor;
+pub mod threads;
 mod uninit;
 
 pub use backend::Backend;

@@ -14,7 +14,6 @@
 //! - [`model`]: Qwen3-MoE and its losses.
 //! - [`moe`]: the experts' implementations.
 //! - [`tape`]: running kernels outside autograd inside a backward pass.
-//! - [`threads`]: keeping libtorch's idle OpenMP workers off the cores moekit's kernels use.
 //! - [`eval`]: loading, evaluating and exporting trained models.
 //! - [`generate`]: text generation on a KV cache, greedy or sampled.
 //! - [`data`]: tokenization, the built-in corpus and batching.
@@ -40,5 +39,4 @@ pub mod optim;
 pub mod parallel;
 pub mod plots;
 pub mod tape;
-pub mod threads;
 pub mod train;

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use moekit_trainer::threads::release_openmp_workers;
+use moekit::threads::release_openmp_workers;
 use tch::{Kind, Tensor};
 
 /// The threads of this process.

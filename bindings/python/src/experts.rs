@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use moekit::contracts::{OutputDType, WeightLayout};
 use moekit::experts::{Experts as _, ExpertsInputs, LocalExperts, LocalSaved};
+use moekit::threads::release_openmp_workers;
 use moekit::{BackendKind, Tensor};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
@@ -108,7 +109,10 @@ impl PyExperts {
             down_proj_weight: import(&down_proj_weight, "down_proj_weight")?,
         };
         let (output, saved) = py
-            .detach(|| self.experts.forward(tensors.inputs(), record))
+            .detach(|| {
+                release_openmp_workers();
+                self.experts.forward(tensors.inputs(), record)
+            })
             .into_py_result(py)?;
         let saved = saved.map(|saved| SavedExperts { tensors, saved });
         Ok((Output::new(output), saved))
@@ -126,6 +130,7 @@ impl PyExperts {
         let d_output = import(&d_output, "d_output")?;
         let grads = py
             .detach(|| {
+                release_openmp_workers();
                 self.experts
                     .backward(saved.tensors.inputs(), &saved.saved, &d_output)
             })

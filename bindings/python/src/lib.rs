@@ -15,6 +15,7 @@ use moekit::backend::Tolerance;
 use moekit::experts::LocalExperts;
 use moekit::kernel::{Kernel, Params, SCHEDULE_ONLY_PARAMS};
 use moekit::neuron::NeuronBackend;
+use moekit::threads::release_openmp_workers;
 use moekit::{BackendKind, Storage, Tensor};
 use moekit_tools::check::{self, CheckRow};
 use pyo3::prelude::*;
@@ -65,7 +66,10 @@ fn run(
     let params = parse_params(params).into_py_result(py)?;
     let tensors = import_tensors(tensors)?;
     let outputs = py
-        .detach(|| kernel.run(backend.create().as_ref(), &tensors, &params))
+        .detach(|| {
+            release_openmp_workers();
+            kernel.run(backend.create().as_ref(), &tensors, &params)
+        })
         .into_py_result(py)?;
     // The inputs lent by the caller are released here, with the GIL held.
     drop(tensors);

@@ -18,13 +18,13 @@ use std::time::Duration;
 
 use anyhow::Result;
 use moekit::experts::{Experts as MoekitExperts, ExpertsInputs, ExpertsSizes};
+use moekit::threads::release_openmp_workers;
 use moekit_tools::torch::{from_tch, to_tch};
 use tch::{Device, Tensor};
 
 use super::{Experts, lend};
 use crate::parallel::TimedComm;
 use crate::tape::{ExternalBackward, Tape, needs_backward};
-use crate::threads::release_openmp_workers;
 
 /// moekit's experts `E` (one rank's or sharded) in the trainer's autograd.
 pub struct KernelExperts<E> {
