@@ -356,10 +356,11 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
 
     // d_x [T, H] = d_logits · wᵀ, in row tiles on packed panels of wᵀ; bf16 weights widened
     // first (`[H, E]`, small beside the product), so both dtypes run the f32 kernels.
-    let w = match inputs.w.floats().expect("the contract checked w's dtype") {
-        Floats::F32(w) => Cow::Borrowed(w),
-        Floats::BF16(w) => Cow::Owned(w.iter().map(|v| v.to_f32()).collect()),
-    };
+    let w = inputs
+        .w
+        .floats()
+        .expect("the contract checked w's dtype")
+        .to_f32();
     let w = ExpertMatrix::of(Floats::F32(&w), WeightLayout::Nki, 0, (h, e));
     let mut d_x = try_filled(&output(&rtb::D_X), &[t, h], 0.0f32)?;
     let tile = token_tile(t);
