@@ -15,6 +15,7 @@ use super::element::{ensure_finite, finite_output};
 use super::exp::{exp_into, log_softmax};
 use super::expert_matrix::{ExpertMatrix, Panels};
 use super::matmul::{MatRef, matmul, matmul_bf16_b};
+use super::scratch::PerThread;
 use super::skinny;
 use crate::contracts::spec::output;
 use crate::contracts::tensors::{router_topk as rt, router_topk_bwd as rtb};
@@ -176,14 +177,24 @@ impl<'a> LogitsProduct<'a> {
     }
 }
 
-/// Per-task scratch of the forward's rows: `[E]` log-affinities, affinities and selection
-/// scores, and the `[K]` scores kept by [`top_k`].
+/// Per-task scratch of the forward's rows: `[E]` log-affinities, their exponentials (the
+/// activations) and selection scores, and the `[K]` scores kept by [`top_k`].
 #[derive(Default)]
 struct RowScratch {
     log_aff: Vec<f32>,
-    aff: Vec<f32>,
+    probs: Vec<f32>,
     scores: Vec<f32>,
     kept: Vec<f32>,
+}
+
+/// Per-thread scratch of the forward's tasks: the rows', the weights' packed panels, and the
+/// tile's tokens widened to f32 where they are bf16.
+#[derive(Default)]
+struct TaskScratch {
+    rows: RowScratch,
+    panel: Vec<f32>,
+    panel_tile: Vec<f32>,
+    widened: Vec<f32>,
 }
 
 /// What the forward does with each row of logits: activation, selection, affinities.
@@ -205,11 +216,11 @@ impl Routing<'_> {
         let e = row.len();
         let RowScratch {
             log_aff,
-            aff,
+            probs,
             scores,
             kept,
         } = scratch;
-        for buffer in [&mut *log_aff, &mut *aff, &mut *scores] {
+        for buffer in [&mut *log_aff, &mut *probs, &mut *scores] {
             buffer.resize(e, 0.0);
         }
         kept.resize(index.len(), 0.0);
@@ -217,10 +228,10 @@ impl Routing<'_> {
         log_affinities(row, pipeline.act_fn, log_aff);
         let dense = pipeline.dense_affinities();
         if pipeline.router_pre_norm || dense {
-            exp_into(log_aff, aff);
+            exp_into(log_aff, probs);
         }
         // ACT1 chooses by affinity, ACT2 by logit; selection_bias shifts either.
-        let chosen_by: &[f32] = if pipeline.router_pre_norm { aff } else { row };
+        let chosen_by: &[f32] = if pipeline.router_pre_norm { probs } else { row };
         let scores: &[f32] = match self.selection_bias {
             None => chosen_by,
             Some(bias) => {
@@ -233,7 +244,7 @@ impl Routing<'_> {
         top_k(scores, index, kept);
         selected_affinities(log_aff, index, pipeline.renormalises(), affinities);
         if dense {
-            scattered.copy_from_slice(aff);
+            scattered.copy_from_slice(probs);
         } else {
             for (&expert, &a) in index.iter().zip(affinities.iter()) {
                 scattered[expert as usize] = a;
@@ -262,17 +273,17 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
     let mut scattered = try_filled(&output(&rt::EXPERT_AFFINITIES), &[t, e], 0.0f32)?;
     // Each task routes its tokens while their logits are still in cache.
     let tile = product.tile(t);
+    let scratch = PerThread::<TaskScratch>::new();
     logits
         .par_chunks_mut(tile * e)
         .zip(expert_index.par_chunks_mut(tile * k))
         .zip(topk.par_chunks_mut(tile * k))
         .zip(scattered.par_chunks_mut(tile * e))
         .enumerate()
-        .for_each_init(
-            || (RowScratch::default(), Vec::new(), Vec::new(), Vec::new()),
-            |(rows, panel, panel_tile, widened), (task, (((logits, index), aff), scattered))| {
-                let panels = (panel, panel_tile);
-                product.logits(logits, task * tile, (h, e), (panels, widened));
+        .for_each(|(task, (((logits, index), aff), scattered))| {
+            scratch.with(|s| {
+                let panels = (&mut s.panel, &mut s.panel_tile);
+                product.logits(logits, task * tile, (h, e), (panels, &mut s.widened));
                 if let Some(bias) = &bias {
                     for row in logits.chunks_mut(e) {
                         for (l, b) in row.iter_mut().zip(bias.iter()) {
@@ -286,10 +297,10 @@ pub(super) fn forward(call: &RouterTopk<'_>) -> Result<RouterTopkOutputs> {
                     .zip(aff.chunks_mut(k))
                     .zip(scattered.chunks_mut(e))
                 {
-                    routing.route(row, (index, aff, scattered), rows);
+                    routing.route(row, (index, aff, scattered), &mut s.rows);
                 }
-            },
-        );
+            })
+        });
     ensure_finite(rt::ROUTER_LOGITS.name, &[t, e], &logits)?;
     Ok(RouterTopkOutputs {
         router_logits: Tensor::from_f32([t, e], logits)?,
