@@ -83,18 +83,24 @@ pub struct ExpertsInputs<'a> {
     /// `[T, K]`: each slot's weight (0 in skipped slots).
     pub topk_affinities: &'a Tensor,
     /// `[E, H, 2, I]` (this rank's `E/R` experts when sharded), or `[E, 2, I, H]` in the
-    /// experts' [`WeightLayout::Linear`].
+    /// experts' [`WeightLayout::Linear`] (the gate projection's `[E, I, H]` alone with
+    /// `up_proj_weight`).
     pub gate_up_proj_weight: &'a Tensor,
     /// `[E, I, H]` (this rank's `E/R` experts when sharded), or `[E, H, I]` in the experts'
     /// [`WeightLayout::Linear`].
     pub down_proj_weight: &'a Tensor,
+    /// With [`WeightLayout::Linear`] only: the up projection's `[E, I, H]` apart from the
+    /// gate's (`blockwise_mm`'s `up_proj_weight`); the weight gradient is still the stacked
+    /// `[E, 2, I, H]`.
+    pub up_proj_weight: Option<&'a Tensor>,
 }
 
 impl<'a> ExpertsInputs<'a> {
     /// The call's sizes with weights in `layout`, or the error naming the first tensor whose
     /// shape disagrees with the others': T and H read off `hidden_states [T, H]`, K off
     /// `expert_index [T, K]`, E and I off `gate_up_proj_weight` (`[E, H, 2, I]`, or
-    /// `[E, 2, I, H]`). (Dtypes and values are the kernels' to check.)
+    /// `[E, 2, I, H]`, or with `up_proj_weight` `[E, I, H]`). (Dtypes and values are the
+    /// kernels' to check.)
     pub fn sizes(&self, layout: WeightLayout) -> Result<ExpertsSizes> {
         let (t, h) = match self.hidden_states.shape() {
             &[t, h] => (t, h),
@@ -117,21 +123,37 @@ impl<'a> ExpertsInputs<'a> {
                 self.topk_affinities.shape(),
             ));
         }
-        let (e, i) = match (layout, self.gate_up_proj_weight.shape()) {
-            (WeightLayout::Nki, &[e, rows, 2, i]) if rows == h => (e, i),
-            (WeightLayout::Linear, &[e, 2, i, cols]) if cols == h => (e, i),
-            (_, shape) => {
-                let known = match layout {
-                    WeightLayout::Nki => format!("[_, {h}, 2, _]"),
-                    WeightLayout::Linear => format!("[_, 2, _, {h}]"),
-                };
-                return Err(Error::shape(
-                    "gate_up_proj_weight",
-                    format!("{} = {known}", layout.gate_up_shape()),
-                    shape,
+        let split = self.up_proj_weight.is_some();
+        let (e, i) = match (layout, split, self.gate_up_proj_weight.shape()) {
+            (WeightLayout::Nki, false, &[e, rows, 2, i]) if rows == h => (e, i),
+            (WeightLayout::Linear, false, &[e, 2, i, cols]) if cols == h => (e, i),
+            (WeightLayout::Linear, true, &[e, i, cols]) if cols == h => (e, i),
+            (WeightLayout::Nki, true, _) => {
+                return Err(Error::invalid(
+                    "up_proj_weight",
+                    "takes the linear weight layout (`[E, I, H]` gate and up weights)",
                 ));
             }
+            (_, _, shape) => {
+                let known = match (layout, split) {
+                    (WeightLayout::Nki, _) => format!("{} = [_, {h}, 2, _]", layout.gate_up_shape()),
+                    (WeightLayout::Linear, false) => {
+                        format!("{} = [_, 2, _, {h}]", layout.gate_up_shape())
+                    }
+                    (WeightLayout::Linear, true) => format!("[E, I, H] = [_, _, {h}]"),
+                };
+                return Err(Error::shape("gate_up_proj_weight", known, shape));
+            }
         };
+        if let Some(up) = self.up_proj_weight
+            && up.shape() != [e, i, h]
+        {
+            return Err(Error::shape(
+                "up_proj_weight",
+                format!("[E, I, H] = {:?}", [e, i, h]),
+                up.shape(),
+            ));
+        }
         let down = layout.down_dims(e, h, i);
         if self.down_proj_weight.shape() != down {
             return Err(Error::shape(
@@ -143,14 +165,15 @@ impl<'a> ExpertsInputs<'a> {
         Ok(ExpertsSizes { t, h, e, k, i })
     }
 
-    /// Each input with its contract name.
-    fn named(self) -> [(&'static str, &'a Tensor); 5] {
+    /// Each input with its contract name (`up_proj_weight` when given).
+    fn named(self) -> [(&'static str, Option<&'a Tensor>); 6] {
         [
-            ("hidden_states", self.hidden_states),
-            ("expert_index", self.expert_index),
-            ("topk_affinities", self.topk_affinities),
-            ("gate_up_proj_weight", self.gate_up_proj_weight),
-            ("down_proj_weight", self.down_proj_weight),
+            ("hidden_states", Some(self.hidden_states)),
+            ("expert_index", Some(self.expert_index)),
+            ("topk_affinities", Some(self.topk_affinities)),
+            ("gate_up_proj_weight", Some(self.gate_up_proj_weight)),
+            ("down_proj_weight", Some(self.down_proj_weight)),
+            ("up_proj_weight", self.up_proj_weight),
         ]
     }
 }
@@ -185,7 +208,7 @@ pub struct LocalExperts {
 #[derive(Clone, Debug)]
 pub struct LocalSaved {
     /// The inputs it ran on, in [`ExpertsInputs::named`]'s order.
-    inputs: [TensorIdentity; 5],
+    inputs: [Option<TensorIdentity>; 6],
     plan: PermuteOutputs,
     params: BlockwiseMmParams,
     dims: BlockwiseDims,
@@ -261,7 +284,7 @@ impl Experts for LocalExperts {
             ));
         };
         let saved = LocalSaved {
-            inputs: inputs.named().map(|(_, tensor)| TensorIdentity::of(tensor)),
+            inputs: inputs.named().map(|(_, tensor)| tensor.map(TensorIdentity::of)),
             plan,
             params,
             dims,
@@ -278,7 +301,7 @@ impl Experts for LocalExperts {
         d_output: &Tensor,
     ) -> Result<ExpertsGrads> {
         for ((name, tensor), identity) in inputs.named().into_iter().zip(&saved.inputs) {
-            if TensorIdentity::of(tensor) != *identity {
+            if tensor.map(TensorIdentity::of) != *identity {
                 return Err(Error::invalid(
                     name,
                     "the backward was given another tensor than its forward",
@@ -361,6 +384,7 @@ fn blockwise_inputs<'a>(
         block_to_expert: &plan.block_to_expert,
         gate_and_up_proj_bias: None,
         down_proj_bias: None,
+        up_proj_weight: inputs.up_proj_weight,
     }
 }
 

@@ -69,6 +69,7 @@
 //!         block_to_expert: &plan.block_to_expert,
 //!         gate_and_up_proj_bias: None,
 //!         down_proj_bias: None,
+//!         up_proj_weight: None,
 //!     },
 //!     BlockwiseMmParams::default(),
 //! )?)?;

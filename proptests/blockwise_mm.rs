@@ -199,6 +199,8 @@ struct Tensors {
     masked: Tensor,
     gate_up: Tensor,
     down: Tensor,
+    /// moekit's `up_proj_weight`, when the gate and up weights lie apart.
+    up: Option<Tensor>,
     positions: Tensor,
     blocks: Tensor,
     gate_up_bias: Option<Tensor>,
@@ -221,6 +223,7 @@ impl Tensors {
             masked: float(&[(t + 1) * e, 1], &c.masked),
             gate_up: float(&[e, h, 2, i], &c.gate_up),
             down: float(&[e, i, h], &c.down),
+            up: None,
             positions: i32_tensor(&[c.positions.len()], &c.positions),
             blocks: i32_tensor(&[c.blocks.len(), 1], &c.blocks),
             gate_up_bias: c.gate_up_bias.as_ref().map(|b| float(&[e, 2, i], b)),
@@ -242,6 +245,7 @@ impl Tensors {
             block_to_expert: &self.blocks,
             gate_and_up_proj_bias: self.gate_up_bias.as_ref(),
             down_proj_bias: self.down_bias.as_ref(),
+            up_proj_weight: self.up.as_ref(),
         }
     }
 
@@ -449,6 +453,17 @@ fn check_linear_layout(c: &Case, seed: u64) -> Result<(), TestCaseError> {
         WeightLayout::Nki,
     );
     prop_assert_eq!(got, want);
+    // The gate and up weights apart (`up_proj_weight`) are the same matrices: the same
+    // outputs, and the gradient stacked as under linear.
+    let (gate, up) = split_gate_up(&linear.gate_up);
+    let stacked = backward(&linear);
+    let split = Tensors {
+        gate_up: gate,
+        up: Some(up),
+        ..linear
+    };
+    prop_assert_eq!(&split.forward(true).unwrap(), &forward);
+    prop_assert_eq!(backward(&split), stacked);
     // Weights in the other layout's shape are an error naming the tensor and the layout.
     let swapped = Tensors {
         weight_layout: WeightLayout::Linear,
@@ -1070,6 +1085,7 @@ fn one_token_one_expert_by_hand() {
         block_to_expert: &blocks,
         gate_and_up_proj_bias: None,
         down_proj_bias: None,
+        up_proj_weight: None,
     };
     let out = ReferenceBackend
         .blockwise_mm(&BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap())
@@ -1092,6 +1108,7 @@ fn valid() -> Tensors {
         masked: f32_tensor(&[12, 1], &masked),
         gate_up: f32_tensor(&[3, 2, 2, 2], &[0.1; 24]),
         down: f32_tensor(&[3, 2, 2], &[0.2; 12]),
+        up: None,
         // Padding is T = 3; the unused block 3 goes through expert E−1 = 2.
         positions: i32_tensor(&[8], &[0, 1, 2, 3, 0, 3, 3, 3]),
         blocks: i32_tensor(&[4, 1], &[0, 1, 2, 2]),
@@ -1207,6 +1224,35 @@ fn plan_violations_are_clear_errors() {
     expect_err(
         wider(&[3, 3, 2]),
         &["down_proj_weight", "[E, H, I]", "[3, 3, 2]"],
+    );
+    // up_proj_weight: the gate's `[E, I, H]` in gate_up_proj_weight, the up's apart, one
+    // dtype, under weight_layout=linear only.
+    let split = |gate: &[usize], up: Tensor| {
+        let gate = f32_tensor(gate, &[0.1; 12]);
+        linear(&move |v| {
+            v.gate_up = gate.clone();
+            v.up = Some(up.clone());
+        })
+    };
+    split(&[3, 2, 2], f32_tensor(&[3, 2, 2], &[0.1; 12])).unwrap();
+    expect_err(
+        split(&[3, 2, 2], f32_tensor(&[3, 1, 2], &[0.1; 6])),
+        &["up_proj_weight", "[E, I, H]", "[3, 1, 2]"],
+    );
+    expect_err(
+        split(&[3, 2, 2], f32_tensor(&[3, 2, 2], &[0.1; 12]).to_bf16()),
+        &["up_proj_weight", "bf16"],
+    );
+    expect_err(
+        split(&[3, 4, 1], f32_tensor(&[3, 4, 1], &[0.1; 12])),
+        &["gate_up_proj_weight", "[E, I, H]", "[3, 4, 1]"],
+    );
+    expect_err(
+        with(&|v| {
+            v.gate_up = f32_tensor(&[3, 2, 2], &[0.1; 12]);
+            v.up = Some(f32_tensor(&[3, 2, 2], &[0.1; 12]));
+        }),
+        &["up_proj_weight", "linear", "nki"],
     );
     // nki-library's test generator makes block_to_expert [N]: accepted as well.
     with(&|v| v.blocks = i32_tensor(&[4], &[0, 1, 2, 2])).unwrap();

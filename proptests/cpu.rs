@@ -477,6 +477,15 @@ proptest! {
     }
 
     #[test]
+    fn split_gate_up_weights_match_the_reference(s in shape(40), seed in any::<u64>()) {
+        let layer = with_split_weights(layer(s, seed), s);
+        for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
+            compare(kernel, &layer)?;
+        }
+        bit_identical_across_thread_counts(&layer).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
     fn outputs_take_nki_library_dtypes(s in shape(40), seed in any::<u64>()) {
         let layer = layer(s, seed);
         for backend in [BackendKind::Reference, BackendKind::Cpu] {
@@ -505,6 +514,29 @@ fn with_linear_weights(mut layer: Layer, s: Shape) -> Layer {
         .set(WeightLayout::PARAM, linear.name())
         .unwrap();
     layer
+}
+
+/// `layer` with its experts' gate and up weights in two tensors (moekit's `up_proj_weight`,
+/// linear layout): `gate_up_proj_weight [E, I, H]` the gate's, `up_proj_weight [E, I, H]` the
+/// up's.
+fn with_split_weights(layer: Layer, s: Shape) -> Layer {
+    let mut layer = with_linear_weights(layer, s);
+    let (gate, up) = split_gate_up(&layer.tensors["gate_up_proj_weight"]);
+    layer.tensors.insert("gate_up_proj_weight".to_owned(), gate);
+    layer.tensors.insert("up_proj_weight".to_owned(), up);
+    layer
+}
+
+/// `layer(s, seed)` in every weight layout the blockwise kernels take, named.
+fn in_every_weight_layout(s: Shape, seed: u64) -> [(&'static str, Layer); 3] {
+    [
+        ("nki", layer(s, seed)),
+        ("linear", with_linear_weights(layer(s, seed), s)),
+        (
+            "linear, up_proj_weight apart",
+            with_split_weights(layer(s, seed), s),
+        ),
+    ]
 }
 
 /// nki-library's `SkipMode(skip_token=True)` layout of `layer`'s blockwise inputs:
@@ -686,16 +718,10 @@ fn crowded_experts() -> Vec<(&'static str, Shape)> {
 #[test]
 fn crowded_experts_match_the_reference_and_ignore_thread_counts() {
     for (name, s) in crowded_experts() {
-        for (bf16, layout) in [false, true]
-            .into_iter()
-            .flat_map(|b| WeightLayout::ALL.map(|l| (b, l)))
-        {
-            let s = Shape { bf16, ..s };
-            let layer = match layout {
-                WeightLayout::Nki => layer(s, 5),
-                WeightLayout::Linear => with_linear_weights(layer(s, 5), s),
-            };
-            let what = format!("{name} (bf16: {bf16}, weight_layout={layout})");
+        for (bf16, (layout, layer)) in [false, true].into_iter().flat_map(|bf16| {
+            in_every_weight_layout(Shape { bf16, ..s }, 5).map(|layout| (bf16, layout))
+        }) {
+            let what = format!("{name} (bf16: {bf16}, weights: {layout})");
             // The router's tasks take tiles of up to 256 tokens: 600 tokens make a ragged last.
             for kernel in [
                 Kernel::RouterTopk,
@@ -734,13 +760,9 @@ fn products_on_streamed_panels_ignore_thread_counts() {
         bf16: false,
     };
     for bf16 in [false, true] {
-        let s = Shape { bf16, ..s };
-        for layer in [layer(s, 7), with_linear_weights(layer(s, 7), s)] {
+        for (layout, layer) in in_every_weight_layout(Shape { bf16, ..s }, 7) {
             if let Err(e) = bit_identical_across_thread_counts(&layer) {
-                panic!(
-                    "bf16: {bf16}, weight_layout={:?}: {e}",
-                    layer.params.weight_layout
-                );
+                panic!("bf16: {bf16}, weights: {layout}: {e}");
             }
         }
     }

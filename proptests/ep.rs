@@ -986,6 +986,7 @@ fn sharded_experts_keep_nothing_without_a_record_even_on_a_rank_that_receives_no
             topk_affinities: &affinities,
             gate_up_proj_weight: &gate_up,
             down_proj_weight: &down,
+            up_proj_weight: None,
         };
         let (recorded, saved) = experts.forward(inputs, true).unwrap();
         let (unrecorded, nothing) = experts.forward(inputs, false).unwrap();

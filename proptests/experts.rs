@@ -9,6 +9,9 @@
 //! - `BlockwiseMmBwd::of_forward` gives bit-identical gradients to `BlockwiseMmBwd::new` and
 //!   still refuses what the backward adds when it is wrong (shapes, non-finite values, pairs
 //!   the plan lacks); the backward refuses inputs other than its forward's.
+//! - The gate and up weights apart (`up_proj_weight`, linear layout) give the stacked weights'
+//!   results (exactly on the reference, within 1e-5 relative on cpu) and their stacked weight
+//!   gradient; the backward refuses another up tensor; nki's layout refuses them.
 
 mod common;
 
@@ -142,6 +145,7 @@ impl Padded {
             block_to_expert: &self.plan.block_to_expert,
             gate_and_up_proj_bias: None,
             down_proj_bias: None,
+            up_proj_weight: None,
         }
     }
 }
@@ -200,6 +204,7 @@ impl Tensors {
             topk_affinities: &self.affinities,
             gate_up_proj_weight: &self.gate_up,
             down_proj_weight: &self.down,
+            up_proj_weight: None,
         }
     }
 }
@@ -455,4 +460,73 @@ fn the_forward_names_the_tensor_whose_shape_disagrees_with_the_others() {
         let err = experts.forward(inputs, false).unwrap_err().to_string();
         assert_eq!(err, want);
     }
+}
+
+#[test]
+fn gate_and_up_weights_apart_give_the_stacked_weights_results() {
+    let mut rng = SeededRng::new(7);
+    let (t, h, e, k, i, b) = (9, 6, 4, 2, 5, 4);
+    let case = Case {
+        t,
+        h,
+        e,
+        k,
+        i,
+        b,
+        x: rng.values(t * h, 1.0),
+        index: (0..t * k).map(|slot| ((slot * 3 + slot / k) % e) as i32).collect(),
+        affinities: rng.values(t * k, 1.0),
+        gate_up: rng.values(e * h * 2 * i, 0.5),
+        down: rng.values(e * i * h, 0.5),
+        d_output: rng.values(t * h, 1.0),
+    };
+    let x = case.tensors();
+    let sizes = (e, h, i);
+    let (nki, linear) = (WeightLayout::Nki, WeightLayout::Linear);
+    let gate_up = relayout_gate_up(&x.gate_up, sizes, nki, linear);
+    let down = relayout_down(&x.down, sizes, nki, linear);
+    let (gate, up) = split_gate_up(&gate_up);
+    let stacked = ExpertsInputs {
+        gate_up_proj_weight: &gate_up,
+        down_proj_weight: &down,
+        ..x.experts_inputs()
+    };
+    let apart = ExpertsInputs {
+        gate_up_proj_weight: &gate,
+        up_proj_weight: Some(&up),
+        ..stacked
+    };
+    for (backend, tol) in [(BackendKind::Reference, 0.0), (BackendKind::Cpu, 1e-5)] {
+        let experts = LocalExperts {
+            weight_layout: linear,
+            ..local_experts(backend, b)
+        };
+        let run = |inputs: ExpertsInputs<'_>| {
+            let (output, saved) = experts.forward(inputs, true).unwrap();
+            let grads = experts
+                .backward(inputs, &saved.unwrap(), &x.d_output)
+                .unwrap();
+            (output, grads)
+        };
+        // The weight gradient comes back stacked, `[E, 2, I, H]`, either way.
+        assert_layers_agree(&run(apart), &run(stacked), tol);
+        // The backward refuses another up projection than its forward's, even equal in value.
+        let (_, saved) = experts.forward(apart, true).unwrap();
+        let copy = up.clone();
+        let other = ExpertsInputs {
+            up_proj_weight: Some(&copy),
+            ..apart
+        };
+        let err = experts
+            .backward(other, &saved.unwrap(), &x.d_output)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("up_proj_weight"), "{err}");
+    }
+    // Apart, the weights are the linear layout's: nki's is refused, naming the tensor.
+    let err = local_experts(BackendKind::Cpu, b)
+        .forward(apart, false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("up_proj_weight") && err.contains("linear"), "{err}");
 }

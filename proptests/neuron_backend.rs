@@ -269,6 +269,7 @@ proptest! {
             block_to_expert: &plan.block_to_expert,
             gate_and_up_proj_bias: extras.then_some(&gate_up_bias),
             down_proj_bias: extras.then_some(&down_bias),
+            up_proj_weight: None,
         };
         let params = BlockwiseMmParams {
             checkpoint_activation: checkpoint,
@@ -693,6 +694,7 @@ fn a_missing_manifest_library_or_neff_and_unsupported_kernels_are_clear_errors()
         block_to_expert: &blocks,
         gate_and_up_proj_bias: None,
         down_proj_bias: None,
+        up_proj_weight: None,
     };
     let clamped = BlockwiseMmParams {
         clamp: ClampLimits {
@@ -1068,6 +1070,7 @@ fn inputs_of(tensors: &[Tensor; 6]) -> ExpertsInputs<'_> {
         topk_affinities: &tensors[2],
         gate_up_proj_weight: &tensors[3],
         down_proj_weight: &tensors[4],
+        up_proj_weight: None,
     }
 }
 

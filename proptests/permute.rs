@@ -360,6 +360,7 @@ proptest! {
                         block_to_expert: blocks,
                         gate_and_up_proj_bias: None,
                         down_proj_bias: None,
+                        up_proj_weight: None,
                     };
                     let call = BlockwiseMm::new(inputs, BlockwiseMmParams::default()).unwrap();
                     backend.blockwise_mm(&call).unwrap().output

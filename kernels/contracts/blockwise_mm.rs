@@ -212,7 +212,9 @@ impl SkipMode {
 /// `[out, in]`: `gate_up_proj_weight [E, 2, I, H]` and `down_proj_weight [E, H, I]`, the layout
 /// Hugging Face transformers keeps its experts in (`gate_up_proj [E, 2·I, H]`, gate rows first,
 /// and `down_proj [E, H, I]`) and torchtitan its `w2 [E, D, F]`, so such weights are read where
-/// they lie rather than rearranged for every call.
+/// they lie rather than rearranged for every call. Under `linear` the gate and up projections
+/// may also come apart (moekit's own `up_proj_weight`): torchtitan's `w1` and `w3 [E, F, D]`
+/// as `gate_up_proj_weight [E, I, H]` and `up_proj_weight [E, I, H]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightLayout {
     /// `nki`: `[E, H, 2, I]` and `[E, I, H]`.
@@ -413,7 +415,8 @@ pub struct BlockwiseMmInputs<'a> {
     /// `[(T+1)·E]` or `[(T+1)·E, 1]`, from `permute` (T·E with `skip_token`).
     pub expert_affinities_masked: &'a Tensor,
     /// `[E, H, 2, I]`; index 0 of the third axis is the gate projection, 1 the up projection
-    /// (`[E, 2, I, H]` with [`WeightLayout::Linear`]).
+    /// (`[E, 2, I, H]` with [`WeightLayout::Linear`]; the gate projection's `[E, I, H]` alone
+    /// with `up_proj_weight`).
     pub gate_up_proj_weight: &'a Tensor,
     /// `[E, I, H]` (`[E, H, I]` with [`WeightLayout::Linear`]).
     pub down_proj_weight: &'a Tensor,
@@ -426,6 +429,9 @@ pub struct BlockwiseMmInputs<'a> {
     pub gate_and_up_proj_bias: Option<&'a Tensor>,
     /// `[E, H]`, added to the down projection before the affinity scaling.
     pub down_proj_bias: Option<&'a Tensor>,
+    /// moekit's own, with [`WeightLayout::Linear`] only: the up projection's `[E, I, H]` apart
+    /// from the gate's (then `gate_up_proj_weight`), in the gate's dtype.
+    pub up_proj_weight: Option<&'a Tensor>,
 }
 
 impl<'a> BlockwiseMmInputs<'a> {
@@ -447,6 +453,7 @@ impl<'a> BlockwiseMmInputs<'a> {
                 .map(|bias| (&fwd::GATE_AND_UP_PROJ_BIAS, bias)),
         );
         named.extend(self.down_proj_bias.map(|bias| (&fwd::DOWN_PROJ_BIAS, bias)));
+        named.extend(self.up_proj_weight.map(|up| (&fwd::UP_PROJ_WEIGHT, up)));
         named
     }
 
@@ -462,6 +469,7 @@ impl<'a> BlockwiseMmInputs<'a> {
             block_to_expert: required(&fwd::BLOCK_TO_EXPERT)?,
             gate_and_up_proj_bias: get(&fwd::GATE_AND_UP_PROJ_BIAS),
             down_proj_bias: get(&fwd::DOWN_PROJ_BIAS),
+            up_proj_weight: get(&fwd::UP_PROJ_WEIGHT),
         })
     }
 
@@ -653,10 +661,13 @@ pub struct BlockwiseFloats<'a> {
     pub hidden_states: Floats<'a>,
     /// `[(T+1)·E]` (`[T·E]` with `skip_token`).
     pub expert_affinities_masked: Floats<'a>,
-    /// `[E, H, 2, I]` (`[E, 2, I, H]` with [`WeightLayout::Linear`]).
+    /// `[E, H, 2, I]` (`[E, 2, I, H]` with [`WeightLayout::Linear`]; the gate's `[E, I, H]`
+    /// with `up_proj_weight`).
     pub gate_up_proj_weight: Floats<'a>,
     /// `[E, I, H]` (`[E, H, I]` with [`WeightLayout::Linear`]).
     pub down_proj_weight: Floats<'a>,
+    /// moekit's own: the up projection's `[E, I, H]`, apart from the gate's, in its dtype.
+    pub up_proj_weight: Option<Floats<'a>>,
     /// `[E, 2, I]`.
     pub gate_and_up_proj_bias: Option<Floats<'a>>,
     /// `[E, H]`.
@@ -681,6 +692,10 @@ impl<'a> BlockwiseFloats<'a> {
             down_proj_bias: inputs
                 .down_proj_bias
                 .map(|bias| floats(&fwd::DOWN_PROJ_BIAS, bias))
+                .transpose()?,
+            up_proj_weight: inputs
+                .up_proj_weight
+                .map(|up| floats(&fwd::UP_PROJ_WEIGHT, up))
                 .transpose()?,
         })
     }
@@ -710,17 +725,7 @@ fn check<'a>(
     }
     validate::non_empty(fwd::HIDDEN_STATES.name, "H (hidden size)", h)?;
     let t = if skip_dma.skip_token { rows } else { rows - 1 };
-    let gate_up_extents = match layout {
-        WeightLayout::Nki => [None, Some(h), Some(2), None],
-        WeightLayout::Linear => [None, Some(2), None, Some(h)],
-    };
-    let gu = validate::float_tensor(
-        fwd::GATE_UP_PROJ_WEIGHT.name,
-        inputs.gate_up_proj_weight,
-        layout.gate_up_shape(),
-        &gate_up_extents,
-    )?;
-    let (e, i) = layout.experts_and_intermediate(&gu);
+    let (e, i) = check_gate_up(inputs, layout, h)?;
     validate::non_empty(fwd::GATE_UP_PROJ_WEIGHT.name, "E (experts)", e)?;
     validate::non_empty(fwd::GATE_UP_PROJ_WEIGHT.name, "I (intermediate size)", i)?;
     validate::float_tensor(
@@ -781,6 +786,60 @@ fn check<'a>(
         ));
     }
     Ok((dims, plan, covered))
+}
+
+/// E and I of the gate and up projections' weights in `layout` for hidden size `h`: from
+/// `gate_up_proj_weight`, or with `up_proj_weight` (linear layout only) from the gate's
+/// `[E, I, H]` and the up's, alike in shape and dtype.
+fn check_gate_up(
+    inputs: &BlockwiseMmInputs<'_>,
+    layout: WeightLayout,
+    h: usize,
+) -> Result<(usize, usize)> {
+    let gate_up = inputs.gate_up_proj_weight;
+    let Some(up) = inputs.up_proj_weight else {
+        let extents = match layout {
+            WeightLayout::Nki => [None, Some(h), Some(2), None],
+            WeightLayout::Linear => [None, Some(2), None, Some(h)],
+        };
+        let gu = validate::float_tensor(
+            fwd::GATE_UP_PROJ_WEIGHT.name,
+            gate_up,
+            layout.gate_up_shape(),
+            &extents,
+        )?;
+        return Ok(layout.experts_and_intermediate(&gu));
+    };
+    if layout != WeightLayout::Linear {
+        return Err(Error::invalid(
+            fwd::UP_PROJ_WEIGHT.name,
+            format!(
+                "takes weight_layout `{}` (the gate and up projections as `[E, I, H]` each), \
+                 got `{layout}`",
+                WeightLayout::Linear
+            ),
+        ));
+    }
+    let gate = validate::float_tensor(
+        fwd::GATE_UP_PROJ_WEIGHT.name,
+        gate_up,
+        "[E, I, H] (the gate projection's, with up_proj_weight)",
+        &[None, None, Some(h)],
+    )?;
+    validate::float_tensor(
+        fwd::UP_PROJ_WEIGHT.name,
+        up,
+        fwd::UP_PROJ_WEIGHT.shape,
+        &gate.iter().map(|&extent| Some(extent)).collect::<Vec<_>>(),
+    )?;
+    if up.dtype() != gate_up.dtype() {
+        return Err(Error::DType {
+            tensor: fwd::UP_PROJ_WEIGHT.name.to_owned(),
+            expected: format!("{} (gate_up_proj_weight's)", gate_up.dtype()),
+            actual: up.dtype(),
+        });
+    }
+    Ok((gate[0], gate[1]))
 }
 
 /// With `is_tensor_update_accumulating` false a block stores its rows of `output` rather than
@@ -1168,7 +1227,8 @@ pub struct BlockwiseMmGrads {
     /// `[(T+1)·E, 1]` in the affinities' dtype; zero outside the plan's (token, expert) pairs
     /// and in row T. `[T·E, 1]` with `skip_token`.
     pub expert_affinities_masked_grad: Tensor,
-    /// `[E, H, 2, I]` in the weight's dtype.
+    /// `[E, H, 2, I]` in the weight's dtype (`[E, 2, I, H]` with [`WeightLayout::Linear`],
+    /// with or without `up_proj_weight`).
     pub gate_up_proj_weight_grad: Tensor,
     /// `[E, I, H]` in the weight's dtype.
     pub down_proj_weight_grad: Tensor,

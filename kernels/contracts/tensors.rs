@@ -134,9 +134,10 @@ pub mod blockwise_mm {
     pub const EXPERT_AFFINITIES_MASKED: TensorSpec =
         float("expert_affinities_masked", "[(T+1)·E, 1]");
     /// `[E, H, 2, I]` (`weight_layout` nki) or `[E, 2, I, H]` (linear); the axis of extent 2
-    /// holds the gate projection at 0 and the up projection at 1.
+    /// holds the gate projection at 0 and the up projection at 1. With `up_proj_weight`, the
+    /// gate projection's `[E, I, H]` alone.
     pub const GATE_UP_PROJ_WEIGHT: TensorSpec =
-        float("gate_up_proj_weight", "[E, H, 2, I]|[E, 2, I, H]");
+        float("gate_up_proj_weight", "[E, H, 2, I]|[E, 2, I, H]|[E, I, H]");
     /// `[E, I, H]` (`weight_layout` nki) or `[E, H, I]` (linear).
     pub const DOWN_PROJ_WEIGHT: TensorSpec = float("down_proj_weight", "[E, I, H]|[E, H, I]");
     /// T in padding slots.
@@ -146,6 +147,11 @@ pub mod blockwise_mm {
     pub const GATE_AND_UP_PROJ_BIAS: TensorSpec =
         float("gate_and_up_proj_bias", "[E, 2, I]").optional();
     pub const DOWN_PROJ_BIAS: TensorSpec = float("down_proj_bias", "[E, H]").optional();
+    /// moekit's own, with `weight_layout` linear only: the up projection's weights in a tensor
+    /// of their own (torchtitan's `w3`), `gate_up_proj_weight` then holding the gate
+    /// projection's (`w1`). Read where they lie, never stacked; the weight gradient is still
+    /// the stacked `[E, 2, I, H]`.
+    pub const UP_PROJ_WEIGHT: TensorSpec = float("up_proj_weight", "[E, I, H]").optional();
     pub const INPUTS: &[TensorSpec] = &[
         HIDDEN_STATES,
         EXPERT_AFFINITIES_MASKED,
@@ -155,6 +161,7 @@ pub mod blockwise_mm {
         BLOCK_TO_EXPERT,
         GATE_AND_UP_PROJ_BIAS,
         DOWN_PROJ_BIAS,
+        UP_PROJ_WEIGHT,
     ];
 
     pub const OUTPUT: TensorSpec = like("output", "[T+1, H]", &HIDDEN_STATES);
@@ -176,6 +183,7 @@ pub mod blockwise_mm_bwd {
     pub use super::blockwise_mm::{
         BLOCK_TO_EXPERT, DOWN_PROJ_BIAS, DOWN_PROJ_WEIGHT, EXPERT_AFFINITIES_MASKED,
         GATE_AND_UP_PROJ_BIAS, GATE_UP_PROJ_WEIGHT, HIDDEN_STATES, TOKEN_POSITION_TO_ID,
+        UP_PROJ_WEIGHT,
     };
     use super::*;
 
@@ -198,6 +206,7 @@ pub mod blockwise_mm_bwd {
         BLOCK_TO_EXPERT,
         GATE_AND_UP_PROJ_BIAS,
         DOWN_PROJ_BIAS,
+        UP_PROJ_WEIGHT,
         GATE_UP_PROJ_ACT_CHECKPOINT_T,
         DOWN_PROJ_ACT_CHECKPOINT,
         OUTPUT_HIDDEN_STATES_GRAD,
@@ -211,7 +220,7 @@ pub mod blockwise_mm_bwd {
         "[(T+1)·E, 1]",
         &EXPERT_AFFINITIES_MASKED,
     );
-    /// In the weights' layout.
+    /// In the weights' layout (`[E, 2, I, H]`, gate then up, with `up_proj_weight`).
     pub const GATE_UP_PROJ_WEIGHT_GRAD: TensorSpec = like(
         "gate_up_proj_weight_grad",
         "[E, H, 2, I]|[E, 2, I, H]",

@@ -419,7 +419,7 @@ fn gate_up_product(
             if let Some(scales) = row_scales {
                 scale_rows(x, h, scales);
             }
-            ExpertMatrix::of(inputs.gate_up_proj_weight, layout, expert, (h, 2 * i)).product(
+            ExpertMatrix::gate_up(inputs, layout, expert, (h, i)).product(
                 gate_up,
                 x,
                 (panel, tile),
@@ -907,7 +907,7 @@ fn rows_backward(
         }
     }
     // d x [m, H] = d gate_up · Wᵀ.
-    let gate_up_proj = ExpertMatrix::of(forward.gate_up_proj_weight, layout, expert, (h, 2 * i));
+    let gate_up_proj = ExpertMatrix::gate_up(&forward, layout, expert, (h, i));
     let d_x = gate_up_proj.transposed_product_into(
         piece.d_x,
         piece.d_gate_up,

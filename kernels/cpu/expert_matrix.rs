@@ -11,12 +11,19 @@
 //! `d y · Wᵀ` (the backward) takes which form, except that the f32 forward on `linear` weights
 //! packs the transposed view into panels too ([`matmul`] on [`MatRef::t`]): on the trainer's
 //! small shapes the dot-product form ran that forward about a third slower.
+//!
+//! Under `linear` the gate/up matrix may come in two tensors (moekit's `up_proj_weight`:
+//! torchtitan's `w1` and `w3`): its stored rows `[2I, H]` are then the gate's `[I, H]` and the
+//! up's `[I, H]`, each read where it lies. A product against it runs as one product per half,
+//! whose columns (the forward) or sums (the backward) then meet in the result.
 
+use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 use super::dot::matmul_nt_bf16;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
-use crate::contracts::WeightLayout;
+use super::rows::resized;
+use crate::contracts::{BlockwiseFloats, WeightLayout};
 use crate::tensor::Floats;
 use crate::uninit::zero;
 
@@ -24,12 +31,19 @@ use crate::uninit::zero;
 /// f32, and a tile of results.
 pub(super) type Panels<'s> = (&'s mut Vec<f32>, &'s mut Vec<f32>);
 
+thread_local! {
+    /// A half of a product against a matrix stored in two tensors, reused between calls.
+    static HALF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Expert `expert`'s `W [k, n]` in a weight tensor of E such matrices.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ExpertMatrix<'a> {
     /// The expert's `k · n` elements: `[k, n]` under [`WeightLayout::Nki`], `[n, k]` under
-    /// [`WeightLayout::Linear`].
+    /// [`WeightLayout::Linear`]; with `lower`, the first `n / 2` rows `[n / 2, k]` only.
     stored: Floats<'a>,
+    /// Under [`WeightLayout::Linear`] only: the last `n / 2` stored rows, held apart.
+    lower: Option<Floats<'a>>,
     k: usize,
     n: usize,
     layout: WeightLayout,
@@ -45,16 +59,63 @@ impl<'a> ExpertMatrix<'a> {
     ) -> Self {
         Self {
             stored: weights.slice(expert * k * n..(expert + 1) * k * n),
+            lower: None,
             k,
             n,
             layout,
         }
     }
 
+    /// Expert `expert`'s gate/up matrix `W [H, 2I]` of a blockwise call's weights in `layout`:
+    /// `gate_up_proj_weight`'s, or the gate's rows there and the up's in `up_proj_weight`.
+    pub fn gate_up(
+        floats: &BlockwiseFloats<'a>,
+        layout: WeightLayout,
+        expert: usize,
+        (h, i): (usize, usize),
+    ) -> Self {
+        let Some(up) = floats.up_proj_weight else {
+            return Self::of(floats.gate_up_proj_weight, layout, expert, (h, 2 * i));
+        };
+        let rows = expert * i * h..(expert + 1) * i * h;
+        Self {
+            stored: floats.gate_up_proj_weight.slice(rows.clone()),
+            lower: Some(up.slice(rows)),
+            k: h,
+            n: 2 * i,
+            layout,
+        }
+    }
+
+    /// The matrices of the two halves of the stored rows, when they lie apart.
+    fn halves(&self) -> Option<[Self; 2]> {
+        let lower = self.lower?;
+        let upper = Self {
+            lower: None,
+            n: self.n / 2,
+            ..*self
+        };
+        Some([upper, Self { stored: lower, ..upper }])
+    }
+
     /// `dst [m, n] = a [m, k] · W` for row-major `a`.
     pub fn product(&self, dst: &mut [f32], a: &[f32], (panel, tile): Panels<'_>) {
         let (k, n) = (self.k, self.n);
         let m = dst.len() / n.max(1);
+        if let Some(halves) = self.halves() {
+            // Each half's product fills its columns of `dst`.
+            let width = n / 2;
+            HALF.with_borrow_mut(|half| {
+                let half = resized(half, m * width);
+                for (matrix, first) in halves.iter().zip([0, width]) {
+                    matrix.product(half, a, (&mut *panel, &mut *tile));
+                    for (dst, row) in dst.chunks_exact_mut(n).zip(half.chunks_exact(width)) {
+                        dst[first..first + width].copy_from_slice(row);
+                    }
+                }
+            });
+            return;
+        }
         match (self.layout, self.stored) {
             (WeightLayout::Nki, Floats::F32(w)) => matmul(
                 dst,
@@ -86,11 +147,11 @@ impl<'a> ExpertMatrix<'a> {
     ) -> &'d mut [f32] {
         let (k, n) = (self.k, self.n);
         let m = dst.len() / n.max(1);
-        match (self.layout, self.stored) {
-            (WeightLayout::Nki, Floats::F32(w)) => {
+        match (self.layout, self.stored, self.lower) {
+            (WeightLayout::Nki, Floats::F32(w), None) => {
                 matmul_into(dst, MatRef::row_major(a, m, k), MatRef::row_major(w, k, n))
             }
-            (WeightLayout::Linear, Floats::F32(w)) => matmul_into(
+            (WeightLayout::Linear, Floats::F32(w), None) => matmul_into(
                 dst,
                 MatRef::row_major(a, m, k),
                 MatRef::row_major(w, n, k).t(),
@@ -113,13 +174,13 @@ impl<'a> ExpertMatrix<'a> {
     ) -> &'d mut [f32] {
         let (k, n) = (self.k, self.n);
         let m = dst.len() / k.max(1);
-        match (self.layout, self.stored) {
-            (WeightLayout::Nki, Floats::F32(w)) => matmul_into(
+        match (self.layout, self.stored, self.lower) {
+            (WeightLayout::Nki, Floats::F32(w), None) => matmul_into(
                 dst,
                 MatRef::row_major(a, m, n),
                 MatRef::row_major(w, k, n).t(),
             ),
-            (WeightLayout::Linear, Floats::F32(w)) => {
+            (WeightLayout::Linear, Floats::F32(w), None) => {
                 matmul_into(dst, MatRef::row_major(a, m, n), MatRef::row_major(w, n, k))
             }
             _ => {
@@ -134,6 +195,30 @@ impl<'a> ExpertMatrix<'a> {
     pub fn transposed_product(&self, dst: &mut [f32], a: &[f32], (panel, tile): Panels<'_>) {
         let (k, n) = (self.k, self.n);
         let m = dst.len() / k.max(1);
+        if let Some([upper, lower]) = self.halves() {
+            // `a`'s first n / 2 columns against the upper rows, plus the rest against the lower.
+            let a = MatRef::row_major(a, m, n);
+            let (left, right) = (a.columns(0..n / 2), a.columns(n / 2..n));
+            match (upper.stored, lower.stored) {
+                (Floats::BF16(upper), Floats::BF16(lower)) => {
+                    matmul_bf16_b(dst, left, (upper, k), panel);
+                    HALF.with_borrow_mut(|half| {
+                        let half = resized(half, m * k);
+                        matmul_bf16_b(half, right, (lower, k), panel);
+                        for (d, v) in dst.iter_mut().zip(half.iter()) {
+                            *d += v;
+                        }
+                    });
+                }
+                // f32 (the contract gives both halves one dtype), read in place.
+                (upper, lower) => {
+                    let (upper, lower) = (upper.to_f32(), lower.to_f32());
+                    matmul(dst, left, MatRef::row_major(&upper, n / 2, k), false);
+                    matmul(dst, right, MatRef::row_major(&lower, n / 2, k), true);
+                }
+            }
+            return;
+        }
         match (self.layout, self.stored) {
             (WeightLayout::Nki, Floats::F32(w)) => matmul(
                 dst,

@@ -188,6 +188,7 @@ fn experts_inputs<'a>(inputs: EpInputs<'a>, routed: &'a RouterTopkOutputs) -> Ex
         topk_affinities: &routed.topk_affinities,
         gate_up_proj_weight: inputs.gate_up_proj_weight,
         down_proj_weight: inputs.down_proj_weight,
+        up_proj_weight: None,
     }
 }
 

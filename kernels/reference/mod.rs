@@ -122,7 +122,7 @@ impl OwnedOperands {
             },
             hidden_states,
             affinities,
-            gate_up: inputs.gate_up_proj_weight.to_f64_vec(),
+            gate_up: stacked_gate_up(inputs, dims),
             down: inputs.down_proj_weight.to_f64_vec(),
             weight_layout,
             gate_up_bias: inputs.gate_and_up_proj_bias.map(Tensor::to_f64_vec),
@@ -145,6 +145,21 @@ impl OwnedOperands {
             down_proj_bias: self.down_bias.as_deref(),
         }
     }
+}
+
+/// `gate_up_proj_weight` in f64; with a separate `up_proj_weight` (linear layout), each
+/// expert's gate rows followed by its up rows: the `[E, 2, I, H]` the pair stands for.
+fn stacked_gate_up(inputs: &BlockwiseMmInputs<'_>, dims: BlockwiseDims) -> Vec<f64> {
+    let gate = inputs.gate_up_proj_weight.to_f64_vec();
+    let Some(up) = inputs.up_proj_weight else {
+        return gate;
+    };
+    let matrix = (dims.i * dims.h).max(1);
+    gate.chunks(matrix)
+        .zip(up.to_f64_vec().chunks(matrix))
+        .flat_map(|(gate, up)| gate.iter().chain(up))
+        .copied()
+        .collect()
 }
 
 impl ReferenceBackend {

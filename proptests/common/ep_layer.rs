@@ -134,6 +134,7 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
         block_to_expert: &plan.block_to_expert,
         gate_and_up_proj_bias: None,
         down_proj_bias: None,
+        up_proj_weight: None,
     };
     // The blockwise kernels' `[T+1, H]` output gradient: the rank's, then the padding row.
     let mut d_output = data.d_output[rank].to_f64_vec();

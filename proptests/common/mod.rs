@@ -213,6 +213,27 @@ pub fn relayout_gate_up(
     same_dtype(weights, &to.gate_up_dims(e, h, i), &moved)
 }
 
+/// The gate and up projections' weights `[E, I, H]` each, in the same dtype, of a
+/// `gate_up_proj_weight [E, 2, I, H]` in the linear layout: the tensors of moekit's
+/// `up_proj_weight` form (torchtitan's `w1` and `w3`).
+pub fn split_gate_up(weights: &Tensor) -> (Tensor, Tensor) {
+    let &[e, 2, i, h] = weights.shape() else {
+        panic!("not [E, 2, I, H]: {:?}", weights.shape());
+    };
+    let values = weights.to_f64_vec();
+    let half = |which: usize| {
+        let rows: Vec<f64> = values
+            .chunks(i * h)
+            .skip(which)
+            .step_by(2)
+            .flatten()
+            .copied()
+            .collect();
+        same_dtype(weights, &[e, i, h], &rows)
+    };
+    (half(0), half(1))
+}
+
 /// `down_proj_weight` (or its gradient) moved from layout `from` to layout `to`, as
 /// [`relayout_gate_up`].
 pub fn relayout_down(

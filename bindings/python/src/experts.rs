@@ -39,6 +39,7 @@ impl ExpertsTensors {
             topk_affinities: &self.topk_affinities,
             gate_up_proj_weight: &self.gate_up_proj_weight,
             down_proj_weight: &self.down_proj_weight,
+            up_proj_weight: None,
         }
     }
 }

@@ -228,6 +228,7 @@ fn blockwise_inputs<'a>(
         block_to_expert: &plan.block_to_expert,
         gate_and_up_proj_bias: None,
         down_proj_bias: None,
+        up_proj_weight: None,
     }
 }
 
@@ -495,6 +496,7 @@ impl Layer {
             topk_affinities: &self.routed.topk_affinities,
             gate_up_proj_weight: &self.inputs.gate_up_proj_weight,
             down_proj_weight: &self.inputs.down_proj_weight,
+            up_proj_weight: None,
         }
     }
 
