@@ -136,7 +136,9 @@ impl<'a> ExpertsInputs<'a> {
             }
             (_, _, shape) => {
                 let known = match (layout, split) {
-                    (WeightLayout::Nki, _) => format!("{} = [_, {h}, 2, _]", layout.gate_up_shape()),
+                    (WeightLayout::Nki, _) => {
+                        format!("{} = [_, {h}, 2, _]", layout.gate_up_shape())
+                    }
                     (WeightLayout::Linear, false) => {
                         format!("{} = [_, 2, _, {h}]", layout.gate_up_shape())
                     }
@@ -284,7 +286,9 @@ impl Experts for LocalExperts {
             ));
         };
         let saved = LocalSaved {
-            inputs: inputs.named().map(|(_, tensor)| tensor.map(TensorIdentity::of)),
+            inputs: inputs
+                .named()
+                .map(|(_, tensor)| tensor.map(TensorIdentity::of)),
             plan,
             params,
             dims,

@@ -474,7 +474,9 @@ fn gate_and_up_weights_apart_give_the_stacked_weights_results() {
         i,
         b,
         x: rng.values(t * h, 1.0),
-        index: (0..t * k).map(|slot| ((slot * 3 + slot / k) % e) as i32).collect(),
+        index: (0..t * k)
+            .map(|slot| ((slot * 3 + slot / k) % e) as i32)
+            .collect(),
         affinities: rng.values(t * k, 1.0),
         gate_up: rng.values(e * h * 2 * i, 0.5),
         down: rng.values(e * i * h, 0.5),
@@ -528,5 +530,8 @@ fn gate_and_up_weights_apart_give_the_stacked_weights_results() {
         .forward(apart, false)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("up_proj_weight") && err.contains("linear"), "{err}");
+    assert!(
+        err.contains("up_proj_weight") && err.contains("linear"),
+        "{err}"
+    );
 }

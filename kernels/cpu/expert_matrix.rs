@@ -95,7 +95,13 @@ impl<'a> ExpertMatrix<'a> {
             n: self.n / 2,
             ..*self
         };
-        Some([upper, Self { stored: lower, ..upper }])
+        Some([
+            upper,
+            Self {
+                stored: lower,
+                ..upper
+            },
+        ])
     }
 
     /// `dst [m, n] = a [m, k] · W` for row-major `a`.

@@ -29,6 +29,7 @@ struct ExpertsTensors {
     topk_affinities: Tensor,
     gate_up_proj_weight: Tensor,
     down_proj_weight: Tensor,
+    up_proj_weight: Option<Tensor>,
 }
 
 impl ExpertsTensors {
@@ -39,7 +40,7 @@ impl ExpertsTensors {
             topk_affinities: &self.topk_affinities,
             gate_up_proj_weight: &self.gate_up_proj_weight,
             down_proj_weight: &self.down_proj_weight,
-            up_proj_weight: None,
+            up_proj_weight: self.up_proj_weight.as_ref(),
         }
     }
 }
@@ -88,9 +89,11 @@ impl PyExperts {
 
     /// `output [T, H]` of `hidden_states [T, H]` routed by `expert_index [T, K]` with
     /// `topk_affinities [T, K]` through `gate_up_proj_weight [E, H, 2, I]` and
-    /// `down_proj_weight [E, I, H]` (`[E, 2, I, H]` and `[E, H, I]` in the linear layout;
-    /// DLPack capsules, bf16 as DLPack bfloat16); with `record`, also what the backward needs.
-    #[pyo3(signature = (hidden_states, expert_index, topk_affinities, gate_up_proj_weight, down_proj_weight, record))]
+    /// `down_proj_weight [E, I, H]` (`[E, 2, I, H]` and `[E, H, I]` in the linear layout, where
+    /// with `up_proj_weight [E, I, H]` the up projection lies apart and `gate_up_proj_weight`
+    /// is the gate's `[E, I, H]`; DLPack capsules, bf16 as DLPack bfloat16); with `record`,
+    /// also what the backward needs.
+    #[pyo3(signature = (hidden_states, expert_index, topk_affinities, gate_up_proj_weight, down_proj_weight, record, up_proj_weight = None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -101,6 +104,7 @@ impl PyExperts {
         gate_up_proj_weight: Bound<'_, PyCapsule>,
         down_proj_weight: Bound<'_, PyCapsule>,
         record: bool,
+        up_proj_weight: Option<Bound<'_, PyCapsule>>,
     ) -> PyResult<(Output, Option<SavedExperts>)> {
         let tensors = ExpertsTensors {
             hidden_states: import(&hidden_states, "hidden_states")?,
@@ -108,6 +112,9 @@ impl PyExperts {
             topk_affinities: import(&topk_affinities, "topk_affinities")?,
             gate_up_proj_weight: import(&gate_up_proj_weight, "gate_up_proj_weight")?,
             down_proj_weight: import(&down_proj_weight, "down_proj_weight")?,
+            up_proj_weight: up_proj_weight
+                .map(|up| import(&up, "up_proj_weight"))
+                .transpose()?,
         };
         let (output, saved) = py
             .detach(|| {
@@ -121,7 +128,8 @@ impl PyExperts {
 
     /// The gradients for `d_output [T, H]` of the forward that left `saved`: `d_hidden_states
     /// [T, H]`, `d_topk_affinities [T, K]`, and `d_gate_up_proj_weight`, `d_down_proj_weight`
-    /// shaped as their weights.
+    /// shaped as their weights (`d_gate_up_proj_weight [E, 2, I, H]`, both projections', when
+    /// `up_proj_weight` lay apart).
     fn backward(
         &self,
         py: Python<'_>,

@@ -113,12 +113,18 @@ def test_transformers_weights_are_read_where_they_lie(monkeypatch):
     ):
         capsule, bf16_bits, _ = export(name, passed.detach())
         assert _moekit.input_address(name, capsule, bf16_bits) == (weight.data_ptr(), True)
-    # torchtitan's w2 too (w1 and w3, two tensors, are stacked).
-    w1, w3 = gate_up[:, :I].detach(), gate_up[:, I:].detach()
+    # torchtitan's three, w1 and w3 as two tensors (the kernels' up_proj_weight), unstacked.
+    w1, w3 = gate_up[:, :I].detach().clone(), gate_up[:, I:].detach().clone()
     w2 = down.detach()
     mt.torchtitan_experts(x, index, weights, w1, w2, w3)
-    capsule, bf16_bits, _ = export("down_proj_weight", seen["weights"][1])
-    assert _moekit.input_address("down_proj_weight", capsule, bf16_bits) == (w2.data_ptr(), True)
+    assert seen["experts"].weight_layout == "linear"
+    for name, passed, weight in zip(
+        ("gate_up_proj_weight", "down_proj_weight", "up_proj_weight"),
+        seen["weights"],
+        (w1, w2, w3),
+    ):
+        capsule, bf16_bits, _ = export(name, passed)
+        assert _moekit.input_address(name, capsule, bf16_bits) == (weight.data_ptr(), True)
 
 
 def test_bf16_is_computed_in_f32_and_rounded_once():

@@ -13,10 +13,11 @@ The expert weights come in three layouts, one function each:
 - `transformers_experts`: Hugging Face transformers v5's `gate_up_proj [E, 2·I, H]` (gate rows
   first) and `down_proj [E, H, I]`: the linear layout, read in place (no copy, no transpose).
 - `torchtitan_experts`: torchtitan's `w1 [E, F, D]` (gate), `w3 [E, F, D]` (up) and
-  `w2 [E, D, F]` (down): `w2` read in place; `w1` and `w3`, two tensors, are stacked into one
-  `[E, 2, F, D]` per call (a contiguous copy of the gate/up weights, differentiable).
+  `w2 [E, D, F]` (down): the linear layout with the gate and up projections in two tensors
+  (the kernels' `up_proj_weight`), all three read in place.
 
-The weight gradients come back in the caller's layout.
+The weight gradients come back in the caller's layout (`w1`'s and `w3`'s as views of one
+`[E, 2, F, D]` gradient).
 
 Tensors are CPU tensors, float32 or bfloat16 (the weights in the hidden states' dtype); expert
 ids int32 or int64 `[T, K]`. Results are bit-identical whatever the number of threads.
@@ -55,10 +56,11 @@ def _cpu_capsule(name, tensor):
 class RoutedExperts(torch.autograd.Function):
     """`output [T, H]` of `hidden_states [T, H]` through each token's K experts, weights in
     the layout of `experts`, a `moekit._moekit.Experts`. `apply(experts, hidden_states,
-    expert_index, topk_affinities, gate_up_proj_weight, down_proj_weight)`."""
+    expert_index, topk_affinities, gate_up_proj_weight, down_proj_weight, up_proj_weight)`,
+    `up_proj_weight` None unless the up projection lies apart from the gate's."""
 
     @staticmethod
-    def forward(ctx, experts, hidden_states, expert_index, topk_affinities, gate_up, down):
+    def forward(ctx, experts, hidden_states, expert_index, topk_affinities, gate_up, down, up):
         record = any(ctx.needs_input_grad[1:])
         named = {
             "hidden_states": hidden_states,
@@ -68,8 +70,9 @@ class RoutedExperts(torch.autograd.Function):
             "down_proj_weight": down,
         }
         capsules = [_cpu_capsule(name, tensor) for name, tensor in named.items()]
-        output, saved = experts.forward(*capsules, record)
-        ctx.experts, ctx.saved = experts, saved
+        up_capsule = None if up is None else _cpu_capsule("up_proj_weight", up)
+        output, saved = experts.forward(*capsules, record, up_capsule)
+        ctx.experts, ctx.saved, ctx.apart = experts, saved, up is not None
         return torch.from_dlpack(output)
 
     @staticmethod
@@ -79,13 +82,17 @@ class RoutedExperts(torch.autograd.Function):
         grads = dict(ctx.experts.backward(ctx.saved, _cpu_capsule("d_output", d_output.contiguous())))
         # The checkpoints are needed once.
         ctx.saved = None
+        d_gate_up = torch.from_dlpack(grads["d_gate_up_proj_weight"])
+        # Apart, the gradient `[E, 2, I, H]` holds the gate's and the up's: a view of each.
+        d_gate_up, d_up = (d_gate_up[:, 0], d_gate_up[:, 1]) if ctx.apart else (d_gate_up, None)
         return (
             None,
             torch.from_dlpack(grads["d_hidden_states"]),
             None,
             torch.from_dlpack(grads["d_topk_affinities"]),
-            torch.from_dlpack(grads["d_gate_up_proj_weight"]),
+            d_gate_up,
             torch.from_dlpack(grads["d_down_proj_weight"]),
+            d_up,
         )
 
 
@@ -112,6 +119,7 @@ def experts(
         topk_affinities,
         gate_up_proj_weight,
         down_proj_weight,
+        None,
     )
 
 
@@ -133,8 +141,12 @@ def transformers_experts(
     )
 
 
-def torchtitan_experts(x, top_k_index, top_k_weights, w1, w2, w3, **options):
-    """`experts` with torchtitan's weights: `w1 [E, F, D]` (gate), `w3 [E, F, D]` (up),
-    stacked into `[E, 2, F, D]`, and `w2 [E, D, F]` (down), read in place."""
-    gate_up = torch.stack([w1, w3], dim=1)
-    return experts(x, top_k_index, top_k_weights, gate_up, w2, weight_layout="linear", **options)
+def torchtitan_experts(
+    x, top_k_index, top_k_weights, w1, w2, w3, *, backend="cpu", block_size=DEFAULT_BLOCK_SIZE
+):
+    """`experts` with torchtitan's weights, all read in place: `w1 [E, F, D]` (gate) and
+    `w3 [E, F, D]` (up), two tensors (the kernels' `up_proj_weight`), and `w2 [E, D, F]`
+    (down)."""
+    return RoutedExperts.apply(
+        _experts(backend, block_size, "linear"), x, top_k_index, top_k_weights, w1, w2, w3
+    )

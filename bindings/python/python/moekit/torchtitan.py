@@ -11,6 +11,9 @@
 input's dtype); its forward takes the same rows sorted by expert, `x_RD [R, D]` with
 `num_tokens_per_expert_E [E]` (rows past their sum are padding and come out zero), and runs
 them through moekit's experts, each row its expert's with weight 1, forward and backward.
+The three weights are read where they lie (`w1` and `w3` as two tensors, never stacked) when
+they are bfloat16; float32 parameters are cast to bfloat16 per call, as `GroupedExperts`' own
+grouped_mm path casts them.
 Subclasses of `GroupedExperts` with other semantics (gpt-oss's) are left as they are.
 """
 
