@@ -11,8 +11,9 @@ with `experts_implementation` = eager, grouped_mm and moekit. Also the Python-si
 moekit experts call: `moekit.torch.transformers_experts`'s time beyond the extension's forward
 and backward on the same tensors (transformers' weights, read in place as
 `weight_layout="linear"`; the two interleaved over 3·N repeats, the median of the per-repeat
-differences), and the extension's time on the same weights rearranged into
-nki-library's layout.
+differences), the extension's time on the same weights rearranged into nki-library's layout,
+and `moekit.torch.torchtitan_experts` on the same weights held as torchtitan holds them
+(`w1`, `w3 [E, I, H]` two tensors, read in place).
 
     bash scripts/transformers.sh && bash scripts/python.sh   # torch, transformers, moekit
     .venv/bin/python benches/python_experts.py [--repeats N] [--json]
@@ -35,7 +36,7 @@ import moekit
 import moekit.transformers  # noqa: F401  (registers "moekit")
 from moekit import _moekit
 from moekit._arrays import _capsule
-from moekit.torch import DEFAULT_BLOCK_SIZE, transformers_experts
+from moekit.torch import DEFAULT_BLOCK_SIZE, torchtitan_experts, transformers_experts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "qwen3_moe_small.toml"
@@ -135,8 +136,9 @@ def interleaved_medians(calls, repeats):
 def python_overhead(experts, hidden, index, weights, repeats):
     """One experts forward + backward on transformers' weights, interleaved: seconds of (the
     extension's, `moekit.torch.transformers_experts`'s, the extension's on the same weights
-    rearranged into nki-library's layout), and the median per-repeat difference between the
-    first two (the Python side: the autograd function, DLPack capsules, gradients out)."""
+    rearranged into nki-library's layout, `moekit.torch.torchtitan_experts`'s on them as
+    torchtitan's `w1`, `w2`, `w3`), and the median per-repeat difference between the first
+    two (the Python side: the autograd function, DLPack capsules, gradients out)."""
     gate_up_proj = experts.gate_up_proj.detach()
     down_proj = experts.down_proj.detach()
     e, two_i, h = gate_up_proj.shape
@@ -145,6 +147,8 @@ def python_overhead(experts, hidden, index, weights, repeats):
         linear[0].permute(0, 3, 1, 2).contiguous(),
         down_proj.transpose(1, 2).contiguous(),
     )
+    # torchtitan's gate and up weights: two tensors of their own.
+    w1, w3 = (half.contiguous() for half in linear[0].unbind(1))
     d_output = torch.ones_like(hidden)
 
     def extension(weight_layout, gate_up, down):
@@ -166,11 +170,14 @@ def python_overhead(experts, hidden, index, weights, repeats):
         out = transformers_experts(leaves[0], index, leaves[1], leaves[2], leaves[3])
         torch.autograd.grad(out, leaves, d_output)
 
-    calls = [extension("linear", *linear), autograd, extension("nki", *nki)]
-    (extension_s, autograd_s, nki_extension_s), overhead_s = interleaved_medians(
-        calls, repeats
-    )
-    return extension_s, autograd_s, nki_extension_s, overhead_s
+    def torchtitan():
+        leaves = [t.detach().requires_grad_() for t in (hidden, weights, w1, down_proj, w3)]
+        out = torchtitan_experts(leaves[0], index, *leaves[1:])
+        torch.autograd.grad(out, leaves, d_output)
+
+    calls = [extension("linear", *linear), autograd, extension("nki", *nki), torchtitan]
+    seconds, overhead_s = interleaved_medians(calls, repeats)
+    return (*seconds, overhead_s)
 
 
 def main():
@@ -188,7 +195,7 @@ def main():
             "experts_s": median_time(experts_call(experts, hidden, index, weights), args.repeats),
             "step_s": median_time(training_step(model, ids), max(3, args.repeats // 3)),
         }
-    extension_s, autograd_s, nki_extension_s, overhead_s = python_overhead(
+    extension_s, autograd_s, nki_extension_s, torchtitan_s, overhead_s = python_overhead(
         experts, hidden, index, weights, 3 * args.repeats
     )
     result = {
@@ -201,6 +208,7 @@ def main():
         "extension_s": extension_s,
         "autograd_s": autograd_s,
         "nki_extension_s": nki_extension_s,
+        "torchtitan_s": torchtitan_s,
         "python_side_s": overhead_s,
     }
     if args.json:
@@ -222,7 +230,8 @@ def main():
         f"moekit experts call on transformers' weights: extension {extension_s * 1e3:.2f} ms, "
         f"transformers_experts {autograd_s * 1e3:.2f} ms (Python side {overhead * 1e3:.2f} ms, "
         f"{overhead / extension_s:.1%}); the extension on nki-layout copies "
-        f"{nki_extension_s * 1e3:.2f} ms"
+        f"{nki_extension_s * 1e3:.2f} ms; torchtitan_experts on w1, w2, w3 "
+        f"{torchtitan_s * 1e3:.2f} ms"
     )
 
 
