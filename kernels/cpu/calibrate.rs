@@ -81,71 +81,56 @@ mod x86 {
     // kept their accumulators in memory and measured pair dot products at 0.5× the FMA's rate
     // on a CPU where optimised code measures 2.0×.
 
-    /// [`STEPS`] steps of one `vfmadd231ps` in each of the 12 chains (`x · 0.999999 + 1e-7`:
+    /// [`STEPS`] steps of `$op zmmN, zmm12, zmm13` in each of the 12 chains N = 0..12, which
+    /// start from `b`; `a` in zmm12, `b` in zmm13.
+    macro_rules! chains {
+        ($op:literal, $a:expr, $b:expr) => {
+            // SAFETY: the caller enables the instruction's target features; the block touches
+            // only the registers it names, no memory and no stack.
+            unsafe {
+                asm!(
+                    "vmovaps zmm0, zmm13", "vmovaps zmm1, zmm13", "vmovaps zmm2, zmm13",
+                    "vmovaps zmm3, zmm13", "vmovaps zmm4, zmm13", "vmovaps zmm5, zmm13",
+                    "vmovaps zmm6, zmm13", "vmovaps zmm7, zmm13", "vmovaps zmm8, zmm13",
+                    "vmovaps zmm9, zmm13", "vmovaps zmm10, zmm13", "vmovaps zmm11, zmm13",
+                    "2:",
+                    concat!($op, " zmm0, zmm12, zmm13"), concat!($op, " zmm1, zmm12, zmm13"),
+                    concat!($op, " zmm2, zmm12, zmm13"), concat!($op, " zmm3, zmm12, zmm13"),
+                    concat!($op, " zmm4, zmm12, zmm13"), concat!($op, " zmm5, zmm12, zmm13"),
+                    concat!($op, " zmm6, zmm12, zmm13"), concat!($op, " zmm7, zmm12, zmm13"),
+                    concat!($op, " zmm8, zmm12, zmm13"), concat!($op, " zmm9, zmm12, zmm13"),
+                    concat!($op, " zmm10, zmm12, zmm13"), concat!($op, " zmm11, zmm12, zmm13"),
+                    "dec {steps}",
+                    "jnz 2b",
+                    in("zmm12") $a,
+                    in("zmm13") $b,
+                    steps = inout(reg) STEPS => _,
+                    out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                    out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                    out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                    options(nomem, nostack),
+                );
+            }
+        };
+    }
+
+    /// [`STEPS`] steps of one `vfmadd213ps` in each of the 12 chains (`x · 0.999999 + 1e-7`:
     /// normal values throughout).
     #[target_feature(enable = "avx512f")]
     fn fma_chains() {
-        let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-        // SAFETY: AVX-512 F is enabled for this function; the block touches only the
-        // registers it names, no memory and no stack.
-        unsafe {
-            asm!(
-                "vmovaps zmm0, zmm13", "vmovaps zmm1, zmm13", "vmovaps zmm2, zmm13",
-                "vmovaps zmm3, zmm13", "vmovaps zmm4, zmm13", "vmovaps zmm5, zmm13",
-                "vmovaps zmm6, zmm13", "vmovaps zmm7, zmm13", "vmovaps zmm8, zmm13",
-                "vmovaps zmm9, zmm13", "vmovaps zmm10, zmm13", "vmovaps zmm11, zmm13",
-                "2:",
-                "vfmadd213ps zmm0, zmm12, zmm13", "vfmadd213ps zmm1, zmm12, zmm13",
-                "vfmadd213ps zmm2, zmm12, zmm13", "vfmadd213ps zmm3, zmm12, zmm13",
-                "vfmadd213ps zmm4, zmm12, zmm13", "vfmadd213ps zmm5, zmm12, zmm13",
-                "vfmadd213ps zmm6, zmm12, zmm13", "vfmadd213ps zmm7, zmm12, zmm13",
-                "vfmadd213ps zmm8, zmm12, zmm13", "vfmadd213ps zmm9, zmm12, zmm13",
-                "vfmadd213ps zmm10, zmm12, zmm13", "vfmadd213ps zmm11, zmm12, zmm13",
-                "dec {steps}",
-                "jnz 2b",
-                in("zmm12") a,
-                in("zmm13") b,
-                steps = inout(reg) STEPS => _,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                options(nomem, nostack),
-            );
-        }
+        chains!(
+            "vfmadd213ps",
+            _mm512_set1_ps(0.999_999),
+            _mm512_set1_ps(1e-7)
+        );
     }
 
     /// [`STEPS`] steps of one `vdpbf16ps` in each of the 12 chains (pairs of bf16 1/1024,
-    /// 0x3A80: each adds 2⁻¹⁹ per lane).
+    /// 0x3A80: each adds 2⁻¹⁹ per lane to a normal start).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     fn pair_dot_chains() {
         let pairs = _mm512_set1_epi32(0x3A80_3A80);
-        let zero = _mm512_setzero_si512();
-        // SAFETY: AVX-512 F, BW and BF16 are enabled for this function; the block touches
-        // only the registers it names, no memory and no stack.
-        unsafe {
-            asm!(
-                "vmovdqa32 zmm0, zmm13", "vmovdqa32 zmm1, zmm13", "vmovdqa32 zmm2, zmm13",
-                "vmovdqa32 zmm3, zmm13", "vmovdqa32 zmm4, zmm13", "vmovdqa32 zmm5, zmm13",
-                "vmovdqa32 zmm6, zmm13", "vmovdqa32 zmm7, zmm13", "vmovdqa32 zmm8, zmm13",
-                "vmovdqa32 zmm9, zmm13", "vmovdqa32 zmm10, zmm13", "vmovdqa32 zmm11, zmm13",
-                "2:",
-                "vdpbf16ps zmm0, zmm12, zmm12", "vdpbf16ps zmm1, zmm12, zmm12",
-                "vdpbf16ps zmm2, zmm12, zmm12", "vdpbf16ps zmm3, zmm12, zmm12",
-                "vdpbf16ps zmm4, zmm12, zmm12", "vdpbf16ps zmm5, zmm12, zmm12",
-                "vdpbf16ps zmm6, zmm12, zmm12", "vdpbf16ps zmm7, zmm12, zmm12",
-                "vdpbf16ps zmm8, zmm12, zmm12", "vdpbf16ps zmm9, zmm12, zmm12",
-                "vdpbf16ps zmm10, zmm12, zmm12", "vdpbf16ps zmm11, zmm12, zmm12",
-                "dec {steps}",
-                "jnz 2b",
-                in("zmm12") pairs,
-                in("zmm13") zero,
-                steps = inout(reg) STEPS => _,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                options(nomem, nostack),
-            );
-        }
+        chains!("vdpbf16ps", pairs, pairs);
     }
 }
 
