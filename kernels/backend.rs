@@ -27,6 +27,7 @@ use crate::contracts::{
 };
 use crate::error::Result;
 use crate::kernel::{Kernel, Params};
+use crate::tensor::DType;
 
 /// One implementation of every kernel contract, forward and backward.
 pub trait Backend: Send + Sync {
@@ -41,8 +42,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// How far this backend's results may be from the f64 reference's (its documented error
-    /// bound).
-    fn tolerance(&self) -> Tolerance;
+    /// bound) for float inputs in `dtype`.
+    fn tolerance(&self, dtype: DType) -> Tolerance;
 
     /// Where this backend computes.
     fn device(&self) -> Device {

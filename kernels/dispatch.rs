@@ -104,6 +104,7 @@ impl Kernel {
                         .is_tensor_update_accumulating
                         .unwrap_or(default.is_tensor_update_accumulating),
                     weight_layout: params.weight_layout.unwrap_or(default.weight_layout),
+                    compute_dtype: params.compute_dtype,
                 };
                 let call = BlockwiseMm::new(BlockwiseMmInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);
@@ -124,6 +125,7 @@ impl Kernel {
                         .is_tensor_update_accumulating
                         .unwrap_or(default.is_tensor_update_accumulating),
                     weight_layout: params.weight_layout.unwrap_or(default.weight_layout),
+                    compute_dtype: params.compute_dtype,
                 };
                 let call = BlockwiseMmBwd::new(BlockwiseMmBwdInputs::from_named(get)?, params)?
                     .with_output_dtype(output_dtype);

@@ -16,6 +16,7 @@ use crate::contracts::{
 };
 use crate::error::Result;
 use crate::kernel::Kernel;
+use crate::tensor::DType;
 
 /// Each kernel on `primary` where [`Backend::supports`] says it runs it, else on `fallback`;
 /// which backend runs which kernel is decided once, when it is made.
@@ -65,8 +66,11 @@ impl Backend for FallbackBackend {
         self.runner(kernel).supports(kernel)
     }
 
-    fn tolerance(&self) -> Tolerance {
-        let (a, b) = (self.primary.tolerance(), self.fallback.tolerance());
+    fn tolerance(&self, dtype: DType) -> Tolerance {
+        let (a, b) = (
+            self.primary.tolerance(dtype),
+            self.fallback.tolerance(dtype),
+        );
         Tolerance {
             rtol: a.rtol.max(b.rtol),
             atol: a.atol.max(b.atol),

@@ -5,11 +5,11 @@
 use std::str::FromStr;
 
 use crate::contracts::{
-    ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ExpertAffinityScaleMode,
-    INDEX_DTYPE, IndexedFlattenParams, MoeBlockTkgParams, MoeTkgParams, OutputDType, PermuteParams,
-    QuantizationType, RmsNormRouterParams, RmsNormRouterTopkTkgParams, RouterActFnType,
-    RouterMmDType, RouterPipeline, SkipMode, TensorSpec, TopkMethod, TopkParams, TopkReduceParams,
-    WeightLayout, XHbmLayout, tensors,
+    ActFnType, BlockwiseMmBwdParams, BlockwiseMmParams, ClampLimits, ComputeDType,
+    ExpertAffinityScaleMode, INDEX_DTYPE, IndexedFlattenParams, MoeBlockTkgParams, MoeTkgParams,
+    OutputDType, PermuteParams, QuantizationType, RmsNormRouterParams, RmsNormRouterTopkTkgParams,
+    RouterActFnType, RouterMmDType, RouterPipeline, SkipMode, TensorSpec, TopkMethod, TopkParams,
+    TopkReduceParams, WeightLayout, XHbmLayout, tensors,
 };
 use crate::error::{Error, Result, find_named};
 
@@ -141,6 +141,7 @@ pub enum Param {
     SkipToken,
     IsTensorUpdateAccumulating,
     WeightLayout,
+    ComputeDType,
     ExpertParallelDegree,
     IsAllExpert,
     ActivationFn,
@@ -253,6 +254,7 @@ impl Param {
             Param::SkipToken => forward.skip_dma.skip_token.to_string(),
             Param::IsTensorUpdateAccumulating => forward.is_tensor_update_accumulating.to_string(),
             Param::WeightLayout => forward.weight_layout.to_string(),
+            Param::ComputeDType => ComputeDType::DEFAULT.to_owned(),
             Param::OutputDType => OutputDType::default().to_string(),
         }
     }
@@ -282,6 +284,7 @@ impl Param {
         Param::SkipToken,
         Param::IsTensorUpdateAccumulating,
         Param::WeightLayout,
+        Param::ComputeDType,
         Param::ExpertParallelDegree,
         Param::IsAllExpert,
         Param::ActivationFn,
@@ -335,6 +338,7 @@ impl Param {
             Param::SkipToken => "skip_token",
             Param::IsTensorUpdateAccumulating => "is_tensor_update_accumulating",
             Param::WeightLayout => WeightLayout::PARAM,
+            Param::ComputeDType => ComputeDType::PARAM,
             Param::ExpertParallelDegree => "expert_parallel_degree",
             Param::IsAllExpert => "is_all_expert",
             Param::ActivationFn => "activation_fn",
@@ -403,6 +407,7 @@ impl Param {
             Param::Bias => "true|false",
             Param::OutputDType => "input|float32",
             Param::WeightLayout => "nki|linear",
+            Param::ComputeDType => "bfloat16|float32",
             Param::RouterPreNorm
             | Param::NormTopkProb
             | Param::CheckpointActivation
@@ -446,6 +451,8 @@ pub struct Params {
     pub is_tensor_update_accumulating: Option<bool>,
     /// The blockwise kernels' `weight_layout` (moekit's own).
     pub weight_layout: Option<WeightLayout>,
+    /// The blockwise kernels' `compute_dtype`.
+    pub compute_dtype: Option<ComputeDType>,
     pub expert_parallel_degree: Option<usize>,
     /// `moe_tkg`'s mode.
     pub is_all_expert: Option<bool>,
@@ -539,9 +546,8 @@ pub const SCHEDULE_ONLY_PARAMS: &[&str] = &[
     "shard_on_tokens",
     "skip_store_expert_index",
     "skip_store_router_logits",
-    // blockwise_mm and blockwise_mm_bwd (moekit computes and accumulates in f32 whatever
-    // `compute_dtype` and `accumulation_dtype` say)
-    "compute_dtype",
+    // blockwise_mm and blockwise_mm_bwd (moekit accumulates in f32 whatever
+    // `accumulation_dtype` says)
     "accumulation_dtype",
     "block_sharding_strategy",
     "shard_option",
@@ -661,6 +667,7 @@ impl Params {
                 self.is_tensor_update_accumulating = Some(parse_bool(param, value)?)
             }
             Param::WeightLayout => self.weight_layout = Some(WeightLayout::parse(value.trim())?),
+            Param::ComputeDType => self.compute_dtype = Some(value.parse()?),
             Param::ExpertParallelDegree => {
                 self.expert_parallel_degree = Some(parse_count(param, value)?)
             }
@@ -818,6 +825,7 @@ const BLOCKWISE_MM: KernelSpec = KernelSpec {
         (Param::SkipToken, ParamUse::Defaulted),
         (Param::IsTensorUpdateAccumulating, ParamUse::Defaulted),
         (Param::WeightLayout, ParamUse::Defaulted),
+        (Param::ComputeDType, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
@@ -839,6 +847,7 @@ const BLOCKWISE_MM_BWD: KernelSpec = KernelSpec {
         (Param::SkipToken, ParamUse::Defaulted),
         (Param::IsTensorUpdateAccumulating, ParamUse::Defaulted),
         (Param::WeightLayout, ParamUse::Defaulted),
+        (Param::ComputeDType, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
@@ -1006,12 +1015,15 @@ mod tests {
                     kernel.name(),
                     param.name()
                 );
-                // Limits print `none` (no clamp), B "the plan's B", `hidden_actual` "H": not
-                // values to pass.
+                // Limits print `none` (no clamp), B "the plan's B", `hidden_actual` "H",
+                // `compute_dtype` "hidden_states' dtype": not values to pass.
                 if value == "none"
                     || matches!(
                         param,
-                        Param::BlockSize | Param::HiddenActual | Param::ChunkSize
+                        Param::BlockSize
+                            | Param::HiddenActual
+                            | Param::ChunkSize
+                            | Param::ComputeDType
                     )
                 {
                     continue;

@@ -119,6 +119,14 @@ impl<'a> Floats<'a> {
         self.len() == 0
     }
 
+    /// The dtype they are stored in.
+    pub fn dtype(self) -> DType {
+        match self {
+            Floats::F32(_) => DType::F32,
+            Floats::BF16(_) => DType::BF16,
+        }
+    }
+
     /// Element `i` widened exactly to f32, or `None` past the end.
     pub fn get(self, i: usize) -> Option<f32> {
         match self {

@@ -13,15 +13,15 @@ use common::*;
 use moekit::contracts::{
     ActFnType, BlockwiseDims, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmBwdInputs,
     BlockwiseMmBwdParams, BlockwiseMmInputs, BlockwiseMmOutputs, BlockwiseMmParams, Clamp,
-    ClampLimits, ExpertAffinityScaleMode, OutputDType, Permute, PermuteInputs, PermuteParams,
-    WeightLayout,
+    ClampLimits, ComputeDType, ExpertAffinityScaleMode, OutputDType, Permute, PermuteInputs,
+    PermuteParams, WeightLayout,
 };
 use moekit::kernel::{Kernel, Params};
 use moekit::reference::ReferenceBackend;
 use moekit::reference::blockwise::{
     BlockwiseOperands, ExpertOptions, blockwise_backward, blockwise_forward,
 };
-use moekit::{Backend, Tensor};
+use moekit::{Backend, DType, Tensor};
 use proptest::prelude::*;
 
 /// A routed problem: weights, tokens and the plan `permute` made for them.
@@ -209,6 +209,8 @@ struct Tensors {
     scaling: ExpertAffinityScaleMode,
     clamp: ClampLimits,
     weight_layout: WeightLayout,
+    /// `compute_dtype` (`None`: the default, `hidden_states`' dtype).
+    compute_dtype: Option<ComputeDType>,
 }
 
 impl Tensors {
@@ -232,6 +234,7 @@ impl Tensors {
             scaling: c.scaling,
             clamp: c.clamp,
             weight_layout: WeightLayout::Nki,
+            compute_dtype: None,
         }
     }
 
@@ -258,6 +261,7 @@ impl Tensors {
             clamp: self.clamp,
             bias: self.gate_up_bias.is_some(),
             weight_layout: self.weight_layout,
+            compute_dtype: self.compute_dtype,
             ..BlockwiseMmBwdParams::default()
         }
     }
@@ -290,6 +294,7 @@ impl Tensors {
                 expert_affinities_scaling_mode: self.scaling,
                 clamp: self.clamp,
                 weight_layout: self.weight_layout,
+                compute_dtype: self.compute_dtype,
                 ..BlockwiseMmParams::default()
             },
         )?;
@@ -317,9 +322,12 @@ fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     } else {
         1.0
     };
+    // bf16 tokens compute in bf16 (`compute_dtype`'s default): the scaled rows and the
+    // activations are rounded to bf16 where they are formed.
+    let operand = |v: f64| if c.bf16 { round_bf16(v) } else { v };
     let x: Vec<f64> = c.x[token * h..(token + 1) * h]
         .iter()
-        .map(|v| scale * v)
+        .map(|v| operand(scale * v))
         .collect();
     let w = |j: usize, which: usize, col: usize| c.gate_up[((ex * h + j) * 2 + which) * i + col];
     let bias = |which: usize, col: usize| {
@@ -336,7 +344,9 @@ fn expert(c: &Case, token: usize, ex: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let y = (0..h)
         .map(|j| {
             let product: f64 = (0..i)
-                .map(|r| activate(c.act_fn, gate[r]) * up[r] * c.down[(ex * i + r) * h + j])
+                .map(|r| {
+                    operand(activate(c.act_fn, gate[r]) * up[r]) * c.down[(ex * i + r) * h + j]
+                })
                 .sum();
             product + c.down_bias.as_ref().map_or(0.0, |b| b[ex * h + j])
         })
@@ -350,6 +360,7 @@ impl Case {
             act_fn: self.act_fn,
             scaling: self.scaling,
             clamp: self.clamp,
+            compute_dtype: if self.bf16 { DType::BF16 } else { DType::F32 },
             ..ExpertOptions::default()
         }
     }
@@ -515,12 +526,15 @@ fn check_forward(c: &Case) -> Result<(), TestCaseError> {
     let out = Tensors::new(c).forward(false).unwrap();
     prop_assert!(out.gate_up_activations_t.is_none() && out.down_activations.is_none());
     if c.bf16 {
-        // bf16 storage gives exactly the result of f32 storage holding the same values.
+        // bf16 storage gives exactly the result of f32 storage holding the same values,
+        // computed in bf16.
         let as_f32 = Case {
             bf16: false,
             ..c.clone()
         };
-        prop_assert_eq!(&out, &Tensors::new(&as_f32).forward(false).unwrap());
+        let mut stored_f32 = Tensors::new(&as_f32);
+        stored_f32.compute_dtype = Some(ComputeDType::BFLOAT16);
+        prop_assert_eq!(&out, &stored_f32.forward(false).unwrap());
     }
     assert_close(
         "output",
@@ -641,6 +655,11 @@ fn check_finite_differences(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     let BlockwiseDims { t, h, e, .. } = c.dims;
     let d_out = output_gradient(t, h, seed);
     let ops = operands(c);
+    // Rounded operands make the loss a step function: differences measure the f32 formulas.
+    let c = &Case {
+        bf16: false,
+        ..c.clone()
+    };
     let fwd = blockwise_forward(&ops, c.options()).unwrap();
     prop_assume!(relative_distance_to_nearest_kink(c) > 10.0 * FD_STEP);
     let grads = blockwise_backward(
@@ -884,13 +903,13 @@ fn check_kernel_backward(c: &Case, seed: u64) -> Result<(), TestCaseError> {
     prop_assert_eq!(g.gate_up_proj_weight_grad.shape(), &[e, h, 2, i]);
     prop_assert_eq!(g.down_proj_weight_grad.shape(), &[e, i, h]);
 
-    // Exact f64 gradients; the kernel's differ only by its f32 checkpoints and outputs.
+    // f64 gradients from the kernel's own f32 checkpoints: the kernel's differ only by its
+    // f32 outputs (and under bf16 compute the operands round from the same values).
     let ops = operands(c);
-    let exact_fwd = blockwise_forward(&ops, c.options()).unwrap();
     let exact = blockwise_backward(
         &ops,
-        &exact_fwd.gate_up_activations_t,
-        &exact_fwd.down_activations,
+        &f32s(fwd.gate_up_activations_t.as_ref().unwrap()),
+        &f32s(fwd.down_activations.as_ref().unwrap()),
         &d_out.to_f64_vec(),
         c.options(),
     )
@@ -1118,6 +1137,7 @@ fn valid() -> Tensors {
         scaling: ExpertAffinityScaleMode::PostScale,
         clamp: ClampLimits::default(),
         weight_layout: WeightLayout::Nki,
+        compute_dtype: None,
     }
 }
 
@@ -1328,11 +1348,20 @@ fn block_size_and_schedule_parameters_as_nki_library_passes_them() {
     // The plan's B, and parameters that only choose nki-library's on-chip schedule.
     let nki = [
         ("block_size", "2"),
-        ("compute_dtype", "bfloat16"),
         ("block_sharding_strategy", "PING_PONG"),
         ("skip_weight", "true"),
     ];
     assert_eq!(run(&nki).unwrap(), plain);
+    // `compute_dtype`: f32 tokens compute in f32 unless told otherwise; bf16 rounds the rows
+    // and activations.
+    assert_eq!(run(&[("compute_dtype", "float32")]).unwrap(), plain);
+    assert_ne!(run(&[("compute_dtype", "bfloat16")]).unwrap(), plain);
+    for bad in ["float16", "int8"] {
+        expect_err(
+            run(&[("compute_dtype", bad)]).map(|_| ()),
+            &["compute_dtype", "bfloat16 or float32"],
+        );
+    }
     // Token 0 has two slots: storing instead of adding would lose one.
     expect_err(
         run(&[("is_tensor_update_accumulating", "false")]).map(|_| ()),

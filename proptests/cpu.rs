@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use common::*;
 use moekit::contracts::tensors::blockwise_mm_bwd::CHECKPOINTS;
 use moekit::contracts::{ActFnType, ExpertAffinityScaleMode, RouterActFnType, WeightLayout};
+use moekit::cpu::CpuBackend;
 use moekit::cpu::blocking::{BLOCKING_VARIABLE, Blocking};
 use moekit::cpu::isa::{ISA_VARIABLE, Isa};
 use moekit::kernel::{Kernel, Params};
@@ -361,9 +362,25 @@ fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
         })
 }
 
+/// The absolute tolerance of `kernel`'s outputs on `layer`, relative to their scale: the cpu
+/// backend's f32 one, but for the blockwise kernels computing in bf16 (`compute_dtype`, bf16
+/// tokens' default), whose operands may round differently on the two backends
+/// ([`CpuBackend::BF16_TOLERANCE`]). `bf16_compute_is_exact_where_its_operands_are` checks
+/// those kernels to the f32 tolerance on values that round alike.
+fn atol(kernel: Kernel, layer: &Layer) -> f64 {
+    let bf16_tokens = layer.tensors["hidden_states"].dtype() == DType::BF16;
+    match kernel {
+        Kernel::BlockwiseMm | Kernel::BlockwiseMmBwd if bf16_tokens => {
+            CpuBackend::BF16_TOLERANCE.atol
+        }
+        _ => CpuBackend::TOLERANCE.atol,
+    }
+}
+
 fn compare(kernel: Kernel, layer: &Layer) -> Result<(), TestCaseError> {
     let cpu = run(kernel, BackendKind::Cpu, layer);
     let reference = run(kernel, BackendKind::Reference, layer);
+    let atol = atol(kernel, layer);
     prop_assert_eq!(cpu.len(), reference.len());
     for ((name, got), (ref_name, want)) in cpu.iter().zip(&reference) {
         prop_assert_eq!(name, ref_name);
@@ -374,7 +391,7 @@ fn compare(kernel: Kernel, layer: &Layer) -> Result<(), TestCaseError> {
         } else {
             let want = want.to_f64_vec();
             let what = format!("{}.{}", kernel.name(), name);
-            assert_close(&what, &got.to_f64_vec(), &want, 1e-4, 1e-4 * scale(&want))?;
+            assert_close(&what, &got.to_f64_vec(), &want, 1e-4, atol * scale(&want))?;
         }
     }
     Ok(())
@@ -735,6 +752,154 @@ fn crowded_experts_match_the_reference_and_ignore_thread_counts() {
             }
             if let Err(e) = bit_identical_across_thread_counts(&layer) {
                 panic!("{what}: {e}");
+            }
+        }
+    }
+}
+
+/// `layer` (ReLU, POST_SCALE, H ≤ 16, I ≤ 8, no biases or clamps) with integer tokens in
+/// [−20, 20], integer weights in [−2, 2], integer output gradients in [−300, 300] and
+/// affinities of 1/2 or 1, and its checkpoints recomputed. Every operand the blockwise kernels
+/// form is then exact in f32 before it is rounded to bf16 (the activations below 2¹⁹, d y a
+/// multiple of 1/2 below 300, the gate and up gradients multiples of 1/2 below 2²³), yet
+/// most need more than bf16's 8 bits, so both backends round the same values the same way.
+fn with_integer_values(mut layer: Layer, s: Shape, seed: u64) -> Layer {
+    let Shape { t, h, e, i, .. } = s;
+    assert!(h <= 16 && i <= 8, "the bounds above need H ≤ 16 and I ≤ 8");
+    let mut rng = SeededRng::new(seed);
+    let mut integers = |n: usize, bound: usize| -> Vec<f64> {
+        (0..n)
+            .map(|_| rng.below(2 * bound + 1) as f64 - bound as f64)
+            .collect()
+    };
+    let float = |shape: &[usize], v: &[f64]| {
+        let tensor = f32_tensor(shape, v);
+        if s.bf16 { tensor.to_bf16() } else { tensor }
+    };
+    let mut hidden = integers(t * h, 20);
+    hidden.extend(vec![0.0; h]);
+    let mut output_grad = integers(t * h, 300);
+    output_grad.extend(vec![0.0; h]);
+    let gate_up = integers(e * h * 2 * i, 2);
+    let down = integers(e * i * h, 2);
+    let masked: Vec<f64> = layer.tensors["expert_affinities_masked"]
+        .to_f64_vec()
+        .iter()
+        .enumerate()
+        .map(|(at, &a)| match a {
+            0.0 => 0.0,
+            _ if at % 2 == 0 => 0.5,
+            _ => 1.0,
+        })
+        .collect();
+    for (name, tensor) in [
+        ("hidden_states", float(&[t + 1, h], &hidden)),
+        (
+            "output_hidden_states_grad",
+            float(&[t + 1, h], &output_grad),
+        ),
+        ("gate_up_proj_weight", float(&[e, h, 2, i], &gate_up)),
+        ("down_proj_weight", float(&[e, i, h], &down)),
+        (
+            "expert_affinities_masked",
+            float(&[(t + 1) * e, 1], &masked),
+        ),
+    ] {
+        layer.tensors.insert(name.to_owned(), tensor);
+    }
+    // The checkpoints of these values, in nki-library's dtypes, as both backends read them.
+    let mut forward = Layer {
+        params: layer.params.clone(),
+        tensors: layer.tensors.clone(),
+    };
+    forward.params.set("output_dtype", "input").unwrap();
+    let reference = BackendKind::Reference.create();
+    let outputs = Kernel::BlockwiseMm
+        .run(reference.as_ref(), &forward.tensors, &forward.params)
+        .unwrap();
+    for (name, tensor) in outputs {
+        layer.tensors.insert(name.to_owned(), tensor);
+    }
+    for (forward, backward) in CHECKPOINTS {
+        let checkpoint = layer.tensors[forward.name].clone();
+        layer.tensors.insert(backward.name.to_owned(), checkpoint);
+    }
+    layer
+}
+
+#[test]
+fn bf16_compute_is_exact_where_its_operands_are() {
+    let base = Shape {
+        t: 40,
+        h: 16,
+        e: 4,
+        i: 8,
+        k: 2,
+        b: 8,
+        act_fn: RouterActFnType::Softmax,
+        router_pre_norm: true,
+        norm_topk_prob: true,
+        activation: ActFnType::Relu,
+        scaling: ExpertAffinityScaleMode::PostScale,
+        expert_extras: false,
+        biases: false,
+        bf16: false,
+    };
+    let reference = BackendKind::Reference.create();
+    for seed in 0..4 {
+        // bf16 tokens compute in bf16 by default; f32 tokens when told to.
+        for bf16 in [false, true] {
+            let s = Shape { bf16, ..base };
+            let layers = [
+                ("nki", with_integer_values(layer(s, seed), s, seed)),
+                (
+                    "linear",
+                    with_linear_weights(with_integer_values(layer(s, seed), s, seed), s),
+                ),
+                (
+                    "linear, up_proj_weight apart",
+                    with_split_weights(with_integer_values(layer(s, seed), s, seed), s),
+                ),
+            ];
+            for (layout, mut layer) in layers {
+                let what = format!("seed {seed}, bf16 storage: {bf16}, weights: {layout}");
+                layer.params.set("compute_dtype", "bfloat16").unwrap();
+                for kernel in [Kernel::BlockwiseMm, Kernel::BlockwiseMmBwd] {
+                    // The cpu's own tolerance: the rounding is the same on both sides.
+                    let cpu = run(kernel, BackendKind::Cpu, &layer);
+                    let want = run(kernel, BackendKind::Reference, &layer);
+                    for ((name, got), (_, want)) in cpu.iter().zip(&want) {
+                        let want = want.to_f64_vec();
+                        let close = assert_close(
+                            &format!("{}.{name}", kernel.name()),
+                            &got.to_f64_vec(),
+                            &want,
+                            1e-4,
+                            1e-4 * scale(&want),
+                        );
+                        if let Err(e) = close {
+                            panic!("{what}: {e}");
+                        }
+                    }
+                    // The values do need rounding: in f32 the results differ.
+                    let mut exact = Layer {
+                        params: layer.params.clone(),
+                        tensors: layer.tensors.clone(),
+                    };
+                    exact.params.set("compute_dtype", "float32").unwrap();
+                    let f32_results = kernel
+                        .run(reference.as_ref(), &exact.tensors, &exact.params)
+                        .unwrap();
+                    assert_ne!(
+                        f32_results.into_iter().map(|(_, t)| t).collect::<Vec<_>>(),
+                        want.into_iter().map(|(_, t)| t).collect::<Vec<_>>(),
+                        "{what}: {} does not depend on compute_dtype",
+                        kernel.name()
+                    );
+                }
+                if let Err(e) = bit_identical_across_thread_counts(&layer) {
+                    panic!("{what}: {e}");
+                }
             }
         }
     }

@@ -279,6 +279,7 @@ proptest! {
             skip_dma,
             is_tensor_update_accumulating: accumulating,
             weight_layout: WeightLayout::Nki,
+            compute_dtype: None,
         };
         let call = BlockwiseMm::new(inputs, params).unwrap();
         let n = call.dims().n;
@@ -392,6 +393,7 @@ proptest! {
                 skip_dma,
                 is_tensor_update_accumulating: accumulating,
                 weight_layout: WeightLayout::Nki,
+                compute_dtype: None,
             },
             ).unwrap();
             let got = backend.blockwise_mm_bwd(&bwd).unwrap();
@@ -857,7 +859,7 @@ fn backends_state_their_kernels_tolerance_device_shapes_and_repeat_timing() {
             kernel.name()
         );
     }
-    assert_eq!(neuron.tolerance(), NeuronBackend::TOLERANCE);
+    assert_eq!(neuron.tolerance(DType::F32), NeuronBackend::TOLERANCE);
     assert!(
         matches!(neuron.device(), Device::Accelerator(limits) if limits.name.contains("NeuronCore")),
         "{:?}",
@@ -903,9 +905,12 @@ fn backends_state_their_kernels_tolerance_device_shapes_and_repeat_timing() {
     assert!(err.to_string().contains("absent.toml"), "{err}");
 
     // The host backends: every kernel at any shape, timed by the caller's clock.
-    for (kind, tolerance) in [
-        (BackendKind::Reference, Tolerance::EXACT),
-        (BackendKind::Cpu, CpuBackend::TOLERANCE),
+    for (kind, tolerances) in [
+        (BackendKind::Reference, [Tolerance::EXACT; 2]),
+        (
+            BackendKind::Cpu,
+            [CpuBackend::TOLERANCE, CpuBackend::BF16_TOLERANCE],
+        ),
     ] {
         let backend = kind.create();
         for &kernel in Kernel::ALL {
@@ -915,7 +920,9 @@ fn backends_state_their_kernels_tolerance_device_shapes_and_repeat_timing() {
                 kernel.name()
             );
         }
-        assert_eq!(backend.tolerance(), tolerance, "{kind}");
+        for (dtype, tolerance) in [DType::F32, DType::BF16].into_iter().zip(tolerances) {
+            assert_eq!(backend.tolerance(dtype), tolerance, "{kind} {dtype}");
+        }
         assert_eq!(backend.device(), Device::Host, "{kind}");
         assert_eq!(backend.fixed_shapes().unwrap(), None, "{kind}");
         let timed = backend.time_repeated(KernelCall::RouterTopk(&call), 3);
@@ -942,7 +949,7 @@ fn a_fallback_backend_runs_each_kernel_on_the_primary_where_it_has_it_else_on_th
         assert!(backend.supports(kernel).unwrap(), "{}", kernel.name());
     }
     assert_eq!(backend.name(), NeuronBackend::NAME);
-    assert_eq!(backend.tolerance(), NeuronBackend::TOLERANCE);
+    assert_eq!(backend.tolerance(DType::BF16), NeuronBackend::TOLERANCE);
     assert!(matches!(backend.device(), Device::Accelerator(_)));
     assert!(backend.fixed_shapes().unwrap().is_some());
 

@@ -48,12 +48,13 @@
 //! 1e-6 relative.
 
 use std::fmt;
+use std::str::FromStr;
 
 use super::spec::{self, Named, TensorSpec};
 use super::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
-use super::{BlockPlan, OutputDType, SKIP, validate};
+use super::{BlockPlan, OutputDType, SKIP, operand_dtype, validate};
 use crate::error::{Error, Result, find_named};
-use crate::tensor::{Floats, Tensor};
+use crate::tensor::{DType, Floats, Tensor};
 
 /// The activation of the gate projection, which then multiplies the up projection:
 /// nki-library's `ActFnType`, spelled as its members.
@@ -321,6 +322,53 @@ impl fmt::Display for WeightLayout {
     }
 }
 
+/// `compute_dtype`: the dtype of the blockwise kernels' matmul operands, `bfloat16` or
+/// `float32`. Every operand a kernel forms itself is rounded to it where it is formed, and
+/// every later use reads the rounded value: the token rows the gate/up projection reads (after
+/// PRE_SCALE), SwiGLU's activations, and in the backward the down projection's output gradient
+/// (after POST_SCALE) and the gate and up gradients. Products of bf16 operands are exact in
+/// f32; sums are f32 on the cpu backend (f64 on the reference) whatever the dtype. With bf16
+/// this is what nki-library's kernels do (their SBUF tiles hold `compute_dtype`, bf16 by
+/// default) and what libtorch's bf16 autograd does; with f32 nothing is rounded but the
+/// outputs.
+///
+/// The default is moekit's own: the dtype of `hidden_states`, so bf16 tokens compute as
+/// nki-library's default does, and f32 tokens in f32 (nki-library's default would round them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputeDType(DType);
+
+impl ComputeDType {
+    /// The parameter's name.
+    pub const PARAM: &'static str = "compute_dtype";
+    pub const BFLOAT16: Self = Self(DType::BF16);
+    pub const FLOAT32: Self = Self(DType::F32);
+    /// What the default is, as `moekit list` prints it.
+    pub const DEFAULT: &'static str = "hidden_states' dtype";
+
+    pub fn dtype(self) -> DType {
+        self.0
+    }
+
+    /// The dtype a call computes in: `given`, or the dtype of its `hidden_states`.
+    fn resolve(given: Option<Self>, hidden_states: Floats<'_>) -> DType {
+        given.map_or(hidden_states.dtype(), Self::dtype)
+    }
+}
+
+impl FromStr for ComputeDType {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        operand_dtype::parse(Self::PARAM, s).map(Self)
+    }
+}
+
+impl fmt::Display for ComputeDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(operand_dtype::name(self.0))
+    }
+}
+
 /// Parameters of [`BlockwiseMm`], named as nki-library's `moe_cte` names them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockwiseMmParams {
@@ -340,6 +388,8 @@ pub struct BlockwiseMmParams {
     pub is_tensor_update_accumulating: bool,
     /// moekit's own: the weights' layout (default `nki`).
     pub weight_layout: WeightLayout,
+    /// The matmul operands' dtype; `None`, the default, is `hidden_states`' dtype.
+    pub compute_dtype: Option<ComputeDType>,
 }
 
 impl Default for BlockwiseMmParams {
@@ -352,13 +402,14 @@ impl Default for BlockwiseMmParams {
             skip_dma: SkipMode::default(),
             is_tensor_update_accumulating: true,
             weight_layout: WeightLayout::default(),
+            compute_dtype: None,
         }
     }
 }
 
 impl BlockwiseMmParams {
-    /// The parameters of this forward's backward: its activation, scaling, clamps and layout
-    /// carry over (`bias`: also return the biases' gradients).
+    /// The parameters of this forward's backward: its activation, scaling, clamps, layout and
+    /// compute dtype carry over (`bias`: also return the biases' gradients).
     pub fn backward(&self, bias: bool) -> BlockwiseMmBwdParams {
         BlockwiseMmBwdParams {
             activation_type: self.activation_function,
@@ -368,6 +419,7 @@ impl BlockwiseMmParams {
             skip_dma: self.skip_dma,
             is_tensor_update_accumulating: self.is_tensor_update_accumulating,
             weight_layout: self.weight_layout,
+            compute_dtype: self.compute_dtype,
         }
     }
 }
@@ -391,6 +443,8 @@ pub struct BlockwiseMmBwdParams {
     /// moekit's own: the forward's weight layout, which the weight gradients take too
     /// (default `nki`).
     pub weight_layout: WeightLayout,
+    /// The matmul operands' dtype; `None`, the default, is `hidden_states`' dtype.
+    pub compute_dtype: Option<ComputeDType>,
 }
 
 impl Default for BlockwiseMmBwdParams {
@@ -403,6 +457,7 @@ impl Default for BlockwiseMmBwdParams {
             skip_dma: SkipMode::default(),
             is_tensor_update_accumulating: true,
             weight_layout: WeightLayout::default(),
+            compute_dtype: None,
         }
     }
 }
@@ -640,6 +695,11 @@ impl<'a> BlockwiseMm<'a> {
 
     pub fn params(&self) -> BlockwiseMmParams {
         self.params
+    }
+
+    /// The dtype of the matmul operands ([`ComputeDType`]): bf16 or f32.
+    pub fn compute_dtype(&self) -> DType {
+        ComputeDType::resolve(self.params.compute_dtype, self.floats.hidden_states)
     }
 
     pub fn dims(&self) -> BlockwiseDims {
@@ -1204,6 +1264,11 @@ impl<'a> BlockwiseMmBwd<'a> {
 
     pub fn params(&self) -> BlockwiseMmBwdParams {
         self.params
+    }
+
+    /// The dtype of the matmul operands ([`ComputeDType`]): bf16 or f32.
+    pub fn compute_dtype(&self) -> DType {
+        ComputeDType::resolve(self.params.compute_dtype, self.floats.forward.hidden_states)
     }
 
     pub fn dims(&self) -> BlockwiseDims {

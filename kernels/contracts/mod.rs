@@ -47,6 +47,7 @@ pub mod indexed_flatten;
 pub mod load_balancing_loss;
 pub mod moe_block_tkg;
 pub mod moe_tkg;
+mod operand_dtype;
 pub mod output_dtype;
 pub mod permute;
 pub mod plan;

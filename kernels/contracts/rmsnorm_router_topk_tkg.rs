@@ -49,7 +49,9 @@ use std::str::FromStr;
 
 use super::spec::{self, Named, TensorSpec};
 use super::tensors::{rmsnorm_router_topk_tkg as fwd, rmsnorm_router_topk_tkg_bwd as bwd};
-use super::{OutputDType, RouterActFnType, RouterPipeline, XHbmLayout, check_top_k, validate};
+use super::{
+    OutputDType, RouterActFnType, RouterPipeline, XHbmLayout, check_top_k, operand_dtype, validate,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Floats, Tensor};
 
@@ -123,27 +125,13 @@ impl FromStr for RouterMmDType {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "bfloat16" => Ok(Self::BFLOAT16),
-            "float32" => Ok(Self::FLOAT32),
-            "float16" => Err(Error::param(
-                Self::PARAM,
-                "float16: moekit's tensors are f32 or bf16; use bfloat16 or float32",
-            )),
-            other => Err(Error::param(
-                Self::PARAM,
-                format!("expected bfloat16 or float32, got `{other}`"),
-            )),
-        }
+        operand_dtype::parse(Self::PARAM, s).map(Self)
     }
 }
 
 impl fmt::Display for RouterMmDType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self.0 {
-            DType::BF16 => "bfloat16",
-            DType::F32 | DType::I32 => "float32",
-        })
+        f.write_str(operand_dtype::name(self.0))
     }
 }
 

@@ -40,7 +40,10 @@ use super::expert_matrix::ExpertMatrix;
 use super::gated;
 use super::matmul::{MatRef, matmul, matmul_into};
 use super::permute::topk_gradient;
-use super::rows::{add_bias_rows, bias_row, clamp_rows, dot, gather_rows, resized, scale_rows};
+use super::rows::{
+    add_bias_rows, bf16_rows, bias_row, clamp_rows, dot, gather_rows, resized, round_to_bf16,
+    scale_rows,
+};
 use super::scratch::PerThread;
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
@@ -239,6 +242,9 @@ impl PaddingOutputs {
             clamp_rows(&mut gate_up, i, params.clamp);
             let (gate, up) = gate_up.split_at(i);
             gated::forward(params.activation_function, gate, up, &mut act);
+            if call.compute_dtype() == DType::BF16 {
+                round_to_bf16(&mut act, &mut []);
+            }
             ExpertMatrix::of(
                 inputs.down_proj_weight,
                 params.weight_layout,
@@ -344,6 +350,17 @@ struct ExpertGrads {
     d_y: Vec<f32>,
     act: Vec<f32>,
     d_gate_up: Vec<f32>,
+    /// Their bf16 copies, when the weight gradients run on pair dot products.
+    bf16: BF16Grads,
+}
+
+/// The bf16 copies of [`ExpertGrads`]' matrices.
+#[derive(Default)]
+struct BF16Grads {
+    x: Vec<bf16>,
+    d_y: Vec<bf16>,
+    act: Vec<bf16>,
+    d_gate_up: Vec<bf16>,
 }
 
 /// How the forward's f32 expert outputs `down` (which the combine reads) hold a run's rows.
@@ -378,9 +395,10 @@ struct RunOutputs<'a, G, D> {
 }
 
 /// `scratch.gate_up [m, 2I] = x · W` for the token rows `tokens`, read as stored in `layout`,
-/// each row multiplied first by its entry of `row_scales` when given (PRE_SCALE).
+/// each row multiplied first by its entry of `row_scales` when given (PRE_SCALE), then rounded
+/// to `compute` (bf16 or f32).
 fn gate_up_product(
-    (inputs, layout): (&BlockwiseFloats<'_>, WeightLayout),
+    (inputs, layout, compute): (&BlockwiseFloats<'_>, WeightLayout, DType),
     dims: BlockwiseDims,
     (expert, tokens): (usize, &[usize]),
     row_scales: Option<&[f32]>,
@@ -397,20 +415,33 @@ fn gate_up_product(
         ..
     } = scratch;
     let gate_up = resized(gate_up, m * 2 * i);
-    match (inputs.hidden_states, inputs.gate_up_proj_weight) {
-        // Both operands stored in bf16 and the weights `[H, 2I]`: their products are exact in
-        // f32, so the pairwise bf16 dot product gives the f32 sums at twice the f32 rate,
-        // without widening the weights.
-        (Floats::BF16(x), Floats::BF16(w))
-            if layout == WeightLayout::Nki && bf16_matmul::available() && row_scales.is_none() =>
-        {
-            let lda = h.next_multiple_of(2);
+    let lda = h.next_multiple_of(2);
+    // Both operands in bf16 and the weights `[H, 2I]`: their products are exact in f32, so
+    // the pairwise bf16 dot product gives the f32 sums at twice the f32 rate, without widening
+    // the weights.
+    let pair_dot_weights = match inputs.gate_up_proj_weight {
+        Floats::BF16(w) if layout == WeightLayout::Nki && bf16_matmul::available() => {
+            Some(&w[expert * h * 2 * i..(expert + 1) * h * 2 * i])
+        }
+        _ => None,
+    };
+    match (inputs.hidden_states, pair_dot_weights) {
+        // Token rows stored in bf16 and not scaled: copied as they are.
+        (Floats::BF16(x), Some(w)) if row_scales.is_none() => {
             rows.clear();
             for &token in tokens {
                 rows.extend_from_slice(&x[token * h..(token + 1) * h]);
                 rows.resize(rows.len().next_multiple_of(2), bf16::ZERO);
             }
-            let w = &w[expert * h * 2 * i..(expert + 1) * h * 2 * i];
+            matmul_bf16(gate_up, rows, lda, w, (m, 2 * i, h));
+        }
+        (_, Some(w)) if compute == DType::BF16 => {
+            let x = resized(x, m * h);
+            gather_rows(inputs.hidden_states, tokens, h, x);
+            if let Some(scales) = row_scales {
+                scale_rows(x, h, scales);
+            }
+            bf16_rows(rows, x, h);
             matmul_bf16(gate_up, rows, lda, w, (m, 2 * i, h));
         }
         _ => {
@@ -419,11 +450,90 @@ fn gate_up_product(
             if let Some(scales) = row_scales {
                 scale_rows(x, h, scales);
             }
+            if compute == DType::BF16 {
+                round_to_bf16(x, &mut []);
+            }
             ExpertMatrix::gate_up(inputs, layout, expert, (h, i)).product(
                 gate_up,
                 x,
                 (panel, tile),
             );
+        }
+    }
+}
+
+/// The forward's down projection `[m, I] · [I, H]` of one expert's activations
+/// (`scratch.act`), which [`DownProduct::new`] rounds to the compute dtype: on bf16 pair dot
+/// products where the activations are bf16 and the weights bf16 `[I, H]`.
+enum DownProduct<'a> {
+    /// The expert's weights `[I, H]`; the activations rounded into `scratch.x_bf16` (row
+    /// stride I rounded up to even).
+    PairDots {
+        weights: &'a [bf16],
+        i: usize,
+    },
+    Widened(ExpertMatrix<'a>),
+}
+
+impl<'a> DownProduct<'a> {
+    fn new(call: &BlockwiseMm<'a>, expert: usize, scratch: &mut Scratch) -> Self {
+        let BlockwiseDims { h, i, .. } = call.dims();
+        let layout = call.params().weight_layout;
+        let weights = call.floats().down_proj_weight;
+        let compute = call.compute_dtype();
+        match weights {
+            Floats::BF16(w)
+                if compute == DType::BF16
+                    && layout == WeightLayout::Nki
+                    && bf16_matmul::available() =>
+            {
+                bf16_rows(&mut scratch.x_bf16, &scratch.act, i);
+                Self::PairDots {
+                    weights: &w[expert * i * h..(expert + 1) * i * h],
+                    i,
+                }
+            }
+            _ => {
+                if compute == DType::BF16 {
+                    round_to_bf16(&mut scratch.act, &mut []);
+                }
+                Self::Widened(ExpertMatrix::of(weights, layout, expert, (i, h)))
+            }
+        }
+    }
+
+    /// `dst [m, H]` = the activations times the weights.
+    fn product(&self, dst: &mut [f32], scratch: &mut Scratch) {
+        match *self {
+            Self::PairDots { weights, i } => {
+                let h = weights.len() / i.max(1);
+                let m = dst.len() / h.max(1);
+                let lda = i.next_multiple_of(2);
+                matmul_bf16(dst, &scratch.x_bf16, lda, weights, (m, h, i));
+            }
+            Self::Widened(matrix) => {
+                matrix.product(dst, &scratch.act, (&mut scratch.panel, &mut scratch.tile))
+            }
+        }
+    }
+
+    /// [`Self::product`] into memory not yet written; returns `dst` as the values it now
+    /// holds.
+    fn product_into<'d>(
+        &self,
+        dst: &'d mut [MaybeUninit<f32>],
+        scratch: &mut Scratch,
+    ) -> &'d mut [f32] {
+        match *self {
+            Self::PairDots { .. } => {
+                let dst = zero(dst);
+                self.product(dst, scratch);
+                dst
+            }
+            Self::Widened(matrix) => {
+                let panels = (&mut scratch.panel, &mut scratch.tile);
+                matrix.product_into(dst, &scratch.act, panels)
+            }
         }
     }
 }
@@ -504,8 +614,9 @@ fn run_products<G: Element, D: Element>(
             .collect()
     });
     let weight_layout = call.params().weight_layout;
+    let compute = call.compute_dtype();
     gate_up_product(
-        (inputs, weight_layout),
+        (inputs, weight_layout, compute),
         dims,
         (expert, &run.tokens),
         row_scales.as_deref(),
@@ -521,7 +632,7 @@ fn run_products<G: Element, D: Element>(
         let (gate, up) = gu.split_at(i);
         gated::forward(act_fn, gate, up, act);
     }
-    let down_proj = ExpertMatrix::of(inputs.down_proj_weight, weight_layout, expert, (i, h));
+    let down_proj = DownProduct::new(call, expert, scratch);
 
     // The run's slots relative to its first block's first slot.
     let first = run.blocks.start * b;
@@ -539,15 +650,16 @@ fn run_products<G: Element, D: Element>(
         for row in before.chunks_exact_mut(h).chain(after.chunks_exact_mut(h)) {
             fill(row, padding_down);
         }
-        let panels = (&mut scratch.panel, &mut scratch.tile);
-        let rows = down_proj.product_into(rows, &scratch.act, panels);
+        let rows = down_proj.product_into(rows, scratch);
         if let Some(bias) = inputs.down_proj_bias {
             add_bias_rows(rows, &bias_row(bias, expert, h));
         }
         finite &= all_fit::<D>(rows);
     } else {
-        let y = resized(&mut scratch.y, m * h);
-        down_proj.product(y, &scratch.act, (&mut scratch.panel, &mut scratch.tile));
+        let mut y = std::mem::take(&mut scratch.y);
+        down_proj.product(resized(&mut y, m * h), scratch);
+        scratch.y = y;
+        let y = &mut scratch.y[..m * h];
         if let Some(bias) = inputs.down_proj_bias {
             add_bias_rows(y, &bias_row(bias, expert, h));
         }
@@ -821,6 +933,9 @@ struct RowPiece<'a> {
     act: &'a mut [f32],
     /// `[m, 2I]`.
     d_gate_up: &'a mut [f32],
+    /// The bf16 copies of `x`, `d_y`, `act` and `d_gate_up`, when the weight gradients run on
+    /// pair dot products; empty otherwise.
+    bf16: [&'a mut [bf16]; 4],
     /// `[m, H]`, written whole.
     d_x: &'a mut [MaybeUninit<f32>],
     /// `[m]`.
@@ -864,6 +979,11 @@ fn rows_backward(
     } else {
         piece.d_affinity.fill(0.0);
     }
+    let bf16_operands = call.compute_dtype() == DType::BF16;
+    let [x16, d_y16, act16, d_gate_up16] = piece.bf16;
+    if bf16_operands {
+        round_to_bf16(piece.d_y, d_y16);
+    }
     // gate/up rows [m, 2I] from the transposed checkpoint [N, 2, I, B].
     let gate_up = resized(&mut s.gate_up, m * 2 * i);
     match checkpoint {
@@ -906,6 +1026,10 @@ fn rows_backward(
             }
         }
     }
+    if bf16_operands {
+        round_to_bf16(piece.act, act16);
+        round_to_bf16(piece.d_gate_up, d_gate_up16);
+    }
     // d x [m, H] = d gate_up · Wᵀ.
     let gate_up_proj = ExpertMatrix::gate_up(&forward, layout, expert, (h, i));
     let d_x = gate_up_proj.transposed_product_into(
@@ -926,6 +1050,9 @@ fn rows_backward(
                 *v *= a;
             }
         }
+    }
+    if bf16_operands {
+        round_to_bf16(piece.x, x16);
     }
 }
 
@@ -999,18 +1126,76 @@ fn transposed_product<E: Element>(
 }
 
 /// The gradient of one expert's `W [k, n]` from the rows it multiplied, `inputs [m, k]`, and
-/// their products' gradients, `grads [m, n]`: `dW = inputsᵀ · grads`, written in `layout`
-/// (`[k, n]`, or `[n, k]` as `gradsᵀ · inputs`) by [`transposed_product`].
+/// their products' gradients, `grads [m, n]` (each given with its row length): `dW = inputsᵀ ·
+/// grads`, written in `layout` (`[k, n]`, or `[n, k]` as `gradsᵀ · inputs`) by
+/// [`transposed_product`], or, given both in bf16, by [`transposed_product_bf16`].
 fn weight_gradient<E: Element>(
     dst: &mut [MaybeUninit<E>],
     layout: WeightLayout,
-    inputs: MatRef<'_>,
-    grads: MatRef<'_>,
+    inputs: (Floats<'_>, usize),
+    grads: (Floats<'_>, usize),
 ) -> bool {
-    match layout {
-        WeightLayout::Nki => transposed_product(dst, inputs, grads),
-        WeightLayout::Linear => transposed_product(dst, grads, inputs),
+    let (a, b) = match layout {
+        WeightLayout::Nki => (inputs, grads),
+        WeightLayout::Linear => (grads, inputs),
+    };
+    match (a, b) {
+        ((Floats::BF16(a), r), (Floats::BF16(b), n)) => {
+            transposed_product_bf16(dst, (a, r), (b, n))
+        }
+        ((a, r), (b, n)) => {
+            let (a, b) = (a.to_f32(), b.to_f32());
+            transposed_product(dst, row_major(&a, r), row_major(&b, n))
+        }
     }
+}
+
+/// The row-major matrix of `values` in rows of `cols`.
+fn row_major(values: &[f32], cols: usize) -> MatRef<'_> {
+    MatRef::row_major(values, values.len() / cols.max(1), cols)
+}
+
+/// [`transposed_product`] for bf16 `a [m, r]` and `b [m, n]` (row-major, each given with its
+/// row length) on bf16 pair dot products ([`matmul_bf16`]: exact products, f32 sums, the inner
+/// dimension m in pairs), each piece of `dst`'s rows from its columns of `a` transposed into
+/// rows of m (padded to even). The same bands and pieces as [`transposed_product`], so the sums
+/// never depend on the thread count.
+fn transposed_product_bf16<E: Element>(
+    dst: &mut [MaybeUninit<E>],
+    (a, r): (&[bf16], usize),
+    (b, n): (&[bf16], usize),
+) -> bool {
+    let m = a.len() / r.max(1);
+    let lda = m.next_multiple_of(2);
+    let band = r
+        .div_ceil(m.div_ceil(TASK_ROWS))
+        .max(MIN_BAND_ROWS.min(r))
+        .max(1);
+    let piece = (ROUNDED_PIECE_BYTES / (size_of::<f32>() * n.max(1))).clamp(1, band);
+    dst.par_chunks_mut(band * n)
+        .enumerate()
+        .map_init(
+            || (Vec::new(), Vec::new()),
+            |(results, a_t), (index, dst)| {
+                let mut fits = true;
+                for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
+                    let (start, rows) = (index * band + k * piece, dst.len() / n);
+                    // The piece's columns of `a` as rows of m.
+                    a_t.clear();
+                    a_t.resize(rows * lda, bf16::ZERO);
+                    for (j, a_row) in a.chunks_exact(r).enumerate() {
+                        for (c, &v) in a_row[start..start + rows].iter().enumerate() {
+                            a_t[c * lda + j] = v;
+                        }
+                    }
+                    let results = resized(results, dst.len());
+                    matmul_bf16(results, a_t, lda, b, (rows, n, m));
+                    fits &= write_rounded(dst, results);
+                }
+                fits
+            },
+        )
+        .reduce(|| true, |a, b| a && b)
 }
 
 /// One expert's backward. Writes `d_gate_up_weight` (`[H, 2I]`, or `[2I, H]` in the linear
@@ -1028,26 +1213,54 @@ fn expert_backward<G: Element, D: Element>(
     let m = group.tokens.len();
     let mut d_x = uninit::<f32>(m * h);
     let mut d_affinity = vec![0.0f32; m];
+    // With bf16 operands and pair dot products, the row-wise stage also writes the weight
+    // gradients' operands in bf16.
+    let pair_dots = call.compute_dtype() == DType::BF16 && bf16_matmul::available();
+    let ExpertGrads {
+        x,
+        d_y,
+        act,
+        d_gate_up,
+        bf16: copies,
+    } = grads;
+    let copy_rows = if pair_dots { m } else { 0 };
+    for (copy, width) in [
+        (&mut copies.x, h),
+        (&mut copies.d_y, h),
+        (&mut copies.act, i),
+        (&mut copies.d_gate_up, 2 * i),
+    ] {
+        copy.resize(copy_rows * width, bf16::ZERO);
+    }
+    let copies = row_pieces(&mut copies.x, h, m)
+        .zip(row_pieces(&mut copies.d_y, h, m))
+        .zip(row_pieces(&mut copies.act, i, m))
+        .zip(row_pieces(&mut copies.d_gate_up, 2 * i, m))
+        .map(|(((x, d_y), act), d_gate_up)| [x, d_y, act, d_gate_up]);
     let pieces: Vec<RowPiece<'_>> = group
         .slots
         .chunks(TASK_ROWS)
         .zip(group.tokens.chunks(TASK_ROWS))
-        .zip(resized(&mut grads.x, m * h).chunks_mut(TASK_ROWS * h))
-        .zip(resized(&mut grads.d_y, m * h).chunks_mut(TASK_ROWS * h))
-        .zip(resized(&mut grads.act, m * i).chunks_mut(TASK_ROWS * i))
-        .zip(resized(&mut grads.d_gate_up, m * 2 * i).chunks_mut(TASK_ROWS * 2 * i))
-        .zip(d_x.chunks_mut(TASK_ROWS * h))
-        .zip(d_affinity.chunks_mut(TASK_ROWS))
+        .zip(row_pieces(resized(x, m * h), h, m))
+        .zip(row_pieces(resized(d_y, m * h), h, m))
+        .zip(row_pieces(resized(act, m * i), i, m))
+        .zip(row_pieces(resized(d_gate_up, m * 2 * i), 2 * i, m))
+        .zip(copies)
+        .zip(row_pieces(&mut d_x, h, m))
+        .zip(row_pieces(&mut d_affinity, 1, m))
         .map(
-            |(((((((slots, tokens), x), d_y), act), d_gate_up), d_x), d_affinity)| RowPiece {
-                slots,
-                tokens,
-                x,
-                d_y,
-                act,
-                d_gate_up,
-                d_x,
-                d_affinity,
+            |((((((((slots, tokens), x), d_y), act), d_gate_up), bf16), d_x), d_affinity)| {
+                RowPiece {
+                    slots,
+                    tokens,
+                    x,
+                    d_y,
+                    act,
+                    d_gate_up,
+                    bf16,
+                    d_x,
+                    d_affinity,
+                }
             },
         )
         .collect();
@@ -1059,18 +1272,23 @@ fn expert_backward<G: Element, D: Element>(
     } else {
         pieces.into_par_iter().for_each(run_piece);
     }
-    // d D = actᵀ · d y;  d W = xᵀ · d gate_up.
+    // d D = actᵀ · d y;  d W = xᵀ · d gate_up: on the bf16 copies, or the f32 rows.
+    let (grads, copies) = (&*grads, &grads.bf16);
+    let operand = |values, copy, width| match pair_dots {
+        true => (Floats::BF16(copy), width),
+        false => (Floats::F32(values), width),
+    };
     let layout = call.params().weight_layout;
     let weights_fit = weight_gradient(
         d_down_weight,
         layout,
-        MatRef::row_major(&grads.act, m, i),
-        MatRef::row_major(&grads.d_y, m, h),
+        operand(&grads.act[..m * i], &copies.act, i),
+        operand(&grads.d_y[..m * h], &copies.d_y, h),
     ) & weight_gradient(
         d_gate_up_weight,
         layout,
-        MatRef::row_major(&grads.x, m, h),
-        MatRef::row_major(&grads.d_gate_up, m, 2 * i),
+        operand(&grads.x[..m * h], &copies.x, h),
+        operand(&grads.d_gate_up[..m * 2 * i], &copies.d_gate_up, 2 * i),
     );
     let d_biases = call.params().bias.then(|| {
         (
@@ -1085,6 +1303,15 @@ fn expert_backward<G: Element, D: Element>(
         d_biases,
         weights_fit,
     }
+}
+
+/// `buffer [m, width]` in the pieces of [`TASK_ROWS`] rows the row-wise stage splits an
+/// expert's m rows into; an empty `buffer` gives an empty slice for each piece.
+fn row_pieces<T>(buffer: &mut [T], width: usize, m: usize) -> impl Iterator<Item = &mut [T]> {
+    buffer
+        .chunks_mut((TASK_ROWS * width).max(1))
+        .chain(std::iter::repeat_with(<&mut [T]>::default))
+        .take(m.div_ceil(TASK_ROWS))
 }
 
 /// The sums of the `width`-long rows of `rows`, element by element, in row order.

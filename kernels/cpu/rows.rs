@@ -2,6 +2,9 @@
 //! gate/up rows, scaling rows, dot products of rows; each a plain loop over f32 rows whose
 //! result depends only on the values.
 
+use half::bf16;
+
+use super::element::Element;
 use crate::contracts::{Clamp, ClampLimits};
 use crate::tensor::Floats;
 
@@ -58,6 +61,31 @@ pub(super) fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst:
 pub(super) fn resized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
     buffer
+}
+
+/// Rounds every value to the nearest bf16 (ties to even), kept in f32 (a matmul operand under
+/// `compute_dtype` bf16), and, when `copy` is not empty (it is then as long), into `copy`.
+pub(super) fn round_to_bf16(values: &mut [f32], copy: &mut [bf16]) {
+    if copy.is_empty() {
+        for v in values {
+            *v = bf16::round(*v).to_f32();
+        }
+    } else {
+        for (v, c) in values.iter_mut().zip(copy) {
+            *c = bf16::round(*v);
+            *v = c.to_f32();
+        }
+    }
+}
+
+/// `rows [·, width]` rounded to bf16 into `dst`, each row padded with a zero to an even
+/// length (the row stride [`matmul_bf16`](super::bf16_matmul::matmul_bf16) takes).
+pub(super) fn bf16_rows(dst: &mut Vec<bf16>, rows: &[f32], width: usize) {
+    dst.clear();
+    for row in rows.chunks_exact(width.max(1)) {
+        dst.extend(row.iter().map(|&v| bf16::round(v)));
+        dst.resize(dst.len().next_multiple_of(2), bf16::ZERO);
+    }
 }
 
 /// Accumulators of a row sum: enough independent chains to keep the adders busy.

@@ -1139,7 +1139,7 @@ impl Backend for NeuronBackend {
         Ok(manifest.entries.iter().any(|entry| entry.kernel == kernel))
     }
 
-    fn tolerance(&self) -> Tolerance {
+    fn tolerance(&self, _dtype: DType) -> Tolerance {
         Self::TOLERANCE
     }
 

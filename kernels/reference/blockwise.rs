@@ -7,7 +7,8 @@ use crate::contracts::{
     ActFnType, BlockwiseDims, ClampLimits, ExpertAffinityScaleMode, WeightLayout,
 };
 use crate::error::Result;
-use crate::tensor::try_filled;
+use crate::tensor::{DType, try_filled};
+use half::bf16;
 
 /// Zeros for output `name` of `shape`, or the error naming it when they cannot be allocated.
 fn zeros(name: &str, shape: &[usize]) -> Result<Vec<f64>> {
@@ -145,8 +146,9 @@ pub fn gate_activation(act_fn: ActFnType, g: f64) -> (f64, f64) {
     }
 }
 
-/// The experts' options: the gate activation, where the affinity multiplies, the clamps, and
-/// whether each slot adds its row into `output` or stores it (`is_tensor_update_accumulating`).
+/// The experts' options: the gate activation, where the affinity multiplies, the clamps,
+/// whether each slot adds its row into `output` or stores it (`is_tensor_update_accumulating`),
+/// and the dtype of the matmul operands (`compute_dtype`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ExpertOptions {
     pub act_fn: ActFnType,
@@ -155,6 +157,10 @@ pub struct ExpertOptions {
     /// The forward's only: the backward's gradient rows come from real slots, one per token
     /// where the forward stores.
     pub accumulating: bool,
+    /// bf16: every operand the kernel forms (the scaled token rows, the activations, the
+    /// output and gate/up gradients) is rounded to bf16 where it is formed
+    /// ([`ComputeDType`](crate::contracts::ComputeDType)); f32: nothing is.
+    pub compute_dtype: DType,
 }
 
 impl Default for ExpertOptions {
@@ -164,6 +170,17 @@ impl Default for ExpertOptions {
             scaling: ExpertAffinityScaleMode::default(),
             clamp: ClampLimits::default(),
             accumulating: true,
+            compute_dtype: DType::F32,
+        }
+    }
+}
+
+impl ExpertOptions {
+    /// `x` as a matmul operand: rounded to nearest even bf16 when computing in bf16.
+    fn operand(&self, x: f64) -> f64 {
+        match self.compute_dtype {
+            DType::BF16 => bf16::from_f64(x).to_f64(),
+            DType::F32 | DType::I32 => x,
         }
     }
 }
@@ -202,7 +219,7 @@ pub fn blockwise_forward(
         let (row_scale, output_scale) = scales(options.scaling, affinity);
         let x: Vec<f64> = ops.hidden_states[token * h..(token + 1) * h]
             .iter()
-            .map(|&v| row_scale * v)
+            .map(|&v| options.operand(row_scale * v))
             .collect();
         let mut act = vec![0.0; i];
         for (col, a) in act.iter_mut().enumerate() {
@@ -218,7 +235,7 @@ pub fn blockwise_forward(
             let (gate, up) = (options.clamp.gate.apply(gate), options.clamp.up.apply(up));
             out.gate_up_activations_t[((block * 2) * i + col) * b + slot] = gate;
             out.gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot] = up;
-            *a = gate_activation(options.act_fn, gate).0 * up;
+            *a = options.operand(gate_activation(options.act_fn, gate).0 * up);
         }
         for j in 0..h {
             let y: f64 = (0..i)
@@ -287,23 +304,30 @@ pub fn blockwise_backward(
         let affinity = ops.expert_affinities_masked[token * e + expert];
         let (row_scale, output_scale) = scales(options.scaling, affinity);
         // The row the gate/up projection saw.
-        let x: Vec<f64> = raw.iter().map(|&v| row_scale * v).collect();
+        let x: Vec<f64> = raw
+            .iter()
+            .map(|&v| options.operand(row_scale * v))
+            .collect();
+        // d y = output_scale · d out, the down projection's output gradient.
+        let d_y: Vec<f64> = d_out
+            .iter()
+            .map(|&d| options.operand(output_scale * d))
+            .collect();
         let d_affinity = &mut grads.expert_affinities_masked_grad[token * e + expert];
         if options.scaling.scales_outputs() {
             *d_affinity = d_out.iter().zip(y).map(|(d, y)| d * y).sum();
         }
-        for (j, d) in d_out.iter().enumerate() {
-            grads.down_proj_bias_grad[expert * h + j] += output_scale * d;
+        for (j, d) in d_y.iter().enumerate() {
+            grads.down_proj_bias_grad[expert * h + j] += d;
         }
         let gate = |col: usize| gate_up_activations_t[((block * 2) * i + col) * b + slot];
         let up = |col: usize| gate_up_activations_t[((block * 2 + 1) * i + col) * b + slot];
         for row in 0..i {
             let (f, f_grad) = gate_activation(options.act_fn, gate(row));
-            let act = f * up(row);
-            // d act[row] = Σ_j D[e, row, j] · d y[j], d y = output_scale · d_out
+            let act = options.operand(f * up(row));
+            // d act[row] = Σ_j D[e, row, j] · d y[j]
             let mut d_act = 0.0;
-            for j in 0..h {
-                let d_y = output_scale * d_out[j];
+            for (j, &d_y) in d_y.iter().enumerate() {
                 grads.down_proj_weight_grad[ops.down_at(expert, row, j)] += act * d_y;
                 d_act += ops.down(expert, row, j) * d_y;
             }
@@ -319,8 +343,8 @@ pub fn blockwise_backward(
             } else {
                 0.0
             };
-            let d_gate = d_act * up(row) * f_grad * gate_pass;
-            let d_up = d_act * f * up_pass;
+            let d_gate = options.operand(d_act * up(row) * f_grad * gate_pass);
+            let d_up = options.operand(d_act * f * up_pass);
             grads.gate_and_up_proj_bias_grad[(expert * 2) * i + row] += d_gate;
             grads.gate_and_up_proj_bias_grad[(expert * 2 + 1) * i + row] += d_up;
             for j in 0..h {

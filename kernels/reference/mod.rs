@@ -40,7 +40,7 @@ use crate::contracts::{
     TopkReduceDims, TopkReduceOutputs, WeightLayout,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{Floats, Storage, Tensor, try_filled};
+use crate::tensor::{DType, Floats, Storage, Tensor, try_filled};
 use blockwise::BlockwiseOperands;
 use moe_tkg::TkgOperands;
 
@@ -173,7 +173,7 @@ impl Backend for ReferenceBackend {
     }
 
     /// The oracle agrees with itself exactly.
-    fn tolerance(&self) -> Tolerance {
+    fn tolerance(&self, _dtype: DType) -> Tolerance {
         Tolerance::EXACT
     }
 
@@ -309,6 +309,7 @@ impl Backend for ReferenceBackend {
                 scaling: params.expert_affinities_scaling_mode,
                 clamp: params.clamp,
                 accumulating: params.is_tensor_update_accumulating,
+                compute_dtype: call.compute_dtype(),
             },
         )?;
         let checkpoint = call.params().checkpoint_activation;
@@ -374,6 +375,7 @@ impl Backend for ReferenceBackend {
                 act_fn: call.params().activation_type,
                 scaling: call.params().expert_affinities_scaling_mode,
                 clamp: call.params().clamp,
+                compute_dtype: call.compute_dtype(),
                 ..blockwise::ExpertOptions::default()
             },
         )?;

@@ -264,6 +264,11 @@ fn same_dtype(like: &Tensor, shape: &[usize], values: &[f64]) -> Tensor {
     }
 }
 
+/// `v` rounded to the nearest bf16 (ties to even): an operand under `compute_dtype` bf16.
+pub fn round_bf16(v: f64) -> f64 {
+    half::bf16::from_f64(v).to_f64()
+}
+
 /// The gate activations by their definitions (erf for GELU through libm's f64).
 pub fn activate(act_fn: ActFnType, g: f64) -> f64 {
     let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());

@@ -434,7 +434,7 @@ fn check(kind: BackendKind, options: BackendOptions, args: &CheckArgs) -> Result
         ));
     }
     let backend = kind.create_with(options);
-    let defaults = backend.tolerance();
+    let defaults = backend.tolerance(args.dtype);
     let tolerance = Tolerance {
         rtol: args.rtol.unwrap_or(defaults.rtol),
         atol: args.atol.unwrap_or(defaults.atol),
