@@ -12,6 +12,11 @@
 //! broadcast. `b` is read as stored (row-major `[k, n]`, the weights' layout): each step loads
 //! 32 columns of rows 2p and 2p+1 and interleaves them into pairs with one permute per 16
 //! columns, reused by every row of the register tile; no packed copy of the weights is made.
+//!
+//! [`matmul_bf16_nt`] is the dot-product form `a · bᵀ` for `b [n, k]` as stored (the
+//! backward's `d y · Dᵀ` against weights in nki's layout): both operands stream along k, so
+//! their pairs line up at any k and row length, and each output sums its 16 lanes' pair sums
+//! as [`matmul_nt`](super::dot::matmul_nt) sums its f32 lanes.
 
 use half::bf16;
 
@@ -53,6 +58,26 @@ pub fn matmul_bf16(
     }
 }
 
+/// `dst [m, n] = a [m, k] · b [n, k]ᵀ` with both operands stored in bf16, row-major with rows
+/// of k: exact products, f32 sums, along k in pairs.
+///
+/// # Panics
+/// If the CPU lacks the instructions ([`available`]) or a buffer is shorter than its shape.
+pub fn matmul_bf16_nt(dst: &mut [f32], a: &[bf16], b: &[bf16], (m, n, k): (usize, usize, usize)) {
+    assert!(available(), "matmul_bf16_nt needs AVX-512 BF16");
+    let fits =
+        |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
+    assert!(
+        fits(dst.len(), m, n) && fits(a.len(), m, k) && fits(b.len(), n, k),
+        "operand too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the instructions were checked above; the buffers hold their shapes.
+    unsafe {
+        x86::matmul_nt(dst, a, b, (m, n, k));
+    }
+}
+
 // Register tiles are indexed by (row, register), as in the formulas.
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
@@ -61,7 +86,77 @@ mod x86 {
 
     use half::bf16;
 
+    use crate::cpu::dot::x86::{MR as NT_MR, NR as NT_NR, lane_sums};
     use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · k` and `b`
+    /// `n · k` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn matmul_nt(
+        dst: &mut [f32],
+        a: &[bf16],
+        b: &[bf16],
+        (m, n, k): (usize, usize, usize),
+    ) {
+        let (a, b) = (a.as_ptr().cast::<u16>(), b.as_ptr().cast::<u16>());
+        let (full_m, full_n) = (m / NT_MR * NT_MR, n / NT_NR * NT_NR);
+        // Columns outer: a tile of `b` rows stays in cache while every row of `a` passes it.
+        for c0 in (0..full_n).step_by(NT_NR) {
+            for r0 in (0..full_m).step_by(NT_MR) {
+                // SAFETY: rows r0..r0+NT_MR of `a` and c0..c0+NT_NR of `b` exist.
+                let sums = lane_sums(unsafe { nt_tile(a.add(r0 * k), b.add(c0 * k), k) });
+                for (i, row) in sums.chunks_exact(NT_NR).enumerate() {
+                    dst[(r0 + i) * n + c0..][..NT_NR].copy_from_slice(row);
+                }
+            }
+        }
+        // The ragged right and bottom edges, one output at a time.
+        for r in 0..m {
+            let columns = if r < full_m { full_n..n } else { 0..n };
+            for c in columns {
+                // SAFETY: row r of `a` and row c of `b` exist.
+                let [[acc]] = unsafe { nt_tile::<1, 1>(a.add(r * k), b.add(c * k), k) };
+                dst[r * n + c] = _mm512_reduce_add_ps(acc);
+            }
+        }
+    }
+
+    /// The `MR × NR` accumulators of rows `a` (stride k) by rows `b` (stride k): 16 lanes each,
+    /// every lane the sum of its pairs along k, in order; the last step loads the tail masked,
+    /// with zeros past k.
+    ///
+    /// # Safety
+    /// As [`matmul_nt`], for these rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn nt_tile<const MR: usize, const NR: usize>(
+        a: *const u16,
+        b: *const u16,
+        k: usize,
+    ) -> [[__m512; NR]; MR] {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        for kk in (0..k).step_by(32) {
+            let left = k - kk;
+            let mask: __mmask32 = if left >= 32 { !0 } else { (1u32 << left) - 1 };
+            // SAFETY: the masked loads read only the `left` elements of each row still in k.
+            unsafe {
+                let av: [__m512bh; MR] = std::array::from_fn(|i| {
+                    std::mem::transmute(_mm512_maskz_loadu_epi16(mask, a.add(i * k + kk).cast()))
+                });
+                for j in 0..NR {
+                    let bv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(
+                        mask,
+                        b.add(j * k + kk).cast(),
+                    ));
+                    for i in 0..MR {
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av[i], bv);
+                    }
+                }
+            }
+        }
+        acc
+    }
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · lda` and
@@ -254,6 +349,30 @@ mod tests {
             matmul_bf16(&mut dst, &a, lda, &b, (m, n, k));
             for (got, (want, magnitude)) in dst.iter().zip(product(&a, lda, &b, (m, n, k))) {
                 // k exact products summed in f32: within k·ε of the terms' magnitudes.
+                let tolerance = k as f64 * f32::EPSILON as f64 * magnitude;
+                assert!(
+                    (*got as f64 - want).abs() <= tolerance,
+                    "{m}x{n}x{k}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dot_product_form_matches_the_exact_product_on_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        let value = |i: usize| bf16::from_f32(((i * 37 + 11) % 23) as f32 / 11.0 - 1.0);
+        // Full 4 × 4 tiles with ragged edges, k below, at and past one 32-element step.
+        for (m, n, k) in [(1, 1, 1), (4, 4, 32), (9, 6, 33), (5, 13, 70), (12, 8, 7)] {
+            let a: Vec<bf16> = (0..m * k).map(value).collect();
+            let b: Vec<bf16> = (0..n * k).map(|i| value(i * 3 + 1)).collect();
+            // `product` takes `b [k, n]`: the transpose of this `b [n, k]`.
+            let b_t: Vec<bf16> = (0..k * n).map(|at| b[(at % n) * k + at / n]).collect();
+            let mut dst = vec![f32::NAN; m * n];
+            matmul_bf16_nt(&mut dst, &a, &b, (m, n, k));
+            for (got, (want, magnitude)) in dst.iter().zip(product(&a, k, &b_t, (m, n, k))) {
                 let tolerance = k as f64 * f32::EPSILON as f64 * magnitude;
                 assert!(
                     (*got as f64 - want).abs() <= tolerance,

@@ -32,7 +32,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::alloc::output_buffer;
-use super::bf16_matmul::{self, matmul_bf16};
+use super::bf16_matmul::{self, matmul_bf16, matmul_bf16_nt};
 use super::element::{
     Element, all_fit, finite_output, screened_output, write_rounded, write_zeros,
 };
@@ -991,13 +991,14 @@ fn rows_backward(
         Floats::BF16(c) => gather_block_columns(gate_up, c, piece.slots, b, bf16::to_f32),
     }
     let layout = call.params().weight_layout;
-    // d act [m, I] = d y · Dᵀ.
+    // d act [m, I] = d y · Dᵀ: on the pair dot products when d y and D are both bf16 (d y's
+    // copy is written when the weight gradients take them).
     let d_act = resized(&mut s.d_act, m * i);
-    ExpertMatrix::of(forward.down_proj_weight, layout, expert, (i, h)).transposed_product(
-        d_act,
-        piece.d_y,
-        (&mut s.panel, &mut s.tile),
-    );
+    let down_proj = ExpertMatrix::of(forward.down_proj_weight, layout, expert, (i, h));
+    match down_proj.bf16_nki() {
+        Some(w) if !d_y16.is_empty() => matmul_bf16_nt(d_act, d_y16, w, (m, i, h)),
+        _ => down_proj.transposed_product(d_act, piece.d_y, (&mut s.panel, &mut s.tile)),
+    }
     // act and d gate_up [m, 2I] through SwiGLU.
     for row in 0..m {
         let (gate, up) = s.gate_up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
@@ -1030,13 +1031,20 @@ fn rows_backward(
         round_to_bf16(piece.act, act16);
         round_to_bf16(piece.d_gate_up, d_gate_up16);
     }
-    // d x [m, H] = d gate_up · Wᵀ.
+    // d x [m, H] = d gate_up · Wᵀ, as d act.
     let gate_up_proj = ExpertMatrix::gate_up(&forward, layout, expert, (h, i));
-    let d_x = gate_up_proj.transposed_product_into(
-        piece.d_x,
-        piece.d_gate_up,
-        (&mut s.panel, &mut s.tile),
-    );
+    let d_x = match gate_up_proj.bf16_nki() {
+        Some(w) if !d_gate_up16.is_empty() => {
+            let d_x = zero(piece.d_x);
+            matmul_bf16_nt(d_x, d_gate_up16, w, (m, h, 2 * i));
+            d_x
+        }
+        _ => gate_up_proj.transposed_product_into(
+            piece.d_x,
+            piece.d_gate_up,
+            (&mut s.panel, &mut s.tile),
+        ),
+    };
     gather_rows(forward.hidden_states, piece.tokens, h, piece.x);
     if scaling.scales_rows() {
         // The projection saw x' = affinity · x: d affinity = ⟨d x', x⟩, d x = affinity · d x',

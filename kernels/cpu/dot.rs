@@ -82,14 +82,14 @@ pub fn matmul_nt_bf16(
 // Register tiles are indexed by (row, column, lane), as in the formulas.
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::nt;
 
     /// Rows of `a` and of `b` per AVX-512 tile: 16 zmm accumulators.
-    const MR: usize = 4;
-    const NR: usize = 4;
+    pub(in crate::cpu) const MR: usize = 4;
+    pub(in crate::cpu) const NR: usize = 4;
     // `lane_sums` reduces exactly 16 accumulators.
     const _: () = assert!(MR * NR == 16);
 
@@ -159,7 +159,7 @@ mod x86 {
     /// and 2 + 3, then those two.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn lane_sums(acc: [[__m512; NR]; MR]) -> [f32; MR * NR] {
+    pub(in crate::cpu) fn lane_sums(acc: [[__m512; NR]; MR]) -> [f32; MR * NR] {
         let v: [__m512; MR * NR] = std::array::from_fn(|x| acc[x / NR][x % NR]);
         // Per 128-bit quarter of each pair (x, y): x0+x2, y0+y2, x1+x3, y1+y3.
         let pairs: [__m512; 8] = std::array::from_fn(|p| {

@@ -20,6 +20,8 @@
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
+use half::bf16;
+
 use super::dot::matmul_nt_bf16;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use super::rows::resized;
@@ -84,6 +86,16 @@ impl<'a> ExpertMatrix<'a> {
             k: h,
             n: 2 * i,
             layout,
+        }
+    }
+
+    /// The matrix `[k, n]` as stored in bf16 under nki's layout (one tensor): the operand of
+    /// the pair dot products `a [m, n] · Wᵀ` in dot-product form
+    /// ([`matmul_bf16_nt`](super::bf16_matmul::matmul_bf16_nt)).
+    pub fn bf16_nki(&self) -> Option<&'a [bf16]> {
+        match (self.layout, self.stored, self.lower) {
+            (WeightLayout::Nki, Floats::BF16(w), None) => Some(w),
+            _ => None,
         }
     }
 
