@@ -202,6 +202,7 @@ mod x86 {
                     ldb: self.n,
                     k: self.k,
                     cols,
+                    next: self.b.wrapping_add(c0 + cols),
                 };
                 let d = self.d.add(r0 * self.n + c0);
                 tile::<ROWS>(d, self.n, self.a.add(r0 * self.lda), self.lda, strip);
@@ -209,13 +210,15 @@ mod x86 {
         }
     }
 
-    /// Up to 32 columns of `b [k, n]` starting at `b`.
+    /// Up to 32 columns of `b [k, n]` starting at `b`, and where the next strip starts (past
+    /// the end of `b` after the last: it is only prefetched).
     #[derive(Clone, Copy)]
     struct Strip {
         b: *const u16,
         ldb: usize,
         k: usize,
         cols: usize,
+        next: *const u16,
     }
 
     /// `vpermt2w` indices interleaving two 32-element rows into pairs: columns 0..16, then
@@ -248,7 +251,13 @@ mod x86 {
         lda: usize,
         strip: Strip,
     ) {
-        let Strip { b, ldb, k, cols } = strip;
+        let Strip {
+            b,
+            ldb,
+            k,
+            cols,
+            next,
+        } = strip;
         // Masked loads never touch the columns past `cols`, so the strip may end the buffer.
         let load_mask: __mmask32 = if cols == 32 { !0 } else { (1u32 << cols) - 1 };
         // SAFETY: the index tables are 32 u16 = 64 bytes, one unaligned load each.
@@ -261,6 +270,11 @@ mod x86 {
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         let pairs = k.div_ceil(2);
         for p in 0..pairs {
+            // The next strip's rows into L2 while this strip's are multiplied: read down the
+            // weights' rows a strip at a time, a strip's lines lie a row apart (often a page
+            // apart), which the hardware prefetchers do not follow.
+            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(2 * p * ldb).cast());
+            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add((2 * p + 1) * ldb).cast());
             // SAFETY: rows 2p and (when k is even or p is not the last pair) 2p + 1 of `b`
             // exist; the masked loads read only `cols` columns of them. `a` rows hold `lda`
             // ≥ 2·pairs elements, so the 32-bit pair at 2p is inside the row.
