@@ -27,8 +27,9 @@ pub fn available() -> bool {
     Isa::Avx512Bf16.enabled()
 }
 
-/// `dst [m, n] = a [m, k] · b [k, n]`: `a` row-major with row stride `lda` (even, ≥ k, the
-/// columns past k zero), `b` row-major `[k, n]`, `dst` row-major `[m, n]`.
+/// `dst [m, n] = a [m, k] · b [k, n]`: `a` row-major with row stride `lda` (even, ≥ k; where k
+/// is odd, the column past it zero; the last row may end there), `b` row-major `[k, n]`, `dst`
+/// row-major `[m, n]`.
 ///
 /// # Panics
 /// If the CPU lacks the instructions ([`available`]), `lda` is odd or below k, or a buffer is
@@ -48,7 +49,9 @@ pub fn matmul_bf16(
     let fits =
         |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
     assert!(
-        fits(dst.len(), m, n) && fits(a.len(), m, lda) && fits(b.len(), k, n),
+        fits(dst.len(), m, n)
+            && strided_fits(a.len(), m, lda, k.next_multiple_of(2))
+            && fits(b.len(), k, n),
         "operand too short"
     );
     #[cfg(target_arch = "x86_64")]
@@ -58,24 +61,45 @@ pub fn matmul_bf16(
     }
 }
 
-/// `dst [m, n] = a [m, k] · b [n, k]ᵀ` with both operands stored in bf16, row-major with rows
-/// of k: exact products, f32 sums, along k in pairs.
+/// `dst [m, n] = a [m, k] · b [n, k]ᵀ` with both operands stored in bf16: exact products, f32
+/// sums, along k in pairs. Each matrix is row-major with its own row stride (`ldd`, `lda`,
+/// `ldb`), so a product may read or fill some columns of a wider matrix.
 ///
 /// # Panics
-/// If the CPU lacks the instructions ([`available`]) or a buffer is shorter than its shape.
-pub fn matmul_bf16_nt(dst: &mut [f32], a: &[bf16], b: &[bf16], (m, n, k): (usize, usize, usize)) {
+/// If the CPU lacks the instructions ([`available`]), a stride is below its row's length or a
+/// buffer is shorter than its shape.
+pub fn matmul_bf16_nt(
+    (dst, ldd): (&mut [f32], usize),
+    (a, lda): (&[bf16], usize),
+    (b, ldb): (&[bf16], usize),
+    (m, n, k): (usize, usize, usize),
+) {
     assert!(available(), "matmul_bf16_nt needs AVX-512 BF16");
-    let fits =
-        |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
     assert!(
-        fits(dst.len(), m, n) && fits(a.len(), m, k) && fits(b.len(), n, k),
+        ldd >= n && lda >= k && ldb >= k,
+        "a row stride below its row's length"
+    );
+    assert!(
+        strided_fits(dst.len(), m, ldd, n)
+            && strided_fits(a.len(), m, lda, k)
+            && strided_fits(b.len(), n, ldb, k),
         "operand too short"
     );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the instructions were checked above; the buffers hold their shapes.
     unsafe {
-        x86::matmul_nt(dst, a, b, (m, n, k));
+        x86::matmul_nt((dst, ldd), (a, lda), (b, ldb), (m, n, k));
     }
+}
+
+/// Whether `len` elements hold `rows` rows of `cols` at row stride `stride` (the last row
+/// need not extend to the stride).
+fn strided_fits(len: usize, rows: usize, stride: usize, cols: usize) -> bool {
+    rows == 0
+        || (rows - 1)
+            .checked_mul(stride)
+            .and_then(|start| start.checked_add(cols))
+            .is_some_and(|end| len >= end)
 }
 
 // Register tiles are indexed by (row, register), as in the formulas.
@@ -90,13 +114,13 @@ mod x86 {
     use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
 
     /// # Safety
-    /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · k` and `b`
-    /// `n · k` elements.
+    /// The CPU must support AVX-512 F, BW and BF16; `dst`, `a` and `b` hold `m`, `m` and `n`
+    /// rows of `n`, `k` and `k` elements at their strides.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn matmul_nt(
-        dst: &mut [f32],
-        a: &[bf16],
-        b: &[bf16],
+        (dst, ldd): (&mut [f32], usize),
+        (a, lda): (&[bf16], usize),
+        (b, ldb): (&[bf16], usize),
         (m, n, k): (usize, usize, usize),
     ) {
         let (a, b) = (a.as_ptr().cast::<u16>(), b.as_ptr().cast::<u16>());
@@ -105,9 +129,9 @@ mod x86 {
         for c0 in (0..full_n).step_by(NT_NR) {
             for r0 in (0..full_m).step_by(NT_MR) {
                 // SAFETY: rows r0..r0+NT_MR of `a` and c0..c0+NT_NR of `b` exist.
-                let sums = lane_sums(unsafe { nt_tile(a.add(r0 * k), b.add(c0 * k), k) });
-                for (i, row) in sums.chunks_exact(NT_NR).enumerate() {
-                    dst[(r0 + i) * n + c0..][..NT_NR].copy_from_slice(row);
+                let acc = unsafe { nt_tile((a.add(r0 * lda), lda), (b.add(c0 * ldb), ldb), k) };
+                for (i, row) in lane_sums(acc).chunks_exact(NT_NR).enumerate() {
+                    dst[(r0 + i) * ldd + c0..][..NT_NR].copy_from_slice(row);
                 }
             }
         }
@@ -116,23 +140,24 @@ mod x86 {
             let columns = if r < full_m { full_n..n } else { 0..n };
             for c in columns {
                 // SAFETY: row r of `a` and row c of `b` exist.
-                let [[acc]] = unsafe { nt_tile::<1, 1>(a.add(r * k), b.add(c * k), k) };
-                dst[r * n + c] = _mm512_reduce_add_ps(acc);
+                let [[acc]] =
+                    unsafe { nt_tile::<1, 1>((a.add(r * lda), lda), (b.add(c * ldb), ldb), k) };
+                dst[r * ldd + c] = _mm512_reduce_add_ps(acc);
             }
         }
     }
 
-    /// The `MR × NR` accumulators of rows `a` (stride k) by rows `b` (stride k): 16 lanes each,
-    /// every lane the sum of its pairs along k, in order; the last step loads the tail masked,
-    /// with zeros past k.
+    /// The `MR × NR` accumulators of rows `a` (stride `lda`) by rows `b` (stride `ldb`): 16
+    /// lanes each, every lane the sum of its pairs along k, in order; the last step loads the
+    /// tail masked, with zeros past k.
     ///
     /// # Safety
     /// As [`matmul_nt`], for these rows.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn nt_tile<const MR: usize, const NR: usize>(
-        a: *const u16,
-        b: *const u16,
+        (a, lda): (*const u16, usize),
+        (b, ldb): (*const u16, usize),
         k: usize,
     ) -> [[__m512; NR]; MR] {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
@@ -142,12 +167,12 @@ mod x86 {
             // SAFETY: the masked loads read only the `left` elements of each row still in k.
             unsafe {
                 let av: [__m512bh; MR] = std::array::from_fn(|i| {
-                    std::mem::transmute(_mm512_maskz_loadu_epi16(mask, a.add(i * k + kk).cast()))
+                    std::mem::transmute(_mm512_maskz_loadu_epi16(mask, a.add(i * lda + kk).cast()))
                 });
                 for j in 0..NR {
                     let bv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(
                         mask,
-                        b.add(j * k + kk).cast(),
+                        b.add(j * ldb + kk).cast(),
                     ));
                     for i in 0..MR {
                         acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av[i], bv);
@@ -385,7 +410,7 @@ mod tests {
             // `product` takes `b [k, n]`: the transpose of this `b [n, k]`.
             let b_t: Vec<bf16> = (0..k * n).map(|at| b[(at % n) * k + at / n]).collect();
             let mut dst = vec![f32::NAN; m * n];
-            matmul_bf16_nt(&mut dst, &a, &b, (m, n, k));
+            matmul_bf16_nt((&mut dst, n), (&a, k), (&b, k), (m, n, k));
             for (got, (want, magnitude)) in dst.iter().zip(product(&a, k, &b_t, (m, n, k))) {
                 let tolerance = k as f64 * f32::EPSILON as f64 * magnitude;
                 assert!(

@@ -32,7 +32,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::alloc::output_buffer;
-use super::bf16_matmul::{self, matmul_bf16, matmul_bf16_nt};
+use super::bf16_matmul::{self, matmul_bf16};
 use super::element::{
     Element, all_fit, finite_output, screened_output, write_rounded, write_zeros,
 };
@@ -416,33 +416,19 @@ fn gate_up_product(
     } = scratch;
     let gate_up = resized(gate_up, m * 2 * i);
     let lda = h.next_multiple_of(2);
-    // Both operands in bf16 and the weights `[H, 2I]`: their products are exact in f32, so
-    // the pairwise bf16 dot product gives the f32 sums at twice the f32 rate, without widening
-    // the weights.
-    let pair_dot_weights = match inputs.gate_up_proj_weight {
-        Floats::BF16(w) if layout == WeightLayout::Nki && bf16_matmul::available() => {
-            Some(&w[expert * h * 2 * i..(expert + 1) * h * 2 * i])
-        }
-        _ => None,
-    };
-    match (inputs.hidden_states, pair_dot_weights) {
+    // With bf16 weights and token rows, their products are exact in f32, so the pairwise
+    // bf16 dot product gives the f32 sums at twice the f32 rate, without widening the weights.
+    let matrix = ExpertMatrix::gate_up(inputs, layout, expert, (h, i));
+    let pair_dots = matrix.takes_bf16_rows();
+    match inputs.hidden_states {
         // Token rows stored in bf16 and not scaled: copied as they are.
-        (Floats::BF16(x), Some(w)) if row_scales.is_none() => {
+        Floats::BF16(x) if pair_dots && row_scales.is_none() => {
             rows.clear();
             for &token in tokens {
                 rows.extend_from_slice(&x[token * h..(token + 1) * h]);
                 rows.resize(rows.len().next_multiple_of(2), bf16::ZERO);
             }
-            matmul_bf16(gate_up, rows, lda, w, (m, 2 * i, h));
-        }
-        (_, Some(w)) if compute == DType::BF16 => {
-            let x = resized(x, m * h);
-            gather_rows(inputs.hidden_states, tokens, h, x);
-            if let Some(scales) = row_scales {
-                scale_rows(x, h, scales);
-            }
-            bf16_rows(rows, x, h);
-            matmul_bf16(gate_up, rows, lda, w, (m, 2 * i, h));
+            matrix.product_bf16(gate_up, (rows, lda));
         }
         _ => {
             let x = resized(x, m * h);
@@ -450,70 +436,59 @@ fn gate_up_product(
             if let Some(scales) = row_scales {
                 scale_rows(x, h, scales);
             }
-            if compute == DType::BF16 {
-                round_to_bf16(x, &mut []);
+            match compute {
+                DType::BF16 if pair_dots => {
+                    bf16_rows(rows, x, h);
+                    matrix.product_bf16(gate_up, (rows, lda));
+                }
+                DType::BF16 => {
+                    round_to_bf16(x, &mut []);
+                    matrix.product(gate_up, x, (panel, tile));
+                }
+                DType::F32 | DType::I32 => matrix.product(gate_up, x, (panel, tile)),
             }
-            ExpertMatrix::gate_up(inputs, layout, expert, (h, i)).product(
-                gate_up,
-                x,
-                (panel, tile),
-            );
         }
     }
 }
 
 /// The forward's down projection `[m, I] · [I, H]` of one expert's activations
 /// (`scratch.act`), which [`DownProduct::new`] rounds to the compute dtype: on bf16 pair dot
-/// products where the activations are bf16 and the weights bf16 `[I, H]`.
-enum DownProduct<'a> {
-    /// The expert's weights `[I, H]`; the activations rounded into `scratch.x_bf16` (row
-    /// stride I rounded up to even).
-    PairDots {
-        weights: &'a [bf16],
-        i: usize,
-    },
-    Widened(ExpertMatrix<'a>),
+/// products where the activations are bf16 and so are the weights.
+struct DownProduct<'a> {
+    matrix: ExpertMatrix<'a>,
+    /// Whether the activations were rounded into `scratch.x_bf16` (row stride I rounded up to
+    /// even) for the pair dot products.
+    pair_dots: bool,
+    i: usize,
 }
 
 impl<'a> DownProduct<'a> {
     fn new(call: &BlockwiseMm<'a>, expert: usize, scratch: &mut Scratch) -> Self {
         let BlockwiseDims { h, i, .. } = call.dims();
-        let layout = call.params().weight_layout;
-        let weights = call.floats().down_proj_weight;
-        let compute = call.compute_dtype();
-        match weights {
-            Floats::BF16(w)
-                if compute == DType::BF16
-                    && layout == WeightLayout::Nki
-                    && bf16_matmul::available() =>
-            {
-                bf16_rows(&mut scratch.x_bf16, &scratch.act, i);
-                Self::PairDots {
-                    weights: &w[expert * i * h..(expert + 1) * i * h],
-                    i,
-                }
-            }
-            _ => {
-                if compute == DType::BF16 {
-                    round_to_bf16(&mut scratch.act, &mut []);
-                }
-                Self::Widened(ExpertMatrix::of(weights, layout, expert, (i, h)))
-            }
+        let (weights, layout) = (call.floats().down_proj_weight, call.params().weight_layout);
+        let matrix = ExpertMatrix::of(weights, layout, expert, (i, h));
+        let bf16_compute = call.compute_dtype() == DType::BF16;
+        let pair_dots = bf16_compute && matrix.takes_bf16_rows();
+        if pair_dots {
+            bf16_rows(&mut scratch.x_bf16, &scratch.act, i);
+        } else if bf16_compute {
+            round_to_bf16(&mut scratch.act, &mut []);
+        }
+        Self {
+            matrix,
+            pair_dots,
+            i,
         }
     }
 
     /// `dst [m, H]` = the activations times the weights.
     fn product(&self, dst: &mut [f32], scratch: &mut Scratch) {
-        match *self {
-            Self::PairDots { weights, i } => {
-                let h = weights.len() / i.max(1);
-                let m = dst.len() / h.max(1);
-                let lda = i.next_multiple_of(2);
-                matmul_bf16(dst, &scratch.x_bf16, lda, weights, (m, h, i));
-            }
-            Self::Widened(matrix) => {
-                matrix.product(dst, &scratch.act, (&mut scratch.panel, &mut scratch.tile))
-            }
+        if self.pair_dots {
+            let lda = self.i.next_multiple_of(2);
+            self.matrix.product_bf16(dst, (&scratch.x_bf16, lda));
+        } else {
+            let panels = (&mut scratch.panel, &mut scratch.tile);
+            self.matrix.product(dst, &scratch.act, panels);
         }
     }
 
@@ -524,16 +499,13 @@ impl<'a> DownProduct<'a> {
         dst: &'d mut [MaybeUninit<f32>],
         scratch: &mut Scratch,
     ) -> &'d mut [f32] {
-        match *self {
-            Self::PairDots { .. } => {
-                let dst = zero(dst);
-                self.product(dst, scratch);
-                dst
-            }
-            Self::Widened(matrix) => {
-                let panels = (&mut scratch.panel, &mut scratch.tile);
-                matrix.product_into(dst, &scratch.act, panels)
-            }
+        if self.pair_dots {
+            let dst = zero(dst);
+            self.product(dst, scratch);
+            dst
+        } else {
+            let panels = (&mut scratch.panel, &mut scratch.tile);
+            self.matrix.product_into(dst, &scratch.act, panels)
         }
     }
 }
@@ -995,9 +967,8 @@ fn rows_backward(
     // copy is written when the weight gradients take them).
     let d_act = resized(&mut s.d_act, m * i);
     let down_proj = ExpertMatrix::of(forward.down_proj_weight, layout, expert, (i, h));
-    match down_proj.bf16_nki() {
-        Some(w) if !d_y16.is_empty() => matmul_bf16_nt(d_act, d_y16, w, (m, i, h)),
-        _ => down_proj.transposed_product(d_act, piece.d_y, (&mut s.panel, &mut s.tile)),
+    if d_y16.is_empty() || !down_proj.transposed_product_bf16(d_act, d_y16) {
+        down_proj.transposed_product(d_act, piece.d_y, (&mut s.panel, &mut s.tile));
     }
     // act and d gate_up [m, 2I] through SwiGLU.
     for row in 0..m {
@@ -1033,17 +1004,15 @@ fn rows_backward(
     }
     // d x [m, H] = d gate_up · Wᵀ, as d act.
     let gate_up_proj = ExpertMatrix::gate_up(&forward, layout, expert, (h, i));
-    let d_x = match gate_up_proj.bf16_nki() {
-        Some(w) if !d_gate_up16.is_empty() => {
-            let d_x = zero(piece.d_x);
-            matmul_bf16_nt(d_x, d_gate_up16, w, (m, h, 2 * i));
-            d_x
+    let panels = (&mut s.panel, &mut s.tile);
+    let d_x = if d_gate_up16.is_empty() {
+        gate_up_proj.transposed_product_into(piece.d_x, piece.d_gate_up, panels)
+    } else {
+        let d_x = zero(piece.d_x);
+        if !gate_up_proj.transposed_product_bf16(d_x, d_gate_up16) {
+            gate_up_proj.transposed_product(d_x, piece.d_gate_up, panels);
         }
-        _ => gate_up_proj.transposed_product_into(
-            piece.d_x,
-            piece.d_gate_up,
-            (&mut s.panel, &mut s.tile),
-        ),
+        d_x
     };
     gather_rows(forward.hidden_states, piece.tokens, h, piece.x);
     if scaling.scales_rows() {

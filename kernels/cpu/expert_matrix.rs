@@ -22,6 +22,7 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
+use super::bf16_matmul::{self, matmul_bf16, matmul_bf16_nt};
 use super::dot::matmul_nt_bf16;
 use super::matmul::{MatRef, matmul, matmul_bf16_b, matmul_into};
 use super::rows::resized;
@@ -89,14 +90,72 @@ impl<'a> ExpertMatrix<'a> {
         }
     }
 
-    /// The matrix `[k, n]` as stored in bf16 under nki's layout (one tensor): the operand of
-    /// the pair dot products `a [m, n] · Wᵀ` in dot-product form
-    /// ([`matmul_bf16_nt`](super::bf16_matmul::matmul_bf16_nt)).
-    pub fn bf16_nki(&self) -> Option<&'a [bf16]> {
+    /// Whether [`Self::product_bf16`] runs here: the matrix is bf16 and the CPU has the pair
+    /// dot products.
+    pub fn takes_bf16_rows(&self) -> bool {
+        matches!(self.stored, Floats::BF16(_)) && bf16_matmul::available()
+    }
+
+    /// `dst [m, n] = a [m, k] · W` on bf16 pair dot products, for bf16 rows `a` at row stride
+    /// `lda` (even, the column past an odd k zero), where [`Self::takes_bf16_rows`]: against
+    /// the matrix as stored (nki's layout) or in dot-product form against its transpose
+    /// (`linear`, each half of split rows filling its columns).
+    ///
+    /// # Panics
+    /// Where it does not take them.
+    pub fn product_bf16(&self, dst: &mut [f32], (a, lda): (&[bf16], usize)) {
+        let (k, n) = (self.k, self.n);
+        let m = dst.len() / n.max(1);
         match (self.layout, self.stored, self.lower) {
-            (WeightLayout::Nki, Floats::BF16(w), None) => Some(w),
-            _ => None,
+            (WeightLayout::Nki, Floats::BF16(w), None) => matmul_bf16(dst, a, lda, w, (m, n, k)),
+            (WeightLayout::Linear, Floats::BF16(w), None) => {
+                matmul_bf16_nt((dst, n), (a, lda), (w, k), (m, n, k))
+            }
+            (WeightLayout::Linear, Floats::BF16(gate), Some(Floats::BF16(up))) => {
+                let half = n / 2;
+                matmul_bf16_nt((&mut *dst, n), (a, lda), (gate, k), (m, half, k));
+                matmul_bf16_nt((&mut dst[half..], n), (a, lda), (up, k), (m, half, k));
+            }
+            _ => panic!("product_bf16 of a matrix that does not take bf16 rows"),
         }
+    }
+
+    /// `dst [m, k] = a [m, n] · Wᵀ` on bf16 pair dot products for bf16 rows `a [m, n]`, where
+    /// the matrix is bf16 and the CPU has them: in dot-product form against the matrix as
+    /// stored (nki's layout), or against its transpose as stored (`linear`, where n, or each
+    /// half of split rows, is even, as the pairs need). Returns whether it ran (nothing is
+    /// written otherwise).
+    pub fn transposed_product_bf16(&self, dst: &mut [f32], a: &[bf16]) -> bool {
+        let (k, n) = (self.k, self.n);
+        let m = dst.len() / k.max(1);
+        if !self.takes_bf16_rows() {
+            return false;
+        }
+        match (self.layout, self.stored, self.lower) {
+            (WeightLayout::Nki, Floats::BF16(w), None) => {
+                matmul_bf16_nt((dst, k), (a, n), (w, n), (m, k, n));
+            }
+            (WeightLayout::Linear, Floats::BF16(w), None) if n.is_multiple_of(2) => {
+                matmul_bf16(dst, a, n, w, (m, k, n));
+            }
+            (WeightLayout::Linear, Floats::BF16(gate), Some(Floats::BF16(up)))
+                if (n / 2).is_multiple_of(2) =>
+            {
+                // `a`'s first n / 2 columns against the gate's rows, plus the rest against the
+                // up's.
+                let half = n / 2;
+                matmul_bf16(dst, a, n, gate, (m, k, half));
+                HALF.with_borrow_mut(|sum| {
+                    let sum = resized(sum, m * k);
+                    matmul_bf16(sum, &a[half..], n, up, (m, k, half));
+                    for (d, v) in dst.iter_mut().zip(sum.iter()) {
+                        *d += v;
+                    }
+                });
+            }
+            _ => return false,
+        }
+        true
     }
 
     /// The matrices of the two halves of the stored rows, when they lie apart.
