@@ -907,9 +907,10 @@ fn bf16_compute_is_exact_where_its_operands_are() {
 
 #[test]
 fn products_on_streamed_panels_ignore_thread_counts() {
-    // H and I past the register tiles' reach, so the products run on packed panels.
+    // H and I past the register tiles' reach and experts of more than 64 tokens, so the
+    // products run on packed panels.
     let s = Shape {
-        t: 40,
+        t: 200,
         h: 800,
         e: 3,
         i: 70,
@@ -969,6 +970,16 @@ fn edge_cases_match_the_reference() {
         ("many tokens", Shape { t: 257, ..base }),
         (
             "H and I past the register tiles' reach (streamed packed panels)",
+            Shape {
+                t: 200,
+                h: 800,
+                i: 70,
+                e: 3,
+                ..base
+            },
+        ),
+        (
+            "H past the register tiles' reach, few tokens per expert (tiles along a long k)",
             Shape {
                 t: 40,
                 h: 800,

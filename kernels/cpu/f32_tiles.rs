@@ -195,7 +195,13 @@ mod x86 {
                     }
                 }
             }
+            // The next strip's rows (two lines each) into L2 while this strip's are multiplied:
+            // a strip's lines lie a row apart, which the hardware prefetchers do not follow
+            // (a long k with few rows reads each strip from memory once; see `matmul`).
+            let next = b_cols.wrapping_add(cols);
             for p in 0..self.k {
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * self.ldb).cast());
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * self.ldb + 16).cast());
                 // SAFETY: row p of `b` has `cols` columns at b + p·ldb; element (r, p) of `a`
                 // is at a + r·a_rows + p·a_cols for the tile's rows.
                 unsafe {

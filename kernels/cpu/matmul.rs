@@ -182,11 +182,21 @@ fn tile_operands<'a>(a: MatRef<'a>, b: MatRef<'a>) -> f32_tiles::Operands<'a> {
     }
 }
 
-/// Whether [`matmul`] runs `a · b` on the register tiles: small k and n here, and as many
-/// rows of `a` as the CPU's [`Blocking`] gives them.
+/// Most rows of `a` that [`matmul`] runs on register tiles at any k past [`TILED_MAX_K`] and
+/// any n: each strip of `b` then serves so few rows that packing it costs more than the tiles
+/// lose by reading it as stored (they prefetch the next strip meanwhile). Measured on Zen 4
+/// with `moekit bench` (Qwen3-30B-A3B `blockwise_mm`, f32, experts of about 32 tokens at T =
+/// 512, 64 at T = 1024 and 128 at T = 2048): 235 against 285 ms at T = 512, but 982 against
+/// 805 ms at T = 2048 with every m on the tiles. Short k (a weight gradient's few tokens) with
+/// a wide n stays on the packed kernels: 640 against 613 ms for `blockwise_mm_bwd` at T = 512.
+const TILED_LONG_K_MAX_M: usize = 64;
+
+/// Whether [`matmul`] runs `a · b` on the register tiles: small k and n, or a long k with few
+/// rows of `a`, here, and as many rows of `a` as the CPU's [`Blocking`] gives them.
 fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
-    a.cols <= TILED_MAX_K
-        && b.cols <= TILED_MAX_N
+    let small = a.cols <= TILED_MAX_K && b.cols <= TILED_MAX_N;
+    let few_rows_long_k = a.rows <= TILED_LONG_K_MAX_M && a.cols > TILED_MAX_K;
+    (small || few_rows_long_k)
         && b.col_stride == 1
         && f32_tiles::available()
         && Blocking::active().register_tiles_for(a.rows)
