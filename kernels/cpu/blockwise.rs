@@ -20,10 +20,13 @@
 //! dot-product form against its transpose), and weight gradients are written straight into
 //! their final place, in their weights' layout, uncleared beforehand.
 //!
-//! bf16 weights are never widened whole: `[m, H] · [H, 2I]` with bf16 tokens runs on AVX-512
-//! BF16 pair dot products ([`matmul_bf16`], exact products, f32 sums) in nki's layout, and
-//! every other product widens a cache-sized panel of the weights at a time (as it packs them,
-//! on AVX-512).
+//! bf16 weights are never widened whole. With bf16 operands (bf16 tokens, or `compute_dtype`
+//! bf16, which rounds every operand a kernel forms where it forms it) and a CPU with AVX-512
+//! BF16, every product runs on pair dot products ([`ExpertMatrix::product_bf16`],
+//! [`ExpertMatrix::transposed_product_bf16`], [`transposed_product_bf16`]: exact products, f32
+//! sums), the backward's row-wise stage writing the weight gradients' operands in bf16 as it
+//! rounds them; every other product widens a cache-sized panel of the weights at a time (as it
+//! packs them, on AVX-512).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;

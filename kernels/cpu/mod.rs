@@ -1,5 +1,6 @@
 //! The `cpu` backend: the kernel contracts, forward and backward, tuned for multi-core x86 and
-//! ARM CPUs. f32 or bf16 storage, f32 arithmetic; packed-panel GEMMs (`matmul`) with run-time
+//! ARM CPUs. f32 or bf16 storage, f32 sums (the blockwise kernels' operands in their
+//! `compute_dtype`); packed-panel GEMMs (`matmul`) with run-time
 //! SIMD dispatch by instruction-set level ([`isa`], [`calibrate`]); rayon parallelism over
 //! experts and fixed row tiles. Every reduction has an order fixed by the shapes and the plan
 //! alone, so outputs are bit-identical whatever the number of threads.
