@@ -2,6 +2,7 @@
 
 import subprocess
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -99,3 +100,39 @@ def test_gate_and_up_weights_apart_give_the_stacked_weights_outputs(backend):
             np.testing.assert_allclose(apart[name], stacked[name], rtol=1e-6, atol=1e-6)
     with pytest.raises(moekit.ContractError, match="up_proj_weight.*\\[3, 3, 8\\]"):
         moekit.blockwise_mm(gate_up_proj_weight=gate, up_proj_weight=up[:, :3].copy(), **common)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_compute_dtype_rounds_the_operands_only_when_it_is_bfloat16(backend):
+    """`compute_dtype`, nki-library's parameter: f32 tokens compute in f32 unless told
+    `bfloat16`; bf16 tokens compute in bf16 unless told `float32`, which then gives exactly
+    what f32 tokens holding the same values give."""
+    T, H, E, I, K, B = 6, 16, 3, 8, 2, 2
+    rng = np.random.default_rng(1)
+    index = np.array([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0], [2, 1]], np.int32)
+    affinities = rng.random((T, K)).astype(np.float32)
+    plan = moekit.permute(index, affinities, num_experts=E, block_size=B, skip_token=True)
+    bf16 = ml_dtypes.bfloat16
+    tokens = rng.standard_normal((T, H)).astype(bf16)
+    common = dict(
+        expert_affinities_masked=plan["expert_affinities_masked"],
+        gate_up_proj_weight=rng.standard_normal((E, H, 2, I)).astype(np.float32),
+        down_proj_weight=rng.standard_normal((E, I, H)).astype(np.float32),
+        token_position_to_id=plan["token_position_to_id"],
+        block_to_expert=plan["block_to_expert"],
+        skip_token=True,
+        output_dtype="float32",
+        backend=backend,
+    )
+    f32_tokens = tokens.astype(np.float32)
+    plain = moekit.blockwise_mm(hidden_states=f32_tokens, **common)["output"]
+    as_f32 = moekit.blockwise_mm(hidden_states=f32_tokens, compute_dtype="float32", **common)
+    np.testing.assert_array_equal(as_f32["output"], plain)
+    rounded = moekit.blockwise_mm(hidden_states=f32_tokens, compute_dtype="bfloat16", **common)
+    assert not np.array_equal(rounded["output"], plain)
+    bf16_default = moekit.blockwise_mm(hidden_states=tokens, **common)["output"]
+    np.testing.assert_array_equal(bf16_default, rounded["output"])
+    bf16_as_f32 = moekit.blockwise_mm(hidden_states=tokens, compute_dtype="float32", **common)
+    np.testing.assert_array_equal(bf16_as_f32["output"], plain)
+    with pytest.raises(moekit.ContractError, match="compute_dtype.*bfloat16 or float32"):
+        moekit.blockwise_mm(hidden_states=tokens, compute_dtype="float16", **common)
