@@ -1067,23 +1067,17 @@ fn gather_block_columns<T: Copy>(
 }
 
 /// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), rounded to `E` and
-/// written whole into memory not yet written, in bands of `dst`'s rows in parallel: one band per
-/// [`TASK_ROWS`] rows of the inner dimension m, of at least [`MIN_BAND_ROWS`] rows, so the
-/// bands depend only on the shapes. Each
-/// band runs in pieces of [`ROUNDED_PIECE_BYTES`] of f32 results, screened (and, for bf16,
-/// rounded from a scratch buffer) while they are in cache; f32 results are written in place.
-/// Returns whether every result is finite in `E`.
+/// written whole into memory not yet written, in [`bands`] of `dst`'s rows in parallel, so the
+/// bands depend only on the shapes. Each band runs in pieces, screened (and, for bf16, rounded
+/// from a scratch buffer) while they are in cache; f32 results are written in place. Returns
+/// whether every result is finite in `E`.
 fn transposed_product<E: Element>(
     dst: &mut [MaybeUninit<E>],
     a: MatRef<'_>,
     b: MatRef<'_>,
 ) -> bool {
     let (r, n) = (a.cols(), b.cols());
-    let band = r
-        .div_ceil(a.rows().div_ceil(TASK_ROWS))
-        .max(MIN_BAND_ROWS.min(r))
-        .max(1);
-    let piece = (ROUNDED_PIECE_BYTES / (size_of::<f32>() * n.max(1))).clamp(1, band);
+    let (band, piece) = bands(a.rows(), r, n);
     dst.par_chunks_mut(band * n)
         .enumerate()
         .map_init(Vec::new, |results, (index, dst)| {
@@ -1103,6 +1097,18 @@ fn transposed_product<E: Element>(
             fits
         })
         .reduce(|| true, |a, b| a && b)
+}
+
+/// The rows of `dst [r, n] = aᵀ · b` (inner dimension m) that one task computes (a band: one
+/// per [`TASK_ROWS`] rows of m, of at least [`MIN_BAND_ROWS`] rows) and that it computes at a
+/// time (a piece: [`ROUNDED_PIECE_BYTES`] of f32 results), from the shapes alone.
+fn bands(m: usize, r: usize, n: usize) -> (usize, usize) {
+    let band = r
+        .div_ceil(m.div_ceil(TASK_ROWS))
+        .max(MIN_BAND_ROWS.min(r))
+        .max(1);
+    let piece = (ROUNDED_PIECE_BYTES / (size_of::<f32>() * n.max(1))).clamp(1, band);
+    (band, piece)
 }
 
 /// The gradient of one expert's `W [k, n]` from the rows it multiplied, `inputs [m, k]`, and
@@ -1147,11 +1153,7 @@ fn transposed_product_bf16<E: Element>(
 ) -> bool {
     let m = a.len() / r.max(1);
     let lda = m.next_multiple_of(2);
-    let band = r
-        .div_ceil(m.div_ceil(TASK_ROWS))
-        .max(MIN_BAND_ROWS.min(r))
-        .max(1);
-    let piece = (ROUNDED_PIECE_BYTES / (size_of::<f32>() * n.max(1))).clamp(1, band);
+    let (band, piece) = bands(m, r, n);
     dst.par_chunks_mut(band * n)
         .enumerate()
         .map_init(
