@@ -48,6 +48,7 @@ use super::rows::{
     scale_rows,
 };
 use super::scratch::PerThread;
+use super::transpose::{TILE, Tile, transpose};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
@@ -72,9 +73,6 @@ const ROUNDED_PIECE_BYTES: usize = 256 << 10;
 /// it would exceed this, and the backward splits experts with more into pieces of this many
 /// rows (the last one shorter).
 const TASK_ROWS: usize = 256;
-
-/// Columns of a transposed checkpoint block that [`gather_block_columns`] copies at a time.
-const GATHER_COLUMNS: usize = 16;
 
 /// A forward task: consecutive blocks of the plan, either of one expert with real slots
 /// (`expert: Some`) or a single block of padding only (`None`, such as the unused blocks after
@@ -326,7 +324,7 @@ fn fill(row: &mut [MaybeUninit<f32>], values: Option<&[f32]>) {
 /// Per-task buffers, reused from one task to the next.
 #[derive(Default)]
 struct Scratch {
-    /// Token rows (forward).
+    /// Token rows (forward), or a row of d output widened to f32 (backward).
     x: Vec<f32>,
     /// Token rows in bf16, each padded to an even length (forward).
     x_bf16: Vec<bf16>,
@@ -337,7 +335,7 @@ struct Scratch {
     /// SwiGLU activations (forward).
     act: Vec<f32>,
     /// Expert outputs before affinity scaling: the forward's, where a run's real slots are
-    /// not consecutive, or the backward's, from the checkpoint.
+    /// not consecutive, or a row of the backward's checkpoint widened to f32.
     y: Vec<f32>,
     /// gate/up rows: the forward's products, or the backward's, from the checkpoint.
     gate_up: Vec<f32>,
@@ -847,18 +845,19 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
 
 /// Writes one block's rows, transposed and rounded to `G`, into the whole of `block_t [C, B]` (C =
 /// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`, and
-/// for padding (`None`) the row `padding [C]`, or zeros. Works in 16 × 16 tiles gathered on the
-/// stack, so every read and write is a contiguous run of up to 16 values.
+/// for padding (`None`) the row `padding [C]`, or zeros. Works in [`TILE`] × [`TILE`] tiles
+/// gathered on the stack and [`transpose`]d there, so every read and write is a contiguous run
+/// of up to 16 values.
 fn transpose_block<G: Element>(
     block_t: &mut [MaybeUninit<G>],
     source: &[Option<usize>],
     rows: &[f32],
     padding: Option<&[f32]>,
 ) {
-    const TILE: usize = 16;
     let b = source.len();
     let c = block_t.len() / b;
-    let mut tile = [[0.0f32; TILE]; TILE];
+    // Entries past a partial tile's rows or columns are never written out.
+    let mut tile: Tile = [[0.0; TILE]; TILE];
     for j0 in (0..b).step_by(TILE) {
         let slots = &source[j0..(j0 + TILE).min(b)];
         for c0 in (0..c).step_by(TILE) {
@@ -874,9 +873,10 @@ fn transpose_block<G: Element>(
                     },
                 }
             }
-            for (dc, out) in block_t[c0 * b..].chunks_mut(b).take(cols).enumerate() {
-                for (dj, value) in out[j0..j0 + slots.len()].iter_mut().enumerate() {
-                    value.write(G::round(tile[dj][dc]));
+            transpose(&mut tile);
+            for (out, column) in block_t[c0 * b..].chunks_mut(b).zip(&tile).take(cols) {
+                for (value, &v) in out[j0..j0 + slots.len()].iter_mut().zip(column) {
+                    value.write(G::round(v));
                 }
             }
         }
@@ -933,25 +933,27 @@ fn rows_backward(
     let scaling = call.params().expert_affinities_scaling_mode;
     let affinity = |row: usize| affinities[piece.tokens[row] * e + expert];
 
-    // POST_SCALE: d y = affinity · d output, d affinity = ⟨d output, y⟩. Otherwise d y is
-    // d output, and the affinity's gradient comes through the rows (PRE_SCALE) or is zero.
-    gather_rows(inputs.output_hidden_states_grad, piece.tokens, h, piece.d_y);
+    // POST_SCALE: d y = affinity · d output, d affinity = ⟨d output, y⟩, one pass over each
+    // row, reading d output and the checkpoint y where they are stored (widened a row at a
+    // time when bf16). Otherwise d y is d output, and the affinity's gradient comes through
+    // the rows (PRE_SCALE) or is zero.
     if scaling.scales_outputs() {
-        let y = resized(&mut s.y, m * h);
-        gather_rows(inputs.down_proj_act_checkpoint, piece.slots, h, y);
-        for (row, (d_y, y)) in piece
+        let d_output = inputs.output_hidden_states_grad;
+        let rows = piece
             .d_y
             .chunks_exact_mut(h)
-            .zip(y.chunks_exact(h))
-            .enumerate()
-        {
-            piece.d_affinity[row] = dot(d_y, y);
+            .zip(piece.tokens.iter().zip(piece.slots));
+        for (row, (d_y, (&token, &slot))) in rows.enumerate() {
+            let d_out = row_f32(d_output, token, h, &mut s.x);
+            let y = row_f32(inputs.down_proj_act_checkpoint, slot, h, &mut s.y);
+            piece.d_affinity[row] = dot(d_out, y);
             let a = affinity(row);
-            for d in d_y {
-                *d *= a;
+            for (d, &g) in d_y.iter_mut().zip(d_out) {
+                *d = g * a;
             }
         }
     } else {
+        gather_rows(inputs.output_hidden_states_grad, piece.tokens, h, piece.d_y);
         piece.d_affinity.fill(0.0);
     }
     let bf16_operands = call.compute_dtype() == DType::BF16;
@@ -1036,10 +1038,28 @@ fn rows_backward(
     }
 }
 
+/// Row `row` of `values [·, width]` in f32: where it is stored, or widened into `buffer`.
+fn row_f32<'a>(
+    values: Floats<'a>,
+    row: usize,
+    width: usize,
+    buffer: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    match values.slice(row * width..(row + 1) * width) {
+        Floats::F32(row) => row,
+        bf16_row => {
+            let buffer = resized(buffer, width);
+            bf16_row.write_f32(buffer);
+            buffer
+        }
+    }
+}
+
 /// `dst [m, C]`: row r is slot `slots[r]` of the transposed checkpoint `blocks [N, C, B]` (slot
-/// n·B + j is column j of block n), widened to f32. Each run of slots in one block is copied
-/// [`GATHER_COLUMNS`] columns at a time: their stored rows and the run's pieces of `dst` rows
-/// stay in L1 while every slot of the run passes.
+/// n·B + j is column j of block n), widened to f32. Each run of slots in one block is read in
+/// [`TILE`] × [`TILE`] tiles (16 columns of 16 consecutive slot positions, the stored rows'
+/// contiguous runs), [`transpose`]d on the stack, and each of the run's slots among those
+/// positions copies its row of the tile.
 fn gather_block_columns<T: Copy>(
     dst: &mut [f32],
     blocks: &[T],
@@ -1048,19 +1068,36 @@ fn gather_block_columns<T: Copy>(
     widen: impl Fn(T) -> f32,
 ) {
     let c = dst.len() / slots.len().max(1);
+    // Entries past a partial tile's rows or columns are never copied out.
+    let mut tile: Tile = [[0.0; TILE]; TILE];
     let mut done = 0;
     for run in slots.chunk_by(|x, y| x / b == y / b) {
         let first = run[0] / b * b;
         let block = &blocks[first * c..][..c * b];
         let rows = &mut dst[done * c..(done + run.len()) * c];
-        for c0 in (0..c).step_by(GATHER_COLUMNS) {
-            let columns = c0..(c0 + GATHER_COLUMNS).min(c);
-            for (&slot, row) in run.iter().zip(rows.chunks_exact_mut(c)) {
-                let stored = block[c0 * b + slot - first..].iter().step_by(b);
-                for (value, &x) in row[columns.clone()].iter_mut().zip(stored) {
-                    *value = widen(x);
+        let (lo, hi) = (run[0] - first, run[run.len() - 1] - first + 1);
+        let mut next = 0;
+        for j0 in (lo..hi).step_by(TILE) {
+            let width = (hi - j0).min(TILE);
+            let count = run[next..]
+                .iter()
+                .take_while(|&&slot| slot - first < j0 + width)
+                .count();
+            let tile_slots = &run[next..next + count];
+            for c0 in (0..c).step_by(TILE).filter(|_| count > 0) {
+                let cols = (c - c0).min(TILE);
+                for (dc, tile_row) in tile.iter_mut().take(cols).enumerate() {
+                    let stored = &block[(c0 + dc) * b + j0..][..width];
+                    for (value, &x) in tile_row.iter_mut().zip(stored) {
+                        *value = widen(x);
+                    }
+                }
+                transpose(&mut tile);
+                for (row, &slot) in rows[next * c..].chunks_exact_mut(c).zip(tile_slots) {
+                    row[c0..c0 + cols].copy_from_slice(&tile[slot - first - j0][..cols]);
                 }
             }
+            next += count;
         }
         done += run.len();
     }

@@ -33,6 +33,7 @@ mod swiglu;
 mod tile_walk;
 mod topk;
 mod topk_reduce;
+mod transpose;
 
 /// Deterministic operands for the product kernels' unit tests.
 #[cfg(test)]
