@@ -1046,10 +1046,10 @@ fn row_f32<'a>(
     buffer: &'a mut Vec<f32>,
 ) -> &'a [f32] {
     match values.slice(row * width..(row + 1) * width) {
-        Floats::F32(row) => row,
-        bf16_row => {
+        Floats::F32(stored) => stored,
+        stored => {
             let buffer = resized(buffer, width);
-            bf16_row.write_f32(buffer);
+            stored.write_f32(buffer);
             buffer
         }
     }
@@ -1083,8 +1083,11 @@ fn gather_block_columns<T: Copy>(
                 .iter()
                 .take_while(|&&slot| slot - first < j0 + width)
                 .count();
+            if count == 0 {
+                continue;
+            }
             let tile_slots = &run[next..next + count];
-            for c0 in (0..c).step_by(TILE).filter(|_| count > 0) {
+            for c0 in (0..c).step_by(TILE) {
                 let cols = (c - c0).min(TILE);
                 for (dc, tile_row) in tile.iter_mut().take(cols).enumerate() {
                     let stored = &block[(c0 + dc) * b + j0..][..width];
@@ -1492,4 +1495,72 @@ pub(super) fn backward(call: &BlockwiseMmBwd<'_>) -> Result<BlockwiseMmGrads> {
         gate_and_up_proj_bias_grad,
         down_proj_bias_grad,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Block sizes around the tile's 16, columns with and without a partial tile, and slot
+    /// sets with gaps, runs that start mid-block, and blocks skipped.
+    fn cases() -> Vec<(usize, usize, Vec<usize>)> {
+        vec![
+            (16, 16, (0..32).collect()),
+            (32, 40, vec![0, 1, 2, 5, 17, 31, 32, 33, 70, 95]),
+            (8, 3, vec![3, 4, 9, 23]),
+            (48, 33, (20..44).chain(50..51).chain(96..140).collect()),
+        ]
+    }
+
+    #[test]
+    fn gathered_block_columns_are_the_slots_rows() {
+        for (b, c, slots) in cases() {
+            let blocks_needed = slots.last().unwrap() / b + 1;
+            let stored: Vec<f32> = (0..blocks_needed * c * b).map(|v| v as f32 * 0.5).collect();
+            let mut dst = vec![f32::NAN; slots.len() * c];
+            gather_block_columns(&mut dst, &stored, &slots, b, |x| x);
+            for (r, &slot) in slots.iter().enumerate() {
+                let (block, j) = (slot / b, slot % b);
+                for col in 0..c {
+                    let want = stored[block * c * b + col * b + j];
+                    assert_eq!(
+                        dst[r * c + col],
+                        want,
+                        "B {b}, C {c}, slot {slot}, column {col}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_blocks_hold_each_slots_row_or_its_padding() {
+        for (b, c, _) in cases() {
+            let rows: Vec<f32> = (0..b * c).map(|v| v as f32 + 0.25).collect();
+            let padding: Vec<f32> = (0..c).map(|v| -(v as f32)).collect();
+            // Every third slot is padding; the others take rows in reverse order.
+            let source: Vec<Option<usize>> =
+                (0..b).map(|j| (j % 3 != 1).then_some(b - 1 - j)).collect();
+            for pad in [None, Some(&padding[..])] {
+                let mut block_t = vec![MaybeUninit::<f32>::uninit(); c * b];
+                transpose_block(&mut block_t, &source, &rows, pad);
+                // SAFETY: `transpose_block` writes all of `block_t`.
+                let block_t = unsafe { assume_init(block_t) };
+                for (j, src) in source.iter().enumerate() {
+                    for col in 0..c {
+                        let want = match (src, pad) {
+                            (Some(r), _) => rows[r * c + col],
+                            (None, Some(p)) => p[col],
+                            (None, None) => 0.0,
+                        };
+                        assert_eq!(
+                            block_t[col * b + j],
+                            want,
+                            "B {b}, C {c}, slot {j}, column {col}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
