@@ -13,7 +13,9 @@
 //! p, and those operations' graphs end at later cuts, later kernels or the loss, all of which
 //! are backpropagated before p.
 
-use anyhow::Result;
+use std::ffi::{CStr, c_void};
+
+use anyhow::{Result, bail};
 use moekit_tools::torch::borrow_as_tch;
 use tch::Tensor;
 
@@ -110,42 +112,147 @@ impl Tape {
     }
 }
 
-/// [`propagate`] for gradients a kernel computed, read in place.
+/// [`propagate`] for gradients a kernel computed, read in place: a leaf whose `.grad` already
+/// exists (every parameter after its first step) gets its gradient added into it; the others'
+/// gradients are copied into libtorch's memory first, since autograd may keep a gradient it
+/// is given (as a leaf's `.grad`, or a view of it).
 fn propagate_kernel_gradients(pairs: &[(Tensor, moekit::Tensor)]) -> Result<()> {
-    let borrowed: Vec<(Tensor, Tensor)> = pairs
-        .iter()
-        .map(|(input, grad)| {
-            // SAFETY: `propagate` only reads the gradients into new tensors: the sum into a
-            // `.grad`, or the product `input · gradient`, whose graph autograd frees when its
-            // backward returns and which is dropped with `propagate`'s locals. So no libtorch
-            // tensor holds this memory once `borrowed` is dropped, at the end of this function,
-            // while `pairs` still owns it.
-            let grad = unsafe { borrow_as_tch(grad) };
-            let grad = grad.to_kind(input.kind()).to_device(input.device());
-            (input.shallow_clone(), grad)
-        })
-        .collect();
-    propagate(&borrowed)
-}
-
-/// Sends each gradient into its tensor's graph. A leaf whose `.grad` already exists (every
-/// parameter after its first step) gets the gradient added in place; the others receive it
-/// through the backward of `Σ (tensor · gradient).sum()`, whose gradient with respect to each
-/// tensor is exactly its given gradient.
-fn propagate(pairs: &[(Tensor, Tensor)]) -> Result<()> {
-    let mut terms = Vec::new();
-    for (tensor, grad) in pairs.iter().filter(|(tensor, _)| tensor.requires_grad()) {
-        let mut accumulated = match tensor.is_leaf() {
-            true => Some(tensor.grad()).filter(Tensor::defined),
-            false => None,
-        };
-        match &mut accumulated {
-            Some(accumulated) => drop(tch::no_grad(|| accumulated.f_add_(grad))?),
-            None => terms.push((tensor * grad).sum(tch::Kind::Float)),
+    let mut owned = Vec::new();
+    for (input, grad) in pairs.iter().filter(|(input, _)| input.requires_grad()) {
+        // SAFETY: the borrowed gradient is read only, by the sum into a `.grad` or by a copy,
+        // and dropped at the end of this iteration, while `pairs` still owns its memory; no
+        // libtorch tensor shares its storage afterwards (`to_kind`/`to_device` give new
+        // tensors or the borrowed one, which `copy` replaces).
+        let borrowed = unsafe { borrow_as_tch(grad) };
+        let grad = borrowed.to_kind(input.kind()).to_device(input.device());
+        let accumulated = input
+            .is_leaf()
+            .then(|| input.grad())
+            .filter(Tensor::defined);
+        match accumulated {
+            Some(mut accumulated) => drop(tch::no_grad(|| accumulated.f_add_(&grad))?),
+            None if grad.data_ptr() == borrowed.data_ptr() => {
+                owned.push((input.shallow_clone(), grad.copy()));
+            }
+            None => owned.push((input.shallow_clone(), grad)),
         }
     }
-    if let Some(surrogate) = terms.into_iter().reduce(|a, b| a + b) {
-        surrogate.f_backward()?;
+    propagate(&owned)
+}
+
+/// Sends each gradient into its tensor's graph, in one backward pass: `autograd::backward` from
+/// the given gradients, which accumulates into the `.grad` of the leaves the graphs reach
+/// (a gradient autograd keeps, as a `.grad`, stays valid: it is a libtorch tensor).
+fn propagate(pairs: &[(Tensor, Tensor)]) -> Result<()> {
+    let (tensors, grads): (Vec<_>, Vec<_>) = pairs
+        .iter()
+        .filter(|(tensor, _)| tensor.requires_grad())
+        .map(|(tensor, grad)| {
+            (
+                tensor.as_ptr().cast::<c_void>(),
+                grad.as_ptr().cast::<c_void>(),
+            )
+        })
+        .unzip();
+    if tensors.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    let count = libc::c_int::try_from(tensors.len())?;
+    // SAFETY: both arrays hold `count` pointers to live `tch` tensors (`at::Tensor *`), borrowed
+    // from `pairs` for the call, which only reads them.
+    let error = unsafe { moekit_autograd_backward(tensors.as_ptr(), grads.as_ptr(), count) };
+    if error.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null result is a NUL-terminated message from `strdup`, ours to free.
+    let message = unsafe { CStr::from_ptr(error) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: `error` came from `strdup` and is freed once.
+    unsafe { libc::free(error.cast()) };
+    bail!("backpropagating from given gradients: {message}")
+}
+
+unsafe extern "C" {
+    /// `csrc/autograd.cpp`: `torch::autograd::backward(tensors[..n], grads[..n])` for `tch`
+    /// tensors (`at::Tensor *`); null, or libtorch's error message (freed with `free`).
+    fn moekit_autograd_backward(
+        tensors: *const *const c_void,
+        grads: *const *const c_void,
+        n: libc::c_int,
+    ) -> *mut libc::c_char;
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind};
+
+    use super::*;
+
+    fn leaf(values: &[f32]) -> Tensor {
+        Tensor::from_slice(values).set_requires_grad(true)
+    }
+
+    fn values(tensor: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(tensor).expect("an f32 tensor")
+    }
+
+    #[test]
+    fn given_gradients_reach_the_leaves_as_autograd_sends_them() {
+        // y = x², z = 3·x: d/dx (g·y + h·z) = 2x·g + 3h, by hand.
+        let x = leaf(&[1.0, -2.0, 0.5]);
+        let (g, h) = ([0.25f32, 1.0, -4.0], [2.0f32, 0.0, 1.0]);
+        let y = &x * &x;
+        let z = &x * 3.0;
+        propagate(&[(y, Tensor::from_slice(&g)), (z, Tensor::from_slice(&h))]).unwrap();
+        let want: Vec<f32> = [1.0f32, -2.0, 0.5]
+            .iter()
+            .zip(g.iter().zip(&h))
+            .map(|(x, (g, h))| 2.0 * x * g + 3.0 * h)
+            .collect();
+        assert_eq!(values(&x.grad()), want);
+    }
+
+    #[test]
+    fn a_gradient_of_the_wrong_shape_is_an_error_naming_the_shapes() {
+        let x = leaf(&[1.0, 2.0]);
+        let y = &x * 2.0;
+        let error = propagate(&[(y, Tensor::ones([3], (Kind::Float, Device::Cpu)))])
+            .expect_err("a [3] gradient for a [2] tensor")
+            .to_string();
+        assert!(
+            error.contains("backpropagating from given gradients"),
+            "{error}"
+        );
+        assert!(error.contains('3') && error.contains('2'), "{error}");
+    }
+
+    #[test]
+    fn kernel_gradients_are_added_into_existing_grads_and_copied_into_new_ones() {
+        let (with_grad, without_grad) = (leaf(&[1.0, 2.0]), leaf(&[3.0, 4.0]));
+        // A `.grad` that exists already, as a parameter's after its first step.
+        (&with_grad * 1.0).sum(Kind::Float).backward();
+        // A non-leaf: its gradient flows through `·2` into `without_grad`.
+        let doubled = &without_grad * 2.0;
+        {
+            let gradients = [
+                moekit::Tensor::from_f32([2], vec![0.5, -1.0]).unwrap(),
+                moekit::Tensor::from_f32([2], vec![10.0, 20.0]).unwrap(),
+            ];
+            let pairs = [
+                (with_grad.shallow_clone(), gradients[0].clone()),
+                (doubled, gradients[1].clone()),
+            ];
+            propagate_kernel_gradients(&pairs).unwrap();
+        }
+        // The kernel's gradients are dropped; the grads hold their values.
+        assert_eq!(values(&with_grad.grad()), [1.5, 0.0]);
+        assert_eq!(values(&without_grad.grad()), [20.0, 40.0]);
+        let leaf_without_grad = leaf(&[5.0]);
+        {
+            let gradient = moekit::Tensor::from_f32([1], vec![7.0]).unwrap();
+            propagate_kernel_gradients(&[(leaf_without_grad.shallow_clone(), gradient)]).unwrap();
+        }
+        assert_eq!(values(&leaf_without_grad.grad()), [7.0]);
+    }
 }
