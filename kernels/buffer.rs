@@ -54,6 +54,17 @@ impl<T> Buffer<T> {
     }
 }
 
+impl<T: Clone> Buffer<T> {
+    /// The elements as a vector: an owned buffer's own, moved without a copy (so memory handed
+    /// on from there, to libtorch say, is the memory the kernel wrote); a lent one's, copied.
+    pub fn into_vec(self) -> Vec<T> {
+        match self.repr {
+            Repr::Owned(values) => values,
+            Repr::Lent { .. } => self[..].to_vec(),
+        }
+    }
+}
+
 impl<T> From<Vec<T>> for Buffer<T> {
     fn from(values: Vec<T>) -> Self {
         Self {
@@ -130,6 +141,25 @@ mod tests {
             Buffer::from((0..10).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
         );
         assert_eq!(format!("{copy:?}"), format!("{:?}", &copy[..]));
+    }
+
+    #[test]
+    fn an_owned_buffer_gives_up_its_vector_and_a_lent_one_a_copy() {
+        let values: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let start = values.as_ptr();
+        let owned = Buffer::from(values).into_vec();
+        assert_eq!(owned.as_ptr(), start, "moved, not copied");
+        let shared: Arc<Vec<f32>> = Arc::new(owned);
+        let owner: Arc<dyn Any + Send + Sync> = shared.clone();
+        // SAFETY: `shared` holds 8 f32 that `owner` keeps alive and nobody writes.
+        let lent = unsafe { Buffer::lent(shared.as_ptr(), shared.len(), owner) };
+        let copy = lent.into_vec();
+        assert_ne!(
+            copy.as_ptr(),
+            shared.as_ptr(),
+            "copied out of the lender's memory"
+        );
+        assert_eq!(copy, *shared);
     }
 
     #[test]

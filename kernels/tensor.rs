@@ -240,6 +240,11 @@ impl Tensor {
         &self.storage
     }
 
+    /// The typed buffer, taken out of the tensor (row-major in [`Self::shape`], read first).
+    pub fn into_storage(self) -> Storage {
+        self.storage
+    }
+
     /// The buffer if the tensor is f32.
     pub fn as_f32(&self) -> Option<&[f32]> {
         match &self.storage {

@@ -1,13 +1,14 @@
-//! Build script: compiles `csrc/autograd.cpp` (backpropagation from given gradients, which
-//! `tch` lacks) against the libtorch `tch` links (`$LIBTORCH`, set by `scripts/libtorch.sh`),
-//! and gives `moekit-train` and the trainer's tests an rpath to that libtorch (`$LIBTORCH/lib`),
-//! so they run from `target/release/` without `LD_LIBRARY_PATH`.
+//! Build script: compiles `csrc/shim.cpp` (what the trainer needs from libtorch that `tch`
+//! lacks: backpropagation from given gradients, tensors over memory handed over) against the
+//! libtorch `tch` links (`$LIBTORCH`, set by `scripts/libtorch.sh`), and gives `moekit-train`
+//! and the trainer's tests an rpath to that libtorch (`$LIBTORCH/lib`), so they run from
+//! `target/release/` without `LD_LIBRARY_PATH`.
 
 use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
+    println!("cargo:rerun-if-changed=csrc/shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let libtorch = PathBuf::from(std::env::var("LIBTORCH").expect(
@@ -31,6 +32,6 @@ fn main() {
         .pic(true)
         .std("c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", cxx11_abi.as_str())
-        .file("csrc/autograd.cpp")
-        .compile("moekit_autograd");
+        .file("csrc/shim.cpp")
+        .compile("moekit_shim");
 }

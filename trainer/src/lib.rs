@@ -38,5 +38,6 @@ pub mod oom;
 pub mod optim;
 pub mod parallel;
 pub mod plots;
+pub mod shim;
 pub mod tape;
 pub mod train;

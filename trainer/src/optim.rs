@@ -6,6 +6,7 @@ use anyhow::{Context, Result, ensure};
 use tch::{Kind, Tensor};
 
 use crate::config::{DecayType, LrScheduler, Optimizer};
+use crate::shim;
 
 /// AdamW with decoupled weight decay, the update rule of PyTorch's `torch.optim.AdamW`
 /// (`amsgrad=False`): `p ← p·(1 − lr·wd)`, `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
@@ -129,11 +130,18 @@ impl AdamW {
         });
     }
 
-    /// Clears every parameter's gradient.
-    pub fn zero_grad(&mut self) {
-        for (_, p) in &mut self.params {
-            p.zero_grad();
+    /// Clears every parameter's gradient by releasing it, as PyTorch's `zero_grad` does by
+    /// default (`set_to_none=True`): the next backward's first gradient of a parameter becomes
+    /// its `.grad` (a kernel's result without a copy) instead of being added into zeros, and a
+    /// parameter that gets none is left alone by [`Self::step`].
+    ///
+    /// # Errors
+    /// If libtorch refuses to release a gradient.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        for (name, p) in &self.params {
+            shim::release_grad(p).with_context(|| format!("zero_grad of {name}"))?;
         }
+        Ok(())
     }
 
     /// The global L2 norm of all gradients; when `max_norm > 0` and the norm exceeds it, every

@@ -13,11 +13,10 @@
 //! p, and those operations' graphs end at later cuts, later kernels or the loss, all of which
 //! are backpropagated before p.
 
-use std::ffi::{CStr, c_void};
-
-use anyhow::{Result, bail};
-use moekit_tools::torch::borrow_as_tch;
+use anyhow::Result;
 use tch::Tensor;
+
+use crate::shim;
 
 /// Whether a kernel run outside autograd on `inputs` must record its backward: libtorch
 /// records gradients here (not inside `tch::no_grad`) and one of `inputs` requires grad.
@@ -97,13 +96,13 @@ impl Tape {
                 Entry::Cut { source, leaf } => {
                     let grad = leaf.grad();
                     if grad.defined() {
-                        propagate(&[(source, grad)])?;
+                        shim::backward(vec![(source, grad)])?;
                     }
                 }
                 Entry::Kernel(kernel) => {
                     let grad = kernel.output().grad();
                     if grad.defined() {
-                        propagate_kernel_gradients(&kernel.backward(&grad)?)?;
+                        propagate_kernel_gradients(kernel.backward(&grad)?)?;
                     }
                 }
             }
@@ -112,80 +111,37 @@ impl Tape {
     }
 }
 
-/// [`propagate`] for gradients a kernel computed, read in place: a leaf whose `.grad` already
-/// exists (every parameter after its first step) gets its gradient added into it; the others'
-/// gradients are copied into libtorch's memory first, since autograd may keep a gradient it
-/// is given (as a leaf's `.grad`, or a view of it).
-fn propagate_kernel_gradients(pairs: &[(Tensor, moekit::Tensor)]) -> Result<()> {
-    let mut owned = Vec::new();
-    for (input, grad) in pairs.iter().filter(|(input, _)| input.requires_grad()) {
-        // SAFETY: the borrowed gradient is read only, by the sum into a `.grad` or by a copy,
-        // and dropped at the end of this iteration, while `pairs` still owns its memory; no
-        // libtorch tensor shares its storage afterwards (`to_kind`/`to_device` give new
-        // tensors or the borrowed one, which `copy` replaces).
-        let borrowed = unsafe { borrow_as_tch(grad) };
-        let grad = borrowed.to_kind(input.kind()).to_device(input.device());
-        let accumulated = input
-            .is_leaf()
-            .then(|| input.grad())
-            .filter(Tensor::defined);
-        match accumulated {
-            Some(mut accumulated) => drop(tch::no_grad(|| accumulated.f_add_(&grad))?),
-            None if grad.data_ptr() == borrowed.data_ptr() => {
-                owned.push((input.shallow_clone(), grad.copy()));
-            }
-            None => owned.push((input.shallow_clone(), grad)),
+/// Sends the gradients a kernel computed into the graph, taking them without a copy where
+/// libtorch can own their memory: a leaf whose `.grad` exists (a parameter whose gradient has
+/// another contribution already) gets its gradient added into it; a leaf without one gets the
+/// kernel's memory as its `.grad` (every parameter fed by a kernel, after `zero_grad` releases
+/// the gradients); any other tensor's gradient goes through autograd from there.
+fn propagate_kernel_gradients(pairs: Vec<(Tensor, moekit::Tensor)>) -> Result<()> {
+    let mut through_graph = Vec::new();
+    for (input, grad) in pairs {
+        if !input.requires_grad() {
+            continue;
+        }
+        let grad = shim::into_tch(grad)?
+            .to_kind(input.kind())
+            .to_device(input.device());
+        if !input.is_leaf() {
+            through_graph.push((input, grad));
+            continue;
+        }
+        let mut accumulated = input.grad();
+        if accumulated.defined() {
+            drop(tch::no_grad(|| accumulated.f_add_(&grad))?);
+        } else {
+            shim::set_grad(&input, grad)?;
         }
     }
-    propagate(&owned)
-}
-
-/// Sends each gradient into its tensor's graph, in one backward pass: `autograd::backward` from
-/// the given gradients, which accumulates into the `.grad` of the leaves the graphs reach
-/// (a gradient autograd keeps, as a `.grad`, stays valid: it is a libtorch tensor).
-fn propagate(pairs: &[(Tensor, Tensor)]) -> Result<()> {
-    let (tensors, grads): (Vec<_>, Vec<_>) = pairs
-        .iter()
-        .filter(|(tensor, _)| tensor.requires_grad())
-        .map(|(tensor, grad)| {
-            (
-                tensor.as_ptr().cast::<c_void>(),
-                grad.as_ptr().cast::<c_void>(),
-            )
-        })
-        .unzip();
-    if tensors.is_empty() {
-        return Ok(());
-    }
-    let count = libc::c_int::try_from(tensors.len())?;
-    // SAFETY: both arrays hold `count` pointers to live `tch` tensors (`at::Tensor *`), borrowed
-    // from `pairs` for the call, which only reads them.
-    let error = unsafe { moekit_autograd_backward(tensors.as_ptr(), grads.as_ptr(), count) };
-    if error.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a non-null result is a NUL-terminated message from `strdup`, ours to free.
-    let message = unsafe { CStr::from_ptr(error) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: `error` came from `strdup` and is freed once.
-    unsafe { libc::free(error.cast()) };
-    bail!("backpropagating from given gradients: {message}")
-}
-
-unsafe extern "C" {
-    /// `csrc/autograd.cpp`: `torch::autograd::backward(tensors[..n], grads[..n])` for `tch`
-    /// tensors (`at::Tensor *`); null, or libtorch's error message (freed with `free`).
-    fn moekit_autograd_backward(
-        tensors: *const *const c_void,
-        grads: *const *const c_void,
-        n: libc::c_int,
-    ) -> *mut libc::c_char;
+    shim::backward(through_graph)
 }
 
 #[cfg(test)]
 mod tests {
-    use tch::{Device, Kind};
+    use tch::Kind;
 
     use super::*;
 
@@ -198,61 +154,37 @@ mod tests {
     }
 
     #[test]
-    fn given_gradients_reach_the_leaves_as_autograd_sends_them() {
-        // y = x², z = 3·x: d/dx (g·y + h·z) = 2x·g + 3h, by hand.
-        let x = leaf(&[1.0, -2.0, 0.5]);
-        let (g, h) = ([0.25f32, 1.0, -4.0], [2.0f32, 0.0, 1.0]);
-        let y = &x * &x;
-        let z = &x * 3.0;
-        propagate(&[(y, Tensor::from_slice(&g)), (z, Tensor::from_slice(&h))]).unwrap();
-        let want: Vec<f32> = [1.0f32, -2.0, 0.5]
-            .iter()
-            .zip(g.iter().zip(&h))
-            .map(|(x, (g, h))| 2.0 * x * g + 3.0 * h)
-            .collect();
-        assert_eq!(values(&x.grad()), want);
-    }
-
-    #[test]
-    fn a_gradient_of_the_wrong_shape_is_an_error_naming_the_shapes() {
-        let x = leaf(&[1.0, 2.0]);
-        let y = &x * 2.0;
-        let error = propagate(&[(y, Tensor::ones([3], (Kind::Float, Device::Cpu)))])
-            .expect_err("a [3] gradient for a [2] tensor")
-            .to_string();
-        assert!(
-            error.contains("backpropagating from given gradients"),
-            "{error}"
-        );
-        assert!(error.contains('3') && error.contains('2'), "{error}");
-    }
-
-    #[test]
-    fn kernel_gradients_are_added_into_existing_grads_and_copied_into_new_ones() {
+    fn kernel_gradients_are_added_into_existing_grads_handed_to_new_ones_and_sent_on() {
         let (with_grad, without_grad) = (leaf(&[1.0, 2.0]), leaf(&[3.0, 4.0]));
-        // A `.grad` that exists already, as a parameter's after its first step.
+        // A `.grad` that exists already, as a parameter's after another contribution.
         (&with_grad * 1.0).sum(Kind::Float).backward();
         // A non-leaf: its gradient flows through `·2` into `without_grad`.
         let doubled = &without_grad * 2.0;
-        {
-            let gradients = [
+        let fresh = leaf(&[5.0]);
+        let handed = vec![7.0f32];
+        let handed_at = handed.as_ptr();
+        let pairs = vec![
+            (
+                with_grad.shallow_clone(),
                 moekit::Tensor::from_f32([2], vec![0.5, -1.0]).unwrap(),
+            ),
+            (
+                doubled,
                 moekit::Tensor::from_f32([2], vec![10.0, 20.0]).unwrap(),
-            ];
-            let pairs = [
-                (with_grad.shallow_clone(), gradients[0].clone()),
-                (doubled, gradients[1].clone()),
-            ];
-            propagate_kernel_gradients(&pairs).unwrap();
-        }
-        // The kernel's gradients are dropped; the grads hold their values.
+            ),
+            (
+                fresh.shallow_clone(),
+                moekit::Tensor::from_f32([1], handed).unwrap(),
+            ),
+        ];
+        propagate_kernel_gradients(pairs).unwrap();
         assert_eq!(values(&with_grad.grad()), [1.5, 0.0]);
         assert_eq!(values(&without_grad.grad()), [20.0, 40.0]);
-        let leaf_without_grad = leaf(&[5.0]);
-        {
-            let gradient = moekit::Tensor::from_f32([1], vec![7.0]).unwrap();
-            propagate_kernel_gradients(&[(leaf_without_grad.shallow_clone(), gradient)]).unwrap();
-        }
-        assert_eq!(values(&leaf_without_grad.grad()), [7.0]);
+        // The leaf without a gradient holds the kernel's memory itself.
+        assert_eq!(values(&fresh.grad()), [7.0]);
+        assert_eq!(
+            fresh.grad().data_ptr().cast_const().cast::<f32>(),
+            handed_at
+        );
     }
 }

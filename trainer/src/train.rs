@@ -564,7 +564,7 @@ impl Trainer {
         let mut counts = vec![vec![0.0; experts as usize]; moe_layers.len()];
         let (mut loss_sum, mut aux_sum) = (0.0, 0.0);
 
-        self.optimizer.zero_grad();
+        self.optimizer.zero_grad()?;
         for _ in 0..accumulation {
             let input_ids = self.next_batch();
             let mut tape = Tape::new(self.experts.needs_graph_cuts());

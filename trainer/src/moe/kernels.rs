@@ -19,11 +19,12 @@ use std::time::Duration;
 use anyhow::Result;
 use moekit::experts::{Experts as MoekitExperts, ExpertsInputs, ExpertsSizes};
 use moekit::threads::release_openmp_workers;
-use moekit_tools::torch::{from_tch, to_tch};
+use moekit_tools::torch::from_tch;
 use tch::{Device, Tensor};
 
 use super::{Experts, lend};
 use crate::parallel::TimedComm;
+use crate::shim;
 use crate::tape::{ExternalBackward, Tape, needs_backward};
 
 /// moekit's experts `E` (one rank's or sharded) in the trainer's autograd.
@@ -102,7 +103,7 @@ impl<E: MoekitExperts + 'static> Experts for KernelExperts<E> {
         // Without a gradient to compute (evaluation, no_grad) there is nothing to record.
         let differentiable = needs_backward(&[x, affinities, gate_up, down]);
         let (output, saved) = self.experts.forward(inputs.borrowed(), differentiable)?;
-        let output = to_tch(&output).to_kind(x.kind());
+        let output = shim::into_tch(output)?.to_kind(x.kind());
         let Some(saved) = saved else {
             return Ok(output);
         };
