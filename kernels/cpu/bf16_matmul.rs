@@ -111,7 +111,7 @@ mod x86 {
     use half::bf16;
 
     use crate::cpu::dot::x86::{MR as NT_MR, NR as NT_NR, lane_sums};
-    use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
+    use crate::cpu::tile_walk::{Order, RegisterTiles, aligned_head, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW and BF16; `dst`, `a` and `b` hold `m`, `m` and `n`
@@ -203,7 +203,15 @@ mod x86 {
             k,
         };
         // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
-        unsafe { walk(&product, m, n, aligned_head(b.as_ptr(), n, n)) };
+        unsafe {
+            walk(
+                &product,
+                m,
+                n,
+                aligned_head(b.as_ptr(), n, n),
+                Order::StripsOuter,
+            )
+        };
     }
 
     /// One product's operands, as the tiles read and write them.

@@ -169,6 +169,12 @@ impl Blocking {
 /// The rows of one register tile of `cpu::f32_tiles`.
 const TILE_ROWS: usize = super::tile_walk::MR;
 
+/// Bytes of one core's L2 cache as the OS reports it (Linux: sysfs, read once per process by
+/// the `gemm` crate's detection), or that crate's default of 512 KiB where it reports none.
+pub fn l2_cache_bytes() -> usize {
+    gemm_common::cache::CACHE_INFO[1].cache_bytes
+}
+
 impl std::fmt::Display for Blocking {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

@@ -1124,7 +1124,8 @@ fn transposed_product<E: Element>(
             let mut fits = true;
             for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
                 let start = index * band + k * piece;
-                let (a, b) = (a.columns(start..start + dst.len() / n).t(), b);
+                // Both operands were just written by the row-wise stage: `b` is in the caches.
+                let (a, b) = (a.columns(start..start + dst.len() / n).t(), b.resident());
                 fits &= match E::as_f32_slots(dst) {
                     Some(dst) => all_fit::<f32>(matmul_into(dst, a, b)),
                     None => {

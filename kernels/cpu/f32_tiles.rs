@@ -4,14 +4,17 @@
 //! as much as the product.
 //!
 //! Each 12 × 32 tile of `dst` is 24 accumulators; every step along k loads 32 columns of one
-//! row of `b` and broadcasts one element of each of the tile's 12 rows of `a`. Column strips of
-//! `b` are the outer loop, so a strip (k · 128 bytes) stays in cache while every row tile of
-//! `a` passes it. Each output is the sum over k in ascending order, one fused multiply-add per
-//! term, starting from zero or from `dst`: the order depends only on k.
+//! row of `b` and broadcasts one element of each of the tile's 12 rows of `a`. The caller
+//! chooses the [`Order`] of the tiles: column strips of `b` outer, so a strip (k · 128 bytes)
+//! stays in cache while every row tile of `a` passes it, or row tiles outer, so a tile's rows of
+//! `a` stay in L1 while `b` streams from L2. Each output is the sum over k in ascending order,
+//! one fused multiply-add per term, starting from zero or from `dst`: the order depends only on
+//! k, in either walk.
 
 use std::mem::MaybeUninit;
 
 use super::isa::Isa;
+pub use super::tile_walk::Order;
 
 /// Whether [`matmul`] runs here: the active level has AVX-512 F.
 pub fn available() -> bool {
@@ -29,7 +32,7 @@ pub struct Operands<'a> {
     pub ldb: usize,
 }
 
-/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`.
+/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`, its tiles walked in `order`.
 ///
 /// # Panics
 /// If the CPU lacks AVX-512 F ([`available`]) or an operand's last element lies past its
@@ -39,11 +42,12 @@ pub fn matmul(
     ops: Operands<'_>,
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
+    order: Order,
 ) {
     check(dst.len(), ops, (m, n, k));
     // SAFETY: checked: AVX-512 F, and every element the shapes and strides reach lies inside
     // its buffer; `dst` is initialised, as `accumulate` reads it.
-    unsafe { run(dst.as_mut_ptr(), ops, (m, n, k), accumulate) };
+    unsafe { run(dst.as_mut_ptr(), ops, (m, n, k), accumulate, order) };
 }
 
 /// `dst [m, n] = a · b` into memory not yet written; returns `dst` as the values it now holds.
@@ -55,6 +59,7 @@ pub fn matmul_into<'d>(
     dst: &'d mut [MaybeUninit<f32>],
     ops: Operands<'_>,
     (m, n, k): (usize, usize, usize),
+    order: Order,
 ) -> &'d mut [f32] {
     assert_eq!(
         Some(dst.len()),
@@ -63,7 +68,7 @@ pub fn matmul_into<'d>(
     );
     check(dst.len(), ops, (m, n, k));
     // SAFETY: checked as in `matmul`; without `accumulate` no tile reads `dst`.
-    unsafe { run(dst.as_mut_ptr().cast(), ops, (m, n, k), false) };
+    unsafe { run(dst.as_mut_ptr().cast(), ops, (m, n, k), false, order) };
     // SAFETY: the tiles wrote all m · n elements, which are all of `dst` (asserted);
     // `MaybeUninit<f32>` has `f32`'s layout.
     unsafe { &mut *(std::ptr::from_mut(dst) as *mut [f32]) }
@@ -101,6 +106,7 @@ unsafe fn run(
     ops: Operands<'_>,
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
+    order: Order,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -108,7 +114,7 @@ unsafe fn run(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: forwarded (the caller's contract).
     unsafe {
-        x86::matmul(dst, ops, (m, n, k), accumulate);
+        x86::matmul(dst, ops, (m, n, k), accumulate, order);
     }
 }
 
@@ -118,7 +124,7 @@ unsafe fn run(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::Operands;
+    use super::{Operands, Order};
     use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
 
     /// # Safety
@@ -130,6 +136,7 @@ mod x86 {
         ops: Operands<'_>,
         (m, n, k): (usize, usize, usize),
         accumulate: bool,
+        order: Order,
     ) {
         let product = Product {
             d: dst,
@@ -143,7 +150,15 @@ mod x86 {
             accumulate,
         };
         // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
-        unsafe { walk(&product, m, n, aligned_head(ops.b.as_ptr(), ops.ldb, n)) };
+        unsafe {
+            walk(
+                &product,
+                m,
+                n,
+                aligned_head(ops.b.as_ptr(), ops.ldb, n),
+                order,
+            )
+        };
     }
 
     /// One product's operands, as the tiles read and write them.

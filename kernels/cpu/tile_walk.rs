@@ -1,8 +1,9 @@
 //! The walk the register-tiled kernels share ([`super::f32_tiles`], [`super::bf16_matmul`]):
-//! an output `[m, n]` in tiles of up to [`MR`] rows by [`NR`] columns, 32-column strips
-//! outer, so that a strip of `b` stays in cache while every row tile of `a` passes it. The
-//! kernels keep their tile's row count a compile-time constant (one accumulator array per
-//! count); the walk picks the instance.
+//! an output `[m, n]` in tiles of up to [`MR`] rows by [`NR`] columns, 32-column strips outer
+//! (a strip of `b` stays in cache while every row tile of `a` passes it) or row tiles outer
+//! (a row tile of `a` stays in L1 while it meets every strip of `b`): [`Order`]. The kernels
+//! keep their tile's row count a compile-time constant (one accumulator array per count); the
+//! walk picks the instance.
 
 /// Columns per register tile: two 16-lane f32 accumulators per row.
 pub const NR: usize = 32;
@@ -37,37 +38,81 @@ pub fn aligned_head<T>(b: *const T, ldb: usize, n: usize) -> usize {
     (LINE - offset) / size
 }
 
-/// Runs `kernel` on every tile of an `[m, n]` output, strips of [`NR`] columns outer, the
-/// first of them `head` columns wide when `head` is not 0 ([`aligned_head`]).
+/// The order in which [`walk`] visits an output's register tiles. Each output's sum is the
+/// same in either order (its terms come from its own row of `a` and column of `b`, in k order),
+/// so the order changes only which operand the caches keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// Strips of [`NR`] columns outer: a strip of `b` stays in cache while every row tile of
+    /// `a` passes it, so `b` is read from memory once, a strip at a time (the kernels prefetch
+    /// the next strip while they multiply the current one): for weights streamed from memory.
+    StripsOuter,
+    /// Row tiles outer: a tile's rows of `a` stay in L1 while they meet every strip of `b`,
+    /// which the caches must then hold whole: for a `b` the caller has just written (a weight
+    /// gradient's activation gradients), read from L2 by every row tile.
+    RowTilesOuter,
+}
+
+/// Runs `kernel` on every tile of an `[m, n]` output, in `order`; the first strip of columns is
+/// `head` columns wide when `head` is not 0 ([`aligned_head`]).
 ///
 /// # Safety
 /// Every tile of `[m, n]` must satisfy the kernel's contract; `head < NR`.
 #[inline]
-pub unsafe fn walk(kernel: &impl RegisterTiles, m: usize, n: usize, head: usize) {
+pub unsafe fn walk(kernel: &impl RegisterTiles, m: usize, n: usize, head: usize, order: Order) {
     debug_assert!(head < NR, "a head strip narrower than NR");
-    let mut c0 = 0;
-    while c0 < n {
-        let cols = if c0 == 0 && head > 0 { head } else { NR }.min(n - c0);
-        for r0 in (0..m).step_by(MR) {
-            // SAFETY: a tile of [m, n] (the caller's contract) of at most MR rows, NR columns.
-            unsafe {
-                match (m - r0).min(MR) {
-                    12 => kernel.tile::<12>(r0, c0, cols),
-                    11 => kernel.tile::<11>(r0, c0, cols),
-                    10 => kernel.tile::<10>(r0, c0, cols),
-                    9 => kernel.tile::<9>(r0, c0, cols),
-                    8 => kernel.tile::<8>(r0, c0, cols),
-                    7 => kernel.tile::<7>(r0, c0, cols),
-                    6 => kernel.tile::<6>(r0, c0, cols),
-                    5 => kernel.tile::<5>(r0, c0, cols),
-                    4 => kernel.tile::<4>(r0, c0, cols),
-                    3 => kernel.tile::<3>(r0, c0, cols),
-                    2 => kernel.tile::<2>(r0, c0, cols),
-                    _ => kernel.tile::<1>(r0, c0, cols),
+    let strips = || {
+        let mut c0 = 0;
+        std::iter::from_fn(move || {
+            (c0 < n).then(|| {
+                let cols = if c0 == 0 && head > 0 { head } else { NR }.min(n - c0);
+                c0 += cols;
+                (c0 - cols, cols)
+            })
+        })
+    };
+    match order {
+        Order::StripsOuter => {
+            for (c0, cols) in strips() {
+                for r0 in (0..m).step_by(MR) {
+                    // SAFETY: a tile of [m, n] (the caller's contract).
+                    unsafe { tile(kernel, m, r0, c0, cols) };
                 }
             }
         }
-        c0 += cols;
+        Order::RowTilesOuter => {
+            for r0 in (0..m).step_by(MR) {
+                for (c0, cols) in strips() {
+                    // SAFETY: as above.
+                    unsafe { tile(kernel, m, r0, c0, cols) };
+                }
+            }
+        }
+    }
+}
+
+/// `kernel`'s tile at `(r0, c0)`: the rows left of `m` up to [`MR`], `cols` columns.
+///
+/// # Safety
+/// As [`walk`], for this tile.
+#[inline]
+unsafe fn tile(kernel: &impl RegisterTiles, m: usize, r0: usize, c0: usize, cols: usize) {
+    // SAFETY: a tile of [m, n] (the caller's contract) of at most MR rows, NR columns.
+    unsafe {
+        match (m - r0).min(MR) {
+            12 => kernel.tile::<12>(r0, c0, cols),
+            11 => kernel.tile::<11>(r0, c0, cols),
+            10 => kernel.tile::<10>(r0, c0, cols),
+            9 => kernel.tile::<9>(r0, c0, cols),
+            8 => kernel.tile::<8>(r0, c0, cols),
+            7 => kernel.tile::<7>(r0, c0, cols),
+            6 => kernel.tile::<6>(r0, c0, cols),
+            5 => kernel.tile::<5>(r0, c0, cols),
+            4 => kernel.tile::<4>(r0, c0, cols),
+            3 => kernel.tile::<3>(r0, c0, cols),
+            2 => kernel.tile::<2>(r0, c0, cols),
+            _ => kernel.tile::<1>(r0, c0, cols),
+        }
     }
 }
 

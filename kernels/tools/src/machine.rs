@@ -46,6 +46,9 @@ pub struct Host {
     pub blocking: Result<Blocking, String>,
     /// Whether [`BLOCKING_VARIABLE`] chose the blocking.
     pub blocking_requested: bool,
+    /// One core's L2 cache in bytes as the kernels read it ([`blocking::l2_cache_bytes`]): the
+    /// register tiles walk row tiles outer over operands in cache up to half of it.
+    pub l2_bytes: usize,
 }
 
 impl Host {
@@ -63,6 +66,7 @@ impl Host {
             vendor: blocking::cpu_vendor().unwrap_or_else(|| "unknown".to_owned()),
             blocking: Blocking::selected().map_err(|e| e.to_string()),
             blocking_requested: Blocking::requested().is_some(),
+            l2_bytes: blocking::l2_cache_bytes(),
         }
     }
 
@@ -86,7 +90,10 @@ impl Host {
             ),
             Ok(blocking) => format!("{blocking} (detected: {})", self.vendor),
         };
-        format!("cpu kernels: {level}; panels: {panels}")
+        format!(
+            "cpu kernels: {level}; panels: {panels}; L2 {} KiB",
+            self.l2_bytes >> 10
+        )
     }
 }
 
