@@ -26,9 +26,17 @@ use crate::contracts::{
 use crate::error::Result;
 use crate::tensor::{Floats, Storage, Tensor, try_filled};
 
-/// Rows of `d_w [H, E]` per task of the router backward: each task reads `d_logits` whole, so
-/// a band spans several of the packed panels' columns.
+/// Most rows of `d_w [H, E]` per task of the router backward: each task reads `d_logits`
+/// whole, so a band spans several of the packed panels' columns.
 const D_W_BAND: usize = 256;
+
+/// Rows of `d_w [H, E]` per task: [`D_W_BAND`], or half of H (in whole 16-row runs) where H
+/// holds fewer than two such bands, so that both cores share the product (qwen3-moe-small's
+/// H = 256 made it one task on one core). A function of H alone; each element's sum over the
+/// tokens runs in the same order in whichever band it falls.
+fn d_w_band(h: usize) -> usize {
+    h.div_ceil(2).next_multiple_of(16).clamp(16, D_W_BAND)
+}
 
 /// Most tokens per task of the products with the router weights. Each task packs all of the
 /// weights (`[H, E]`, 1 MiB at Qwen3-30B-A3B's H = 2048, E = 128) for its tokens' products, so
@@ -383,15 +391,16 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         );
     // d_w [H, E] = xᵀ · d_logits, as its transpose d_logitsᵀ · x on packed panels of x (the
     // whole token reduction inside one product; d_logitsᵀ read in place, `cpu::matmul`
-    // deciding how), in bands of D_W_BAND rows of d_w; bf16 tokens widened as they are packed.
+    // deciding how), in bands of `d_w_band` rows of d_w; bf16 tokens widened as they are packed.
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
     let x = x.floats().expect("the contract checked x's dtype");
     let d_logits_t = MatRef::row_major(&d_logits, t, e).t();
     let mut d_w = try_filled(&output(&rtb::D_W), &[h, e], 0.0f32)?;
-    d_w.par_chunks_mut(D_W_BAND * e).enumerate().for_each_init(
+    let band_rows = d_w_band(h);
+    d_w.par_chunks_mut(band_rows * e).enumerate().for_each_init(
         || (Vec::new(), Vec::new()),
         |(d_w_t, panel), (band, d_w)| {
-            let rows = band * D_W_BAND..band * D_W_BAND + d_w.len() / e;
+            let rows = band * band_rows..band * band_rows + d_w.len() / e;
             let width = rows.len();
             d_w_t.resize(e * width, 0.0);
             // d_wᵀ [E, rows] = d_logitsᵀ · x [T, rows].
