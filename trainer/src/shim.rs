@@ -163,16 +163,18 @@ unsafe extern "C" {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use tch::{Device, Kind};
 
     use super::*;
 
-    fn leaf(values: &[f32]) -> Tensor {
+    /// A leaf of `values` that requires grad.
+    pub(crate) fn leaf(values: &[f32]) -> Tensor {
         Tensor::from_slice(values).set_requires_grad(true)
     }
 
-    fn values(tensor: &Tensor) -> Vec<f32> {
+    /// An f32 tensor's elements.
+    pub(crate) fn values(tensor: &Tensor) -> Vec<f32> {
         Vec::<f32>::try_from(tensor).expect("an f32 tensor")
     }
 

@@ -144,14 +144,7 @@ mod tests {
     use tch::Kind;
 
     use super::*;
-
-    fn leaf(values: &[f32]) -> Tensor {
-        Tensor::from_slice(values).set_requires_grad(true)
-    }
-
-    fn values(tensor: &Tensor) -> Vec<f32> {
-        Vec::<f32>::try_from(tensor).expect("an f32 tensor")
-    }
+    use crate::shim::tests::{leaf, values};
 
     #[test]
     fn kernel_gradients_are_added_into_existing_grads_handed_to_new_ones_and_sent_on() {
