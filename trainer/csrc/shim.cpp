@@ -1,11 +1,13 @@
 // What the trainer needs from libtorch that its C API (and so `tch`) does not expose:
 // backpropagation from given gradients (`tch` backpropagates only from a scalar, with an
 // implicit gradient of one), tensors over memory handed over with a deleter (`tch`'s
-// `from_blob` only borrows), and a leaf's `.grad` set or released without autograd.
+// `from_blob` only borrows), a leaf's `.grad` set or released without autograd, and AdamW's
+// fused update (`tch` leaves out libtorch's tensor-list ops).
 //
 // Every pointer to a tensor is a `tch` tensor (`at::Tensor *`). A function that can fail
 // returns null, or libtorch's error message in memory the caller frees with `free`.
 
+#include <ATen/ops/_fused_adamw.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
@@ -76,6 +78,35 @@ extern "C" char *moekit_set_grad(at::Tensor *tensor, at::Tensor *grad) {
 extern "C" char *moekit_release_grad(at::Tensor *tensor) {
   try {
     tensor->mutable_grad().reset();
+    return nullptr;
+  } catch (const std::exception &error) {
+    return strdup(error.what());
+  }
+}
+
+// One AdamW step (`torch.optim.AdamW(fused=True)`, `amsgrad=False`) of each `params[i]` from
+// `grads[i]`, with the moments `exp_avgs[i]` and `exp_avg_sqs[i]`, at the 1-based step count
+// held by the scalar `*step`: libtorch's `_fused_adamw_`, one pass over each parameter. The
+// caller checks that the tensors of each i share shape, dtype and device and are contiguous.
+extern "C" char *moekit_fused_adamw(at::Tensor *const *params, at::Tensor *const *grads,
+                                    at::Tensor *const *exp_avgs,
+                                    at::Tensor *const *exp_avg_sqs, const at::Tensor *step,
+                                    int n, double lr, double beta1, double beta2,
+                                    double weight_decay, double eps) {
+  try {
+    std::vector<at::Tensor> lists[4];
+    for (auto &list : lists) {
+      list.reserve(n);
+    }
+    for (int i = 0; i < n; ++i) {
+      lists[0].push_back(*params[i]);
+      lists[1].push_back(*grads[i]);
+      lists[2].push_back(*exp_avgs[i]);
+      lists[3].push_back(*exp_avg_sqs[i]);
+    }
+    const std::vector<at::Tensor> steps(n, *step);
+    at::_fused_adamw_(lists[0], lists[1], lists[2], lists[3], {}, steps, lr, beta1, beta2,
+                      weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
     return nullptr;
   } catch (const std::exception &error) {
     return strdup(error.what());

@@ -112,7 +112,11 @@ impl AdamW {
                     "optimizer state `{key}` holds {:?} values; it is written in f32",
                     value.kind()
                 );
-                *moment = value.to_kind(Kind::Float).to_device(p.device()).copy();
+                *moment = value
+                    .to_kind(Kind::Float)
+                    .to_device(p.device())
+                    .contiguous()
+                    .copy();
             }
         }
         self.step = steps_taken;
@@ -163,11 +167,12 @@ impl AdamW {
             if !grad.defined() {
                 continue;
             }
+            // One read of the gradient (no squared copy), accumulated in f32 by libtorch's
+            // cascade sum; the squares of the norms add in f64.
             let square = grad
-                .to_kind(Kind::Float)
-                .square()
-                .sum(Kind::Double)
-                .double_value(&[]);
+                .norm_scalaropt_dtype(2.0, Kind::Float)
+                .double_value(&[])
+                .powi(2);
             if sharded(name) {
                 squares.1 += square;
             } else {
@@ -193,47 +198,57 @@ impl AdamW {
         }
     }
 
-    /// One update at learning rate `lr`; parameters without a gradient are left alone.
-    pub fn step(&mut self, lr: f64) {
+    /// One update at learning rate `lr`, in one pass over each parameter and its moments
+    /// (libtorch's fused AdamW); parameters without a gradient are left alone.
+    ///
+    /// # Errors
+    /// If libtorch refuses the update (it checks the tensors' devices and dtypes).
+    pub fn step(&mut self, lr: f64) -> Result<()> {
         self.step += 1;
-        let [beta1, beta2] = self.betas;
-        // β^step: `powi` takes an i32 exponent, so a step count past it (a resumed state can
-        // hold any) goes through `powf`.
-        let step = self.step;
-        let power = |beta: f64| {
-            i32::try_from(step).map_or_else(|_| beta.powf(step as f64), |step| beta.powi(step))
+        let Some((_, first)) = self.params.first() else {
+            return Ok(());
         };
-        let bias_correction1 = 1.0 - power(beta1);
-        let bias_correction2_sqrt = (1.0 - power(beta2)).sqrt();
-        let step_size = lr / bias_correction1;
+        // libtorch reads the count from an f32 scalar, as `torch.optim.AdamW(fused=True)`
+        // holds it: exact up to 2²⁴ steps, and β^step barely moves between neighbours beyond.
+        let step = Tensor::from(self.step as f32).to_device(first.device());
+        let mut grads = Vec::with_capacity(self.params.len());
+        let mut targets = Vec::with_capacity(self.params.len());
+        let mut moments = Vec::with_capacity(self.params.len());
+        for ((((_, p), m), v), master) in self
+            .params
+            .iter()
+            .zip(&self.exp_avg)
+            .zip(&self.exp_avg_sq)
+            .zip(&self.master)
+        {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            // f32 parameters are updated in place; others through their master copy.
+            grads.push(grad.to_kind(Kind::Float).contiguous());
+            targets.push(master.as_ref().unwrap_or(p));
+            moments.push((m, v));
+        }
+        let updates: Vec<[&Tensor; 4]> = targets
+            .iter()
+            .zip(&grads)
+            .zip(&moments)
+            .map(|((target, grad), (m, v))| [*target, grad, *m, *v])
+            .collect();
         tch::no_grad(|| {
-            for ((((_, p), m), v), master) in self
-                .params
-                .iter_mut()
-                .zip(&mut self.exp_avg)
-                .zip(&mut self.exp_avg_sq)
-                .zip(&self.master)
-            {
-                let grad = p.grad();
-                if !grad.defined() {
-                    continue;
-                }
-                let grad = grad.to_kind(Kind::Float);
-                // f32 parameters are updated in place; others through their master copy.
-                let mut master = master
-                    .as_ref()
-                    .map_or_else(|| p.shallow_clone(), Tensor::shallow_clone);
-                let _ = master.g_mul_scalar_(1.0 - lr * self.weight_decay);
-                let _ = m.lerp_(&grad, 1.0 - beta1);
-                let _ = v.g_mul_scalar_(beta2);
-                let _ = v.addcmul_(&(&grad * (1.0 - beta2)), &grad);
-                let denom = v.sqrt() / bias_correction2_sqrt + self.eps;
-                let _ = master.addcdiv_(&(&*m * -step_size), &denom);
-                if p.kind() != Kind::Float {
-                    p.copy_(&master);
+            shim::fused_adamw(&updates, &step, lr, self.betas, self.weight_decay, self.eps)
+        })?;
+        tch::no_grad(|| {
+            for ((_, p), master) in self.params.iter().zip(&self.master) {
+                if let Some(master) = master
+                    && p.grad().defined()
+                {
+                    p.shallow_clone().copy_(master);
                 }
             }
         });
+        Ok(())
     }
 }
 

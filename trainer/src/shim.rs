@@ -1,7 +1,7 @@
 //! What the trainer needs from libtorch that `tch` does not expose, through the small C++ shim
 //! `csrc/shim.cpp` built against the same libtorch: backpropagation from given gradients,
-//! kernel results handed to libtorch without a copy, and a leaf's `.grad` set or released
-//! without autograd.
+//! kernel results handed to libtorch without a copy, a leaf's `.grad` set or released
+//! without autograd, and AdamW's fused update.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 
@@ -124,6 +124,83 @@ pub fn release_grad(tensor: &Tensor) -> Result<()> {
     checked(error).context("releasing a gradient")
 }
 
+/// One AdamW update (`torch.optim.AdamW(fused=True)`, `amsgrad=False`) of every
+/// `[param, grad, exp_avg, exp_avg_sq]` in `updates`, at the 1-based step count held by the f32
+/// scalar `step` (libtorch's `_fused_adamw_`, which reads it as an integer), learning rate
+/// `lr` and `torch.optim.AdamW`'s `betas`, `weight_decay` and `eps`: each parameter and its
+/// moments in one pass, instead of one pass per elementwise op. The four tensors of an update
+/// share shape, dtype and device, and are contiguous.
+pub fn fused_adamw(
+    updates: &[[&Tensor; 4]],
+    step: &Tensor,
+    lr: f64,
+    [beta1, beta2]: [f64; 2],
+    weight_decay: f64,
+    eps: f64,
+) -> Result<()> {
+    const ROLES: [&str; 4] = ["parameter", "gradient", "exp_avg", "exp_avg_sq"];
+    ensure!(
+        step.dim() == 0 && step.kind() == tch::Kind::Float,
+        "the step count is an f32 scalar, not {:?} of shape {:?}",
+        step.kind(),
+        step.size()
+    );
+    for (index, update) in updates.iter().enumerate() {
+        let [param, ..] = update;
+        for (role, tensor) in ROLES.iter().zip(update) {
+            ensure!(
+                tensor.size() == param.size()
+                    && tensor.kind() == param.kind()
+                    && tensor.device() == param.device()
+                    && tensor.is_contiguous(),
+                "AdamW update {index}: the {role} is {:?} {:?} on {:?} (contiguous: {}), \
+                 the parameter {:?} {:?} on {:?}",
+                tensor.kind(),
+                tensor.size(),
+                tensor.device(),
+                tensor.is_contiguous(),
+                param.kind(),
+                param.size(),
+                param.device()
+            );
+        }
+        ensure!(
+            step.device() == param.device(),
+            "AdamW update {index}: the step count is on {:?}, the parameter on {:?}",
+            step.device(),
+            param.device()
+        );
+    }
+    if updates.is_empty() {
+        return Ok(());
+    }
+    let role = |role: usize| -> Vec<*mut c_void> {
+        updates
+            .iter()
+            .map(|update| update[role].as_ptr().cast_mut().cast())
+            .collect()
+    };
+    let [params, grads, exp_avgs, exp_avg_sqs] = [0, 1, 2, 3].map(role);
+    // SAFETY: each array holds `updates.len()` pointers to live `tch` tensors, checked above to
+    // match as the shim requires; the shim updates them in place and keeps no reference.
+    let error = unsafe {
+        moekit_fused_adamw(
+            params.as_ptr(),
+            grads.as_ptr(),
+            exp_avgs.as_ptr(),
+            exp_avg_sqs.as_ptr(),
+            step.as_ptr().cast(),
+            c_int::try_from(updates.len())?,
+            lr,
+            beta1,
+            beta2,
+            weight_decay,
+            eps,
+        )
+    };
+    checked(error).context("AdamW's fused update")
+}
+
 /// `Ok` for a null result of the shim, else its message (which this frees) as the error.
 fn checked(error: *mut c_char) -> Result<()> {
     if error.is_null() {
@@ -160,6 +237,21 @@ unsafe extern "C" {
     fn moekit_set_grad(tensor: *mut c_void, grad: *mut c_void) -> *mut c_char;
     /// `tensor->mutable_grad().reset()`.
     fn moekit_release_grad(tensor: *mut c_void) -> *mut c_char;
+    /// `at::_fused_adamw_` over `n` parameters, gradients and moments, at step `*step`.
+    #[allow(clippy::too_many_arguments)]
+    fn moekit_fused_adamw(
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        step: *const c_void,
+        n: c_int,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> *mut c_char;
 }
 
 #[cfg(test)]
@@ -279,5 +371,64 @@ pub(crate) mod tests {
         assert!(!x.grad().defined());
         let wrong = set_grad(&x, Tensor::from_slice(&[1.0f32, 2.0, 3.0])).unwrap_err();
         assert!(wrong.to_string().contains("[3]"), "{wrong}");
+    }
+
+    #[test]
+    fn the_fused_adamw_update_follows_torch_adamw_from_given_moments() {
+        let (lr, [b1, b2], wd, eps, t) = (1e-2, [0.9, 0.95], 0.1, 1e-8, 3);
+        let (p0, g) = ([0.5f32, -1.25, 2.0], [0.3f32, -0.7, 1e-3]);
+        let (m0, v0) = ([0.1f32, 0.0, -0.2], [0.04f32, 0.5, 1e-6]);
+        let [p, grad, m, v] = [p0, g, m0, v0].map(|x| Tensor::from_slice(&x));
+        let step = Tensor::from(t as f32);
+        fused_adamw(&[[&p, &grad, &m, &v]], &step, lr, [b1, b2], wd, eps).unwrap();
+        // `torch.optim.AdamW`'s update, in f64.
+        let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        for i in 0..3 {
+            let (p0, g, m0, v0) = (p0[i] as f64, g[i] as f64, m0[i] as f64, v0[i] as f64);
+            let m1 = b1 * m0 + (1.0 - b1) * g;
+            let v1 = b2 * v0 + (1.0 - b2) * g * g;
+            let p1 = p0 * (1.0 - lr * wd) - lr / bc1 * m1 / (v1.sqrt() / bc2.sqrt() + eps);
+            for (name, got, want) in [("p", &p, p1), ("exp_avg", &m, m1), ("exp_avg_sq", &v, v1)] {
+                let got = f64::from(values(got)[i]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                    "{name}[{i}]: {got} against {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_fused_adamw_update_of_mismatched_tensors_is_an_error_naming_them() {
+        let p = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+        let step = Tensor::from(1f32);
+        let short = Tensor::zeros([2, 2], (Kind::Float, Device::Cpu));
+        let error = fused_adamw(&[[&p, &p, &short, &p]], &step, 1e-3, [0.9, 0.99], 0.0, 1e-8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("exp_avg") && error.contains("[2, 2]"),
+            "{error}"
+        );
+        let transposed = Tensor::zeros([3, 2], (Kind::Float, Device::Cpu)).tr();
+        let error = fused_adamw(
+            &[[&p, &transposed, &p, &p]],
+            &step,
+            1e-3,
+            [0.9, 0.99],
+            0.0,
+            1e-8,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("gradient") && error.contains("contiguous: false"),
+            "{error}"
+        );
+        let counted = Tensor::from(1f64);
+        let error = fused_adamw(&[[&p, &p, &p, &p]], &counted, 1e-3, [0.9, 0.99], 0.0, 1e-8)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("f32 scalar"), "{error}");
     }
 }

@@ -616,7 +616,7 @@ impl Trainer {
             self.config.optimizer.lr,
             &self.config.lr_scheduler,
         );
-        self.optimizer.step(lr);
+        self.optimizer.step(lr)?;
         if training.load_balance_coeff > 0.0 {
             self.update_expert_biases(&counts);
         }
