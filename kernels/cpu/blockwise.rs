@@ -48,7 +48,7 @@ use super::rows::{
     scale_rows,
 };
 use super::scratch::PerThread;
-use super::transpose::{TILE, Tile, transpose};
+use super::transpose::{TILE, Tile, load_row, store_row, transpose};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
@@ -863,21 +863,17 @@ fn transpose_block<G: Element>(
         for c0 in (0..c).step_by(TILE) {
             let cols = (c - c0).min(TILE);
             for (tile_row, src) in tile.iter_mut().zip(slots) {
-                match *src {
-                    Some(r) => {
-                        tile_row[..cols].copy_from_slice(&rows[r * c + c0..r * c + c0 + cols])
-                    }
-                    None => match padding {
-                        Some(p) => tile_row[..cols].copy_from_slice(&p[c0..c0 + cols]),
-                        None => tile_row[..cols].fill(0.0),
-                    },
+                match (*src, padding) {
+                    (Some(r), _) => load_row(tile_row, &rows[r * c + c0..][..cols], |v| v),
+                    (None, Some(p)) => load_row(tile_row, &p[c0..c0 + cols], |v| v),
+                    (None, None) => tile_row.fill(0.0),
                 }
             }
             transpose(&mut tile);
             for (out, column) in block_t[c0 * b..].chunks_mut(b).zip(&tile).take(cols) {
-                for (value, &v) in out[j0..j0 + slots.len()].iter_mut().zip(column) {
-                    value.write(G::round(v));
-                }
+                store_row(&mut out[j0..j0 + slots.len()], column, |v| {
+                    MaybeUninit::new(G::round(v))
+                });
             }
         }
     }
@@ -1090,14 +1086,11 @@ fn gather_block_columns<T: Copy>(
             for c0 in (0..c).step_by(TILE) {
                 let cols = (c - c0).min(TILE);
                 for (dc, tile_row) in tile.iter_mut().take(cols).enumerate() {
-                    let stored = &block[(c0 + dc) * b + j0..][..width];
-                    for (value, &x) in tile_row.iter_mut().zip(stored) {
-                        *value = widen(x);
-                    }
+                    load_row(tile_row, &block[(c0 + dc) * b + j0..][..width], &widen);
                 }
                 transpose(&mut tile);
                 for (row, &slot) in rows[next * c..].chunks_exact_mut(c).zip(tile_slots) {
-                    row[c0..c0 + cols].copy_from_slice(&tile[slot - first - j0][..cols]);
+                    store_row(&mut row[c0..c0 + cols], &tile[slot - first - j0], |v| v);
                 }
             }
             next += count;

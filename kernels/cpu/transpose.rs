@@ -27,6 +27,39 @@ pub fn transpose(tile: &mut Tile) {
     }
 }
 
+/// `values` (at most [`TILE`] of them, widened by `widen`) into the front of `row`. A full row
+/// is one fixed-size move, which compiles to a vector load and store where a slice copy of
+/// unknown length calls `memmove`.
+#[inline(always)]
+pub fn load_row<T: Copy>(row: &mut [f32; TILE], values: &[T], widen: impl Fn(T) -> f32) {
+    match <&[T; TILE]>::try_from(values) {
+        Ok(full) => *row = full.map(widen),
+        Err(_) => {
+            for (value, &v) in row.iter_mut().zip(values) {
+                *value = widen(v);
+            }
+        }
+    }
+}
+
+/// The front of `row`, narrowed by `narrow`, into the whole of `out` (at most [`TILE`] values),
+/// as one fixed-size move when `out` is a full row ([`load_row`]'s converse).
+#[inline(always)]
+pub fn store_row<T>(out: &mut [T], row: &[f32; TILE], narrow: impl Fn(f32) -> T) {
+    match <&mut [T; TILE]>::try_from(&mut *out) {
+        Ok(full) => {
+            for (value, &v) in full.iter_mut().zip(row) {
+                *value = narrow(v);
+            }
+        }
+        Err(_) => {
+            for (value, &v) in out.iter_mut().zip(row) {
+                *value = narrow(v);
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -93,6 +126,23 @@ mod tests {
                     Isa::active()
                 );
             }
+        }
+    }
+
+    #[test]
+    fn rows_move_whole_or_in_part_and_leave_the_rest() {
+        let values: Vec<f32> = (0..TILE).map(|v| v as f32 + 0.25).collect();
+        for len in [TILE, TILE - 1, 3, 0] {
+            let mut row = [-1.0; TILE];
+            load_row(&mut row, &values[..len], |v| 2.0 * v);
+            for (j, &got) in row.iter().enumerate() {
+                let want = if j < len { 2.0 * values[j] } else { -1.0 };
+                assert_eq!(got, want, "load_row of {len}: [{j}]");
+            }
+            let mut out = vec![0.0f64; len];
+            store_row(&mut out, &row, f64::from);
+            let want: Vec<f64> = row[..len].iter().map(|&v| f64::from(v)).collect();
+            assert_eq!(out, want, "store_row of {len}");
         }
     }
 }
