@@ -5,7 +5,7 @@
 //! round-robin (one step of each implementation in turn), so slow drifts of a shared machine
 //! affect all of them alike; each reports the median step time after its warmup steps.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use moekit_tools::bench::limits::MachineLimits;
@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::config::JobConfig;
 use crate::model::ModelConfig;
 use crate::moe::MoeImpl;
-use crate::train::Trainer;
+use crate::train::{StepPhases, Trainer};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -42,6 +42,32 @@ pub struct BenchRow {
     /// Throughput relative to `torch` and `grouped_mm` when they were measured.
     pub vs_torch: Option<f64>,
     pub vs_grouped_mm: Option<f64>,
+    /// Median milliseconds of each phase of a step ([`StepPhases`]), each its own median.
+    pub phases_ms: PhasesMs,
+}
+
+/// Median milliseconds per step of each of [`StepPhases`]' phases.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PhasesMs {
+    pub forward: f64,
+    pub backward: f64,
+    pub clip: f64,
+    pub optimizer: f64,
+}
+
+impl PhasesMs {
+    /// Each phase's median over `steps`.
+    fn median_of(steps: &[StepPhases]) -> Self {
+        let phase = |of: fn(&StepPhases) -> Duration| {
+            median(steps.iter().map(|s| of(s).as_secs_f64() * 1e3).collect())
+        };
+        Self {
+            forward: phase(|s| s.forward),
+            backward: phase(|s| s.backward),
+            clip: phase(|s| s.clip),
+            optimizer: phase(|s| s.optimizer),
+        }
+    }
 }
 
 /// Training FLOPs per token (forward + backward = 3 × forward): `6 · active matmul
@@ -83,13 +109,20 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
         })
         .collect::<Result<Vec<_>>>()?;
     let mut times = vec![Vec::new(); trainers.len()];
+    let mut phases = vec![Vec::new(); trainers.len()];
     let mut last_loss = vec![0.0; trainers.len()];
     for step in 0..total {
-        for ((trainer, times), loss) in trainers.iter_mut().zip(&mut times).zip(&mut last_loss) {
+        let measured = trainers
+            .iter_mut()
+            .zip(&mut times)
+            .zip(&mut phases)
+            .zip(&mut last_loss);
+        for (((trainer, times), phases), loss) in measured {
             let start = Instant::now();
             let metrics = trainer.step()?;
             if step >= options.warmup {
                 times.push(start.elapsed().as_secs_f64() * 1e3);
+                phases.push(metrics.phases);
             }
             *loss = metrics.loss;
         }
@@ -103,8 +136,9 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
         .impls
         .iter()
         .zip(times)
+        .zip(phases)
         .zip(last_loss)
-        .map(|((moe, times), last_loss)| {
+        .map(|(((moe, times), phases), last_loss)| {
             let step_ms = median(times);
             let tokens_per_second = tokens / (step_ms / 1e3);
             BenchRow {
@@ -115,6 +149,7 @@ pub fn bench(config: &JobConfig, options: &BenchOptions) -> Result<(MachineLimit
                 last_loss,
                 vs_torch: None,
                 vs_grouped_mm: None,
+                phases_ms: PhasesMs::median_of(&phases),
             }
         })
         .collect();
@@ -161,6 +196,17 @@ pub fn table(limits: &MachineLimits, rows: &[BenchRow]) -> String {
             ratio(row.vs_torch),
             ratio(row.vs_grouped_mm),
             row.last_loss
+        ));
+    }
+    out.push_str(&format!(
+        "median ms per phase:\n{:<12} {:>10} {:>10} {:>9} {:>9}\n",
+        "moe", "forward", "backward", "clip", "AdamW"
+    ));
+    for row in rows {
+        let p = &row.phases_ms;
+        out.push_str(&format!(
+            "{:<12} {:>10.1} {:>10.1} {:>9.1} {:>9.1}\n",
+            row.moe, p.forward, p.backward, p.clip, p.optimizer
         ));
     }
     out

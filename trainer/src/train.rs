@@ -61,6 +61,23 @@ pub struct StepMetrics {
     /// The assignments themselves, `[MoE layers][E]` (not written to metrics.jsonl).
     #[serde(skip)]
     pub expert_counts: Vec<Vec<f64>>,
+    /// Where the step's wall time went (not written to metrics.jsonl; `moekit-train bench`
+    /// reports it).
+    #[serde(skip)]
+    pub phases: StepPhases,
+}
+
+/// The wall time of one optimizer step's phases, summed over its micro-batches.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepPhases {
+    /// The model's forward, the losses and the ranks' mean of them.
+    pub forward: Duration,
+    /// The tape's backward (libtorch's autograd with the kernels' backward passes).
+    pub backward: Duration,
+    /// The gradients' reduction over the ranks, their norm and clipping.
+    pub clip: Duration,
+    /// AdamW's update.
+    pub optimizer: Duration,
 }
 
 /// Load statistics of one MoE layer: assignments per expert.
@@ -563,9 +580,11 @@ impl Trainer {
         let moe_layers = self.config.model.moe_layers();
         let mut counts = vec![vec![0.0; experts as usize]; moe_layers.len()];
         let (mut loss_sum, mut aux_sum) = (0.0, 0.0);
+        let mut phases = StepPhases::default();
 
         self.optimizer.zero_grad()?;
         for _ in 0..accumulation {
+            let forward = Instant::now();
             let input_ids = self.next_batch();
             let mut tape = Tape::new(self.experts.needs_graph_cuts());
             let out = self
@@ -582,7 +601,10 @@ impl Trainer {
                      stopping before the update"
                 );
             }
+            phases.forward += forward.elapsed();
+            let backward = Instant::now();
             tape.backward(&((loss + aux * coef) / accumulation as f64))?;
+            phases.backward += backward.elapsed();
             loss_sum += loss_value;
             aux_sum += aux_value;
             for (layer_counts, index) in counts.iter_mut().zip(&out.expert_index) {
@@ -606,7 +628,9 @@ impl Trainer {
                 *layer_counts = sums.iter().map(|&c| f64::from(c)).collect();
             }
         }
+        let clip = Instant::now();
         let (grad_norm, reduction) = self.reduce_and_clip_gradients()?;
+        phases.clip = clip.elapsed();
         if !grad_norm.is_finite() {
             bail!("the gradient norm is not finite ({grad_norm}); stopping before the update");
         }
@@ -616,7 +640,9 @@ impl Trainer {
             self.config.optimizer.lr,
             &self.config.lr_scheduler,
         );
+        let update = Instant::now();
         self.optimizer.step(lr)?;
+        phases.optimizer = update.elapsed();
         if training.load_balance_coeff > 0.0 {
             self.update_expert_biases(&counts);
         }
@@ -643,6 +669,7 @@ impl Trainer {
                 .map(|(&layer, counts)| LayerLoad::new(layer, counts))
                 .collect(),
             expert_counts: counts,
+            phases,
         })
     }
 }

@@ -440,6 +440,13 @@ fn bench_reports_every_implementation_relative_to_the_peers() {
         let loss = row["last_loss"].as_f64().unwrap();
         let torch_loss = rows[0]["last_loss"].as_f64().unwrap();
         assert!((loss - torch_loss).abs() < 1e-4 * torch_loss, "{row}");
+        // Over two steps every median is a mean, so the phases' medians add up to at most
+        // the step's; the phases are nearly all of it.
+        let phases = ["forward", "backward", "clip", "optimizer"]
+            .map(|phase| row["phases_ms"][phase].as_f64().unwrap());
+        assert!(phases.iter().all(|&ms| ms >= 0.0) && phases[0] > 0.0 && phases[1] > 0.0);
+        let (sum, step) = (phases.iter().sum::<f64>(), row["step_ms"].as_f64().unwrap());
+        assert!(sum <= step * (1.0 + 1e-9) && sum >= 0.5 * step, "{row}");
     }
     let out = train(&[
         "bench",
