@@ -211,44 +211,41 @@ impl AdamW {
         // libtorch reads the count from an f32 scalar, as `torch.optim.AdamW(fused=True)`
         // holds it: exact up to 2²⁴ steps, and β^step barely moves between neighbours beyond.
         let step = Tensor::from(self.step as f32).to_device(first.device());
-        let mut grads = Vec::with_capacity(self.params.len());
-        let mut targets = Vec::with_capacity(self.params.len());
-        let mut moments = Vec::with_capacity(self.params.len());
-        for ((((_, p), m), v), master) in self
+        // Each parameter with a gradient: the parameter, its f32 master copy (if it is not
+        // f32), its gradient in f32, and its moments.
+        let updated: Vec<_> = self
             .params
             .iter()
             .zip(&self.exp_avg)
             .zip(&self.exp_avg_sq)
             .zip(&self.master)
-        {
-            let grad = p.grad();
-            if !grad.defined() {
-                continue;
-            }
-            // f32 parameters are updated in place; others through their master copy.
-            grads.push(grad.to_kind(Kind::Float).contiguous());
-            targets.push(master.as_ref().unwrap_or(p));
-            moments.push((m, v));
-        }
-        let updates: Vec<[&Tensor; 4]> = targets
+            .filter_map(|((((_, p), m), v), master)| {
+                let grad = p.grad();
+                grad.defined().then(|| {
+                    (
+                        p,
+                        master.as_ref(),
+                        grad.to_kind(Kind::Float).contiguous(),
+                        m,
+                        v,
+                    )
+                })
+            })
+            .collect();
+        // f32 parameters are updated in place; others through their master copy.
+        let updates: Vec<[&Tensor; 4]> = updated
             .iter()
-            .zip(&grads)
-            .zip(&moments)
-            .map(|((target, grad), (m, v))| [*target, grad, *m, *v])
+            .map(|(p, master, grad, m, v)| [master.unwrap_or(p), grad, m, v])
             .collect();
         tch::no_grad(|| {
-            shim::fused_adamw(&updates, &step, lr, self.betas, self.weight_decay, self.eps)
-        })?;
-        tch::no_grad(|| {
-            for ((_, p), master) in self.params.iter().zip(&self.master) {
-                if let Some(master) = master
-                    && p.grad().defined()
-                {
+            shim::fused_adamw(&updates, &step, lr, self.betas, self.weight_decay, self.eps)?;
+            for (p, master, ..) in &updated {
+                if let Some(master) = master {
                     p.shallow_clone().copy_(master);
                 }
             }
-        });
-        Ok(())
+            Ok(())
+        })
     }
 }
 
