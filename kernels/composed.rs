@@ -9,10 +9,10 @@
 use crate::backend::Backend;
 use crate::contracts::tensors::{moe_block_tkg as blk, rmsnorm_router_topk_tkg as fwd};
 use crate::contracts::{
-    MoeBlockTkg, MoeBlockTkgDims, MoeBlockTkgOutputs, MoeTkg, MoeTkgInputs, OutputDType,
-    RmsNormRouterDims, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd, RmsNormRouterTopkTkgGrads,
-    RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
+    ComputeDType, MoeBlockTkg, MoeBlockTkgDims, MoeBlockTkgOutputs, MoeTkg, MoeTkgInputs,
+    OutputDType, RmsNormRouterDims, RmsNormRouterTopkTkg, RmsNormRouterTopkTkgBwd,
+    RmsNormRouterTopkTkgGrads, RmsNormRouterTopkTkgOutputs, RmsNormSpec, RouterTopk, RouterTopkBwd,
+    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams,
 };
 use crate::error::Result;
 use crate::tensor::{DType, Floats, Tensor};
@@ -136,7 +136,12 @@ pub(crate) fn rmsnorm_router_topk_tkg_bwd(
             d_topk_affinities: &d_topk_affinities,
             d_router_logits: None,
         },
-        RouterTopkBwdParams { pipeline },
+        // The router's gradients in f32 whatever `router_mm_dtype` is: it rounds the forward's
+        // operands only.
+        RouterTopkBwdParams {
+            pipeline,
+            compute_dtype: Some(ComputeDType::FLOAT32),
+        },
     )?
     .with_output_dtype(OutputDType::Float32);
     let router_grads = backend.router_topk_bwd(&router_bwd)?;

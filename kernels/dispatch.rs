@@ -48,6 +48,7 @@ impl Kernel {
             Kernel::RouterTopkBwd => {
                 let params = RouterTopkBwdParams {
                     pipeline: params.router_pipeline(),
+                    compute_dtype: params.compute_dtype,
                 };
                 let call = RouterTopkBwd::new(RouterTopkBwdInputs::from_named(get)?, params)?;
                 let call = call.with_output_dtype(output_dtype);

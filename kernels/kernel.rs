@@ -451,7 +451,7 @@ pub struct Params {
     pub is_tensor_update_accumulating: Option<bool>,
     /// The blockwise kernels' `weight_layout` (moekit's own).
     pub weight_layout: Option<WeightLayout>,
-    /// The blockwise kernels' `compute_dtype`.
+    /// The blockwise kernels' and `router_topk_bwd`'s `compute_dtype`.
     pub compute_dtype: Option<ComputeDType>,
     pub expert_parallel_degree: Option<usize>,
     /// `moe_tkg`'s mode.
@@ -762,6 +762,7 @@ const ROUTER_TOPK_BWD: KernelSpec = KernelSpec {
         (Param::RouterPreNorm, ParamUse::Defaulted),
         (Param::NormTopkProb, ParamUse::Defaulted),
         (Param::XHbmLayout, ParamUse::Defaulted),
+        (Param::ComputeDType, ParamUse::Defaulted),
         (Param::OutputDType, ParamUse::Defaulted),
     ],
 };
@@ -1016,7 +1017,7 @@ mod tests {
                     param.name()
                 );
                 // Limits print `none` (no clamp), B "the plan's B", `hidden_actual` "H",
-                // `compute_dtype` "hidden_states' dtype": not values to pass.
+                // `compute_dtype` "the tokens' dtype": not values to pass.
                 if value == "none"
                     || matches!(
                         param,

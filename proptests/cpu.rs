@@ -363,16 +363,18 @@ fn kernels(layer: &Layer) -> impl Iterator<Item = Kernel> + '_ {
 }
 
 /// The absolute tolerance of `kernel`'s outputs on `layer`, relative to their scale: the cpu
-/// backend's f32 one, but for the blockwise kernels computing in bf16 (`compute_dtype`, bf16
-/// tokens' default), whose operands may round differently on the two backends
-/// ([`CpuBackend::BF16_TOLERANCE`]). `bf16_compute_is_exact_where_its_operands_are` checks
-/// those kernels to the f32 tolerance on values that round alike.
+/// backend's f32 one, but for the kernels computing in bf16 (`compute_dtype`, bf16 tokens'
+/// default: the blockwise kernels and `router_topk_bwd`), whose operands may round differently
+/// on the two backends ([`CpuBackend::BF16_TOLERANCE`]). `bf16_compute_is_exact_where_its_
+/// operands_are` (here) and `bf16_compute_rounds_the_products_operands` (router_topk) check
+/// them to the f32 tolerance on values that round alike.
 fn atol(kernel: Kernel, layer: &Layer) -> f64 {
-    let bf16_tokens = layer.tensors["hidden_states"].dtype() == DType::BF16;
+    let bf16 = |tokens: &str| layer.tensors[tokens].dtype() == DType::BF16;
     match kernel {
-        Kernel::BlockwiseMm | Kernel::BlockwiseMmBwd if bf16_tokens => {
+        Kernel::BlockwiseMm | Kernel::BlockwiseMmBwd if bf16("hidden_states") => {
             CpuBackend::BF16_TOLERANCE.atol
         }
+        Kernel::RouterTopkBwd if bf16("x") => CpuBackend::BF16_TOLERANCE.atol,
         _ => CpuBackend::TOLERANCE.atol,
     }
 }

@@ -9,11 +9,11 @@ mod common;
 
 use common::*;
 use moekit::contracts::{
-    OutputDType, RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd, RouterTopkBwdInputs,
-    RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
+    ComputeDType, OutputDType, RouterActFnType, RouterPipeline, RouterTopk, RouterTopkBwd,
+    RouterTopkBwdInputs, RouterTopkBwdParams, RouterTopkInputs, RouterTopkParams, XHbmLayout,
 };
 use moekit::reference::router::{router_backward, router_forward};
-use moekit::{Backend, BackendKind, Error, Tensor, reference::ReferenceBackend};
+use moekit::{Backend, BackendKind, DType, Error, Tensor, reference::ReferenceBackend};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -283,10 +283,10 @@ proptest! {
             let f = router_forward(x, w, Some(b), sel, (t, h, e, k), pipeline).unwrap();
             dot(&d_topk, &f.topk_affinities) + d_logits.as_ref().map_or(0.0, |d| dot(d, &f.logits))
         };
-        let bwd_params = RouterTopkBwdParams { pipeline };
+        let bwd_params = RouterTopkBwdParams { pipeline, compute_dtype: None };
         let fwd = router_forward(&c.x, &c.w, Some(&bias), sel, (t, h, e, k), pipeline).unwrap();
         let grads = router_backward(&c.x, &c.w, &fwd.logits, &fwd.expert_index, &d_topk,
-            d_logits.as_deref(), (t, h, e, k), pipeline);
+            d_logits.as_deref(), (t, h, e, k), (pipeline, DType::F32));
         let fd_x = finite_differences(&c.x, FD_STEP, |x| loss(x, &c.w, &bias));
         let fd_w = finite_differences(&c.w, FD_STEP, |w| loss(&c.x, w, &bias));
         let fd_b = finite_differences(&bias, FD_STEP, |b| loss(&c.x, &c.w, b));
@@ -312,6 +312,45 @@ proptest! {
         assert_close("d_x (f32)", &f32s(&g.d_x), &d_x, 1e-5, 1e-5)?;
         assert_close("d_w (f32)", &f32s(&g.d_w), &grads.d_w, 1e-5, 1e-5)?;
         assert_close("d_w_bias (f32)", &f32s(&g.d_w_bias), &grads.d_w_bias, 1e-5, 1e-5)?;
+    }
+
+    #[test]
+    fn bf16_compute_rounds_the_products_operands(c in case(), seed in any::<u64>()) {
+        // With d_topk_affinities zero, d_logits is d_router_logits itself, so the operands the
+        // products read under compute_dtype = bfloat16 are known beforehand: x, w and
+        // d_router_logits rounded to bf16. Rounded ahead and given in f32, they must give
+        // the same gradients computed in f32.
+        let (t, e, k) = (c.t, c.e, c.params.k);
+        let (x, w, bias, sel) = tensors(&c);
+        let out = run(&x, &w, bias.as_ref(), sel.as_ref(), c.params).unwrap();
+        let zeros = f32_tensor(&[t, k], &vec![0.0; t * k]);
+        let d_logits = f32_tensor(&[t, e], &SeededRng::new(seed).values(t * e, 1.0));
+        let rounded = |v: &Tensor| f32_tensor(v.shape(), &v.to_bf16().to_f64_vec());
+        let grads = |backend: BackendKind, (x, w, d): (&Tensor, &Tensor, &Tensor), dtype| {
+            let call = RouterTopkBwd::new(RouterTopkBwdInputs {
+                x, w, router_logits: &out.router_logits, expert_index: &out.expert_index,
+                d_topk_affinities: &zeros, d_router_logits: Some(d),
+            }, RouterTopkBwdParams { pipeline: c.params.pipeline, compute_dtype: Some(dtype) })
+            .unwrap()
+            .with_output_dtype(OutputDType::Float32);
+            backend.create().router_topk_bwd(&call).unwrap().into_named()
+        };
+        let given = (&x, &w, &d_logits);
+        let (x16, w16, d16) = (rounded(&x), rounded(&w), rounded(&d_logits));
+        let want = grads(BackendKind::Reference, (&x16, &w16, &d16), ComputeDType::FLOAT32);
+        // The f64 oracle rounds the same values: the same gradients, to the bit.
+        let oracle = grads(BackendKind::Reference, given, ComputeDType::BFLOAT16);
+        prop_assert_eq!(&oracle, &want);
+        // The cpu backend (pair dot products where the CPU has them) to its f32 tolerance.
+        let cpu = grads(BackendKind::Cpu, given, ComputeDType::BFLOAT16);
+        for ((name, got), (_, want)) in cpu.iter().zip(&want) {
+            let want = want.to_f64_vec();
+            let atol = 1e-5 * want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+            assert_close(name.name, &got.to_f64_vec(), &want, 1e-4, atol)?;
+        }
+        // And in f32 the unrounded operands give other gradients.
+        let exact = grads(BackendKind::Reference, given, ComputeDType::FLOAT32);
+        prop_assert_ne!(&exact, &want);
     }
 }
 

@@ -334,6 +334,11 @@ impl fmt::Display for WeightLayout {
 ///
 /// The default is moekit's own: the dtype of `hidden_states`, so bf16 tokens compute as
 /// nki-library's default does, and f32 tokens in f32 (nki-library's default would round them).
+///
+/// `router_topk_bwd` (moekit's own kernel) takes the same parameter for its two products,
+/// `d_x = d_logits · wᵀ` and `d_w = xᵀ · d_logits`: with bf16, `d_logits` is rounded where it
+/// is formed (the bias gradient sums the rounded values too) and `x` and `w` are read as bf16,
+/// as libtorch's bf16 autograd computes a bf16 router; its default is `x`'s dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ComputeDType(DType);
 
@@ -343,15 +348,15 @@ impl ComputeDType {
     pub const BFLOAT16: Self = Self(DType::BF16);
     pub const FLOAT32: Self = Self(DType::F32);
     /// What the default is, as `moekit list` prints it.
-    pub const DEFAULT: &'static str = "hidden_states' dtype";
+    pub const DEFAULT: &'static str = "the tokens' dtype: hidden_states or x";
 
     pub fn dtype(self) -> DType {
         self.0
     }
 
-    /// The dtype a call computes in: `given`, or the dtype of its `hidden_states`.
-    fn resolve(given: Option<Self>, hidden_states: Floats<'_>) -> DType {
-        given.map_or(hidden_states.dtype(), Self::dtype)
+    /// The dtype a call computes in: `given`, or the dtype of its tokens.
+    pub(crate) fn resolve(given: Option<Self>, tokens: DType) -> DType {
+        given.map_or(tokens, Self::dtype)
     }
 }
 
@@ -699,7 +704,7 @@ impl<'a> BlockwiseMm<'a> {
 
     /// The dtype of the matmul operands ([`ComputeDType`]): bf16 or f32.
     pub fn compute_dtype(&self) -> DType {
-        ComputeDType::resolve(self.params.compute_dtype, self.floats.hidden_states)
+        ComputeDType::resolve(self.params.compute_dtype, self.floats.hidden_states.dtype())
     }
 
     pub fn dims(&self) -> BlockwiseDims {
@@ -1268,7 +1273,10 @@ impl<'a> BlockwiseMmBwd<'a> {
 
     /// The dtype of the matmul operands ([`ComputeDType`]): bf16 or f32.
     pub fn compute_dtype(&self) -> DType {
-        ComputeDType::resolve(self.params.compute_dtype, self.floats.forward.hidden_states)
+        ComputeDType::resolve(
+            self.params.compute_dtype,
+            self.floats.forward.hidden_states.dtype(),
+        )
     }
 
     pub fn dims(&self) -> BlockwiseDims {

@@ -36,9 +36,9 @@ use std::str::FromStr;
 
 use super::spec::{self, Named, TensorSpec};
 use super::tensors::{router_topk as fwd, router_topk_bwd as bwd};
-use super::{OutputDType, validate};
+use super::{ComputeDType, OutputDType, validate};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The function that turns router logits into affinities: nki-library's `RouterActFnType`,
 /// spelled as its members (`SOFTMAX`, `SIGMOID`; its lower-case string forms are accepted too).
@@ -361,11 +361,13 @@ impl RouterTopkOutputs {
     }
 }
 
-/// Parameters of [`RouterTopkBwd`] (moekit's own kernel): the forward's pipeline; K is read
-/// from `expert_index`.
+/// Parameters of [`RouterTopkBwd`] (moekit's own kernel): the forward's pipeline and the dtype
+/// of the products' operands; K is read from `expert_index`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouterTopkBwdParams {
     pub pipeline: RouterPipeline,
+    /// `compute_dtype` ([`ComputeDType`], default `x`'s dtype).
+    pub compute_dtype: Option<ComputeDType>,
 }
 
 /// Inputs of the router backward: the forward's inputs and outputs it needs, plus gradients.
@@ -477,6 +479,11 @@ impl<'a> RouterTopkBwd<'a> {
 
     pub fn params(&self) -> RouterTopkBwdParams {
         self.params
+    }
+
+    /// The dtype of the products' operands ([`ComputeDType`]): bf16 or f32.
+    pub fn compute_dtype(&self) -> DType {
+        ComputeDType::resolve(self.params.compute_dtype, self.inputs.x.dtype())
     }
 
     pub fn dims(&self) -> RouterDims {

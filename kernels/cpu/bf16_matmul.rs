@@ -18,6 +18,8 @@
 //! their pairs line up at any k and row length, and each output sums its 16 lanes' pair sums
 //! as [`matmul_nt`](super::dot::matmul_nt) sums its f32 lanes.
 
+use std::mem::MaybeUninit;
+
 use half::bf16;
 
 use super::isa::Isa;
@@ -28,37 +30,55 @@ pub fn available() -> bool {
 }
 
 /// `dst [m, n] = a [m, k] · b [k, n]`: `a` row-major with row stride `lda` (even, ≥ k; where k
-/// is odd, the column past it zero; the last row may end there), `b` row-major `[k, n]`, `dst`
-/// row-major `[m, n]`.
+/// is odd, the column past it zero; the last row may end there), `b` row-major with row stride
+/// `ldb` ≥ n (so a product may read some columns of a wider matrix), `dst` row-major `[m, n]`.
 ///
 /// # Panics
-/// If the CPU lacks the instructions ([`available`]), `lda` is odd or below k, or a buffer is
-/// shorter than its shape.
+/// If the CPU lacks the instructions ([`available`]), `lda` is odd or below k, `ldb` is below
+/// n, or a buffer is shorter than its shape.
 pub fn matmul_bf16(
     dst: &mut [f32],
-    a: &[bf16],
-    lda: usize,
-    b: &[bf16],
-    (m, n, k): (usize, usize, usize),
+    a: (&[bf16], usize),
+    b: (&[bf16], usize),
+    shape: (usize, usize, usize),
 ) {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and every f32 is a valid one.
+    let dst = unsafe { &mut *(std::ptr::from_mut(dst) as *mut [MaybeUninit<f32>]) };
+    matmul_bf16_into(dst, a, b, shape);
+}
+
+/// [`matmul_bf16`] into memory not yet written (the tiles store every output and read none);
+/// returns `dst` as the values it now holds.
+///
+/// # Panics
+/// As [`matmul_bf16`].
+pub fn matmul_bf16_into<'d>(
+    dst: &'d mut [MaybeUninit<f32>],
+    (a, lda): (&[bf16], usize),
+    (b, ldb): (&[bf16], usize),
+    (m, n, k): (usize, usize, usize),
+) -> &'d mut [f32] {
     assert!(available(), "matmul_bf16 needs AVX-512 BF16");
     assert!(
         lda.is_multiple_of(2) && lda >= k,
         "lda must be even and at least k"
     );
-    let fits =
-        |len: usize, rows: usize, cols: usize| rows.checked_mul(cols).is_some_and(|n| len >= n);
+    assert!(ldb >= n, "ldb must be at least n");
     assert!(
-        fits(dst.len(), m, n)
+        strided_fits(dst.len(), m, n, n)
             && strided_fits(a.len(), m, lda, k.next_multiple_of(2))
-            && fits(b.len(), k, n),
+            && strided_fits(b.len(), k, ldb, n),
         "operand too short"
     );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the instructions were checked above; the buffers hold their shapes.
     unsafe {
-        x86::matmul(dst, a, lda, b, (m, n, k));
+        x86::matmul(dst.as_mut_ptr().cast(), (a, lda), (b, ldb), (m, n, k));
     }
+    // SAFETY: the tiles wrote the first m · n elements (every element when `dst` is exactly
+    // that long; a caller's longer buffer keeps its tail), and `MaybeUninit<f32>` has `f32`'s
+    // layout.
+    unsafe { &mut *(std::ptr::from_mut(&mut dst[..m * n]) as *mut [f32]) }
 }
 
 /// `dst [m, n] = a [m, k] · b [n, k]ᵀ` with both operands stored in bf16: exact products, f32
@@ -184,22 +204,23 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support AVX-512 F, BW and BF16; `dst` holds `m · n`, `a` `m · lda` and
-    /// `b` `k · n` elements; `lda` is even and at least k, with zeros past k.
+    /// The CPU must support AVX-512 F, BW and BF16; `dst` points to `m · n` writable
+    /// elements (only written), `a` holds `m` rows at stride `lda` (even, at least k, zeros
+    /// past k) and `b` `k` rows of `n` at stride `ldb`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn matmul(
-        dst: &mut [f32],
-        a: &[bf16],
-        lda: usize,
-        b: &[bf16],
+        dst: *mut f32,
+        (a, lda): (&[bf16], usize),
+        (b, ldb): (&[bf16], usize),
         (m, n, k): (usize, usize, usize),
     ) {
         let product = Product {
-            d: dst.as_mut_ptr(),
+            d: dst,
             n,
             a: a.as_ptr().cast(),
             lda,
             b: b.as_ptr().cast(),
+            ldb,
             k,
         };
         // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
@@ -208,7 +229,7 @@ mod x86 {
                 &product,
                 m,
                 n,
-                aligned_head(b.as_ptr(), n, n),
+                aligned_head(b.as_ptr(), ldb, n),
                 Order::StripsOuter,
             )
         };
@@ -221,6 +242,7 @@ mod x86 {
         a: *const u16,
         lda: usize,
         b: *const u16,
+        ldb: usize,
         k: usize,
     }
 
@@ -232,7 +254,7 @@ mod x86 {
             unsafe {
                 let strip = Strip {
                     b: self.b.add(c0),
-                    ldb: self.n,
+                    ldb: self.ldb,
                     k: self.k,
                     cols,
                     next: self.b.wrapping_add(c0 + cols),
@@ -393,7 +415,7 @@ mod tests {
             }
             let b: Vec<bf16> = (0..k * n).map(|_| next()).collect();
             let mut dst = vec![f32::NAN; m * n];
-            matmul_bf16(&mut dst, &a, lda, &b, (m, n, k));
+            matmul_bf16(&mut dst, (&a, lda), (&b, n), (m, n, k));
             for (got, (want, magnitude)) in dst.iter().zip(product(&a, lda, &b, (m, n, k))) {
                 // k exact products summed in f32: within k·ε of the terms' magnitudes.
                 let tolerance = k as f64 * f32::EPSILON as f64 * magnitude;
@@ -447,7 +469,12 @@ mod tests {
         for skip in 0..32 {
             shifted[skip..skip + b.len()].copy_from_slice(&b);
             let mut dst = vec![f32::NAN; m * n];
-            matmul_bf16(&mut dst, &a, k, &shifted[skip..skip + b.len()], (m, n, k));
+            matmul_bf16(
+                &mut dst,
+                (&a, k),
+                (&shifted[skip..skip + b.len()], n),
+                (m, n, k),
+            );
             let bits: Vec<u32> = dst.iter().map(|x| x.to_bits()).collect();
             match &first {
                 None => first = Some(dst),
@@ -470,15 +497,25 @@ mod tests {
         let mut dst = vec![0f32; 4];
         let odd = std::panic::catch_unwind(move || {
             let mut dst = vec![0f32; 4];
-            matmul_bf16(&mut dst, &[bf16::ONE; 6], 3, &[bf16::ONE; 6], (2, 2, 3));
+            matmul_bf16(
+                &mut dst,
+                (&[bf16::ONE; 6], 3),
+                (&[bf16::ONE; 6], 2),
+                (2, 2, 3),
+            );
         });
         assert!(odd.is_err());
         let short = std::panic::catch_unwind(move || {
             let mut dst = vec![0f32; 3];
-            matmul_bf16(&mut dst, &[bf16::ONE; 8], 4, &[bf16::ONE; 8], (2, 2, 4));
+            matmul_bf16(
+                &mut dst,
+                (&[bf16::ONE; 8], 4),
+                (&[bf16::ONE; 8], 2),
+                (2, 2, 4),
+            );
         });
         assert!(short.is_err());
-        matmul_bf16(&mut dst, &a, 4, &b, (2, 2, 4));
+        matmul_bf16(&mut dst, (&a, 4), (&b, 2), (2, 2, 4));
         assert_eq!(dst, [4.0; 4]);
     }
 }

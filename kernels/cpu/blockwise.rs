@@ -1205,7 +1205,7 @@ fn transposed_product_bf16<E: Element>(
                         }
                     }
                     let results = resized(results, dst.len());
-                    matmul_bf16(results, a_t, lda, b, (rows, n, m));
+                    matmul_bf16(results, (a_t, lda), (b, n), (rows, n, m));
                     fits &= write_rounded(dst, results);
                 }
                 fits

@@ -107,7 +107,9 @@ impl<'a> ExpertMatrix<'a> {
         let (k, n) = (self.k, self.n);
         let m = dst.len() / n.max(1);
         match (self.layout, self.stored, self.lower) {
-            (WeightLayout::Nki, Floats::BF16(w), None) => matmul_bf16(dst, a, lda, w, (m, n, k)),
+            (WeightLayout::Nki, Floats::BF16(w), None) => {
+                matmul_bf16(dst, (a, lda), (w, n), (m, n, k))
+            }
             (WeightLayout::Linear, Floats::BF16(w), None) => {
                 matmul_bf16_nt((dst, n), (a, lda), (w, k), (m, n, k))
             }
@@ -136,7 +138,7 @@ impl<'a> ExpertMatrix<'a> {
                 matmul_bf16_nt((dst, k), (a, n), (w, n), (m, k, n));
             }
             (WeightLayout::Linear, Floats::BF16(w), None) if n.is_multiple_of(2) => {
-                matmul_bf16(dst, a, n, w, (m, k, n));
+                matmul_bf16(dst, (a, n), (w, k), (m, k, n));
             }
             (WeightLayout::Linear, Floats::BF16(gate), Some(Floats::BF16(up)))
                 if (n / 2).is_multiple_of(2) =>
@@ -144,10 +146,10 @@ impl<'a> ExpertMatrix<'a> {
                 // `a`'s first n / 2 columns against the gate's rows, plus the rest against the
                 // up's.
                 let half = n / 2;
-                matmul_bf16(dst, a, n, gate, (m, k, half));
+                matmul_bf16(dst, (a, n), (gate, k), (m, k, half));
                 HALF.with_borrow_mut(|sum| {
                     let sum = resized(sum, m * k);
-                    matmul_bf16(sum, &a[half..], n, up, (m, k, half));
+                    matmul_bf16(sum, (&a[half..], n), (up, k), (m, k, half));
                     for (d, v) in dst.iter_mut().zip(sum.iter()) {
                         *d += v;
                     }

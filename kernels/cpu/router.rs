@@ -6,15 +6,18 @@
 //! underflow.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 
 use half::bf16;
 use rayon::prelude::*;
 
-use super::bf16_matmul::{self, matmul_bf16};
-use super::element::{ensure_finite, finite_output};
+use super::alloc::output_buffer;
+use super::bf16_matmul::{self, matmul_bf16, matmul_bf16_into};
+use super::element::{Element, all_fit, ensure_finite, finite_output, screened_output};
 use super::exp::{exp_into, log_softmax};
 use super::expert_matrix::{ExpertMatrix, Panels};
 use super::matmul::{MatRef, matmul, matmul_bf16_b};
+use super::rows::{resized, round_to_bf16};
 use super::scratch::PerThread;
 use super::skinny;
 use crate::contracts::spec::output;
@@ -24,7 +27,8 @@ use crate::contracts::{
     RouterTopkOutputs, WeightLayout,
 };
 use crate::error::Result;
-use crate::tensor::{Floats, Storage, Tensor, try_filled};
+use crate::tensor::{DType, Floats, Storage, Tensor, try_filled};
+use crate::uninit::{assume_init, assume_init_ref};
 
 /// Most rows of `d_w [H, E]` per task of the router backward: each task reads `d_logits`
 /// whole, so a band spans several of the packed panels' columns.
@@ -167,7 +171,7 @@ impl<'a> LogitsProduct<'a> {
         let m = out.len() / e;
         let rows = first * h..(first + m) * h;
         match self {
-            Self::PairDots { x, w } => matmul_bf16(out, &x[rows], h, w, (m, e, h)),
+            Self::PairDots { x, w } => matmul_bf16(out, (&x[rows], h), (w, e), (m, e, h)),
             Self::Skinny { x, w } => skinny::product(out, &x[rows], *w, (m, h, e)),
             Self::Panels {
                 x: Floats::F32(x),
@@ -327,8 +331,10 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let expert_index = call.expert_ids();
     let d_topk = inputs.d_topk_affinities.f32_values();
     let d_extra = inputs.d_router_logits.map(Tensor::f32_values);
+    let bf16_operands = call.compute_dtype() == DType::BF16;
 
-    // d logits [T, E], row by row.
+    // d logits [T, E], row by row; rounded to bf16 where it is formed when the products take
+    // bf16 operands.
     let mut d_logits = vec![0.0f32; t * e];
     d_logits.par_chunks_mut(e).enumerate().for_each_init(
         || (vec![0.0f32; e], vec![0.0f32; e], vec![0.0f32; k]),
@@ -370,56 +376,25 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
                     *dl += d;
                 }
             }
+            if bf16_operands {
+                round_to_bf16(d_row, &mut []);
+            }
         },
     );
-
-    // d_x [T, H] = d_logits · wᵀ, in row tiles on packed panels of wᵀ; bf16 weights widened
-    // first (`[H, E]`, small beside the product), so both dtypes run the f32 kernels.
-    let w = inputs
-        .w
-        .floats()
-        .expect("the contract checked w's dtype")
-        .to_f32();
-    let w = ExpertMatrix::of(Floats::F32(&w), WeightLayout::Nki, 0, (h, e));
-    let mut d_x = try_filled(&output(&rtb::D_X), &[t, h], 0.0f32)?;
-    let tile = token_tile(t);
-    d_x.par_chunks_mut(tile * h)
-        .zip(d_logits.par_chunks(tile * e))
-        .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(panel, tile), (d_x, d_logits)| w.transposed_product(d_x, d_logits, (panel, tile)),
-        );
-    // d_w [H, E] = xᵀ · d_logits, as its transpose d_logitsᵀ · x on packed panels of x (the
-    // whole token reduction inside one product; d_logitsᵀ read in place, `cpu::matmul`
-    // deciding how), in bands of `d_w_band` rows of d_w; bf16 tokens widened as they are packed.
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
     let x = x.floats().expect("the contract checked x's dtype");
-    let d_logits_t = MatRef::row_major(&d_logits, t, e).t();
-    let mut d_w = try_filled(&output(&rtb::D_W), &[h, e], 0.0f32)?;
-    let band_rows = d_w_band(h);
-    d_w.par_chunks_mut(band_rows * e).enumerate().for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(d_w_t, panel), (band, d_w)| {
-            let rows = band * band_rows..band * band_rows + d_w.len() / e;
-            let width = rows.len();
-            d_w_t.resize(e * width, 0.0);
-            // d_wᵀ [E, rows] = d_logitsᵀ · x [T, rows].
-            match x {
-                Floats::F32(x) => matmul(
-                    d_w_t,
-                    d_logits_t,
-                    MatRef::row_major(x, t, h).columns(rows),
-                    false,
-                ),
-                Floats::BF16(x) => matmul_bf16_b(d_w_t, d_logits_t, (&x[rows.start..], h), panel),
-            }
-            for (r, d_w_row) in d_w.chunks_mut(e).enumerate() {
-                for (expert, d) in d_w_row.iter_mut().enumerate() {
-                    *d = d_w_t[expert * width + r];
-                }
-            }
-        },
-    );
+    let w = inputs.w.floats().expect("the contract checked w's dtype");
+    let [(d_x, d_x_fits), (d_w, d_w_fits)] = if bf16_operands {
+        let (x, w) = (bf16_operand(x), bf16_operand(w));
+        if bf16_matmul::available() {
+            pair_dot_products(&d_logits, (&x, &w), (t, h, e))?
+        } else {
+            // The same exact products of bf16 values, widened to f32.
+            f32_products(&d_logits, (Floats::BF16(&x), Floats::BF16(&w)), (t, h, e))?
+        }
+    } else {
+        f32_products(&d_logits, (x, w), (t, h, e))?
+    };
     // d_w_bias [E] = Σ_t d_logits, in token order.
     let mut d_w_bias = vec![0.0f32; e];
     for row in d_logits.chunks(e) {
@@ -428,14 +403,170 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         }
     }
     Ok(RouterTopkGrads {
-        d_x: pipeline.x_hbm_layout.from_tokens_major(finite_output(
+        d_x: pipeline.x_hbm_layout.from_tokens_major(screened_output(
             rtb::D_X.name,
             &[t, h],
             d_x,
+            d_x_fits,
         )?)?,
-        d_w: finite_output(rtb::D_W.name, &[h, e], d_w)?,
+        d_w: screened_output(rtb::D_W.name, &[h, e], d_w, d_w_fits)?,
         d_w_bias: finite_output(rtb::D_W_BIAS.name, &[e], d_w_bias)?,
     })
+}
+
+/// `values` as bf16 matmul operands: as stored, or rounded from f32.
+fn bf16_operand(values: Floats<'_>) -> Cow<'_, [bf16]> {
+    match values {
+        Floats::BF16(values) => Cow::Borrowed(values),
+        Floats::F32(values) => Cow::Owned(values.par_iter().map(|&v| bf16::round(v)).collect()),
+    }
+}
+
+/// The backward's products on the f32 kernels, `d_x [T, H] = d_logits · wᵀ` and
+/// `d_w [H, E] = xᵀ · d_logits`, for `d_logits [T, E]`, `x [T, H]` and `w [H, E]` (bf16
+/// operands widened exactly), each with whether all of its values are finite.
+fn f32_products(
+    d_logits: &[f32],
+    (x, w): (Floats<'_>, Floats<'_>),
+    (t, h, e): (usize, usize, usize),
+) -> Result<[(Vec<f32>, bool); 2]> {
+    // d_x in token tiles on packed panels of wᵀ; bf16 weights widened first (`[H, E]`, small
+    // beside the product).
+    let w = w.to_f32();
+    let w = ExpertMatrix::of(Floats::F32(&w), WeightLayout::Nki, 0, (h, e));
+    let mut d_x = output_buffer(rtb::D_X.name, &[t, h])?;
+    let tile = token_tile(t);
+    let d_x_fits = d_x
+        .par_chunks_mut(tile * h)
+        .zip(d_logits.par_chunks(tile * e))
+        .map_init(
+            || (Vec::new(), Vec::new()),
+            |(panel, tile), (d_x, d_logits)| {
+                all_fit::<f32>(w.transposed_product_into(d_x, d_logits, (panel, tile)))
+            },
+        )
+        .reduce(|| true, |a, b| a && b);
+    // d_w as its transpose d_logitsᵀ · x on packed panels of x (the whole token reduction
+    // inside one product; d_logitsᵀ read in place, `cpu::matmul` deciding how), in bands of
+    // `d_w_band` rows of d_w; bf16 tokens widened as they are packed.
+    let d_logits_t = MatRef::row_major(d_logits, t, e).t();
+    let mut d_w = output_buffer(rtb::D_W.name, &[h, e])?;
+    let band_rows = d_w_band(h);
+    let d_w_fits = d_w
+        .par_chunks_mut(band_rows * e)
+        .enumerate()
+        .map_init(
+            || (Vec::new(), Vec::new()),
+            |(d_w_t, panel), (band, d_w)| {
+                let rows = band * band_rows..band * band_rows + d_w.len() / e;
+                let d_w_t = resized(d_w_t, e * rows.len());
+                // d_wᵀ [E, rows] = d_logitsᵀ · x [T, rows].
+                match x {
+                    Floats::F32(x) => matmul(
+                        d_w_t,
+                        d_logits_t,
+                        MatRef::row_major(x, t, h).columns(rows),
+                        false,
+                    ),
+                    Floats::BF16(x) => {
+                        matmul_bf16_b(d_w_t, d_logits_t, (&x[rows.start..], h), panel)
+                    }
+                }
+                all_fit::<f32>(transpose_band(d_w, d_w_t, e))
+            },
+        )
+        .reduce(|| true, |a, b| a && b);
+    // SAFETY: the tiles and bands cover both buffers, and each wrote its part whole.
+    Ok(unsafe { [(assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)] })
+}
+
+/// [`f32_products`] on bf16 pair dot products (exact products, f32 sums, the inner dimension
+/// in pairs), for `d_logits` already rounded to bf16 and bf16 `x` and `w`: at twice the f32
+/// rate where the CPU has them ([`bf16_matmul::available`]).
+fn pair_dot_products(
+    d_logits: &[f32],
+    (x, w): (&[bf16], &[bf16]),
+    (t, h, e): (usize, usize, usize),
+) -> Result<[(Vec<f32>, bool); 2]> {
+    // d_logits [T, E] and wᵀ [E, H] in bf16 (exact: d_logits holds bf16 values), each row
+    // padded to an even length with zeros as the pairs need; wᵀ is small beside the product.
+    let lde = e.next_multiple_of(2);
+    let mut d_logits16 = vec![bf16::ZERO; t * lde];
+    d_logits16
+        .par_chunks_mut(lde)
+        .zip(d_logits.par_chunks(e))
+        .for_each(|(dst, src)| {
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d = bf16::round(v);
+            }
+        });
+    let w_t = transposed(w, e);
+    // d_x [T, H] = d_logits · wᵀ in token tiles.
+    let mut d_x = output_buffer(rtb::D_X.name, &[t, h])?;
+    let tile = token_tile(t);
+    let d_x_fits = d_x
+        .par_chunks_mut(tile * h)
+        .zip(d_logits16.par_chunks(tile * lde))
+        .map(|(d_x, d_logits)| {
+            let rows = d_x.len() / h;
+            all_fit::<f32>(matmul_bf16_into(
+                d_x,
+                (d_logits, lde),
+                (&w_t, h),
+                (rows, h, e),
+            ))
+        })
+        .reduce(|| true, |a, b| a && b);
+    // d_w as its transpose d_logitsᵀ [E, T] · x [T, H], in bands of `d_w_band` columns of x.
+    let lda = t.next_multiple_of(2);
+    let d_logits_t = transposed(&d_logits16, lde).chunks(t).take(e).fold(
+        Vec::with_capacity(e * lda),
+        |mut padded, row| {
+            padded.extend_from_slice(row);
+            padded.resize(padded.len() + lda - t, bf16::ZERO);
+            padded
+        },
+    );
+    let mut d_w = output_buffer(rtb::D_W.name, &[h, e])?;
+    let band_rows = d_w_band(h);
+    let d_w_fits = d_w
+        .par_chunks_mut(band_rows * e)
+        .enumerate()
+        .map_init(Vec::new, |d_w_t, (band, d_w)| {
+            let (first, width) = (band * band_rows, d_w.len() / e);
+            let d_w_t = resized(d_w_t, e * width);
+            matmul_bf16(d_w_t, (&d_logits_t, lda), (&x[first..], h), (e, width, t));
+            all_fit::<f32>(transpose_band(d_w, d_w_t, e))
+        })
+        .reduce(|| true, |a, b| a && b);
+    // SAFETY: the tiles and bands cover both buffers, and each wrote its part whole.
+    Ok(unsafe { [(assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)] })
+}
+
+/// The transpose `[cols, rows]` of row-major `values [rows, cols]`, in parallel over its rows.
+fn transposed<T: Copy + Default + Send + Sync>(values: &[T], cols: usize) -> Vec<T> {
+    let rows = values.len() / cols.max(1);
+    let mut out = vec![T::default(); rows * cols];
+    out.par_chunks_mut(rows.max(1))
+        .enumerate()
+        .for_each(|(col, out)| {
+            for (v, row) in out.iter_mut().zip(values.chunks_exact(cols)) {
+                *v = row[col];
+            }
+        });
+    out
+}
+
+/// Writes a band of `d_w [rows, E]` whole from its transpose `d_w_t [E, rows]`; returns it.
+fn transpose_band<'d>(d_w: &'d mut [MaybeUninit<f32>], d_w_t: &[f32], e: usize) -> &'d [f32] {
+    let rows = d_w.len() / e.max(1);
+    for (r, d_w_row) in d_w.chunks_mut(e).enumerate() {
+        for (expert, d) in d_w_row.iter_mut().enumerate() {
+            d.write(d_w_t[expert * rows + r]);
+        }
+    }
+    // SAFETY: every element was written above.
+    unsafe { assume_init_ref(d_w) }
 }
 
 #[cfg(test)]

@@ -156,7 +156,10 @@ impl ExpertParallelMoe {
                 d_topk_affinities: &experts.d_topk_affinities,
                 d_router_logits: None,
             },
-            RouterTopkBwdParams { pipeline: p.router },
+            RouterTopkBwdParams {
+                pipeline: p.router,
+                compute_dtype: None,
+            },
         )
         .and_then(|call| {
             self.backend

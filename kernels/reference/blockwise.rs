@@ -8,7 +8,6 @@ use crate::contracts::{
 };
 use crate::error::Result;
 use crate::tensor::{DType, try_filled};
-use half::bf16;
 
 /// Zeros for output `name` of `shape`, or the error naming it when they cannot be allocated.
 fn zeros(name: &str, shape: &[usize]) -> Result<Vec<f64>> {
@@ -178,10 +177,7 @@ impl Default for ExpertOptions {
 impl ExpertOptions {
     /// `x` as a matmul operand: rounded to nearest even bf16 when computing in bf16.
     fn operand(&self, x: f64) -> f64 {
-        match self.compute_dtype {
-            DType::BF16 => bf16::from_f64(x).to_f64(),
-            DType::F32 | DType::I32 => x,
-        }
+        super::operand(self.compute_dtype, x)
     }
 }
 

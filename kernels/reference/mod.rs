@@ -79,6 +79,34 @@ fn i32_output(
     Tensor::from_i32(shape, data)
 }
 
+/// `x` as a matmul operand of a kernel computing in `compute_dtype`
+/// ([`ComputeDType`](crate::contracts::ComputeDType)): rounded to the nearest bf16 (ties to
+/// even) when that is bf16.
+fn operand(compute_dtype: DType, x: f64) -> f64 {
+    match compute_dtype {
+        DType::BF16 => round_to_bf16(x),
+        DType::F32 | DType::I32 => x,
+    }
+}
+
+/// `x` rounded to the nearest bf16, ties to even, in one step. (`half`'s `bf16::from_f64` is
+/// not correctly rounded near ties: it takes −0.70507854 to −0.703125, not the nearer
+/// −0.70703125; and rounding through f32 first can land on a tie that `x` is not.)
+fn round_to_bf16(x: f64) -> f64 {
+    if !x.is_finite() || x == 0.0 {
+        return x;
+    }
+    // 8 significant bits from bf16's smallest normal exponent, −126, up; a fixed step below.
+    let exponent = ((x.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+    let step = 2f64.powi(exponent.max(-126) - 7);
+    let rounded = (x / step).round_ties_even() * step;
+    if rounded.abs() > half::bf16::MAX.to_f64() {
+        f64::INFINITY.copysign(x)
+    } else {
+        rounded
+    }
+}
+
 /// Expert ids a validation found in `[0, E)`.
 fn expert_ids(ids: &[i32]) -> Vec<usize> {
     ids.iter().map(|&id| id as usize).collect()
@@ -214,7 +242,7 @@ impl Backend for ReferenceBackend {
             &inputs.d_topk_affinities.to_f64_vec(),
             d_router_logits.as_deref(),
             (t, h, e, k),
-            pipeline,
+            (pipeline, call.compute_dtype()),
         );
         let d_x = f32_output(rtb::D_X.name, &[t, h], &grads.d_x)?;
         call.cast_outputs(RouterTopkGrads {
@@ -529,5 +557,38 @@ impl RmsNorm for ReferenceBackend {
         let d_y: Vec<f64> = d_y.iter().map(|&d| f64::from(d)).collect();
         let (d_x, d_gamma) = rmsnorm::rmsnorm_backward(&widened(x), &widened(gamma), &d_y, spec)?;
         Ok((rounded(d_x), rounded(d_gamma)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::round_to_bf16;
+
+    #[test]
+    fn rounds_to_the_nearest_bf16_in_one_step() {
+        // f32 values across every exponent, subnormals and the overflow edge included: their
+        // f32-to-bf16 rounding (ties to even, on the bits) is exact to check against.
+        for bits in (0..u32::MAX).step_by(65_521) {
+            let x = f32::from_bits(bits);
+            if !x.is_nan() {
+                assert_eq!(
+                    round_to_bf16(f64::from(x)),
+                    bf16::from_f32(x).to_f64(),
+                    "{x:e}"
+                );
+            }
+        }
+        assert_eq!(round_to_bf16(f64::from(-0.705_078_54_f32)), -0.707_031_25);
+        // Just above the tie between 1 and 1 + 2⁻⁷ rounds up; through f32 it would become the
+        // tie itself, which goes to the even neighbour, 1.
+        let tie = 1.0 + 2f64.powi(-8);
+        assert_eq!(round_to_bf16(tie), 1.0);
+        assert_eq!(round_to_bf16(tie + 2f64.powi(-30)), 1.0 + 2f64.powi(-7));
+        // Half a step past bf16's largest finite value is a tie, which rounds to infinity.
+        let max = bf16::MAX.to_f64();
+        assert_eq!(round_to_bf16(max + 2f64.powi(119)), f64::INFINITY);
+        assert_eq!(round_to_bf16(-(max + 2f64.powi(118))), -max);
     }
 }

@@ -7,7 +7,7 @@ use crate::contracts::spec::output;
 use crate::contracts::tensors::router_topk as rt;
 use crate::contracts::{RouterActFnType, RouterPipeline};
 use crate::error::Result;
-use crate::tensor::{try_capacity, try_filled};
+use crate::tensor::{DType, try_capacity, try_filled};
 
 /// Forward results in f64.
 #[derive(Clone, Debug, PartialEq)]
@@ -141,6 +141,8 @@ pub struct RouterGrads {
 
 /// Router backward: `d_topk_affinities [T, K]` (and `d_router_logits [T, E]`) through the
 /// affinities, activation and logits GEMM to `x [T, H]` (in that layout), `w` and `w_bias`.
+/// Computing in bf16 (`compute_dtype`), `d_logits` is rounded where it is formed and `x` and
+/// `w` are read rounded.
 #[allow(clippy::too_many_arguments)] // the backward consumes eight distinct tensors
 pub fn router_backward(
     x: &[f64],
@@ -150,8 +152,9 @@ pub fn router_backward(
     d_topk_affinities: &[f64],
     d_router_logits: Option<&[f64]>,
     (t, h, e, k): (usize, usize, usize, usize),
-    pipeline: RouterPipeline,
+    (pipeline, compute_dtype): (RouterPipeline, DType),
 ) -> RouterGrads {
+    let operand = |v: f64| super::operand(compute_dtype, v);
     let (act_fn, norm_topk_prob) = (pipeline.act_fn, pipeline.renormalises());
     let mut d_logits = vec![0.0; t * e];
     for token in 0..t {
@@ -193,6 +196,9 @@ pub fn router_backward(
                 *dl += d;
             }
         }
+        for dl in row.iter_mut() {
+            *dl = operand(*dl);
+        }
     }
     let mut grads = RouterGrads {
         d_x: vec![0.0; t * h],
@@ -204,8 +210,8 @@ pub fn router_backward(
             let dl = d_logits[token * e + expert];
             grads.d_w_bias[expert] += dl;
             for j in 0..h {
-                grads.d_x[token * h + j] += dl * w[j * e + expert];
-                grads.d_w[j * e + expert] += x[token * h + j] * dl;
+                grads.d_x[token * h + j] += dl * operand(w[j * e + expert]);
+                grads.d_w[j * e + expert] += operand(x[token * h + j]) * dl;
             }
         }
     }

@@ -180,6 +180,7 @@ pub fn single_rank(c: &EpCase, data: &EpData, rank: usize) -> [Vec<f64>; 5] {
                 },
                 RouterTopkBwdParams {
                     pipeline: c.router(),
+                    compute_dtype: None,
                 },
             )
             .unwrap(),

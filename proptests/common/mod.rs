@@ -264,9 +264,20 @@ fn same_dtype(like: &Tensor, shape: &[usize], values: &[f64]) -> Tensor {
     }
 }
 
-/// `v` rounded to the nearest bf16 (ties to even): an operand under `compute_dtype` bf16.
+/// `v` rounded to the nearest bf16, ties to even, in one step from f64 (`half`'s
+/// `bf16::from_f64` is not correctly rounded near ties).
 pub fn round_bf16(v: f64) -> f64 {
-    half::bf16::from_f64(v).to_f64()
+    if !v.is_finite() || v == 0.0 {
+        return v;
+    }
+    // bf16 keeps 8 significant bits down to 2⁻¹²⁶, and a step of 2⁻¹³³ below.
+    let step = 2f64.powf(v.abs().log2().floor().max(-126.0) - 7.0);
+    let rounded = (v / step).round_ties_even() * step;
+    if rounded.abs() > half::bf16::MAX.to_f64() {
+        f64::INFINITY.copysign(v)
+    } else {
+        rounded
+    }
 }
 
 /// The gate activations by their definitions (erf for GELU through libm's f64).

@@ -281,6 +281,7 @@ impl Layer {
             },
             RouterTopkBwdParams {
                 pipeline: RouterPipeline::QWEN3_MOE,
+                compute_dtype: None,
             },
         )
     }
