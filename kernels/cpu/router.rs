@@ -13,7 +13,9 @@ use rayon::prelude::*;
 
 use super::alloc::output_buffer;
 use super::bf16_matmul::{self, matmul_bf16, matmul_bf16_into};
-use super::element::{Element, all_fit, ensure_finite, finite_output, screened_output};
+use super::element::{
+    Element, all_fit, ensure_finite, finite_output, screened_output, write_rounded,
+};
 use super::exp::{exp_into, log_softmax};
 use super::expert_matrix::{ExpertMatrix, Panels};
 use super::matmul::{MatRef, matmul, matmul_bf16_b};
@@ -384,16 +386,12 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     let x = pipeline.x_hbm_layout.tokens_major(inputs.x)?;
     let x = x.floats().expect("the contract checked x's dtype");
     let w = inputs.w.floats().expect("the contract checked w's dtype");
-    let [(d_x, d_x_fits), (d_w, d_w_fits)] = if bf16_operands {
-        let (x, w) = (bf16_operand(x), bf16_operand(w));
-        if bf16_matmul::available() {
-            pair_dot_products(&d_logits, (&x, &w), (t, h, e))?
-        } else {
-            // The same exact products of bf16 values, widened to f32.
-            f32_products(&d_logits, (Floats::BF16(&x), Floats::BF16(&w)), (t, h, e))?
-        }
-    } else {
-        f32_products(&d_logits, (x, w), (t, h, e))?
+    // d_x is written in its output dtype, each tile rounded while in cache (a cast afterwards
+    // would stream the whole `[T, H]` again).
+    let operands = (&d_logits[..], (x, w), bf16_operands);
+    let (d_x, d_w) = match call.output_dtype_of(&rtb::D_X) {
+        DType::BF16 => gradients::<bf16>(operands, (t, h, e))?,
+        DType::F32 | DType::I32 => gradients::<f32>(operands, (t, h, e))?,
     };
     // d_w_bias [E] = Σ_t d_logits, in token order.
     let mut d_w_bias = vec![0.0f32; e];
@@ -403,13 +401,8 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
         }
     }
     Ok(RouterTopkGrads {
-        d_x: pipeline.x_hbm_layout.from_tokens_major(screened_output(
-            rtb::D_X.name,
-            &[t, h],
-            d_x,
-            d_x_fits,
-        )?)?,
-        d_w: screened_output(rtb::D_W.name, &[h, e], d_w, d_w_fits)?,
+        d_x: pipeline.x_hbm_layout.from_tokens_major(d_x)?,
+        d_w,
         d_w_bias: finite_output(rtb::D_W_BIAS.name, &[e], d_w_bias)?,
     })
 }
@@ -422,27 +415,75 @@ fn bf16_operand(values: Floats<'_>) -> Cow<'_, [bf16]> {
     }
 }
 
-/// The backward's products on the f32 kernels, `d_x [T, H] = d_logits · wᵀ` and
-/// `d_w [H, E] = xᵀ · d_logits`, for `d_logits [T, E]`, `x [T, H]` and `w [H, E]` (bf16
-/// operands widened exactly), each with whether all of its values are finite.
-fn f32_products(
+/// `d_x [T, H] = d_logits · wᵀ` (tokens-major, in `E`) and `d_w [H, E] = xᵀ · d_logits` (f32)
+/// for `d_logits [T, E]`, `x [T, H]` and `w [H, E]`: with bf16 operands (`d_logits` already
+/// rounded) on the pair dot products where the CPU has them, else on the f32 kernels (bf16
+/// operands widened exactly).
+fn gradients<E: Element>(
+    (d_logits, (x, w), bf16_operands): (&[f32], (Floats<'_>, Floats<'_>), bool),
+    (t, h, e): (usize, usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let ((d_x, d_x_fits), (d_w, d_w_fits)) = if bf16_operands {
+        let (x, w) = (bf16_operand(x), bf16_operand(w));
+        if bf16_matmul::available() {
+            pair_dot_products::<E>(d_logits, (&x, &w), (t, h, e))?
+        } else {
+            // The same exact products of bf16 values, widened to f32.
+            f32_products::<E>(d_logits, (Floats::BF16(&x), Floats::BF16(&w)), (t, h, e))?
+        }
+    } else {
+        f32_products::<E>(d_logits, (x, w), (t, h, e))?
+    };
+    Ok((
+        screened_output(rtb::D_X.name, &[t, h], d_x, d_x_fits)?,
+        screened_output(rtb::D_W.name, &[h, e], d_w, d_w_fits)?,
+    ))
+}
+
+/// `d_x` (in `E`) and `d_w` (f32), each with whether all of its values are finite.
+type Products<E> = ((Vec<E>, bool), (Vec<f32>, bool));
+
+/// Writes one tile of `d_x` in `E` from `product`, which fills f32 rows: in place when `E` is
+/// f32, else through `results`, rounded while they are in cache. Returns whether every value
+/// is finite in `E`.
+fn write_tile<E: Element>(
+    d_x: &mut [MaybeUninit<E>],
+    results: &mut Vec<f32>,
+    product: impl FnOnce(&mut [MaybeUninit<f32>]) -> &[f32],
+) -> bool {
+    match E::as_f32_slots(d_x) {
+        Some(d_x) => all_fit::<f32>(product(d_x)),
+        None => {
+            let len = d_x.len();
+            results.clear();
+            results.reserve(len);
+            let values = product(&mut results.spare_capacity_mut()[..len]);
+            write_rounded(d_x, values)
+        }
+    }
+}
+
+/// The backward's products on the f32 kernels (see [`gradients`]).
+fn f32_products<E: Element>(
     d_logits: &[f32],
     (x, w): (Floats<'_>, Floats<'_>),
     (t, h, e): (usize, usize, usize),
-) -> Result<[(Vec<f32>, bool); 2]> {
+) -> Result<Products<E>> {
     // d_x in token tiles on packed panels of wᵀ; bf16 weights widened first (`[H, E]`, small
     // beside the product).
     let w = w.to_f32();
     let w = ExpertMatrix::of(Floats::F32(&w), WeightLayout::Nki, 0, (h, e));
-    let mut d_x = output_buffer(rtb::D_X.name, &[t, h])?;
+    let mut d_x = output_buffer::<E>(rtb::D_X.name, &[t, h])?;
     let tile = token_tile(t);
     let d_x_fits = d_x
         .par_chunks_mut(tile * h)
         .zip(d_logits.par_chunks(tile * e))
         .map_init(
-            || (Vec::new(), Vec::new()),
-            |(panel, tile), (d_x, d_logits)| {
-                all_fit::<f32>(w.transposed_product_into(d_x, d_logits, (panel, tile)))
+            || (Vec::new(), Vec::new(), Vec::new()),
+            |(panel, tile, results), (d_x, d_logits)| {
+                write_tile(d_x, results, |d_x| {
+                    w.transposed_product_into(d_x, d_logits, (panel, tile))
+                })
             },
         )
         .reduce(|| true, |a, b| a && b);
@@ -477,17 +518,17 @@ fn f32_products(
         )
         .reduce(|| true, |a, b| a && b);
     // SAFETY: the tiles and bands cover both buffers, and each wrote its part whole.
-    Ok(unsafe { [(assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)] })
+    Ok(unsafe { ((assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)) })
 }
 
 /// [`f32_products`] on bf16 pair dot products (exact products, f32 sums, the inner dimension
 /// in pairs), for `d_logits` already rounded to bf16 and bf16 `x` and `w`: at twice the f32
 /// rate where the CPU has them ([`bf16_matmul::available`]).
-fn pair_dot_products(
+fn pair_dot_products<E: Element>(
     d_logits: &[f32],
     (x, w): (&[bf16], &[bf16]),
     (t, h, e): (usize, usize, usize),
-) -> Result<[(Vec<f32>, bool); 2]> {
+) -> Result<Products<E>> {
     // d_logits [T, E] and wᵀ [E, H] in bf16 (exact: d_logits holds bf16 values), each row
     // padded to an even length with zeros as the pairs need; wᵀ is small beside the product.
     let lde = e.next_multiple_of(2);
@@ -502,19 +543,16 @@ fn pair_dot_products(
         });
     let w_t = transposed(w, e);
     // d_x [T, H] = d_logits · wᵀ in token tiles.
-    let mut d_x = output_buffer(rtb::D_X.name, &[t, h])?;
+    let mut d_x = output_buffer::<E>(rtb::D_X.name, &[t, h])?;
     let tile = token_tile(t);
     let d_x_fits = d_x
         .par_chunks_mut(tile * h)
         .zip(d_logits16.par_chunks(tile * lde))
-        .map(|(d_x, d_logits)| {
+        .map_init(Vec::new, |results, (d_x, d_logits)| {
             let rows = d_x.len() / h;
-            all_fit::<f32>(matmul_bf16_into(
-                d_x,
-                (d_logits, lde),
-                (&w_t, h),
-                (rows, h, e),
-            ))
+            write_tile(d_x, results, |d_x| {
+                matmul_bf16_into(d_x, (d_logits, lde), (&w_t, h), (rows, h, e))
+            })
         })
         .reduce(|| true, |a, b| a && b);
     // d_w as its transpose d_logitsᵀ [E, T] · x [T, H], in bands of `d_w_band` columns of x.
@@ -540,7 +578,7 @@ fn pair_dot_products(
         })
         .reduce(|| true, |a, b| a && b);
     // SAFETY: the tiles and bands cover both buffers, and each wrote its part whole.
-    Ok(unsafe { [(assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)] })
+    Ok(unsafe { ((assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)) })
 }
 
 /// The transpose `[cols, rows]` of row-major `values [rows, cols]`, in parallel over its rows.
