@@ -541,7 +541,7 @@ fn pair_dot_products<E: Element>(
                 *d = bf16::round(v);
             }
         });
-    let w_t = transposed(w, e);
+    let w_t = transposed(w, e, h);
     // d_x [T, H] = d_logits · wᵀ in token tiles.
     let mut d_x = output_buffer::<E>(rtb::D_X.name, &[t, h])?;
     let tile = token_tile(t);
@@ -555,16 +555,10 @@ fn pair_dot_products<E: Element>(
             })
         })
         .reduce(|| true, |a, b| a && b);
-    // d_w as its transpose d_logitsᵀ [E, T] · x [T, H], in bands of `d_w_band` columns of x.
+    // d_w as its transpose d_logitsᵀ [E, T] · x [T, H], in bands of `d_w_band` columns of x;
+    // d_logitsᵀ's rows padded to an even length too.
     let lda = t.next_multiple_of(2);
-    let d_logits_t = transposed(&d_logits16, lde).chunks(t).take(e).fold(
-        Vec::with_capacity(e * lda),
-        |mut padded, row| {
-            padded.extend_from_slice(row);
-            padded.resize(padded.len() + lda - t, bf16::ZERO);
-            padded
-        },
-    );
+    let d_logits_t = transposed(&d_logits16, lde, lda);
     let mut d_w = output_buffer(rtb::D_W.name, &[h, e])?;
     let band_rows = d_w_band(h);
     let d_w_fits = d_w
@@ -581,11 +575,11 @@ fn pair_dot_products<E: Element>(
     Ok(unsafe { ((assume_init(d_x), d_x_fits), (assume_init(d_w), d_w_fits)) })
 }
 
-/// The transpose `[cols, rows]` of row-major `values [rows, cols]`, in parallel over its rows.
-fn transposed<T: Copy + Default + Send + Sync>(values: &[T], cols: usize) -> Vec<T> {
-    let rows = values.len() / cols.max(1);
-    let mut out = vec![T::default(); rows * cols];
-    out.par_chunks_mut(rows.max(1))
+/// The transpose of row-major `values [rows, cols]`: `[cols, ld]`, each row padded past `rows`
+/// with zeros (`T::default()`) to the row stride `ld` ≥ rows; in parallel over its rows.
+fn transposed<T: Copy + Default + Send + Sync>(values: &[T], cols: usize, ld: usize) -> Vec<T> {
+    let mut out = vec![T::default(); cols * ld];
+    out.par_chunks_mut(ld.max(1))
         .enumerate()
         .for_each(|(col, out)| {
             for (v, row) in out.iter_mut().zip(values.chunks_exact(cols)) {
