@@ -162,6 +162,19 @@ impl<'a> Floats<'a> {
             Floats::BF16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
         }
     }
+
+    /// The values in bf16: borrowed when stored so, else rounded to the nearest (ties to even).
+    pub fn to_bf16(self) -> Cow<'a, [bf16]> {
+        match self {
+            Floats::BF16(v) => Cow::Borrowed(v),
+            Floats::F32(v) => Cow::Owned(
+                v.par_iter()
+                    .with_min_len(CAST_TASK_LEN)
+                    .map(|&x| bf16_nearest(x))
+                    .collect(),
+            ),
+        }
+    }
 }
 
 /// Elements per parallel task of a cast between float dtypes (an output of nki-library's

@@ -66,6 +66,7 @@ pub use indexed_flatten::*;
 pub use load_balancing_loss::*;
 pub use moe_block_tkg::*;
 pub use moe_tkg::*;
+pub use operand_dtype::ComputeDType;
 pub use output_dtype::OutputDType;
 pub use permute::*;
 pub use plan::BlockPlan;

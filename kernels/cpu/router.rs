@@ -407,14 +407,6 @@ pub(super) fn backward(call: &RouterTopkBwd<'_>) -> Result<RouterTopkGrads> {
     })
 }
 
-/// `values` as bf16 matmul operands: as stored, or rounded from f32.
-fn bf16_operand(values: Floats<'_>) -> Cow<'_, [bf16]> {
-    match values {
-        Floats::BF16(values) => Cow::Borrowed(values),
-        Floats::F32(values) => Cow::Owned(values.par_iter().map(|&v| bf16::round(v)).collect()),
-    }
-}
-
 /// `d_x [T, H] = d_logits · wᵀ` (tokens-major, in `E`) and `d_w [H, E] = xᵀ · d_logits` (f32)
 /// for `d_logits [T, E]`, `x [T, H]` and `w [H, E]`: with bf16 operands (`d_logits` already
 /// rounded) on the pair dot products where the CPU has them, else on the f32 kernels (bf16
@@ -424,7 +416,7 @@ fn gradients<E: Element>(
     (t, h, e): (usize, usize, usize),
 ) -> Result<(Tensor, Tensor)> {
     let ((d_x, d_x_fits), (d_w, d_w_fits)) = if bf16_operands {
-        let (x, w) = (bf16_operand(x), bf16_operand(w));
+        let (x, w) = (x.to_bf16(), w.to_bf16());
         if bf16_matmul::available() {
             pair_dot_products::<E>(d_logits, (&x, &w), (t, h, e))?
         } else {
