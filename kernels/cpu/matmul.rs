@@ -206,10 +206,17 @@ fn tile_operands<'a>(a: MatRef<'a>, b: MatRef<'a>) -> f32_tiles::Operands<'a> {
 /// a wide n stays on the packed kernels: 640 against 613 ms for `blockwise_mm_bwd` at T = 512.
 const TILED_LONG_K_MAX_M: usize = 64;
 
-/// Whether [`matmul`] runs `a · b` on the register tiles: small k and n, or a long k with few
-/// rows of `a`, here, and as many rows of `a` as the CPU's [`Blocking`] gives them.
+/// Whether [`matmul`] runs `a · b` on the register tiles: small k and n with `a` row-major, or
+/// a long k with few rows of `a`, here, and as many rows of `a` as the CPU's [`Blocking`] gives
+/// them.
+///
+/// A transposed `a` (a weight gradient's `xᵀ`, read down its columns) takes the packed kernels
+/// at small k and n too. Measured on Zen 4, `dW = xᵀ · d y` at 256 × m × 256 (m = 128–256), one thread,
+/// operands in cache: 104–108 against 95–100 GFLOP/s; inside `moekit-train bench --config
+/// configs/qwen3_moe_small.toml` (the two paths on alternate steps of one process, 80 steps
+/// each, `blockwise_mm_bwd` timed per call): 23.9 against 24.5 and 25.8 against 26.8 ms.
 fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
-    let small = a.cols <= TILED_MAX_K && b.cols <= TILED_MAX_N;
+    let small = a.cols <= TILED_MAX_K && b.cols <= TILED_MAX_N && a.col_stride == 1;
     let few_rows_long_k = a.rows <= TILED_LONG_K_MAX_M && a.cols > TILED_MAX_K;
     (small || few_rows_long_k)
         && b.col_stride == 1
@@ -223,12 +230,10 @@ fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
 /// outer, which read it from memory once, a strip at a time, with the next strip prefetched.
 ///
 /// Measured on Zen 4 (1 MiB L2), single-threaded with `b` in cache: 256 × 256 × 256 at 109
-/// against 97 GFLOP/s, 256 × 128 × 256 at 112 against 96. In `moekit bench --shape
-/// qwen3-moe-small --tokens 2048 --block-size 32 --kernel blockwise_mm_bwd`, whose weight
-/// gradients `[256, m] · [m, 256]` read activation gradients just written, the median moved by
-/// −6%, −3%, +1% and (one thread) −3% in four series of 8–12 alternating runs: a small gain,
-/// within this VM's run-to-run spread. With `b` (weights) arriving from L3 instead: 93–97
-/// against 96 GFLOP/s at m = 256, 77 against 90 at m = 96, so weights keep the strips.
+/// against 97 GFLOP/s, 256 × 128 × 256 at 112 against 96. Weight gradients read activation
+/// gradients just written; those the tiles take (few rows of `xᵀ`, long k) walk row tiles
+/// outer where `b` fits. With `b` (weights) arriving from L3 instead: 93–97 against 96
+/// GFLOP/s at m = 256, 77 against 90 at m = 96, so weights keep the strips.
 fn tile_order(b: MatRef<'_>) -> f32_tiles::Order {
     let reach = b.rows * b.cols * size_of::<f32>();
     if b.resident && reach <= l2_cache_bytes() / 2 {
