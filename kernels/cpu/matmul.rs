@@ -211,8 +211,8 @@ const TILED_LONG_K_MAX_M: usize = 64;
 /// them.
 ///
 /// A transposed `a` (a weight gradient's `xᵀ`, read down its columns) takes the packed kernels
-/// at small k and n too. Measured on Zen 4, `dW = xᵀ · d y` at 256 × m × 256 (m = 128–256), one thread,
-/// operands in cache: 104–108 against 95–100 GFLOP/s; inside `moekit-train bench --config
+/// at small k and n too. Measured on Zen 4, `dW = xᵀ · d y` at 256 × m × 256 (m = 128–256),
+/// one thread, operands in cache: 104–108 against 95–100 GFLOP/s; inside `moekit-train bench --config
 /// configs/qwen3_moe_small.toml` (the two paths on alternate steps of one process, 80 steps
 /// each, `blockwise_mm_bwd` timed per call): 23.9 against 24.5 and 25.8 against 26.8 ms.
 fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
