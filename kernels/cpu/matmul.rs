@@ -1,6 +1,7 @@
 //! Safe f32 matrix products over strided views: on AVX-512 register tiles read straight from
-//! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small,
-//! `b`'s rows are contiguous, and the CPU's [`Blocking`] gives the tiles that many rows of `a`;
+//! the operands ([`f32_tiles`]) when the inner dimension and the output's width are small and
+//! `a` is row-major (or `a` has few rows and a long inner dimension), `b`'s rows are
+//! contiguous, and the CPU's [`Blocking`] gives the tiles that many rows of `a`;
 //! otherwise on packed panels: the `gemm` crate's AVX-512 or AVX2+FMA microkernels under
 //! [`streamed`]'s driver when `b`'s rows or columns are contiguous (`a` is read in place,
 //! row-major or transposed), else the `gemm` crate's own driver (AVX-512 or AVX2+FMA chosen at
