@@ -44,8 +44,8 @@ use super::gated;
 use super::matmul::{MatRef, matmul, matmul_into};
 use super::permute::topk_gradient;
 use super::rows::{
-    add_bias_rows, bf16_rows, bias_row, clamp_rows, dot, gather_rows, resized, round_to_bf16,
-    scale_rows,
+    PREFETCH_ROWS_AHEAD, add_bias_rows, add_scaled, bf16_rows, bias_row, clamp_rows, dot,
+    gather_rows, prefetch, prefetch_row, resized, round_to_bf16, scale_rows,
 };
 use super::scratch::PerThread;
 use super::transpose::{TILE, Tile, load_row, store_row, transpose};
@@ -202,12 +202,13 @@ impl TokenRows {
         row: impl Fn((usize, usize)) -> &'r [f32] + Sync,
     ) {
         out.par_chunks_mut(h).enumerate().for_each(|(token, out)| {
+            let ahead = (token + PREFETCH_ROWS_AHEAD).min(self.offsets.len() - 2);
+            for &key in &self.entries[self.offsets[ahead]..self.offsets[ahead + 1]] {
+                prefetch(row(key));
+            }
             let out = zero(out);
             for &key in &self.entries[self.offsets[token]..self.offsets[token + 1]] {
-                let w = weight(token, key);
-                for (o, v) in out.iter_mut().zip(row(key)) {
-                    *o += w * v;
-                }
+                add_scaled(out, weight(token, key), row(key));
             }
         });
     }
@@ -940,6 +941,11 @@ fn rows_backward(
             .chunks_exact_mut(h)
             .zip(piece.tokens.iter().zip(piece.slots));
         for (row, (d_y, (&token, &slot))) in rows.enumerate() {
+            let ahead = row + PREFETCH_ROWS_AHEAD;
+            if let (Some(&token), Some(&slot)) = (piece.tokens.get(ahead), piece.slots.get(ahead)) {
+                prefetch_row(d_output, token, h);
+                prefetch_row(inputs.down_proj_act_checkpoint, slot, h);
+            }
             let d_out = row_f32(d_output, token, h, &mut s.x);
             let y = row_f32(inputs.down_proj_act_checkpoint, slot, h, &mut s.y);
             piece.d_affinity[row] = dot(d_out, y);

@@ -1,10 +1,13 @@
 //! Row-wise stages the expert kernels share: gathering token rows, adding a bias row, clamping
-//! gate/up rows, scaling rows, dot products of rows; each a plain loop over f32 rows whose
-//! result depends only on the values.
+//! gate/up rows, scaling rows, dot products of rows and adding scaled rows; each a loop over
+//! f32 rows whose result depends only on the values: the dot product and the scaled sum run 16
+//! lanes at a time on AVX-512 with the portable loop's multiply and add per term, so every level
+//! gives the same bits. Passes over scattered rows fetch the rows ahead of the one they read.
 
 use half::bf16;
 
 use super::element::Element;
+use super::isa::Isa;
 use crate::contracts::{Clamp, ClampLimits};
 use crate::tensor::Floats;
 
@@ -50,10 +53,44 @@ pub(super) fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
 }
 
 /// Copies the listed rows of a `[rows, width]` float tensor into `dst` as a contiguous f32
-/// matrix `[rows.len(), width]`.
+/// matrix `[rows.len(), width]`, each row's next but one fetched into L1 ([`prefetch`]) while
+/// it copies.
 pub(super) fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst: &mut [f32]) {
-    for (&row, dst) in rows.iter().zip(dst.chunks_exact_mut(width)) {
+    for (r, dst) in dst.chunks_exact_mut(width).enumerate().take(rows.len()) {
+        if let Some(&ahead) = rows.get(r + PREFETCH_ROWS_AHEAD) {
+            prefetch_row(values, ahead, width);
+        }
+        let row = rows[r];
         values.slice(row * width..(row + 1) * width).write_f32(dst);
+    }
+}
+
+/// How many rows ahead of the one it reads a row-wise pass over scattered rows (token rows
+/// gathered by index) fetches: far enough for the lines to arrive before they are read.
+pub(super) const PREFETCH_ROWS_AHEAD: usize = 2;
+
+/// [`prefetch`]es row `row` of a `[rows, width]` float tensor.
+pub(super) fn prefetch_row(values: Floats<'_>, row: usize, width: usize) {
+    match values.slice(row * width..(row + 1) * width) {
+        Floats::F32(row) => prefetch(row),
+        Floats::BF16(row) => prefetch(row),
+    }
+}
+
+/// Asks for every cache line of `values` in L1, without waiting for them: for scattered rows,
+/// whose first lines the hardware prefetchers do not foresee. A hint only; no effect on
+/// results.
+pub(super) fn prefetch<T>(values: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        const LINE: usize = 64;
+        let bytes = std::mem::size_of_val(values);
+        let start = values.as_ptr().cast::<i8>();
+        for offset in (0..bytes).step_by(LINE) {
+            // SAFETY: a prefetch never faults; the address lies inside `values`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset)) };
+        }
     }
 }
 
@@ -92,21 +129,97 @@ pub(super) fn bf16_rows(dst: &mut Vec<bf16>, rows: &[f32], width: usize) {
 pub(super) const LANES: usize = 16;
 
 /// `Σ_j a[j]·b[j]`, over [`LANES`] interleaved partial sums added in lane order, then the tail.
+/// On AVX-512 the partial sums are one register, with the same multiply and add per term, so
+/// the result does not depend on the level.
 pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let whole = a.len() / LANES * LANES;
+    let whole = a.len().min(b.len()) / LANES * LANES;
+    #[cfg(target_arch = "x86_64")]
+    let lanes = if Isa::Avx512.enabled() {
+        // SAFETY: AVX-512 F is enabled; both slices hold at least `whole` elements.
+        unsafe { x86::lane_sums(&a[..whole], &b[..whole]) }
+    } else {
+        lane_sums(&a[..whole], &b[..whole])
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let lanes = lane_sums(&a[..whole], &b[..whole]);
+    let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// The [`LANES`] partial sums of [`dot`] over slices of a whole number of lanes.
+fn lane_sums(a: &[f32], b: &[f32]) -> [f32; LANES] {
     let mut lanes = [0.0f32; LANES];
-    for (a, b) in a[..whole]
-        .chunks_exact(LANES)
-        .zip(b[..whole].chunks_exact(LANES))
-    {
+    for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
         // Plain multiply and add: `mul_add` is a library call where the build does not
         // assume FMA.
         for lane in 0..LANES {
             lanes[lane] += a[lane] * b[lane];
         }
     }
-    let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();
-    lanes.iter().sum::<f32>() + tail
+    lanes
+}
+
+/// `out[j] += w · v[j]` (a multiply, then an add, as on every level) over the shorter length.
+pub(super) fn add_scaled(out: &mut [f32], w: f32, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx512.enabled() {
+        // SAFETY: AVX-512 F is enabled.
+        unsafe { x86::add_scaled(out, w, v) };
+        return;
+    }
+    for (o, v) in out.iter_mut().zip(v) {
+        *o += w * v;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::LANES;
+    use crate::cpu::exp::x86::mask;
+
+    /// [`super::lane_sums`] in one register.
+    ///
+    /// # Safety
+    /// AVX-512 F must be present; `a` and `b` have equal lengths, a multiple of [`LANES`].
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn lane_sums(a: &[f32], b: &[f32]) -> [f32; LANES] {
+        let mut acc = _mm512_setzero_ps();
+        for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
+            // SAFETY: each chunk holds 16 elements.
+            unsafe {
+                let product =
+                    _mm512_mul_ps(_mm512_loadu_ps(a.as_ptr()), _mm512_loadu_ps(b.as_ptr()));
+                acc = _mm512_add_ps(acc, product);
+            }
+        }
+        let mut lanes = [0.0f32; LANES];
+        // SAFETY: `lanes` holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes
+    }
+
+    /// [`super::add_scaled`], 16 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX-512 F must be present.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn add_scaled(out: &mut [f32], w: f32, v: &[f32]) {
+        let len = out.len().min(v.len());
+        let w = _mm512_set1_ps(w);
+        for c in (0..len).step_by(LANES) {
+            let m = mask(len - c);
+            // SAFETY: the masked lanes lie inside both slices from c on; lanes past the end
+            // are neither read nor written.
+            unsafe {
+                let o = _mm512_maskz_loadu_ps(m, out.as_ptr().add(c));
+                let x = _mm512_maskz_loadu_ps(m, v.as_ptr().add(c));
+                let sum = _mm512_add_ps(o, _mm512_mul_ps(w, x));
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), m, sum);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +234,39 @@ mod tests {
             // Small integers and halves: every partial sum is exact in f32.
             let want: f32 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
             assert_eq!(dot(&a, &b), want, "n = {n}");
+        }
+    }
+
+    /// Values whose products and sums round: any change of arithmetic or order shows.
+    fn inexact(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32 + seed) * 0.37).sin() * 3.1).collect()
+    }
+
+    #[test]
+    fn dot_gives_the_portable_loops_bits_at_the_active_level() {
+        for n in [0, 5, LANES, LANES + 3, 16 * LANES + 9] {
+            let (a, b) = (inexact(n, 0.5), inexact(n, 2.0));
+            let whole = n / LANES * LANES;
+            let tail: f32 = a[whole..].iter().zip(&b[whole..]).map(|(a, b)| a * b).sum();
+            let want = lane_sums(&a[..whole], &b[..whole]).iter().sum::<f32>() + tail;
+            assert_eq!(
+                dot(&a, &b).to_bits(),
+                want.to_bits(),
+                "n = {n} at level {}",
+                Isa::active()
+            );
+        }
+    }
+
+    #[test]
+    fn add_scaled_adds_each_product_to_its_value() {
+        for n in [0, 1, LANES - 1, LANES, 3 * LANES + 5] {
+            let (start, v) = (inexact(n, 1.0), inexact(n, 7.0));
+            let mut out = start.clone();
+            add_scaled(&mut out, 0.3, &v);
+            for (j, ((&got, &o), &x)) in out.iter().zip(&start).zip(&v).enumerate() {
+                assert_eq!(got.to_bits(), (o + 0.3 * x).to_bits(), "[{j}] of {n}");
+            }
         }
     }
 }
