@@ -70,9 +70,25 @@ const MIN_BAND_ROWS: usize = 128;
 const ROUNDED_PIECE_BYTES: usize = 256 << 10;
 
 /// Most rows of one expert that one task computes: a forward run stops adding blocks before
-/// it would exceed this, and the backward splits experts with more into pieces of this many
-/// rows (the last one shorter).
+/// it would exceed this, and the backward splits experts with more into pieces of at least
+/// this many rows ([`piece_rows`]; the last one shorter).
 const TASK_ROWS: usize = 256;
+
+/// Bytes of an expert's token rows `[m, H]` in f32 that a piece of the backward holds, where
+/// [`TASK_ROWS`] rows take fewer: each piece repacks the expert's weights for its `d act` and
+/// `d x`, and each band of a weight gradient packs its `[m, n]` operand, so at a small H
+/// longer pieces pay for less packing. Measured on Zen 4 at qwen3-moe-small (H = 256), T =
+/// 2048, B = 32: `blockwise_mm_bwd` took 20.23 and 20.00 ms with pieces of 512 rows against
+/// 20.52 and 20.29 ms with 256, alternating calls in one process; 1024 rows were no faster.
+const PIECE_BYTES: usize = 512 << 10;
+
+/// Rows of a piece of the backward's row-wise stage at hidden size `h` (and of a weight
+/// gradient band's share of the inner dimension): [`TASK_ROWS`], or as many as fit
+/// [`PIECE_BYTES`] of f32 token rows when more do. From the shape alone, so the pieces never
+/// depend on the thread count.
+fn piece_rows(h: usize) -> usize {
+    (PIECE_BYTES / (size_of::<f32>() * h.max(1))).max(TASK_ROWS)
+}
 
 /// A forward task: consecutive blocks of the plan, either of one expert with real slots
 /// (`expert: Some`) or a single block of padding only (`None`, such as the unused blocks after
@@ -1114,9 +1130,10 @@ fn transposed_product<E: Element>(
     dst: &mut [MaybeUninit<E>],
     a: MatRef<'_>,
     b: MatRef<'_>,
+    task_rows: usize,
 ) -> bool {
     let (r, n) = (a.cols(), b.cols());
-    let (band, piece) = bands(a.rows(), r, n);
+    let (band, piece) = bands(a.rows(), r, n, task_rows);
     dst.par_chunks_mut(band * n)
         .enumerate()
         .map_init(Vec::new, |results, (index, dst)| {
@@ -1140,11 +1157,11 @@ fn transposed_product<E: Element>(
 }
 
 /// The rows of `dst [r, n] = aᵀ · b` (inner dimension m) that one task computes (a band: one
-/// per [`TASK_ROWS`] rows of m, of at least [`MIN_BAND_ROWS`] rows) and that it computes at a
-/// time (a piece: [`ROUNDED_PIECE_BYTES`] of f32 results), from the shapes alone.
-fn bands(m: usize, r: usize, n: usize) -> (usize, usize) {
+/// per `task_rows` rows of m ([`piece_rows`]), of at least [`MIN_BAND_ROWS`] rows) and that it
+/// computes at a time (a piece: [`ROUNDED_PIECE_BYTES`] of f32 results), from the shapes alone.
+fn bands(m: usize, r: usize, n: usize, task_rows: usize) -> (usize, usize) {
     let band = r
-        .div_ceil(m.div_ceil(TASK_ROWS))
+        .div_ceil(m.div_ceil(task_rows))
         .max(MIN_BAND_ROWS.min(r))
         .max(1);
     let piece = (ROUNDED_PIECE_BYTES / (size_of::<f32>() * n.max(1))).clamp(1, band);
@@ -1154,12 +1171,13 @@ fn bands(m: usize, r: usize, n: usize) -> (usize, usize) {
 /// The gradient of one expert's `W [k, n]` from the rows it multiplied, `inputs [m, k]`, and
 /// their products' gradients, `grads [m, n]` (each given with its row length): `dW = inputsᵀ ·
 /// grads`, written in `layout` (`[k, n]`, or `[n, k]` as `gradsᵀ · inputs`) by
-/// [`transposed_product`], or, given both in bf16, by [`transposed_product_bf16`].
+/// [`transposed_product`], or, given both in bf16, by [`transposed_product_bf16`], in the
+/// bands of `task_rows` ([`bands`]).
 fn weight_gradient<E: Element>(
     dst: &mut [MaybeUninit<E>],
     layout: WeightLayout,
-    inputs: (Floats<'_>, usize),
-    grads: (Floats<'_>, usize),
+    (inputs, grads): ((Floats<'_>, usize), (Floats<'_>, usize)),
+    task_rows: usize,
 ) -> bool {
     let (a, b) = match layout {
         WeightLayout::Nki => (inputs, grads),
@@ -1167,11 +1185,11 @@ fn weight_gradient<E: Element>(
     };
     match (a, b) {
         ((Floats::BF16(a), r), (Floats::BF16(b), n)) => {
-            transposed_product_bf16(dst, (a, r), (b, n))
+            transposed_product_bf16(dst, (a, r), (b, n), task_rows)
         }
         ((a, r), (b, n)) => {
             let (a, b) = (a.to_f32(), b.to_f32());
-            transposed_product(dst, row_major(&a, r), row_major(&b, n))
+            transposed_product(dst, row_major(&a, r), row_major(&b, n), task_rows)
         }
     }
 }
@@ -1190,10 +1208,11 @@ fn transposed_product_bf16<E: Element>(
     dst: &mut [MaybeUninit<E>],
     (a, r): (&[bf16], usize),
     (b, n): (&[bf16], usize),
+    task_rows: usize,
 ) -> bool {
     let m = a.len() / r.max(1);
     let lda = m.next_multiple_of(2);
-    let (band, piece) = bands(m, r, n);
+    let (band, piece) = bands(m, r, n, task_rows);
     dst.par_chunks_mut(band * n)
         .enumerate()
         .map_init(
@@ -1222,7 +1241,7 @@ fn transposed_product_bf16<E: Element>(
 
 /// One expert's backward. Writes `d_gate_up_weight` (`[H, 2I]`, or `[2I, H]` in the linear
 /// layout) and `d_down_weight` (`[I, H]`, or `[H, I]`) in the weights' output dtypes `G` and
-/// `D`; the row-wise stage runs in pieces of [`TASK_ROWS`] rows and the weight gradients in
+/// `D`; the row-wise stage runs in pieces of [`piece_rows`] rows and the weight gradients in
 /// bands, in parallel.
 fn expert_backward<G: Element, D: Element>(
     call: &BlockwiseMmBwd<'_>,
@@ -1233,6 +1252,7 @@ fn expert_backward<G: Element, D: Element>(
 ) -> ExpertBackward {
     let BlockwiseDims { h, i, .. } = call.dims();
     let m = group.tokens.len();
+    let rows = piece_rows(h);
     let mut d_x = uninit::<f32>(m * h);
     let mut d_affinity = vec![0.0f32; m];
     // With bf16 operands and pair dot products, the row-wise stage also writes the weight
@@ -1254,22 +1274,22 @@ fn expert_backward<G: Element, D: Element>(
     ] {
         copy.resize(copy_rows * width, bf16::ZERO);
     }
-    let copies = row_pieces(&mut copies.x, h, m)
-        .zip(row_pieces(&mut copies.d_y, h, m))
-        .zip(row_pieces(&mut copies.act, i, m))
-        .zip(row_pieces(&mut copies.d_gate_up, 2 * i, m))
+    let copies = row_pieces(&mut copies.x, h, (m, rows))
+        .zip(row_pieces(&mut copies.d_y, h, (m, rows)))
+        .zip(row_pieces(&mut copies.act, i, (m, rows)))
+        .zip(row_pieces(&mut copies.d_gate_up, 2 * i, (m, rows)))
         .map(|(((x, d_y), act), d_gate_up)| [x, d_y, act, d_gate_up]);
     let pieces: Vec<RowPiece<'_>> = group
         .slots
-        .chunks(TASK_ROWS)
-        .zip(group.tokens.chunks(TASK_ROWS))
-        .zip(row_pieces(resized(x, m * h), h, m))
-        .zip(row_pieces(resized(d_y, m * h), h, m))
-        .zip(row_pieces(resized(act, m * i), i, m))
-        .zip(row_pieces(resized(d_gate_up, m * 2 * i), 2 * i, m))
+        .chunks(rows)
+        .zip(group.tokens.chunks(rows))
+        .zip(row_pieces(resized(x, m * h), h, (m, rows)))
+        .zip(row_pieces(resized(d_y, m * h), h, (m, rows)))
+        .zip(row_pieces(resized(act, m * i), i, (m, rows)))
+        .zip(row_pieces(resized(d_gate_up, m * 2 * i), 2 * i, (m, rows)))
         .zip(copies)
-        .zip(row_pieces(&mut d_x, h, m))
-        .zip(row_pieces(&mut d_affinity, 1, m))
+        .zip(row_pieces(&mut d_x, h, (m, rows)))
+        .zip(row_pieces(&mut d_affinity, 1, (m, rows)))
         .map(
             |((((((((slots, tokens), x), d_y), act), d_gate_up), bf16), d_x), d_affinity)| {
                 RowPiece {
@@ -1304,13 +1324,19 @@ fn expert_backward<G: Element, D: Element>(
     let weights_fit = weight_gradient(
         d_down_weight,
         layout,
-        operand(&grads.act[..m * i], &copies.act, i),
-        operand(&grads.d_y[..m * h], &copies.d_y, h),
+        (
+            operand(&grads.act[..m * i], &copies.act, i),
+            operand(&grads.d_y[..m * h], &copies.d_y, h),
+        ),
+        rows,
     ) & weight_gradient(
         d_gate_up_weight,
         layout,
-        operand(&grads.x[..m * h], &copies.x, h),
-        operand(&grads.d_gate_up[..m * 2 * i], &copies.d_gate_up, 2 * i),
+        (
+            operand(&grads.x[..m * h], &copies.x, h),
+            operand(&grads.d_gate_up[..m * 2 * i], &copies.d_gate_up, 2 * i),
+        ),
+        rows,
     );
     let d_biases = call.params().bias.then(|| {
         (
@@ -1327,13 +1353,17 @@ fn expert_backward<G: Element, D: Element>(
     }
 }
 
-/// `buffer [m, width]` in the pieces of [`TASK_ROWS`] rows the row-wise stage splits an
-/// expert's m rows into; an empty `buffer` gives an empty slice for each piece.
-fn row_pieces<T>(buffer: &mut [T], width: usize, m: usize) -> impl Iterator<Item = &mut [T]> {
+/// `buffer [m, width]` in the pieces of `rows` rows ([`piece_rows`]) the row-wise stage splits
+/// an expert's m rows into; an empty `buffer` gives an empty slice for each piece.
+fn row_pieces<T>(
+    buffer: &mut [T],
+    width: usize,
+    (m, rows): (usize, usize),
+) -> impl Iterator<Item = &mut [T]> {
     buffer
-        .chunks_mut((TASK_ROWS * width).max(1))
+        .chunks_mut((rows * width).max(1))
         .chain(std::iter::repeat_with(<&mut [T]>::default))
-        .take(m.div_ceil(TASK_ROWS))
+        .take(m.div_ceil(rows))
 }
 
 /// The sums of the `width`-long rows of `rows`, element by element, in row order.

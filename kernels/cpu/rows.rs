@@ -239,7 +239,9 @@ mod tests {
 
     /// Values whose products and sums round: any change of arithmetic or order shows.
     fn inexact(n: usize, seed: f32) -> Vec<f32> {
-        (0..n).map(|i| ((i as f32 + seed) * 0.37).sin() * 3.1).collect()
+        (0..n)
+            .map(|i| ((i as f32 + seed) * 0.37).sin() * 3.1)
+            .collect()
     }
 
     #[test]
