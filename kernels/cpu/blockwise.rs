@@ -78,8 +78,8 @@ const TASK_ROWS: usize = 256;
 /// [`TASK_ROWS`] rows take fewer: each piece repacks the expert's weights for its `d act` and
 /// `d x`, and each band of a weight gradient packs its `[m, n]` operand, so at a small H
 /// longer pieces pay for less packing. Measured on Zen 4 at qwen3-moe-small (H = 256), T =
-/// 2048, B = 32: `blockwise_mm_bwd` took 20.23 and 20.00 ms with pieces of 512 rows against
-/// 20.52 and 20.29 ms with 256, alternating calls in one process; 1024 rows were no faster.
+/// 2048, B = 32, four runs of each build alternating: `blockwise_mm_bwd` took 19.65–20.06 ms
+/// with pieces of 512 rows against 20.18–20.85 ms with 256; 1024 rows were no faster.
 const PIECE_BYTES: usize = 512 << 10;
 
 /// Rows of a piece of the backward's row-wise stage at hidden size `h` (and of a weight
@@ -958,9 +958,11 @@ fn rows_backward(
             .zip(piece.tokens.iter().zip(piece.slots));
         for (row, (d_y, (&token, &slot))) in rows.enumerate() {
             let ahead = row + PREFETCH_ROWS_AHEAD;
-            if let (Some(&token), Some(&slot)) = (piece.tokens.get(ahead), piece.slots.get(ahead)) {
-                prefetch_row(d_output, token, h);
-                prefetch_row(inputs.down_proj_act_checkpoint, slot, h);
+            if let (Some(&next_token), Some(&next_slot)) =
+                (piece.tokens.get(ahead), piece.slots.get(ahead))
+            {
+                prefetch_row(d_output, next_token, h);
+                prefetch_row(inputs.down_proj_act_checkpoint, next_slot, h);
             }
             let d_out = row_f32(d_output, token, h, &mut s.x);
             let y = row_f32(inputs.down_proj_act_checkpoint, slot, h, &mut s.y);

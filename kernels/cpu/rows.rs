@@ -56,11 +56,10 @@ pub(super) fn scale_rows(rows: &mut [f32], width: usize, scales: &[f32]) {
 /// matrix `[rows.len(), width]`, each row's next but one fetched into L2 ([`prefetch`]) while
 /// it copies.
 pub(super) fn gather_rows(values: Floats<'_>, rows: &[usize], width: usize, dst: &mut [f32]) {
-    for (r, dst) in dst.chunks_exact_mut(width).enumerate().take(rows.len()) {
+    for (r, (&row, dst)) in rows.iter().zip(dst.chunks_exact_mut(width)).enumerate() {
         if let Some(&ahead) = rows.get(r + PREFETCH_ROWS_AHEAD) {
             prefetch_row(values, ahead, width);
         }
-        let row = rows[r];
         values.slice(row * width..(row + 1) * width).write_f32(dst);
     }
 }
