@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::element::finite_output;
 use super::expert_matrix::{ExpertMatrix, Panels};
 use super::gated;
-use super::rows::{add_bias_rows, bias_row, clamp_rows, gather_rows, resized};
+use super::rows::{add_bias_rows, add_scaled, bias_row, clamp_rows, gather_rows, resized};
 use super::scratch::PerThread;
 use super::skinny;
 use crate::contracts::spec::output;
@@ -181,9 +181,7 @@ pub(super) fn forward(call: &MoeTkg<'_>) -> Result<MoeTkgOutputs> {
         for piece in now {
             for (&token, &weight) in piece.tokens.iter().zip(&piece.weights) {
                 let y = ys.next().expect("one row per route");
-                for (out, &y) in combined[token * h..(token + 1) * h].iter_mut().zip(y) {
-                    *out += weight * y;
-                }
+                add_scaled(&mut combined[token * h..(token + 1) * h], weight, y);
             }
         }
     }
