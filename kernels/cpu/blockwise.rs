@@ -6,8 +6,9 @@
 //! SiLU(gate) ⊙ up fused on the result, then `[m, I] · [I, H]`, written straight into the run's
 //! rows of `down_activations [N, B, H]` (without checkpoints, of a buffer of the routed rows
 //! only); the run also writes its blocks of `gate_up_activations_T [N, 2, I, B]` and screens
-//! what it wrote for non-finite values while it is in cache. A skewed routing (one expert holding most tokens) still keeps every thread
-//! busy, because a crowded expert spans several runs.
+//! what it wrote for non-finite values while it is in cache. A skewed routing (one expert
+//! holding most tokens) still keeps every thread busy, because a crowded expert spans several
+//! runs.
 //!
 //! The backward groups each expert's real slots; its row-wise stage runs in pieces of
 //! [`TASK_ROWS`] rows and the weight gradients in bands of rows. Every product runs on one

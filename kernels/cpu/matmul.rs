@@ -213,9 +213,9 @@ const TILED_LONG_K_MAX_M: usize = 64;
 ///
 /// A transposed `a` (a weight gradient's `xᵀ`, read down its columns) takes the packed kernels
 /// at small k and n too. Measured on Zen 4, `dW = xᵀ · d y` at 256 × m × 256 (m = 128–256),
-/// one thread, operands in cache: 104–108 against 95–100 GFLOP/s; inside `moekit-train bench --config
-/// configs/qwen3_moe_small.toml` (the two paths on alternate steps of one process, 80 steps
-/// each, `blockwise_mm_bwd` timed per call): 23.9 against 24.5 and 25.8 against 26.8 ms.
+/// one thread, operands in cache: 104–108 against 95–100 GFLOP/s; inside `moekit-train bench
+/// --config configs/qwen3_moe_small.toml` (the two paths on alternate steps of one process, 80
+/// steps each, `blockwise_mm_bwd` timed per call): 23.9 against 24.5 and 25.8 against 26.8 ms.
 fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
     let small = a.cols <= TILED_MAX_K && b.cols <= TILED_MAX_N && a.col_stride == 1;
     let few_rows_long_k = a.rows <= TILED_LONG_K_MAX_M && a.cols > TILED_MAX_K;
