@@ -49,6 +49,7 @@ use super::rows::{
     gather_rows, prefetch, prefetch_row, resized, round_to_bf16, scale_rows,
 };
 use super::scratch::PerThread;
+use super::stream::Streamer;
 use super::transpose::{TILE, Tile, load_row, store_row, transpose};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
@@ -586,8 +587,10 @@ fn run_products<G: Element, D: Element>(
             fill(row, padding_down);
         }
         if let Some(gate_up_t) = gate_up_t {
+            let (mut band, mut streamer) = (Vec::new(), Streamer::new());
             for block_t in gate_up_t.chunks_exact_mut(2 * i * b) {
-                transpose_block(block_t, &vec![None; b], &[], padding_gate_up);
+                let source = (&vec![None; b][..], &[][..]);
+                transpose_block(block_t, source, padding_gate_up, (&mut band, &mut streamer));
             }
         }
         // The padding outputs are screened once, in `forward`.
@@ -674,8 +677,10 @@ fn run_products<G: Element, D: Element>(
         for (row, slot) in run.slots.iter().enumerate() {
             source[slot - first] = Some(row);
         }
+        let (mut band, mut streamer) = (Vec::new(), Streamer::new());
         for (block_t, source) in gate_up_t.chunks_exact_mut(2 * i * b).zip(source.chunks(b)) {
-            transpose_block(block_t, source, &scratch.gate_up, padding_gate_up);
+            let source = (source, &scratch.gate_up[..]);
+            transpose_block(block_t, source, padding_gate_up, (&mut band, &mut streamer));
         }
     }
     finite
@@ -864,22 +869,24 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
 /// Writes one block's rows, transposed and rounded to `G`, into the whole of `block_t [C, B]` (C =
 /// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`, and
 /// for padding (`None`) the row `padding [C]`, or zeros. Works in [`TILE`] × [`TILE`] tiles
-/// gathered on the stack and [`transpose`]d there, so every read and write is a contiguous run
-/// of up to 16 values.
+/// gathered on the stack and [`transpose`]d there, so every read is a contiguous run of up to 16
+/// values; each band of [`TILE`] rows of `block_t` is assembled in `band` and then streamed out
+/// whole ([`Streamer`]), since nothing reads the checkpoint until the backward.
 fn transpose_block<G: Element>(
     block_t: &mut [MaybeUninit<G>],
-    source: &[Option<usize>],
-    rows: &[f32],
+    (source, rows): (&[Option<usize>], &[f32]),
     padding: Option<&[f32]>,
+    (band, streamer): (&mut Vec<G>, &mut Streamer),
 ) {
     let b = source.len();
     let c = block_t.len() / b;
+    band.resize(TILE * b, G::round(0.0));
     // Entries past a partial tile's rows or columns are never written out.
     let mut tile: Tile = [[0.0; TILE]; TILE];
-    for j0 in (0..b).step_by(TILE) {
-        let slots = &source[j0..(j0 + TILE).min(b)];
-        for c0 in (0..c).step_by(TILE) {
-            let cols = (c - c0).min(TILE);
+    for c0 in (0..c).step_by(TILE) {
+        let cols = (c - c0).min(TILE);
+        for j0 in (0..b).step_by(TILE) {
+            let slots = &source[j0..(j0 + TILE).min(b)];
             for (tile_row, src) in tile.iter_mut().zip(slots) {
                 match (*src, padding) {
                     (Some(r), _) => load_row(tile_row, &rows[r * c + c0..][..cols], |v| v),
@@ -888,12 +895,11 @@ fn transpose_block<G: Element>(
                 }
             }
             transpose(&mut tile);
-            for (out, column) in block_t[c0 * b..].chunks_mut(b).zip(&tile).take(cols) {
-                store_row(&mut out[j0..j0 + slots.len()], column, |v| {
-                    MaybeUninit::new(G::round(v))
-                });
+            for (out, column) in band.chunks_mut(b).zip(&tile).take(cols) {
+                store_row(&mut out[j0..j0 + slots.len()], column, G::round);
             }
         }
+        streamer.copy(&mut block_t[c0 * b..(c0 + cols) * b], &band[..cols * b]);
     }
 }
 
@@ -1127,8 +1133,9 @@ fn gather_block_columns<T: Copy>(
 /// `dst [r, n] = aᵀ · b` for `a [m, r]` and `b [m, n]` (both row-major), rounded to `E` and
 /// written whole into memory not yet written, in [`bands`] of `dst`'s rows in parallel, so the
 /// bands depend only on the shapes. Each band runs in pieces, screened (and, for bf16, rounded
-/// from a scratch buffer) while they are in cache; f32 results are written in place. Returns
-/// whether every result is finite in `E`.
+/// from a scratch buffer) while they are in cache; f32 results are streamed out of a scratch
+/// buffer ([`Streamer`]), or written in place where nothing streams. Returns whether every
+/// result is finite in `E`.
 fn transposed_product<E: Element>(
     dst: &mut [MaybeUninit<E>],
     a: MatRef<'_>,
@@ -1141,11 +1148,20 @@ fn transposed_product<E: Element>(
         .enumerate()
         .map_init(Vec::new, |results, (index, dst)| {
             let mut fits = true;
+            let mut streamer = Streamer::new();
             for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
                 let start = index * band + k * piece;
                 // Both operands were just written by the row-wise stage: `b` is in the caches.
                 let (a, b) = (a.columns(start..start + dst.len() / n).t(), b.resident());
                 fits &= match E::as_f32_slots(dst) {
+                    // Nothing reads a weight gradient before the optimizer, after the rest of
+                    // the backward: streamed out from the piece's results in cache.
+                    Some(dst) if streamer.skips_caches() => {
+                        let results = resized(results, dst.len());
+                        matmul(results, a, b, false);
+                        streamer.copy(dst, results);
+                        all_fit::<f32>(results)
+                    }
                     Some(dst) => all_fit::<f32>(matmul_into(dst, a, b)),
                     None => {
                         let results = resized(results, dst.len());
@@ -1576,7 +1592,8 @@ mod tests {
                 (0..b).map(|j| (j % 3 != 1).then_some(b - 1 - j)).collect();
             for pad in [None, Some(&padding[..])] {
                 let mut block_t = vec![MaybeUninit::<f32>::uninit(); c * b];
-                transpose_block(&mut block_t, &source, &rows, pad);
+                let staging = (&mut Vec::new(), &mut Streamer::new());
+                transpose_block(&mut block_t, (&source, &rows), pad, staging);
                 // SAFETY: `transpose_block` writes all of `block_t`.
                 let block_t = unsafe { assume_init(block_t) };
                 for (j, src) in source.iter().enumerate() {

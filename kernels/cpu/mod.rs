@@ -28,6 +28,7 @@ mod router;
 mod rows;
 mod scratch;
 mod skinny;
+mod stream;
 mod streamed;
 mod swiglu;
 mod tile_walk;
