@@ -479,24 +479,29 @@ struct DownProduct<'a> {
     /// Whether the activations were rounded into `scratch.x_bf16` (row stride I rounded up to
     /// even) for the pair dot products.
     pair_dots: bool,
+    /// The activations' m and I.
+    m: usize,
     i: usize,
 }
 
 impl<'a> DownProduct<'a> {
-    fn new(call: &BlockwiseMm<'a>, expert: usize, scratch: &mut Scratch) -> Self {
+    /// The product of the `m` rows of activations in `scratch.act`.
+    fn new(call: &BlockwiseMm<'a>, expert: usize, m: usize, scratch: &mut Scratch) -> Self {
         let BlockwiseDims { h, i, .. } = call.dims();
         let (weights, layout) = (call.floats().down_proj_weight, call.params().weight_layout);
         let matrix = ExpertMatrix::of(weights, layout, expert, (i, h));
         let bf16_compute = call.compute_dtype() == DType::BF16;
         let pair_dots = bf16_compute && matrix.takes_bf16_rows();
+        let act = &mut scratch.act[..m * i];
         if pair_dots {
-            bf16_rows(&mut scratch.x_bf16, &scratch.act, i);
+            bf16_rows(&mut scratch.x_bf16, act, i);
         } else if bf16_compute {
-            round_to_bf16(&mut scratch.act, &mut []);
+            round_to_bf16(act, &mut []);
         }
         Self {
             matrix,
             pair_dots,
+            m,
             i,
         }
     }
@@ -508,7 +513,8 @@ impl<'a> DownProduct<'a> {
             self.matrix.product_bf16(dst, (&scratch.x_bf16, lda));
         } else {
             let panels = (&mut scratch.panel, &mut scratch.tile);
-            self.matrix.product(dst, &scratch.act, panels);
+            self.matrix
+                .product(dst, &scratch.act[..self.m * self.i], panels);
         }
     }
 
@@ -525,7 +531,8 @@ impl<'a> DownProduct<'a> {
             dst
         } else {
             let panels = (&mut scratch.panel, &mut scratch.tile);
-            self.matrix.product_into(dst, &scratch.act, panels)
+            self.matrix
+                .product_into(dst, &scratch.act[..self.m * self.i], panels)
         }
     }
 }
@@ -616,17 +623,18 @@ fn run_products<G: Element, D: Element>(
         row_scales.as_deref(),
         scratch,
     );
+    let gate_up = &mut scratch.gate_up[..m * 2 * i];
     if let Some(bias) = inputs.gate_and_up_proj_bias {
-        add_bias_rows(&mut scratch.gate_up, &bias_row(bias, expert, 2 * i));
+        add_bias_rows(gate_up, &bias_row(bias, expert, 2 * i));
     }
-    clamp_rows(&mut scratch.gate_up, i, clamp);
-    let mut finite = all_fit::<G>(&scratch.gate_up);
+    clamp_rows(gate_up, i, clamp);
+    let mut finite = all_fit::<G>(gate_up);
     let act = resized(&mut scratch.act, m * i);
-    for (gu, act) in scratch.gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
+    for (gu, act) in gate_up.chunks(2 * i).zip(act.chunks_mut(i)) {
         let (gate, up) = gu.split_at(i);
         gated::forward(act_fn, gate, up, act);
     }
-    let down_proj = DownProduct::new(call, expert, scratch);
+    let down_proj = DownProduct::new(call, expert, m, scratch);
 
     // The run's slots relative to its first block's first slot.
     let first = run.blocks.start * b;
@@ -679,7 +687,7 @@ fn run_products<G: Element, D: Element>(
         }
         let (mut band, mut streamer) = (Vec::new(), Streamer::new());
         for (block_t, source) in gate_up_t.chunks_exact_mut(2 * i * b).zip(source.chunks(b)) {
-            let source = (source, &scratch.gate_up[..]);
+            let source = (source, &scratch.gate_up[..m * 2 * i]);
             transpose_block(block_t, source, padding_gate_up, (&mut band, &mut streamer));
         }
     }

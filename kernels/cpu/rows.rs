@@ -96,10 +96,16 @@ pub(super) fn prefetch<T>(values: &[T]) {
     }
 }
 
-/// `buffer` resized to `len` elements, as a slice to overwrite.
+/// The first `len` elements of the scratch buffer `buffer`, as a slice to overwrite. The
+/// buffer grows to hold them but never shrinks, so a task that reuses it for a shorter and then
+/// a longer length clears nothing (`Vec::resize` would clear what it grows back into); what
+/// lies past `len` is left over from earlier uses, which is why callers read the slice, never
+/// the buffer whole.
 pub(super) fn resized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buffer.resize(len, 0.0);
-    buffer
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    &mut buffer[..len]
 }
 
 /// Rounds every value to the nearest bf16 (ties to even), kept in f32 (a matmul operand under
