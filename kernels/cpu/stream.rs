@@ -7,10 +7,11 @@
 //! 32-byte ones on AVX2, plain stores on the portable level and for the partial lines at either
 //! end of a copy.
 //!
-//! Measured on Zen 4 inside `moekit-train bench` at qwen3-moe-small, calls alternating in one
-//! process (the first left out): `blockwise_mm` took 10.78–10.88 ms per layer with the
-//! checkpoint streamed against 11.37–11.52 ms, `blockwise_mm_bwd` 22.02–22.28 against
-//! 22.61–22.92 ms with the weight gradients streamed too.
+//! Measured on Zen 4 with `moekit bench` at qwen3-moe-small (T = 2048, B = 32), calls
+//! alternating in one process (the first left out): `blockwise_mm` took 10.79 ms with the
+//! checkpoint streamed against 11.23 ms, `blockwise_mm_bwd` 19.53 against 19.93 ms with the
+//! weight gradients streamed; at Qwen3-30B-A3B the forward was unchanged (855.9 against 857.8
+//! ms at T = 2048) and the backward 611.4 against 622.0 ms at T = 512 (BENCHMARKS.md).
 
 use std::mem::MaybeUninit;
 
