@@ -322,32 +322,20 @@ mod tests {
             <f32 as Element>::MAGNITUDE_LIMIT,
             <bf16 as Element>::MAGNITUDE_LIMIT,
         ];
+        let screens = |values: &[f32]| [all_fit::<f32>(values), all_fit::<bf16>(values)];
         let beyond = [f32::NAN, f32::NEG_INFINITY, f32::from_bits(0x7f7f_8000)];
         for len in [0, 1, 15, 16, 17, 63, 64, 65, 100, 143] {
             let fitting: Vec<f32> = (0..len).map(|v| v as f32 * -0.75 + 3.0).collect();
-            for limit in limits {
-                assert!(all_below(&fitting, limit));
-                assert!(screen(&fitting, limit), "length {len}");
-                for at in 0..len {
-                    for bad in beyond {
-                        let mut values = fitting.clone();
-                        values[at] = bad;
-                        let expected = all_below(&values, limit);
-                        assert_eq!(screen(&values, limit), expected, "{bad} at {at} of {len}");
-                    }
+            assert_eq!(screens(&fitting), [true, true], "length {len}");
+            for at in 0..len {
+                for bad in beyond {
+                    let mut values = fitting.clone();
+                    values[at] = bad;
+                    let expected = limits.map(|limit| all_below(&values, limit));
+                    assert_eq!(screens(&values), expected, "{bad} at {at} of {len}");
                 }
             }
         }
-    }
-
-    /// The screen [`all_fit`] runs at the active level, for a magnitude limit.
-    fn screen(values: &[f32], limit: u32) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if Isa::Avx512.enabled() {
-            // SAFETY: AVX-512 F is enabled.
-            return unsafe { x86::all_below(values, limit) };
-        }
-        all_below(values, limit)
     }
 
     #[test]
