@@ -1161,21 +1161,22 @@ fn transposed_product<E: Element>(
                 let start = index * band + k * piece;
                 // Both operands were just written by the row-wise stage: `b` is in the caches.
                 let (a, b) = (a.columns(start..start + dst.len() / n).t(), b.resident());
+                if !streamer.skips_caches()
+                    && let Some(dst) = E::as_f32_slots(dst)
+                {
+                    fits &= all_fit::<f32>(matmul_into(dst, a, b));
+                    continue;
+                }
+                let results = resized(results, dst.len());
+                matmul(results, a, b, false);
                 fits &= match E::as_f32_slots(dst) {
                     // Nothing reads a weight gradient before the optimizer, after the rest of
                     // the backward: streamed out from the piece's results in cache.
-                    Some(dst) if streamer.skips_caches() => {
-                        let results = resized(results, dst.len());
-                        matmul(results, a, b, false);
+                    Some(dst) => {
                         streamer.copy(dst, results);
                         all_fit::<f32>(results)
                     }
-                    Some(dst) => all_fit::<f32>(matmul_into(dst, a, b)),
-                    None => {
-                        let results = resized(results, dst.len());
-                        matmul(results, a, b, false);
-                        write_rounded(dst, results)
-                    }
+                    None => write_rounded(dst, results),
                 };
             }
             fits
