@@ -50,7 +50,7 @@ use super::rows::{
 };
 use super::scratch::PerThread;
 use super::stream::Streamer;
-use super::transpose::{TILE, Tile, load_row, store_row, transpose};
+use super::transpose::{TILE, Tile, transpose_into};
 use crate::contracts::tensors::{blockwise_mm as fwd, blockwise_mm_bwd as bwd};
 use crate::contracts::{
     BlockPlan, BlockwiseDims, BlockwiseFloats, BlockwiseMm, BlockwiseMmBwd, BlockwiseMmGrads,
@@ -877,9 +877,9 @@ fn forward_as<G: Element, D: Element>(call: &BlockwiseMm<'_>) -> Result<Blockwis
 /// Writes one block's rows, transposed and rounded to `G`, into the whole of `block_t [C, B]` (C =
 /// `block_t.len() / B`, B = `source.len()`): column j is row `source[j]` of `rows [·, C]`, and
 /// for padding (`None`) the row `padding [C]`, or zeros. Works in [`TILE`] × [`TILE`] tiles
-/// gathered on the stack and [`transpose`]d there, so every read is a contiguous run of up to 16
-/// values; each band of [`TILE`] rows of `block_t` is assembled in `band` and then streamed out
-/// whole ([`Streamer`]), since nothing reads the checkpoint until the backward.
+/// ([`transpose_into`]), so every read is a contiguous run of up to 16 values; each band of
+/// [`TILE`] rows of `block_t` is assembled in `band` and then streamed out whole
+/// ([`Streamer`]), since nothing reads the checkpoint until the backward.
 fn transpose_block<G: Element>(
     block_t: &mut [MaybeUninit<G>],
     (source, rows): (&[Option<usize>], &[f32]),
@@ -889,22 +889,30 @@ fn transpose_block<G: Element>(
     let b = source.len();
     let c = block_t.len() / b;
     band.resize(TILE * b, G::round(0.0));
-    // Entries past a partial tile's rows or columns are never written out.
-    let mut tile: Tile = [[0.0; TILE]; TILE];
+    // A tile's columns before they are rounded, when `G` is not f32.
+    let mut columns = [0.0; TILE * TILE];
     for c0 in (0..c).step_by(TILE) {
         let cols = (c - c0).min(TILE);
         for j0 in (0..b).step_by(TILE) {
             let slots = &source[j0..(j0 + TILE).min(b)];
-            for (tile_row, src) in tile.iter_mut().zip(slots) {
-                match (*src, padding) {
-                    (Some(r), _) => load_row(tile_row, &rows[r * c + c0..][..cols], |v| v),
-                    (None, Some(p)) => load_row(tile_row, &p[c0..c0 + cols], |v| v),
-                    (None, None) => tile_row.fill(0.0),
-                }
+            let mut tile: [Option<&[f32]>; TILE] = [None; TILE];
+            for (row, slot) in tile.iter_mut().zip(slots) {
+                *row = match (*slot, padding) {
+                    (Some(r), _) => Some(&rows[r * c + c0..][..cols]),
+                    (None, Some(p)) => Some(&p[c0..c0 + cols]),
+                    (None, None) => None,
+                };
             }
-            transpose(&mut tile);
-            for (out, column) in band.chunks_mut(b).zip(&tile).take(cols) {
-                store_row(&mut out[j0..j0 + slots.len()], column, G::round);
+            let tile = &tile[..slots.len()];
+            if let Some(band) = G::as_f32_mut(band) {
+                transpose_into(tile, cols, &mut band[j0..], b);
+                continue;
+            }
+            transpose_into(tile, cols, &mut columns, TILE);
+            for (out, column) in band.chunks_mut(b).zip(columns.chunks(TILE)).take(cols) {
+                for (value, &v) in out[j0..j0 + slots.len()].iter_mut().zip(column) {
+                    *value = G::round(v);
+                }
             }
         }
         streamer.copy(&mut block_t[c0 * b..(c0 + cols) * b], &band[..cols * b]);
@@ -998,10 +1006,7 @@ fn rows_backward(
     }
     // gate/up rows [m, 2I] from the transposed checkpoint [N, 2, I, B].
     let gate_up = resized(&mut s.gate_up, m * 2 * i);
-    match checkpoint {
-        Floats::F32(c) => gather_block_columns(gate_up, c, piece.slots, b, |x| x),
-        Floats::BF16(c) => gather_block_columns(gate_up, c, piece.slots, b, bf16::to_f32),
-    }
+    gather_block_columns(gate_up, checkpoint, piece.slots, b);
     let layout = call.params().weight_layout;
     // d act [m, I] = d y · Dᵀ: on the pair dot products when d y and D are both bf16 (d y's
     // copy is written when the weight gradients take them).
@@ -1093,22 +1098,18 @@ fn row_f32<'a>(
 /// `dst [m, C]`: row r is slot `slots[r]` of the transposed checkpoint `blocks [N, C, B]` (slot
 /// n·B + j is column j of block n), widened to f32. Each run of slots in one block is read in
 /// [`TILE`] × [`TILE`] tiles (16 columns of 16 consecutive slot positions, the stored rows'
-/// contiguous runs), [`transpose`]d on the stack, and each of the run's slots among those
-/// positions copies its row of the tile.
-fn gather_block_columns<T: Copy>(
-    dst: &mut [f32],
-    blocks: &[T],
-    slots: &[usize],
-    b: usize,
-    widen: impl Fn(T) -> f32,
-) {
+/// contiguous runs) and [`transpose_into`] the rows of its slots: straight into `dst` where the
+/// tile's slots are its 16 positions in order (a plan's tokens fill their blocks' slots so),
+/// else on the stack, each slot then copying its row.
+fn gather_block_columns(dst: &mut [f32], blocks: Floats<'_>, slots: &[usize], b: usize) {
     let c = dst.len() / slots.len().max(1);
-    // Entries past a partial tile's rows or columns are never copied out.
-    let mut tile: Tile = [[0.0; TILE]; TILE];
+    // A bf16 tile's rows, widened; and a tile's columns when not every position is a slot.
+    let mut widened: Tile = [[0.0; TILE]; TILE];
+    let mut columns = [0.0; TILE * TILE];
     let mut done = 0;
     for run in slots.chunk_by(|x, y| x / b == y / b) {
         let first = run[0] / b * b;
-        let block = &blocks[first * c..][..c * b];
+        let block = blocks.slice(first * c..(first + b) * c);
         let rows = &mut dst[done * c..(done + run.len()) * c];
         let (lo, hi) = (run[0] - first, run[run.len() - 1] - first + 1);
         let mut next = 0;
@@ -1122,14 +1123,35 @@ fn gather_block_columns<T: Copy>(
                 continue;
             }
             let tile_slots = &run[next..next + count];
+            let in_order = (0..width).eq(tile_slots.iter().map(|&slot| slot - first - j0));
             for c0 in (0..c).step_by(TILE) {
                 let cols = (c - c0).min(TILE);
-                for (dc, tile_row) in tile.iter_mut().take(cols).enumerate() {
-                    load_row(tile_row, &block[(c0 + dc) * b + j0..][..width], &widen);
+                let at = |dc: usize| (c0 + dc) * b + j0..(c0 + dc) * b + j0 + width;
+                let mut tile: [Option<&[f32]>; TILE] = [None; TILE];
+                match block {
+                    Floats::F32(values) => {
+                        for (dc, row) in tile.iter_mut().take(cols).enumerate() {
+                            *row = Some(&values[at(dc)]);
+                        }
+                    }
+                    Floats::BF16(_) => {
+                        for (dc, row) in widened.iter_mut().take(cols).enumerate() {
+                            block.slice(at(dc)).write_f32(&mut row[..width]);
+                        }
+                        for (row, values) in tile.iter_mut().zip(&widened).take(cols) {
+                            *row = Some(&values[..width]);
+                        }
+                    }
                 }
-                transpose(&mut tile);
+                let tile = &tile[..cols];
+                if in_order {
+                    transpose_into(tile, width, &mut rows[next * c + c0..], c);
+                    continue;
+                }
+                transpose_into(tile, width, &mut columns, TILE);
                 for (row, &slot) in rows[next * c..].chunks_exact_mut(c).zip(tile_slots) {
-                    store_row(&mut row[c0..c0 + cols], &tile[slot - first - j0], |v| v);
+                    let column = &columns[(slot - first - j0) * TILE..][..cols];
+                    row[c0..c0 + cols].copy_from_slice(column);
                 }
             }
             next += count;
@@ -1574,18 +1596,25 @@ mod tests {
     fn gathered_block_columns_are_the_slots_rows() {
         for (b, c, slots) in cases() {
             let blocks_needed = slots.last().unwrap() / b + 1;
-            let stored: Vec<f32> = (0..blocks_needed * c * b).map(|v| v as f32 * 0.5).collect();
-            let mut dst = vec![f32::NAN; slots.len() * c];
-            gather_block_columns(&mut dst, &stored, &slots, b, |x| x);
-            for (r, &slot) in slots.iter().enumerate() {
-                let (block, j) = (slot / b, slot % b);
-                for col in 0..c {
-                    let want = stored[block * c * b + col * b + j];
-                    assert_eq!(
-                        dst[r * c + col],
-                        want,
-                        "B {b}, C {c}, slot {slot}, column {col}"
-                    );
+            // Values bf16 holds exactly, so both dtypes gather the same ones.
+            let stored: Vec<f32> = (0..blocks_needed * c * b)
+                .map(|v| (v % 251) as f32 * 0.5)
+                .collect();
+            let stored16: Vec<bf16> = stored.iter().map(|&v| bf16::from_f32(v)).collect();
+            for blocks in [Floats::F32(&stored), Floats::BF16(&stored16)] {
+                let mut dst = vec![f32::NAN; slots.len() * c];
+                gather_block_columns(&mut dst, blocks, &slots, b);
+                for (r, &slot) in slots.iter().enumerate() {
+                    let (block, j) = (slot / b, slot % b);
+                    for col in 0..c {
+                        let want = stored[block * c * b + col * b + j];
+                        assert_eq!(
+                            dst[r * c + col],
+                            want,
+                            "{:?}: B {b}, C {c}, slot {slot}, column {col}",
+                            blocks.dtype()
+                        );
+                    }
                 }
             }
         }
@@ -1600,26 +1629,36 @@ mod tests {
             let source: Vec<Option<usize>> =
                 (0..b).map(|j| (j % 3 != 1).then_some(b - 1 - j)).collect();
             for pad in [None, Some(&padding[..])] {
-                let mut block_t = vec![MaybeUninit::<f32>::uninit(); c * b];
-                let staging = (&mut Vec::new(), &mut Streamer::new());
-                transpose_block(&mut block_t, (&source, &rows), pad, staging);
-                // SAFETY: `transpose_block` writes all of `block_t`.
-                let block_t = unsafe { assume_init(block_t) };
-                for (j, src) in source.iter().enumerate() {
+                let want = |j: usize, col: usize| match (source[j], pad) {
+                    (Some(r), _) => rows[r * c + col],
+                    (None, Some(p)) => p[col],
+                    (None, None) => 0.0,
+                };
+                let block_t = transposed_block::<f32>(&source, &rows, pad);
+                let block_t16 = transposed_block::<bf16>(&source, &rows, pad);
+                for j in 0..b {
                     for col in 0..c {
-                        let want = match (src, pad) {
-                            (Some(r), _) => rows[r * c + col],
-                            (None, Some(p)) => p[col],
-                            (None, None) => 0.0,
-                        };
-                        assert_eq!(
-                            block_t[col * b + j],
-                            want,
-                            "B {b}, C {c}, slot {j}, column {col}"
-                        );
+                        let at = format!("B {b}, C {c}, slot {j}, column {col}");
+                        assert_eq!(block_t[col * b + j], want(j, col), "f32: {at}");
+                        let rounded = bf16::from_f32(want(j, col));
+                        assert_eq!(block_t16[col * b + j], rounded, "bf16: {at}");
                     }
                 }
             }
         }
+    }
+
+    /// [`transpose_block`]'s `[C, B]` for `source`'s slots of `rows [·, C]`, in `G`.
+    fn transposed_block<G: Element>(
+        source: &[Option<usize>],
+        rows: &[f32],
+        padding: Option<&[f32]>,
+    ) -> Vec<G> {
+        let c = padding.map_or(rows.len() / source.len(), <[f32]>::len);
+        let mut block_t = vec![MaybeUninit::<G>::uninit(); c * source.len()];
+        let staging = (&mut Vec::new(), &mut Streamer::new());
+        transpose_block(&mut block_t, (source, rows), padding, staging);
+        // SAFETY: `transpose_block` writes all of `block_t`.
+        unsafe { assume_init(block_t) }
     }
 }

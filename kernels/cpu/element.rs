@@ -37,6 +37,9 @@ pub(super) trait Element: Copy + Send + Sync + 'static {
     /// rather than copied in.
     fn as_f32_slots(slots: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]>;
 
+    /// `values` as f32 when this type is f32 ([`Self::as_f32_slots`] for values written).
+    fn as_f32_mut(values: &mut [Self]) -> Option<&mut [f32]>;
+
     /// Writes `values` rounded ([`Self::round`]) into `dst` (of the same length); returns
     /// whether every one is finite in this type.
     fn write_rounded(dst: &mut [MaybeUninit<Self>], values: &[f32]) -> bool {
@@ -71,6 +74,10 @@ impl Element for f32 {
     fn as_f32_slots(slots: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]> {
         Some(slots)
     }
+
+    fn as_f32_mut(values: &mut [Self]) -> Option<&mut [f32]> {
+        Some(values)
+    }
 }
 
 impl Element for bf16 {
@@ -101,6 +108,10 @@ impl Element for bf16 {
     }
 
     fn as_f32_slots(_: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]> {
+        None
+    }
+
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
 

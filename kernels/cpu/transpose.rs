@@ -1,7 +1,8 @@
-//! 16 × 16 tiles of f32 transposed in registers on AVX-512 (plain loops elsewhere): how the
-//! blockwise kernels move values between token rows `[m, 2I]` and the checkpoint
-//! `gate_up_activations_T [N, 2, I, B]`, whose rows run along a block's slots. A transpose
-//! only moves values, so every path gives the same tile.
+//! 16 × 16 tiles of f32 transposed on their way between buffers: how the blockwise kernels
+//! move values between token rows `[m, 2I]` and the checkpoint `gate_up_activations_T [N, 2,
+//! I, B]`, whose rows run along a block's slots. On AVX-512 a tile is loaded, transposed and
+//! stored without leaving the registers (plain loops elsewhere). A transpose only moves values,
+//! so every path gives the same tile.
 
 use super::isa::Isa;
 
@@ -11,51 +12,46 @@ pub const TILE: usize = 16;
 /// A 16 × 16 tile of f32, row-major.
 pub type Tile = [[f32; TILE]; TILE];
 
-/// Transposes `tile` in place.
-pub fn transpose(tile: &mut Tile) {
-    #[cfg(target_arch = "x86_64")]
-    if Isa::Avx512.enabled() {
-        // SAFETY: the active level is at most the detected one, so AVX-512 F is present.
-        unsafe { x86::transpose(tile) };
+/// Writes the transpose of up to [`TILE`] rows of f32 into `dst`: value `c` of row `r` goes
+/// to `dst[c · stride + r]`, for every `r < rows.len()` and `c < cols`, and a row given as
+/// `None` reads as zeros. Each row is read, and each column written, as one run; on AVX-512 the
+/// tile never leaves the registers.
+///
+/// # Panics
+/// If there are more than [`TILE`] rows or columns, a row holds fewer than `cols` values, or
+/// `dst` ends before the last column's run.
+pub fn transpose_into(rows: &[Option<&[f32]>], cols: usize, dst: &mut [f32], stride: usize) {
+    let n = rows.len();
+    assert!(
+        n <= TILE && cols <= TILE,
+        "a tile holds at most 16 × 16 values"
+    );
+    assert!(
+        rows.iter().flatten().all(|row| row.len() >= cols),
+        "a tile row holds fewer than its {cols} columns"
+    );
+    if n == 0 || cols == 0 {
         return;
     }
-    let original = *tile;
-    for (r, row) in tile.iter_mut().enumerate() {
-        for (value, column) in row.iter_mut().zip(&original) {
-            *value = column[r];
-        }
+    assert!(
+        (cols - 1) * stride + n <= dst.len(),
+        "the transposed tile reaches past its destination"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx512.enabled() {
+        // SAFETY: the active level is at most the detected one, so AVX-512 F is present; the
+        // rows and `dst` hold the tile (checked above).
+        unsafe { x86::transpose_into(rows, cols, dst, stride) };
+        return;
     }
+    transpose_into_portable(rows, cols, dst, stride);
 }
 
-/// `values` (at most [`TILE`] of them, widened by `widen`) into the front of `row`. A full row
-/// is one fixed-size move, which compiles to a vector load and store where a slice copy of
-/// unknown length calls `memmove`.
-#[inline(always)]
-pub fn load_row<T: Copy>(row: &mut [f32; TILE], values: &[T], widen: impl Fn(T) -> f32) {
-    match <&[T; TILE]>::try_from(values) {
-        Ok(full) => *row = full.map(widen),
-        Err(_) => {
-            for (value, &v) in row.iter_mut().zip(values) {
-                *value = widen(v);
-            }
-        }
-    }
-}
-
-/// The front of `row`, narrowed by `narrow`, into the whole of `out` (at most [`TILE`] values),
-/// as one fixed-size move when `out` is a full row ([`load_row`]'s converse).
-#[inline(always)]
-pub fn store_row<T>(out: &mut [T], row: &[f32; TILE], narrow: impl Fn(f32) -> T) {
-    match <&mut [T; TILE]>::try_from(&mut *out) {
-        Ok(full) => {
-            for (value, &v) in full.iter_mut().zip(row) {
-                *value = narrow(v);
-            }
-        }
-        Err(_) => {
-            for (value, &v) in out.iter_mut().zip(row) {
-                *value = narrow(v);
-            }
+/// [`transpose_into`] in plain loops, for the checked arguments.
+fn transpose_into_portable(rows: &[Option<&[f32]>], cols: usize, dst: &mut [f32], stride: usize) {
+    for (c, column) in dst.chunks_mut(stride).take(cols).enumerate() {
+        for (value, row) in column.iter_mut().zip(rows) {
+            *value = row.map_or(0.0, |row| row[c]);
         }
     }
 }
@@ -64,20 +60,44 @@ pub fn store_row<T>(out: &mut [T], row: &[f32; TILE], narrow: impl Fn(f32) -> T)
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{TILE, Tile};
+    use super::TILE;
 
-    /// Four rounds of two-source shuffles: pairs of elements, then of pairs, then of 128-bit
-    /// lanes twice, each round interleaving rows a distance apart that doubles.
+    /// [`super::transpose_into`]: rows loaded under a mask of their `cols` values (zeros past
+    /// them, and for missing rows), columns stored under a mask of the rows.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F.
+    /// The CPU must have AVX-512 F; every row holds `cols` values and `dst` holds
+    /// `(cols − 1) · stride + rows.len()` values, at most [`TILE`] of each.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn transpose(tile: &mut Tile) {
+    pub unsafe fn transpose_into(
+        rows: &[Option<&[f32]>],
+        cols: usize,
+        dst: &mut [f32],
+        stride: usize,
+    ) {
+        let mask = |n: usize| ((1u32 << n) - 1) as __mmask16;
         let mut r = [_mm512_setzero_ps(); TILE];
-        for (row, values) in r.iter_mut().zip(tile.iter()) {
-            // SAFETY: each row of the tile holds 16 f32.
-            *row = unsafe { _mm512_loadu_ps(values.as_ptr()) };
+        for (values, row) in r.iter_mut().zip(rows) {
+            if let Some(row) = row {
+                // SAFETY: the row holds `cols` values; the mask reads no others.
+                *values = unsafe { _mm512_maskz_loadu_ps(mask(cols), row.as_ptr()) };
+            }
         }
+        transpose(&mut r);
+        let rows_mask = mask(rows.len());
+        for (c, column) in r.iter().take(cols).enumerate() {
+            // SAFETY: column c's run of `rows.len()` values lies inside `dst` (the caller's
+            // guarantee); the mask writes no others.
+            unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr().add(c * stride), rows_mask, *column) };
+        }
+    }
+
+    /// Transposes the 16 × 16 tile held in `r` (row i in `r[i]`): four rounds of two-source
+    /// shuffles, of pairs of elements, then of pairs, then of 128-bit lanes twice, each round
+    /// interleaving rows a distance apart that doubles.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn transpose(r: &mut [__m512; TILE]) {
         let mut t = [_mm512_setzero_ps(); TILE];
         for p in 0..TILE / 2 {
             t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
@@ -100,10 +120,6 @@ mod x86 {
             r[j] = _mm512_shuffle_f32x4::<0x88>(t[j], t[j + 8]);
             r[j + 8] = _mm512_shuffle_f32x4::<0xdd>(t[j], t[j + 8]);
         }
-        for (row, values) in r.iter().zip(tile.iter_mut()) {
-            // SAFETY: each row of the tile holds 16 f32.
-            unsafe { _mm512_storeu_ps(values.as_mut_ptr(), *row) };
-        }
     }
 }
 
@@ -111,38 +127,52 @@ mod x86 {
 mod tests {
     use super::*;
 
+    /// [`transpose_into`]'s signature.
+    type TransposeInto = fn(&[Option<&[f32]>], usize, &mut [f32], usize);
+
+    /// The active level's path, and the portable loops whatever the level.
     #[test]
-    fn swaps_rows_and_columns() {
-        let original: Tile =
-            std::array::from_fn(|r| std::array::from_fn(|c| (r * TILE + c) as f32 - 100.5));
-        let mut tile = original;
-        transpose(&mut tile);
-        for (r, row) in tile.iter().enumerate() {
-            for (c, &value) in row.iter().enumerate() {
-                assert_eq!(
-                    value,
-                    original[c][r],
-                    "({r}, {c}) at level {}",
-                    Isa::active()
-                );
-            }
+    fn columns_take_the_rows_values_and_nothing_else_is_written() {
+        let paths: [(&str, TransposeInto); 2] = [
+            (Isa::active().name(), transpose_into),
+            ("portable", transpose_into_portable),
+        ];
+        for (level, transpose) in paths {
+            written_as_transposed(level, transpose);
         }
     }
 
-    #[test]
-    fn rows_move_whole_or_in_part_and_leave_the_rest() {
-        let values: Vec<f32> = (0..TILE).map(|v| v as f32 + 0.25).collect();
-        for len in [TILE, TILE - 1, 3, 0] {
-            let mut row = [-1.0; TILE];
-            load_row(&mut row, &values[..len], |v| 2.0 * v);
-            for (j, &got) in row.iter().enumerate() {
-                let want = if j < len { 2.0 * values[j] } else { -1.0 };
-                assert_eq!(got, want, "load_row of {len}: [{j}]");
+    fn written_as_transposed(level: &str, transpose: TransposeInto) {
+        let values: Vec<f32> = (0..TILE * TILE).map(|v| v as f32 - 100.5).collect();
+        for n in [0, 1, 5, TILE] {
+            for cols in [0, 1, 7, TILE] {
+                let stride = n + 3;
+                // Row 2 is missing (zeros); the others are runs of `values`, longer than
+                // `cols`, whose values past `cols` must not be read.
+                let rows: Vec<Option<&[f32]>> = (0..n)
+                    .map(|r| (r != 2).then(|| &values[r * TILE..(r + 1) * TILE]))
+                    .collect();
+                let mut dst = vec![f32::NAN; cols.max(1) * stride];
+                transpose(&rows, cols, &mut dst, stride);
+                for (i, &got) in dst.iter().enumerate() {
+                    let (c, r) = (i / stride, i % stride);
+                    let want = match rows.get(r) {
+                        _ if c >= cols => None,
+                        Some(Some(row)) => Some(row[c]),
+                        Some(None) => Some(0.0),
+                        None => None,
+                    };
+                    match want {
+                        Some(want) => {
+                            assert_eq!(got, want, "{n} rows, {cols} columns: ({r}, {c}), {level}")
+                        }
+                        None => assert!(
+                            got.is_nan(),
+                            "{n} rows, {cols} columns: [{i}] written, {level}"
+                        ),
+                    }
+                }
             }
-            let mut out = vec![0.0f64; len];
-            store_row(&mut out, &row, f64::from);
-            let want: Vec<f64> = row[..len].iter().map(|&v| f64::from(v)).collect();
-            assert_eq!(out, want, "store_row of {len}");
         }
     }
 }
