@@ -360,6 +360,10 @@ struct Scratch {
     gate_up: Vec<f32>,
     /// Gradient of the activations (backward).
     d_act: Vec<f32>,
+    /// A piece of a weight gradient's results (backward).
+    results: Vec<f32>,
+    /// A piece's columns of a weight gradient's bf16 `a`, transposed into rows (backward).
+    a_t: Vec<bf16>,
 }
 
 /// One expert's `[m, ·]` matrices that its weight gradients read; reused from one expert to the
@@ -1186,38 +1190,40 @@ fn transposed_product<E: Element>(
     dst: &mut [MaybeUninit<E>],
     a: MatRef<'_>,
     b: MatRef<'_>,
-    task_rows: usize,
+    (task_rows, scratch): (usize, &PerThread<Scratch>),
 ) -> bool {
     let (r, n) = (a.cols(), b.cols());
     let (band, piece) = bands(a.rows(), r, n, task_rows);
     dst.par_chunks_mut(band * n)
         .enumerate()
-        .map_init(Vec::new, |results, (index, dst)| {
-            let mut fits = true;
-            let mut streamer = Streamer::new();
-            for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
-                let start = index * band + k * piece;
-                // Both operands were just written by the row-wise stage: `b` is in the caches.
-                let (a, b) = (a.columns(start..start + dst.len() / n).t(), b.resident());
-                if !streamer.skips_caches()
-                    && let Some(dst) = E::as_f32_slots(dst)
-                {
-                    fits &= all_fit::<f32>(matmul_into(dst, a, b));
-                    continue;
-                }
-                let results = resized(results, dst.len());
-                matmul(results, a, b, false);
-                fits &= match E::as_f32_slots(dst) {
-                    // Nothing reads a weight gradient before the optimizer, after the rest of
-                    // the backward: streamed out from the piece's results in cache.
-                    Some(dst) => {
-                        streamer.copy(dst, results);
-                        all_fit::<f32>(results)
+        .map(|(index, dst)| {
+            scratch.with(|Scratch { results, .. }| {
+                let mut fits = true;
+                let mut streamer = Streamer::new();
+                for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
+                    let start = index * band + k * piece;
+                    // Both operands were just written by the row-wise stage: `b` is in the caches.
+                    let (a, b) = (a.columns(start..start + dst.len() / n).t(), b.resident());
+                    if !streamer.skips_caches()
+                        && let Some(dst) = E::as_f32_slots(dst)
+                    {
+                        fits &= all_fit::<f32>(matmul_into(dst, a, b));
+                        continue;
                     }
-                    None => write_rounded(dst, results),
-                };
-            }
-            fits
+                    let results = resized(results, dst.len());
+                    matmul(results, a, b, false);
+                    fits &= match E::as_f32_slots(dst) {
+                        // Nothing reads a weight gradient before the optimizer, after the rest of
+                        // the backward: streamed out from the piece's results in cache.
+                        Some(dst) => {
+                            streamer.copy(dst, results);
+                            all_fit::<f32>(results)
+                        }
+                        None => write_rounded(dst, results),
+                    };
+                }
+                fits
+            })
         })
         .reduce(|| true, |a, b| a && b)
 }
@@ -1238,12 +1244,12 @@ fn bands(m: usize, r: usize, n: usize, task_rows: usize) -> (usize, usize) {
 /// their products' gradients, `grads [m, n]` (each given with its row length): `dW = inputsᵀ ·
 /// grads`, written in `layout` (`[k, n]`, or `[n, k]` as `gradsᵀ · inputs`) by
 /// [`transposed_product`], or, given both in bf16, by [`transposed_product_bf16`], in the
-/// bands of `task_rows` ([`bands`]).
+/// bands of `tasks`' rows ([`bands`]), each task on its thread's scratch.
 fn weight_gradient<E: Element>(
     dst: &mut [MaybeUninit<E>],
     layout: WeightLayout,
     (inputs, grads): ((Floats<'_>, usize), (Floats<'_>, usize)),
-    task_rows: usize,
+    tasks: (usize, &PerThread<Scratch>),
 ) -> bool {
     let (a, b) = match layout {
         WeightLayout::Nki => (inputs, grads),
@@ -1251,11 +1257,11 @@ fn weight_gradient<E: Element>(
     };
     match (a, b) {
         ((Floats::BF16(a), r), (Floats::BF16(b), n)) => {
-            transposed_product_bf16(dst, (a, r), (b, n), task_rows)
+            transposed_product_bf16(dst, (a, r), (b, n), tasks)
         }
         ((a, r), (b, n)) => {
             let (a, b) = (a.to_f32(), b.to_f32());
-            transposed_product(dst, row_major(&a, r), row_major(&b, n), task_rows)
+            transposed_product(dst, row_major(&a, r), row_major(&b, n), tasks)
         }
     }
 }
@@ -1274,16 +1280,15 @@ fn transposed_product_bf16<E: Element>(
     dst: &mut [MaybeUninit<E>],
     (a, r): (&[bf16], usize),
     (b, n): (&[bf16], usize),
-    task_rows: usize,
+    (task_rows, scratch): (usize, &PerThread<Scratch>),
 ) -> bool {
     let m = a.len() / r.max(1);
     let lda = m.next_multiple_of(2);
     let (band, piece) = bands(m, r, n, task_rows);
     dst.par_chunks_mut(band * n)
         .enumerate()
-        .map_init(
-            || (Vec::new(), Vec::new()),
-            |(results, a_t), (index, dst)| {
+        .map(|(index, dst)| {
+            scratch.with(|Scratch { results, a_t, .. }| {
                 let mut fits = true;
                 for (k, dst) in dst.chunks_mut(piece * n).enumerate() {
                     let (start, rows) = (index * band + k * piece, dst.len() / n);
@@ -1300,8 +1305,8 @@ fn transposed_product_bf16<E: Element>(
                     fits &= write_rounded(dst, results);
                 }
                 fits
-            },
-        )
+            })
+        })
         .reduce(|| true, |a, b| a && b)
 }
 
@@ -1312,7 +1317,7 @@ fn transposed_product_bf16<E: Element>(
 fn expert_backward<G: Element, D: Element>(
     call: &BlockwiseMmBwd<'_>,
     shared: (&[f32], Floats<'_>),
-    (group, rows_scratch): (&ExpertRows, &PerThread<Scratch>),
+    (group, scratch): (&ExpertRows, &PerThread<Scratch>),
     grads: &mut ExpertGrads,
     (d_gate_up_weight, d_down_weight): (&mut [MaybeUninit<G>], &mut [MaybeUninit<D>]),
 ) -> ExpertBackward {
@@ -1373,7 +1378,7 @@ fn expert_backward<G: Element, D: Element>(
         )
         .collect();
     let run_piece = |piece| {
-        rows_scratch.with(|scratch| rows_backward(call, shared, group.expert, piece, scratch));
+        scratch.with(|scratch| rows_backward(call, shared, group.expert, piece, scratch));
     };
     if pieces.len() == 1 {
         pieces.into_iter().for_each(run_piece);
@@ -1394,7 +1399,7 @@ fn expert_backward<G: Element, D: Element>(
             operand(&grads.act[..m * i], &copies.act, i),
             operand(&grads.d_y[..m * h], &copies.d_y, h),
         ),
-        rows,
+        (rows, scratch),
     ) & weight_gradient(
         d_gate_up_weight,
         layout,
@@ -1402,7 +1407,7 @@ fn expert_backward<G: Element, D: Element>(
             operand(&grads.x[..m * h], &copies.x, h),
             operand(&grads.d_gate_up[..m * 2 * i], &copies.d_gate_up, 2 * i),
         ),
-        rows,
+        (rows, scratch),
     );
     let d_biases = call.params().bias.then(|| {
         (
@@ -1463,7 +1468,7 @@ fn experts_backward<G: Element, D: Element>(
     let mut d_gate_up_weight =
         output_buffer::<G>(bwd::GATE_UP_PROJ_WEIGHT_GRAD.name, &gate_up_shape)?;
     let mut d_down_weight = output_buffer::<D>(bwd::DOWN_PROJ_WEIGHT_GRAD.name, &down_shape)?;
-    let (grads, rows_scratch) = (PerThread::<ExpertGrads>::new(), PerThread::<Scratch>::new());
+    let (grads, scratch) = (PerThread::<ExpertGrads>::new(), PerThread::<Scratch>::new());
     let mut results: Vec<(usize, ExpertBackward)> = d_gate_up_weight
         .par_chunks_mut(h * 2 * i)
         .zip(d_down_weight.par_chunks_mut(i * h))
@@ -1476,7 +1481,7 @@ fn experts_backward<G: Element, D: Element>(
             };
             let result = grads.with(|grads| {
                 let out = (d_gate_up, d_down);
-                expert_backward(call, shared, (&groups[g], &rows_scratch), grads, out)
+                expert_backward(call, shared, (&groups[g], &scratch), grads, out)
             });
             Some((g, result))
         })
