@@ -1105,7 +1105,7 @@ fn row_f32<'a>(
 /// How many tiles further down a block [`gather_block_columns`] asks for the lines of: the
 /// checkpoint comes from memory (the forward streamed it there), one line per row of a tile.
 /// Measured on Zen 4, alternating calls in one process (`blockwise_mm_bwd`, qwen3-moe-small,
-/// T = 2048): 20.78 against 21.10 ms and 20.50 against 20.65 with the lines of the tile 4
+/// T = 2048): 20.78 against 21.08 ms and 20.50 against 20.65 with the lines of the tile 4
 /// ahead, 20.79 against 21.10 with those 2 ahead; a whole block's lines asked for at once, 21.36
 /// against 21.15.
 const GATHER_TILES_AHEAD: usize = 4;
