@@ -46,7 +46,7 @@ use super::matmul::{MatRef, matmul, matmul_into};
 use super::permute::topk_gradient;
 use super::rows::{
     PREFETCH_ROWS_AHEAD, add_bias_rows, add_scaled, bf16_rows, bias_row, clamp_rows, dot,
-    gather_rows, prefetch, prefetch_row, resized, round_to_bf16, scale_rows,
+    gather_rows, prefetch, prefetch_floats, prefetch_row, resized, round_to_bf16, scale_rows,
 };
 use super::scratch::PerThread;
 use super::stream::Streamer;
@@ -340,7 +340,8 @@ fn fill(row: &mut [MaybeUninit<f32>], values: Option<&[f32]>) {
     }
 }
 
-/// Per-task buffers, reused from one task to the next.
+/// Per-task buffers: one per thread of the pool ([`PerThread`]), reused from one task to the
+/// next.
 #[derive(Default)]
 struct Scratch {
     /// Token rows (forward), or a row of d output widened to f32 (backward).
@@ -990,8 +991,9 @@ fn rows_backward(
             {
                 prefetch_row(d_output, next_token, h);
                 prefetch_row(inputs.down_proj_act_checkpoint, next_slot, h);
-                // The affinity's line too, one per token (Zen 4, alternating calls at
-                // qwen3-moe-small: 20.37 against 20.57 ms and 24.46 against 24.62).
+                // The affinity's line too, one per token (Zen 4, `blockwise_mm_bwd` at
+                // qwen3-moe-small, T = 2048, alternating calls in one process: 20.37 against
+                // 20.57 ms, and 24.46 against 24.62 in a slower hour of the machine).
                 prefetch(&affinities[next_token * e + expert..][..1]);
             }
             let d_out = row_f32(d_output, token, h, &mut s.x);
@@ -1112,10 +1114,10 @@ const GATHER_TILES_AHEAD: usize = 4;
 
 /// `dst [m, C]`: row r is slot `slots[r]` of the transposed checkpoint `blocks [N, C, B]` (slot
 /// n·B + j is column j of block n), widened to f32. Each run of slots in one block is read in
-/// [`TILE`] × [`TILE`] tiles (16 columns of 16 consecutive slot positions, the stored rows'
-/// contiguous runs) and [`transpose_into`] the rows of its slots: straight into `dst` where the
-/// tile's slots are its 16 positions in order (a plan's tokens fill their blocks' slots so),
-/// else on the stack, each slot then copying its row.
+/// [`TILE`] × [`TILE`] tiles (16 columns of up to 16 consecutive slot positions, the stored
+/// rows' contiguous runs) and transposed ([`transpose_into`]): straight into `dst` where the
+/// tile's slots are all of its positions, in order (a plan's tokens fill their blocks' slots
+/// so), else on the stack, each slot then copying its row.
 fn gather_block_columns(dst: &mut [f32], blocks: Floats<'_>, slots: &[usize], b: usize) {
     let c = dst.len() / slots.len().max(1);
     // A bf16 tile's rows, widened; and a tile's columns when not every position is a slot.
@@ -1143,26 +1145,23 @@ fn gather_block_columns(dst: &mut [f32], blocks: Floats<'_>, slots: &[usize], b:
                 let cols = (c - c0).min(TILE);
                 let at = |dc: usize| (c0 + dc) * b + j0..(c0 + dc) * b + j0 + width;
                 let mut tile: [Option<&[f32]>; TILE] = [None; TILE];
-                match block {
-                    Floats::F32(values) => {
-                        for (dc, row) in tile.iter_mut().take(cols).enumerate() {
-                            *row = Some(&values[at(dc)]);
-                        }
+                if let Floats::F32(values) = block {
+                    for (dc, row) in tile.iter_mut().take(cols).enumerate() {
+                        *row = Some(&values[at(dc)]);
                     }
-                    Floats::BF16(_) => {
-                        for (dc, row) in widened.iter_mut().take(cols).enumerate() {
-                            block.slice(at(dc)).write_f32(&mut row[..width]);
-                        }
-                        for (row, values) in tile.iter_mut().zip(&widened).take(cols) {
-                            *row = Some(&values[..width]);
-                        }
+                } else {
+                    for (dc, row) in widened.iter_mut().take(cols).enumerate() {
+                        block.slice(at(dc)).write_f32(&mut row[..width]);
+                    }
+                    for (row, values) in tile.iter_mut().zip(&widened).take(cols) {
+                        *row = Some(&values[..width]);
                     }
                 }
                 let tile = &tile[..cols];
-                // The lines of the tile GATHER_TILES_AHEAD further down the block.
-                let ahead = c0 + GATHER_TILES_AHEAD * TILE;
-                for row in ahead..(ahead + TILE).min(c) {
-                    prefetch_row(block, row * b + j0, 1);
+                // The same positions of the rows GATHER_TILES_AHEAD tiles further down.
+                let ahead = GATHER_TILES_AHEAD * TILE;
+                for dc in ahead..(c - c0).min(ahead + TILE) {
+                    prefetch_floats(block.slice(at(dc)));
                 }
                 if in_order {
                     transpose_into(tile, width, &mut rows[next * c + c0..], c);
@@ -1244,12 +1243,12 @@ fn bands(m: usize, r: usize, n: usize, task_rows: usize) -> (usize, usize) {
 /// their products' gradients, `grads [m, n]` (each given with its row length): `dW = inputsᵀ ·
 /// grads`, written in `layout` (`[k, n]`, or `[n, k]` as `gradsᵀ · inputs`) by
 /// [`transposed_product`], or, given both in bf16, by [`transposed_product_bf16`], in the
-/// bands of `tasks`' rows ([`bands`]), each task on its thread's scratch.
+/// bands of `task_rows` ([`bands`]), each task on its thread's `scratch`.
 fn weight_gradient<E: Element>(
     dst: &mut [MaybeUninit<E>],
     layout: WeightLayout,
     (inputs, grads): ((Floats<'_>, usize), (Floats<'_>, usize)),
-    tasks: (usize, &PerThread<Scratch>),
+    (task_rows, scratch): (usize, &PerThread<Scratch>),
 ) -> bool {
     let (a, b) = match layout {
         WeightLayout::Nki => (inputs, grads),
@@ -1257,11 +1256,16 @@ fn weight_gradient<E: Element>(
     };
     match (a, b) {
         ((Floats::BF16(a), r), (Floats::BF16(b), n)) => {
-            transposed_product_bf16(dst, (a, r), (b, n), tasks)
+            transposed_product_bf16(dst, (a, r), (b, n), (task_rows, scratch))
         }
         ((a, r), (b, n)) => {
             let (a, b) = (a.to_f32(), b.to_f32());
-            transposed_product(dst, row_major(&a, r), row_major(&b, n), tasks)
+            transposed_product(
+                dst,
+                row_major(&a, r),
+                row_major(&b, n),
+                (task_rows, scratch),
+            )
         }
     }
 }
@@ -1610,6 +1614,8 @@ mod tests {
             (32, 40, vec![0, 1, 2, 5, 17, 31, 32, 33, 70, 95]),
             (8, 3, vec![3, 4, 9, 23]),
             (48, 33, (20..44).chain(50..51).chain(96..140).collect()),
+            // C past GATHER_TILES_AHEAD tiles, so the gather asks for lines ahead.
+            (16, 100, (3..40).collect()),
         ]
     }
 

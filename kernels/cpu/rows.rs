@@ -70,9 +70,14 @@ pub(super) const PREFETCH_ROWS_AHEAD: usize = 2;
 
 /// [`prefetch`]es row `row` of a `[rows, width]` float tensor.
 pub(super) fn prefetch_row(values: Floats<'_>, row: usize, width: usize) {
-    match values.slice(row * width..(row + 1) * width) {
-        Floats::F32(row) => prefetch(row),
-        Floats::BF16(row) => prefetch(row),
+    prefetch_floats(values.slice(row * width..(row + 1) * width));
+}
+
+/// [`prefetch`]es the lines of `values`, in either dtype.
+pub(super) fn prefetch_floats(values: Floats<'_>) {
+    match values {
+        Floats::F32(values) => prefetch(values),
+        Floats::BF16(values) => prefetch(values),
     }
 }
 

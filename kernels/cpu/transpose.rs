@@ -18,7 +18,8 @@ pub type Tile = [[f32; TILE]; TILE];
 /// tile never leaves the registers.
 ///
 /// # Panics
-/// If there are more than [`TILE`] rows or columns, a row holds fewer than `cols` values, or
+/// If there are more than [`TILE`] rows or columns, a row holds fewer than `cols` values, the
+/// columns' runs overlap (`stride` below the number of rows, with two columns or more), or
 /// `dst` ends before the last column's run.
 pub fn transpose_into(rows: &[Option<&[f32]>], cols: usize, dst: &mut [f32], stride: usize) {
     let n = rows.len();
@@ -33,6 +34,10 @@ pub fn transpose_into(rows: &[Option<&[f32]>], cols: usize, dst: &mut [f32], str
     if n == 0 || cols == 0 {
         return;
     }
+    assert!(
+        cols == 1 || stride >= n,
+        "the transposed tile's columns overlap"
+    );
     assert!(
         (cols - 1) * stride + n <= dst.len(),
         "the transposed tile reaches past its destination"
@@ -66,8 +71,8 @@ mod x86 {
     /// them, and for missing rows), columns stored under a mask of the rows.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F; every row holds `cols` values and `dst` holds
-    /// `(cols − 1) · stride + rows.len()` values, at most [`TILE`] of each.
+    /// The CPU must have AVX-512 F; 1 ≤ `rows.len()` ≤ [`TILE`] and 1 ≤ `cols` ≤ [`TILE`];
+    /// every row holds `cols` values, and `dst` holds `(cols − 1) · stride + rows.len()`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn transpose_into(
         rows: &[Option<&[f32]>],
@@ -143,16 +148,23 @@ mod tests {
     }
 
     fn written_as_transposed(level: &str, transpose: TransposeInto) {
-        let values: Vec<f32> = (0..TILE * TILE).map(|v| v as f32 - 100.5).collect();
         for n in [0, 1, 5, TILE] {
             for cols in [0, 1, 7, TILE] {
                 let stride = n + 3;
-                // Row 2 is missing (zeros); the others are runs of `values`, longer than
-                // `cols`, whose values past `cols` must not be read.
-                let rows: Vec<Option<&[f32]>> = (0..n)
-                    .map(|r| (r != 2).then(|| &values[r * TILE..(r + 1) * TILE]))
+                // Row 2 is missing (zeros); the others are exactly `cols` long, each in a
+                // buffer of its own, so a read past them would leave it.
+                let values: Vec<Vec<f32>> = (0..n)
+                    .map(|r| (0..cols).map(|c| (r * TILE + c) as f32 - 100.5).collect())
                     .collect();
-                let mut dst = vec![f32::NAN; cols.max(1) * stride];
+                let rows: Vec<Option<&[f32]>> =
+                    (0..n).map(|r| (r != 2).then(|| &values[r][..])).collect();
+                // Exactly as long as the last column's run needs.
+                let len = if n == 0 || cols == 0 {
+                    0
+                } else {
+                    (cols - 1) * stride + n
+                };
+                let mut dst = vec![f32::NAN; len];
                 transpose(&rows, cols, &mut dst, stride);
                 for (i, &got) in dst.iter().enumerate() {
                     let (c, r) = (i / stride, i % stride);
