@@ -54,8 +54,11 @@ pub fn transpose_into(rows: &[Option<&[f32]>], cols: usize, dst: &mut [f32], str
 
 /// [`transpose_into`] in plain loops, for the checked arguments.
 fn transpose_into_portable(rows: &[Option<&[f32]>], cols: usize, dst: &mut [f32], stride: usize) {
-    for (c, column) in dst.chunks_mut(stride).take(cols).enumerate() {
-        for (value, row) in column.iter_mut().zip(rows) {
+    if rows.is_empty() {
+        return;
+    }
+    for c in 0..cols {
+        for (value, row) in dst[c * stride..][..rows.len()].iter_mut().zip(rows) {
             *value = row.map_or(0.0, |row| row[c]);
         }
     }
