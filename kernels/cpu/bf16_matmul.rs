@@ -131,7 +131,7 @@ mod x86 {
     use half::bf16;
 
     use crate::cpu::dot::x86::{MR as NT_MR, NR as NT_NR, lane_sums};
-    use crate::cpu::tile_walk::{Order, RegisterTiles, aligned_head, walk};
+    use crate::cpu::tile_walk::{self, Order, RegisterTiles, aligned_head, by_rows, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW and BF16; `dst`, `a` and `b` hold `m`, `m` and `n`
@@ -229,7 +229,7 @@ mod x86 {
                 &product,
                 m,
                 n,
-                aligned_head(b.as_ptr(), ldb, n),
+                aligned_head(b.as_ptr(), ldb, n, Product::NR),
                 Order::StripsOuter,
             )
         };
@@ -247,7 +247,28 @@ mod x86 {
     }
 
     impl RegisterTiles for Product {
-        unsafe fn tile<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+        const MR: usize = tile_walk::MR;
+        const NR: usize = tile_walk::NR;
+
+        unsafe fn tile(&self, rows: usize, r0: usize, c0: usize, cols: usize) {
+            // SAFETY: forwarded (the walk's contract).
+            unsafe {
+                by_rows!(
+                    rows,
+                    self.run(r0, c0, cols),
+                    [12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+                )
+            }
+        }
+    }
+
+    impl Product {
+        /// The `ROWS × cols` tile at output `(r0, c0)`.
+        ///
+        /// # Safety
+        /// As [`RegisterTiles::tile`].
+        #[inline]
+        unsafe fn run<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
             // SAFETY: rows r0..r0+ROWS of `a` and `dst`, columns c0..c0+cols of `b` and `dst`
             // lie inside the buffers (the walk's contract); the instructions were checked by
             // `matmul`'s caller.

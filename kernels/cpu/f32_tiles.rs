@@ -3,18 +3,29 @@
 //! `[m, H] · [H, 2I]` at H ≤ 512, its `[m, I] · [I, H]`), where packing both operands costs
 //! as much as the product.
 //!
-//! Each 12 × 32 tile of `dst` is 24 accumulators; every step along k loads 32 columns of one
-//! row of `b` and broadcasts one element of each of the tile's 12 rows of `a`. The caller
-//! chooses the [`Order`] of the tiles: column strips of `b` outer, so a strip (k · 128 bytes)
-//! stays in cache while every row tile of `a` passes it, or row tiles outer, so a tile's rows of
-//! `a` stay in L1 while `b` streams from L2. Each output is the sum over k in ascending order,
-//! one fused multiply-add per term, starting from zero or from `dst`: the order depends only on
-//! k, in either walk.
+//! A tile holds 24 accumulators, in one of two [`TileShape`]s: 12 rows × 32 columns (two
+//! registers per row) or 6 rows × 64 columns (four). Every step along k loads one row of the
+//! tile's columns of `b` and broadcasts one element of each of the tile's rows of `a`. The
+//! caller chooses the [`Order`] of the tiles: column strips of `b` outer, so a strip (k · 4 ·
+//! columns bytes) stays in cache while every row tile of `a` passes it, or row tiles outer, so
+//! a tile's rows of `a` stay in L1 while `b` streams from L2. Each output is the sum over k in
+//! ascending order, one fused multiply-add per term, starting from zero or from `dst`: the
+//! order depends only on k, in either walk and either shape.
 
 use std::mem::MaybeUninit;
 
 use super::isa::Isa;
 pub use super::tile_walk::Order;
+
+/// The register tile's rows × columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileShape {
+    /// 12 rows × 32 columns: each step along k reads two lines of `b` per 12 rows.
+    Tall,
+    /// 6 rows × 64 columns: four lines of `b` per 6 rows, and half as many passes of a's rows
+    /// over `b`'s strips.
+    Wide,
+}
 
 /// Whether [`matmul`] runs here: the active level has AVX-512 F.
 pub fn available() -> bool {
@@ -32,7 +43,8 @@ pub struct Operands<'a> {
     pub ldb: usize,
 }
 
-/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`, its tiles walked in `order`.
+/// `dst [m, n] = a · b`, or `dst += a · b` when `accumulate`, on tiles of `shape` walked in
+/// `order`.
 ///
 /// # Panics
 /// If the CPU lacks AVX-512 F ([`available`]) or an operand's last element lies past its
@@ -42,12 +54,12 @@ pub fn matmul(
     ops: Operands<'_>,
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
-    order: Order,
+    (shape, order): (TileShape, Order),
 ) {
     check(dst.len(), ops, (m, n, k));
     // SAFETY: checked: AVX-512 F, and every element the shapes and strides reach lies inside
     // its buffer; `dst` is initialised, as `accumulate` reads it.
-    unsafe { run(dst.as_mut_ptr(), ops, (m, n, k), accumulate, order) };
+    unsafe { run(dst.as_mut_ptr(), ops, (m, n, k), accumulate, (shape, order)) };
 }
 
 /// `dst [m, n] = a · b` into memory not yet written; returns `dst` as the values it now holds.
@@ -59,7 +71,7 @@ pub fn matmul_into<'d>(
     dst: &'d mut [MaybeUninit<f32>],
     ops: Operands<'_>,
     (m, n, k): (usize, usize, usize),
-    order: Order,
+    walk: (TileShape, Order),
 ) -> &'d mut [f32] {
     assert_eq!(
         Some(dst.len()),
@@ -68,7 +80,7 @@ pub fn matmul_into<'d>(
     );
     check(dst.len(), ops, (m, n, k));
     // SAFETY: checked as in `matmul`; without `accumulate` no tile reads `dst`.
-    unsafe { run(dst.as_mut_ptr().cast(), ops, (m, n, k), false, order) };
+    unsafe { run(dst.as_mut_ptr().cast(), ops, (m, n, k), false, walk) };
     // SAFETY: the tiles wrote all m · n elements, which are all of `dst` (asserted);
     // `MaybeUninit<f32>` has `f32`'s layout.
     unsafe { &mut *(std::ptr::from_mut(dst) as *mut [f32]) }
@@ -106,7 +118,7 @@ unsafe fn run(
     ops: Operands<'_>,
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
-    order: Order,
+    walk: (TileShape, Order),
 ) {
     if m == 0 || n == 0 {
         return;
@@ -114,7 +126,7 @@ unsafe fn run(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: forwarded (the caller's contract).
     unsafe {
-        x86::matmul(dst, ops, (m, n, k), accumulate, order);
+        x86::matmul(dst, ops, (m, n, k), accumulate, walk);
     }
 }
 
@@ -124,8 +136,8 @@ unsafe fn run(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Operands, Order};
-    use crate::cpu::tile_walk::{RegisterTiles, aligned_head, walk};
+    use super::{Operands, Order, TileShape};
+    use crate::cpu::tile_walk::{self, RegisterTiles, aligned_head, by_rows, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F; `dst` points to `m · n` writable elements (initialised
@@ -136,7 +148,7 @@ mod x86 {
         ops: Operands<'_>,
         (m, n, k): (usize, usize, usize),
         accumulate: bool,
-        order: Order,
+        (shape, order): (TileShape, Order),
     ) {
         let product = Product {
             d: dst,
@@ -151,14 +163,20 @@ mod x86 {
         };
         // SAFETY: every tile of [m, n] lies inside the buffers (the caller's contract).
         unsafe {
-            walk(
-                &product,
-                m,
-                n,
-                aligned_head(ops.b.as_ptr(), ops.ldb, n),
-                order,
-            )
-        };
+            match shape {
+                TileShape::Tall => {
+                    let head = aligned_head(ops.b.as_ptr(), ops.ldb, n, Tiles::<2>::NR);
+                    walk(&Tiles::<2>(&product), m, n, head, order);
+                }
+                TileShape::Wide => {
+                    // Whole strips from the first column, wherever `b` starts: measured on
+                    // Zen 4 (qwen3-moe-small `blockwise_mm`, T = 2048, weights 16 bytes past
+                    // a line), a head strip that lined the others up took 11.4–11.6 ms
+                    // against 9.9–10.0 without it.
+                    walk(&Tiles::<4>(&product), m, n, 0, order);
+                }
+            }
+        }
     }
 
     /// One product's operands, as the tiles read and write them.
@@ -174,70 +192,124 @@ mod x86 {
         accumulate: bool,
     }
 
-    impl RegisterTiles for Product {
-        unsafe fn tile<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+    /// [`Product`]'s tiles of `REGS` registers (16 columns each) per row.
+    struct Tiles<'p, const REGS: usize>(&'p Product);
+
+    impl RegisterTiles for Tiles<'_, 2> {
+        const MR: usize = tile_walk::MR;
+        const NR: usize = tile_walk::NR;
+
+        unsafe fn tile(&self, rows: usize, r0: usize, c0: usize, cols: usize) {
             // SAFETY: forwarded (the walk's contract); AVX-512 F was checked by `matmul`'s
             // caller.
-            unsafe { self.run::<ROWS>(r0, c0, cols) }
+            unsafe {
+                by_rows!(
+                    rows,
+                    self.rows(r0, c0, cols),
+                    [12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+                )
+            }
+        }
+    }
+
+    impl RegisterTiles for Tiles<'_, 4> {
+        const MR: usize = 6;
+        const NR: usize = 64;
+
+        unsafe fn tile(&self, rows: usize, r0: usize, c0: usize, cols: usize) {
+            // SAFETY: as for the tall tiles.
+            unsafe { by_rows!(rows, self.rows(r0, c0, cols), [6, 5, 4, 3, 2, 1]) }
+        }
+    }
+
+    impl<const REGS: usize> Tiles<'_, REGS> {
+        /// [`Product::run`] on this shape's tiles.
+        ///
+        /// # Safety
+        /// As [`Product::run`].
+        #[inline]
+        unsafe fn rows<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+            // SAFETY: forwarded.
+            unsafe { self.0.run::<ROWS, REGS>(r0, c0, cols) }
         }
     }
 
     impl Product {
-        /// The `ROWS × cols` tile at output `(r0, c0)`: the sum over k of `a`'s rows times
-        /// `b`'s columns, from zero or from `dst`.
+        /// The `ROWS × cols` tile at output `(r0, c0)`, `cols` ≤ 16 · `REGS`: the sum over k
+        /// of `a`'s rows times `b`'s columns, from zero or from `dst`.
         ///
         /// # Safety
         /// As [`matmul`], for this tile's `ROWS` rows and `cols` columns.
         #[inline]
         #[target_feature(enable = "avx512f")]
-        unsafe fn run<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize) {
+        unsafe fn run<const ROWS: usize, const REGS: usize>(
+            &self,
+            r0: usize,
+            c0: usize,
+            cols: usize,
+        ) {
             let d = self.d.wrapping_add(r0 * self.ldd + c0);
             // Never read when k = 0, so computed without an in-bounds promise.
             let a_rows = self.a.wrapping_add(r0 * self.a_rows);
             let b_cols = self.b.wrapping_add(c0);
-            let mask = |n: usize| -> __mmask16 { if n >= 16 { !0 } else { (1u16 << n) - 1 } };
-            // Masked loads and stores never touch the columns past `cols`.
-            let (low, high) = (mask(cols), mask(cols.saturating_sub(16)));
-            let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+            // Masked loads and stores never touch the columns past `cols`: register j holds
+            // columns 16j.. of the tile, and its mask is empty where the tile is narrower.
+            // (Plain loops rather than closures, which would not inherit the target feature.)
+            let mut masks: [__mmask16; REGS] = [0; REGS];
+            for (j, mask) in masks.iter_mut().enumerate() {
+                let n = cols.saturating_sub(16 * j);
+                *mask = if n >= 16 { !0 } else { (1u16 << n) - 1 };
+            }
+            let mut acc = [[_mm512_setzero_ps(); REGS]; ROWS];
             if self.accumulate {
                 for r in 0..ROWS {
-                    // SAFETY: row r of the tile has `cols` outputs at d + r·ldd.
-                    unsafe {
-                        let row = d.add(r * self.ldd);
-                        acc[r][0] = _mm512_maskz_loadu_ps(low, row);
-                        // With `cols` ≤ 16 the mask is empty and nothing is read there.
-                        acc[r][1] = _mm512_maskz_loadu_ps(high, row.wrapping_add(16));
+                    for j in 0..REGS {
+                        // SAFETY: row r of the tile has `cols` outputs at d + r·ldd; an empty
+                        // mask reads nothing.
+                        acc[r][j] = unsafe {
+                            _mm512_maskz_loadu_ps(masks[j], d.wrapping_add(r * self.ldd + 16 * j))
+                        };
                     }
                 }
             }
-            // The next strip's rows (two lines each) into L2 while this strip's are multiplied:
-            // a strip's lines lie a row apart, which the hardware prefetchers do not follow
-            // (a long k with few rows reads each strip from memory once; see `matmul`).
+            // The next strip's rows (REGS lines each) into L2 while this strip's are
+            // multiplied: a strip's lines lie a row apart, which the hardware prefetchers do
+            // not follow (a long k with few rows reads each strip from memory once; see
+            // `matmul`).
             let next = b_cols.wrapping_add(cols);
             for p in 0..self.k {
-                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * self.ldb).cast());
-                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * self.ldb + 16).cast());
-                // SAFETY: row p of `b` has `cols` columns at b + p·ldb; element (r, p) of `a`
-                // is at a + r·a_rows + p·a_cols for the tile's rows.
+                for j in 0..REGS {
+                    _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(p * self.ldb + 16 * j).cast());
+                }
+                // SAFETY: row p of `b` has `cols` columns at b + p·ldb (an empty mask reads
+                // nothing); element (r, p) of `a` is at a + r·a_rows + p·a_cols for the tile's
+                // rows.
                 unsafe {
                     let b = b_cols.add(p * self.ldb);
-                    let b0 = _mm512_maskz_loadu_ps(low, b);
-                    let b1 = _mm512_maskz_loadu_ps(high, b.wrapping_add(16));
+                    let mut bv = [_mm512_setzero_ps(); REGS];
+                    for j in 0..REGS {
+                        bv[j] = _mm512_maskz_loadu_ps(masks[j], b.wrapping_add(16 * j));
+                    }
                     let a = a_rows.add(p * self.a_cols);
                     for r in 0..ROWS {
                         let av = _mm512_set1_ps(*a.add(r * self.a_rows));
-                        acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-                        acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+                        for j in 0..REGS {
+                            acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
+                        }
                     }
                 }
             }
             for r in 0..ROWS {
-                // SAFETY: as the loads above.
-                unsafe {
-                    let row = d.add(r * self.ldd);
-                    _mm512_mask_storeu_ps(row, low, acc[r][0]);
-                    if cols > 16 {
-                        _mm512_mask_storeu_ps(row.add(16), high, acc[r][1]);
+                for j in 0..REGS {
+                    if cols > 16 * j {
+                        // SAFETY: as the loads above.
+                        unsafe {
+                            _mm512_mask_storeu_ps(
+                                d.add(r * self.ldd + 16 * j),
+                                masks[j],
+                                acc[r][j],
+                            );
+                        }
                     }
                 }
             }

@@ -20,7 +20,8 @@ use super::{f32_tiles, streamed};
 use crate::uninit::zero;
 
 /// Largest inner dimension k that [`matmul`] runs on register tiles without packing: a tile's
-/// 12 rows of `a` (up to 24 KiB) stay in L1 and a 32-column strip of `b` (up to 64 KiB) in L2.
+/// rows of `a` (up to 24 KiB) stay in L1 and a strip of `b` (up to 64 KiB, 128 KiB for the
+/// wide tiles) in L2.
 const TILED_MAX_K: usize = 512;
 /// Widest output that [`matmul`] runs on register tiles: the tiles walk the output one
 /// 32-column strip at a time, which wide outputs pay for in cache and TLB misses.
@@ -139,8 +140,13 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         return;
     }
     if tiled(a, b) {
-        let order = tile_order(b);
-        f32_tiles::matmul(dst, tile_operands(a, b), (m, n, k), accumulate, order);
+        f32_tiles::matmul(
+            dst,
+            tile_operands(a, b),
+            (m, n, k),
+            accumulate,
+            tile_walk(b),
+        );
         return;
     }
     // SAFETY: `dst` holds exactly m · n elements, borrowed mutably, so it aliases neither
@@ -161,7 +167,7 @@ pub fn matmul_into<'d>(
 ) -> &'d mut [f32] {
     let (m, k, n) = product_shape(dst.len(), a, b);
     if tiled(a, b) {
-        return f32_tiles::matmul_into(dst, tile_operands(a, b), (m, n, k), tile_order(b));
+        return f32_tiles::matmul_into(dst, tile_operands(a, b), (m, n, k), tile_walk(b));
     }
     if m == 0 || n == 0 || k == 0 {
         let dst = zero(dst);
@@ -223,6 +229,19 @@ fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
         && b.col_stride == 1
         && f32_tiles::available()
         && Blocking::active().register_tiles_for(a.rows)
+}
+
+/// The shape and order of the register tiles of `a · b`: [`tile_order`]; tiles of the CPU's
+/// [`Blocking::streamed_tile_shape`] where strips of `b` stream through them over a short
+/// inner dimension (an expert's weights, k ≤ [`TILED_MAX_K`]), tall 12 × 32 tiles otherwise.
+fn tile_walk(b: MatRef<'_>) -> (f32_tiles::TileShape, f32_tiles::Order) {
+    let order = tile_order(b);
+    let shape = if order == f32_tiles::Order::StripsOuter && b.rows <= TILED_MAX_K {
+        Blocking::active().streamed_tile_shape()
+    } else {
+        f32_tiles::TileShape::Tall
+    };
+    (shape, order)
 }
 
 /// The order in which the register tiles walk `a · b`: row tiles outer when the caller has
@@ -491,6 +510,18 @@ mod tests {
     }
 
     #[test]
+    fn weights_over_a_short_k_take_the_blockings_tile_shape() {
+        use f32_tiles::Order::{RowTilesOuter, StripsOuter};
+        use f32_tiles::TileShape::Tall;
+        let values = vec![0.0f32; (TILED_MAX_K + 1) * 64];
+        let b = |k: usize| MatRef::row_major(&values, k, 64);
+        let streamed = Blocking::active().streamed_tile_shape();
+        assert_eq!(tile_walk(b(TILED_MAX_K)), (streamed, StripsOuter));
+        assert_eq!(tile_walk(b(TILED_MAX_K + 1)), (Tall, StripsOuter));
+        assert_eq!(tile_walk(b(64).resident()), (Tall, RowTilesOuter));
+    }
+
+    #[test]
     fn register_tiles_match_naive_products_at_every_row_count() {
         // Whichever blocking this process runs, the tiles themselves: row counts past one
         // tile (where Blocking::Sequential hands products to the packed kernels), `a` row-major
@@ -510,19 +541,25 @@ mod tests {
                     })
                 };
                 let mut walks = Vec::new();
-                for order in [
-                    f32_tiles::Order::StripsOuter,
-                    f32_tiles::Order::RowTilesOuter,
-                ] {
-                    let mut dst = vec![MaybeUninit::new(f32::NAN); m * n];
-                    let ops = tile_operands(a, b);
-                    let got = f32_tiles::matmul_into(&mut dst, ops, (m, n, k), order);
-                    assert!(close(got, 1.0), "{m}×{k}×{n} into, {order:?}");
-                    f32_tiles::matmul(got, ops, (m, n, k), true, order);
-                    assert!(close(got, 2.0), "{m}×{k}×{n} accumulated, {order:?}");
-                    walks.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                for shape in [f32_tiles::TileShape::Tall, f32_tiles::TileShape::Wide] {
+                    for order in [
+                        f32_tiles::Order::StripsOuter,
+                        f32_tiles::Order::RowTilesOuter,
+                    ] {
+                        let walk = (shape, order);
+                        let mut dst = vec![MaybeUninit::new(f32::NAN); m * n];
+                        let ops = tile_operands(a, b);
+                        let got = f32_tiles::matmul_into(&mut dst, ops, (m, n, k), walk);
+                        assert!(close(got, 1.0), "{m}×{k}×{n} into, {walk:?}");
+                        f32_tiles::matmul(got, ops, (m, n, k), true, walk);
+                        assert!(close(got, 2.0), "{m}×{k}×{n} accumulated, {walk:?}");
+                        walks.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                    }
                 }
-                assert_eq!(walks[0], walks[1], "{m}×{k}×{n}: the walks' sums differ");
+                assert!(
+                    walks.iter().all(|walk| *walk == walks[0]),
+                    "{m}×{k}×{n}: the walks' sums differ"
+                );
             }
         }
     }

@@ -1,37 +1,56 @@
 //! The walk the register-tiled kernels share ([`super::f32_tiles`], [`super::bf16_matmul`]):
-//! an output `[m, n]` in tiles of up to [`MR`] rows by [`NR`] columns, 32-column strips outer
-//! (a strip of `b` stays in cache while every row tile of `a` passes it) or row tiles outer
-//! (a row tile of `a` stays in L1 while it meets every strip of `b`): [`Order`]. The kernels
-//! keep their tile's row count a compile-time constant (one accumulator array per count); the
-//! walk picks the instance.
+//! an output `[m, n]` in tiles of up to [`RegisterTiles::MR`] rows by [`RegisterTiles::NR`]
+//! columns, strips of `NR` columns outer (a strip of `b` stays in cache while every row tile of
+//! `a` passes it) or row tiles outer (a row tile of `a` stays in L1 while it meets every strip
+//! of `b`): [`Order`]. The kernels keep their tile's row count a compile-time constant (one
+//! accumulator array per count, instantiated with [`by_rows`]); the walk picks the count.
 
-/// Columns per register tile: two 16-lane f32 accumulators per row.
-pub const NR: usize = 32;
-/// Rows per register tile: 24 accumulators, 2 registers of `b` and a broadcast.
+/// Rows of the tall register tile: 24 accumulators of two 16-lane registers per row, two
+/// registers of `b` and a broadcast.
 pub const MR: usize = 12;
+/// Columns of the tall register tile.
+pub const NR: usize = 32;
 
 /// A kernel that computes one register tile of its output.
 pub trait RegisterTiles {
-    /// Computes the `ROWS × cols` tile whose first element is output `(r0, c0)`.
+    /// Most rows of one tile.
+    const MR: usize;
+    /// Columns of one full tile: the width of a strip of `b`.
+    const NR: usize;
+
+    /// Computes the `rows × cols` tile whose first element is output `(r0, c0)`.
     ///
     /// # Safety
-    /// As the kernel's own contract, for this tile (`ROWS ≤ MR`, `cols ≤ NR`).
-    unsafe fn tile<const ROWS: usize>(&self, r0: usize, c0: usize, cols: usize);
+    /// As the kernel's own contract, for this tile (`1 ≤ rows ≤ MR`, `cols ≤ NR`).
+    unsafe fn tile(&self, rows: usize, r0: usize, c0: usize, cols: usize);
 }
 
+/// `$kernel.$method::<ROWS>(args)` for the row count `$rows`, one of the listed literals: a
+/// [`RegisterTiles::tile`] with its row count made a compile-time constant.
+macro_rules! by_rows {
+    ($rows:expr, $kernel:ident.$method:ident $args:tt, [$($n:literal),+]) => {
+        match $rows {
+            $($n => $kernel.$method::<$n> $args,)+
+            rows => unreachable!("a register tile of {rows} rows"),
+        }
+    };
+}
+pub(crate) use by_rows;
+
 /// Columns of the first strip of a walk over `b [k, n]` (row stride `ldb` elements of `T`,
-/// first element at `b`) after which every strip starts on a 64-byte cache line, so that no
+/// first element at `b`) in strips of `nr` columns after which every strip starts on a
+/// 64-byte cache line, so that no
 /// load of a full strip's row straddles two lines (measured on Zen 4: bf16 weights 48 bytes
 /// past a line made Qwen3-30B-A3B's bf16 `blockwise_mm` at T = 512 take 303 ms instead of
 /// 198–211). 0 where `b` already starts on a line, where its rows start at different offsets
 /// within their lines (`ldb` not a multiple of a line), or where the output is one strip wide.
 /// Each output's sum is the same in whichever strip it is computed, so results do not depend
 /// on where the buffers lie.
-pub fn aligned_head<T>(b: *const T, ldb: usize, n: usize) -> usize {
+pub fn aligned_head<T>(b: *const T, ldb: usize, n: usize, nr: usize) -> usize {
     const LINE: usize = 64;
     let size = size_of::<T>();
     let offset = b as usize % LINE;
-    if n <= NR || offset == 0 || !offset.is_multiple_of(size) || !(ldb * size).is_multiple_of(LINE)
+    if n <= nr || offset == 0 || !offset.is_multiple_of(size) || !(ldb * size).is_multiple_of(LINE)
     {
         return 0;
     }
@@ -43,7 +62,7 @@ pub fn aligned_head<T>(b: *const T, ldb: usize, n: usize) -> usize {
 /// so the order changes only which operand the caches keep.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {
-    /// Strips of [`NR`] columns outer: a strip of `b` stays in cache while every row tile of
+    /// Strips of [`RegisterTiles::NR`] columns outer: a strip of `b` stays in cache while every row tile of
     /// `a` passes it, so `b` is read from memory once, a strip at a time (the kernels prefetch
     /// the next strip while they multiply the current one): for weights streamed from memory.
     StripsOuter,
@@ -57,15 +76,15 @@ pub enum Order {
 /// `head` columns wide when `head` is not 0 ([`aligned_head`]).
 ///
 /// # Safety
-/// Every tile of `[m, n]` must satisfy the kernel's contract; `head < NR`.
+/// Every tile of `[m, n]` must satisfy the kernel's contract; `head < K::NR`.
 #[inline]
-pub unsafe fn walk(kernel: &impl RegisterTiles, m: usize, n: usize, head: usize, order: Order) {
-    debug_assert!(head < NR, "a head strip narrower than NR");
+pub unsafe fn walk<K: RegisterTiles>(kernel: &K, m: usize, n: usize, head: usize, order: Order) {
+    debug_assert!(head < K::NR, "a head strip narrower than NR");
     let strips = || {
         let mut c0 = 0;
         std::iter::from_fn(move || {
             (c0 < n).then(|| {
-                let cols = if c0 == 0 && head > 0 { head } else { NR }.min(n - c0);
+                let cols = if c0 == 0 && head > 0 { head } else { K::NR }.min(n - c0);
                 c0 += cols;
                 (c0 - cols, cols)
             })
@@ -74,44 +93,20 @@ pub unsafe fn walk(kernel: &impl RegisterTiles, m: usize, n: usize, head: usize,
     match order {
         Order::StripsOuter => {
             for (c0, cols) in strips() {
-                for r0 in (0..m).step_by(MR) {
-                    // SAFETY: a tile of [m, n] (the caller's contract).
-                    unsafe { tile(kernel, m, r0, c0, cols) };
+                for r0 in (0..m).step_by(K::MR) {
+                    // SAFETY: a tile of [m, n] (the caller's contract) of at most MR rows (the
+                    // rows left of m) and NR columns.
+                    unsafe { kernel.tile((m - r0).min(K::MR), r0, c0, cols) };
                 }
             }
         }
         Order::RowTilesOuter => {
-            for r0 in (0..m).step_by(MR) {
+            for r0 in (0..m).step_by(K::MR) {
                 for (c0, cols) in strips() {
                     // SAFETY: as above.
-                    unsafe { tile(kernel, m, r0, c0, cols) };
+                    unsafe { kernel.tile((m - r0).min(K::MR), r0, c0, cols) };
                 }
             }
-        }
-    }
-}
-
-/// `kernel`'s tile at `(r0, c0)`: the rows left of `m` up to [`MR`], `cols` columns.
-///
-/// # Safety
-/// As [`walk`], for this tile.
-#[inline]
-unsafe fn tile(kernel: &impl RegisterTiles, m: usize, r0: usize, c0: usize, cols: usize) {
-    // SAFETY: a tile of [m, n] (the caller's contract) of at most MR rows, NR columns.
-    unsafe {
-        match (m - r0).min(MR) {
-            12 => kernel.tile::<12>(r0, c0, cols),
-            11 => kernel.tile::<11>(r0, c0, cols),
-            10 => kernel.tile::<10>(r0, c0, cols),
-            9 => kernel.tile::<9>(r0, c0, cols),
-            8 => kernel.tile::<8>(r0, c0, cols),
-            7 => kernel.tile::<7>(r0, c0, cols),
-            6 => kernel.tile::<6>(r0, c0, cols),
-            5 => kernel.tile::<5>(r0, c0, cols),
-            4 => kernel.tile::<4>(r0, c0, cols),
-            3 => kernel.tile::<3>(r0, c0, cols),
-            2 => kernel.tile::<2>(r0, c0, cols),
-            _ => kernel.tile::<1>(r0, c0, cols),
         }
     }
 }
@@ -126,14 +121,14 @@ mod tests {
         let buffer = vec![0u16; 4096];
         for skip in 0..40 {
             let b = buffer[skip..].as_ptr();
-            let head = aligned_head(b, 1536, 1536);
+            let head = aligned_head(b, 1536, 1536, NR);
             assert!(head < NR);
             // SAFETY: within the buffer.
             assert_eq!(line(unsafe { b.add(head) }.cast()), 0, "skip {skip}");
         }
         let b = buffer[3..].as_ptr();
         // Rows at differing offsets, and one-strip outputs, keep the plain walk.
-        assert_eq!(aligned_head(b, 1500, 1500), 0);
-        assert_eq!(aligned_head(b, 1536, NR), 0);
+        assert_eq!(aligned_head(b, 1500, 1500, NR), 0);
+        assert_eq!(aligned_head(b, 1536, NR, NR), 0);
     }
 }
