@@ -175,10 +175,13 @@ impl Blocking {
     /// (`blockwise_mm` timed per call, 120 calls each): inside `moekit-train bench --config
     /// configs/qwen3_moe_small.toml` 10.72 against 10.90 and 10.56 against 10.82 ms; in `moekit
     /// bench --shape qwen3-moe-small --tokens 2048 --block-size 32` 10.93 against 11.33 and
-    /// 11.44 against 11.83 ms. At a long k (Qwen3-30B-A3B's H = 2048, 32 rows) their strips
-    /// outgrow L2 and they lose (239 against 215 ms), so long k keeps the tall tiles. Not
-    /// measured on the Intel Xeon, whose blocking gives the tiles one tall tile's rows at most.
-    pub fn streamed_tile_shape(self) -> TileShape {
+    /// 11.44 against 11.83 ms. The gain is the shape's: the wide tiles start whole strips at
+    /// column 0, but the tall ones lose nothing by their head strip (without it, 10.52 and
+    /// 10.53 against 10.44 and 10.36 ms). At a long k (Qwen3-30B-A3B's H = 2048, 32 rows) a
+    /// wide strip is 512 KiB, which with the next one prefetched fills a 1 MiB L2, and they
+    /// lose (239 against 215 ms), so long k keeps the tall tiles. Not measured on the Intel
+    /// Xeon, whose blocking gives the tiles one tall tile's rows at most.
+    pub(crate) fn streamed_tile_shape(self) -> TileShape {
         match self {
             Blocking::Prefetched => TileShape::Wide,
             Blocking::Sequential => TileShape::Tall,
@@ -186,7 +189,7 @@ impl Blocking {
     }
 }
 
-/// The rows of one register tile of `cpu::f32_tiles`.
+/// The rows of one tall register tile of `cpu::f32_tiles`.
 const TILE_ROWS: usize = super::tile_walk::MR;
 
 /// Bytes of one core's L2 cache as the OS reports it (Linux: sysfs, read once per process by

@@ -20,9 +20,9 @@ pub use super::tile_walk::Order;
 /// The register tile's rows × columns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TileShape {
-    /// 12 rows × 32 columns: each step along k reads two lines of `b` per 12 rows.
+    /// 12 rows × 32 columns: each step along k reads 128 bytes of `b` per 12 rows.
     Tall,
-    /// 6 rows × 64 columns: four lines of `b` per 6 rows, and half as many passes of a's rows
+    /// 6 rows × 64 columns: 256 bytes of `b` per 6 rows, and half as many passes of a's rows
     /// over `b`'s strips.
     Wide,
 }
@@ -248,13 +248,15 @@ mod x86 {
             c0: usize,
             cols: usize,
         ) {
+            debug_assert!(cols <= 16 * REGS, "a tile wider than its registers");
             let d = self.d.wrapping_add(r0 * self.ldd + c0);
             // Never read when k = 0, so computed without an in-bounds promise.
             let a_rows = self.a.wrapping_add(r0 * self.a_rows);
             let b_cols = self.b.wrapping_add(c0);
             // Masked loads and stores never touch the columns past `cols`: register j holds
             // columns 16j.. of the tile, and its mask is empty where the tile is narrower.
-            // (Plain loops rather than closures, which would not inherit the target feature.)
+            // (Plain loops: built with `std::array::from_fn`, the registers went through memory
+            // and the kernel ran at less than half its speed.)
             let mut masks: [__mmask16; REGS] = [0; REGS];
             for (j, mask) in masks.iter_mut().enumerate() {
                 let n = cols.saturating_sub(16 * j);
@@ -272,7 +274,7 @@ mod x86 {
                     }
                 }
             }
-            // The next strip's rows (REGS lines each) into L2 while this strip's are
+            // The next strip's rows (64 · REGS bytes each) into L2 while this strip's are
             // multiplied: a strip's lines lie a row apart, which the hardware prefetchers do
             // not follow (a long k with few rows reads each strip from memory once; see
             // `matmul`).

@@ -23,8 +23,8 @@ use crate::uninit::zero;
 /// rows of `a` (up to 24 KiB) stay in L1 and a strip of `b` (up to 64 KiB, 128 KiB for the
 /// wide tiles) in L2.
 const TILED_MAX_K: usize = 512;
-/// Widest output that [`matmul`] runs on register tiles: the tiles walk the output one
-/// 32-column strip at a time, which wide outputs pay for in cache and TLB misses.
+/// Widest output that [`matmul`] runs on register tiles: the tiles walk the output one strip
+/// of columns at a time, which wide outputs pay for in cache and TLB misses.
 ///
 /// Measured on Zen 4, one thread, against the `gemm` crate's packed kernels (m × k × n):
 /// 256×256×256 at 96 against 54–64 GFLOP/s, 256×256×512 at 93 against 68–78, 256×128×768 at
@@ -140,13 +140,7 @@ pub fn matmul(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         return;
     }
     if tiled(a, b) {
-        f32_tiles::matmul(
-            dst,
-            tile_operands(a, b),
-            (m, n, k),
-            accumulate,
-            tile_walk(b),
-        );
+        f32_tiles::matmul(dst, tile_operands(a, b), (m, n, k), accumulate, tiling(b));
         return;
     }
     // SAFETY: `dst` holds exactly m · n elements, borrowed mutably, so it aliases neither
@@ -167,7 +161,7 @@ pub fn matmul_into<'d>(
 ) -> &'d mut [f32] {
     let (m, k, n) = product_shape(dst.len(), a, b);
     if tiled(a, b) {
-        return f32_tiles::matmul_into(dst, tile_operands(a, b), (m, n, k), tile_walk(b));
+        return f32_tiles::matmul_into(dst, tile_operands(a, b), (m, n, k), tiling(b));
     }
     if m == 0 || n == 0 || k == 0 {
         let dst = zero(dst);
@@ -234,7 +228,7 @@ fn tiled(a: MatRef<'_>, b: MatRef<'_>) -> bool {
 /// The shape and order of the register tiles of `a · b`: [`tile_order`]; tiles of the CPU's
 /// [`Blocking::streamed_tile_shape`] where strips of `b` stream through them over a short
 /// inner dimension (an expert's weights, k ≤ [`TILED_MAX_K`]), tall 12 × 32 tiles otherwise.
-fn tile_walk(b: MatRef<'_>) -> (f32_tiles::TileShape, f32_tiles::Order) {
+fn tiling(b: MatRef<'_>) -> (f32_tiles::TileShape, f32_tiles::Order) {
     let order = tile_order(b);
     let shape = if order == f32_tiles::Order::StripsOuter && b.rows <= TILED_MAX_K {
         Blocking::active().streamed_tile_shape()
@@ -515,10 +509,15 @@ mod tests {
         use f32_tiles::TileShape::Tall;
         let values = vec![0.0f32; (TILED_MAX_K + 1) * 64];
         let b = |k: usize| MatRef::row_major(&values, k, 64);
+        assert_eq!(
+            Blocking::Prefetched.streamed_tile_shape(),
+            f32_tiles::TileShape::Wide
+        );
+        assert_eq!(Blocking::Sequential.streamed_tile_shape(), Tall);
         let streamed = Blocking::active().streamed_tile_shape();
-        assert_eq!(tile_walk(b(TILED_MAX_K)), (streamed, StripsOuter));
-        assert_eq!(tile_walk(b(TILED_MAX_K + 1)), (Tall, StripsOuter));
-        assert_eq!(tile_walk(b(64).resident()), (Tall, RowTilesOuter));
+        assert_eq!(tiling(b(TILED_MAX_K)), (streamed, StripsOuter));
+        assert_eq!(tiling(b(TILED_MAX_K + 1)), (Tall, StripsOuter));
+        assert_eq!(tiling(b(64).resident()), (Tall, RowTilesOuter));
     }
 
     #[test]
@@ -529,7 +528,13 @@ mod tests {
         if !f32_tiles::available() {
             return;
         }
-        for (m, k, n) in [(13, 33, 40), (64, 19, 130), (100, 256, 64)] {
+        // Every row count of either shape's tiles (m = 1..=13), and columns that end in each
+        // of a wide tile's four registers (40, 90, 120, 130 % 64 = 2) and a tall one's two.
+        let sweep = (1..=13).flat_map(|m| [(m, 17, 90), (m, 9, 120)]);
+        for (m, k, n) in [(13, 33, 40), (64, 19, 130), (100, 256, 64)]
+            .into_iter()
+            .chain(sweep)
+        {
             let a = values(m * k, 5);
             let b = values(k * n, 6);
             let b = MatRef::row_major(&b, k, n);
