@@ -131,7 +131,7 @@ mod x86 {
     use half::bf16;
 
     use crate::cpu::dot::x86::{MR as NT_MR, NR as NT_NR, lane_sums};
-    use crate::cpu::tile_walk::{self, Order, RegisterTiles, aligned_head, by_rows, walk};
+    use crate::cpu::tile_walk::{Order, RegisterTiles, aligned_head, by_rows, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW and BF16; `dst`, `a` and `b` hold `m`, `m` and `n`
@@ -247,9 +247,6 @@ mod x86 {
     }
 
     impl RegisterTiles for Product {
-        const MR: usize = tile_walk::MR;
-        const NR: usize = tile_walk::NR;
-
         unsafe fn tile(&self, rows: usize, r0: usize, c0: usize, cols: usize) {
             // SAFETY: forwarded (the walk's contract).
             unsafe {

@@ -137,7 +137,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Operands, Order, TileShape};
-    use crate::cpu::tile_walk::{self, RegisterTiles, aligned_head, by_rows, walk};
+    use crate::cpu::tile_walk::{RegisterTiles, aligned_head, by_rows, walk};
 
     /// # Safety
     /// The CPU must support AVX-512 F; `dst` points to `m · n` writable elements (initialised
@@ -196,9 +196,6 @@ mod x86 {
     struct Tiles<'p, const REGS: usize>(&'p Product);
 
     impl RegisterTiles for Tiles<'_, 2> {
-        const MR: usize = tile_walk::MR;
-        const NR: usize = tile_walk::NR;
-
         unsafe fn tile(&self, rows: usize, r0: usize, c0: usize, cols: usize) {
             // SAFETY: forwarded (the walk's contract); AVX-512 F was checked by `matmul`'s
             // caller.

@@ -13,10 +13,10 @@ pub const NR: usize = 32;
 
 /// A kernel that computes one register tile of its output.
 pub trait RegisterTiles {
-    /// Most rows of one tile.
-    const MR: usize;
-    /// Columns of one full tile: the width of a strip of `b`.
-    const NR: usize;
+    /// Most rows of one tile (the tall tile's by default).
+    const MR: usize = MR;
+    /// Columns of one full tile: the width of a strip of `b` (the tall tile's by default).
+    const NR: usize = NR;
 
     /// Computes the `rows × cols` tile whose first element is output `(r0, c0)`.
     ///
