@@ -41,8 +41,9 @@ pub(crate) use by_rows;
 /// first element at `b`) in strips of `nr` columns after which every strip starts on a 64-byte
 /// cache line, so that no load of a full strip's row straddles two lines (measured on Zen 4:
 /// bf16 weights 48 bytes past a line made Qwen3-30B-A3B's bf16 `blockwise_mm` at T = 512 take
-/// 303 ms instead of 198–211). 0 where `b` already starts on a line, where its rows start at different offsets
-/// within their lines (`ldb` not a multiple of a line), or where the output is one strip wide.
+/// 303 ms instead of 198–211). 0 where `b` already starts on a line, where its rows start at
+/// different offsets within their lines (`ldb` not a multiple of a line), or where the output
+/// is one strip wide.
 /// Each output's sum is the same in whichever strip it is computed, so results do not depend
 /// on where the buffers lie.
 pub fn aligned_head<T>(b: *const T, ldb: usize, n: usize, nr: usize) -> usize {
@@ -62,8 +63,9 @@ pub fn aligned_head<T>(b: *const T, ldb: usize, n: usize, nr: usize) -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {
     /// Strips of [`RegisterTiles::NR`] columns outer: a strip of `b` stays in cache while every
-    /// row tile of `a` passes it, so `b` is read from memory once, a strip at a time (the kernels prefetch
-    /// the next strip while they multiply the current one): for weights streamed from memory.
+    /// row tile of `a` passes it, so `b` is read from memory once, a strip at a time (the
+    /// kernels prefetch the next strip while they multiply the current one): for weights
+    /// streamed from memory.
     StripsOuter,
     /// Row tiles outer: a tile's rows of `a` stay in L1 while they meet every strip of `b`,
     /// which the caches must then hold whole: for a `b` the caller has just written (a weight
